@@ -1,0 +1,283 @@
+"""Typed, validated configuration: one pydantic model per section, YAML recipes, `--set a.b=v` overrides.
+
+Every field has a description (shown by `memrl config --help-fields`). Unknown keys and bad values raise
+`ConfigError` naming the key, the value and what is allowed, so a typo never silently becomes a default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_MEMORY_TEMPLATE = (
+    "You are reading a long document one part at a time to answer a question. "
+    "You keep a short memory of what matters.\n\n"
+    "Question: {question}\n\n"
+    "Your memory so far:\n{memory}\n\n"
+    "Next part of the document:\n{chunk}\n\n"
+    "Rewrite your memory: keep what helps answer the question, add what this part contributes, "
+    "drop the rest. Reply with the updated memory only."
+)
+DEFAULT_FINAL_TEMPLATE = (
+    "You have read a long document and kept a memory of it. Answer the question from your memory.\n\n"
+    "Question: {question}\n\n"
+    "Your memory:\n{memory}\n\n"
+    "Put your final answer in \\boxed{}, for example \\boxed{Paris}."
+)
+DEFAULT_NO_MEMORY_TEXT = "No memory yet."
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; the message names the key and what to change."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="Hugging Face model folder or hub id of the policy.")
+    tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; defaults to `path`.")
+    revision: str | None = Field(None, description="Hub revision (commit) to pin when `path` is a hub id.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype; `auto` = bfloat16 on CUDA, float32 on CPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the local model runs.")
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        return self.tokenizer or self.path
+
+
+class DataConfig(Section):
+    dir: str | None = Field(None, description="Prepared data folder (from `memrl prepare-data`).")
+    train_file: str = Field("hotpotqa_train.jsonl", description="Training questions, relative to `dir`.")
+    heldout_file: str = Field("hotpotqa_heldout.jsonl", description="Held-out questions, relative to `dir`.")
+    eval_files: list[str] = Field(default_factory=list, description="Evaluation files, relative to `dir`.")
+    verify_manifest: bool = Field(True, description="Check SHA-256 of every file against its manifest.")
+
+
+class RolloutConfig(Section):
+    chunk_tokens: int = Field(512, gt=0, description="Tokens per document chunk.")
+    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn (and of the memory passed on).")
+    final_tokens: int = Field(64, gt=0, description="Token limit of the final answer turn.")
+    max_chunks: int = Field(4, gt=0, description="At most this many chunks are read; longer documents are truncated.")
+    truncation: Literal["head", "tail", "center"] = Field(
+        "center", description="Which chunks a too-long document keeps: first, last, or first and last halves."
+    )
+    n_samples: int = Field(8, gt=0, description="Trajectories per question (the GRPO group size).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    seed: int = Field(4242, description="Base sampling seed; each request derives its own from it.")
+    enable_thinking: bool = Field(False, description="Passed to the chat template (Qwen3: keep False).")
+    memory_template: str = Field(DEFAULT_MEMORY_TEMPLATE, description="Memory-turn user message; {question} {memory} {chunk}.")
+    final_template: str = Field(DEFAULT_FINAL_TEMPLATE, description="Final-turn user message; {question} {memory}.")
+    no_memory_text: str = Field(DEFAULT_NO_MEMORY_TEXT, description="Memory shown before the first chunk.")
+    engine: Literal["hf", "openai"] = Field("hf", description="`hf`: local transformers model; `openai`: a server.")
+    server_url: str | None = Field(None, description="Base URL of an OpenAI-compatible server (engine=openai).")
+    api_key: str | None = Field(None, description="API key for the server, if it needs one.")
+    max_concurrency: int = Field(64, gt=0, description="Requests in flight at once (client engine).")
+    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generation request.")
+    max_batch_size: int = Field(32, gt=0, description="Local engine: most requests decoded together.")
+    max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in one batch.")
+
+    @model_validator(mode="after")
+    def _templates_have_placeholders(self) -> RolloutConfig:
+        for name, needed in (("memory_template", ("{question}", "{memory}", "{chunk}")),
+                             ("final_template", ("{question}", "{memory}"))):
+            text = getattr(self, name)
+            missing = [p for p in needed if p not in text]
+            if missing:
+                raise ValueError(f"rollout.{name} must contain {', '.join(needed)}; missing {', '.join(missing)}")
+        if "{chunk}" in self.final_template:
+            raise ValueError("rollout.final_template must not contain {chunk}: the final turn sees only question + memory")
+        return self
+
+
+class AlgorithmConfig(Section):
+    credit: Literal["split", "share"] = Field(
+        "split", description="`split`: each of T turns gets advantage/T; `share`: each gets the full advantage."
+    )
+    std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (+eps).")
+    eps: float = Field(1e-6, gt=0, description="Added to the std before dividing.")
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1.")
+    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (clip-higher when > clip_low).")
+    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip bound c > 1 for negative advantages; off if unset.")
+    kl_coef: float = Field(0.001, ge=0, description="Coefficient of the KL penalty to the frozen reference.")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman's k1 or k3).")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "trajectory_mean"] = Field(
+        "token_mean", description="How token losses are averaged."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = logged only).")
+    tis_cap: float | None = Field(None, gt=0, description="Truncated importance weight cap for the rollout/trainer gap; off if unset.")
+
+
+class TrainConfig(Section):
+    num_rollout: int = Field(100, gt=0, description="Rollout steps to run.")
+    rollout_batch_size: int = Field(16, gt=0, description="Questions per rollout step.")
+    num_optimizer_steps: int = Field(1, gt=0, description="Optimizer steps per rollout step (counted in prompt groups).")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    micro_batch_tokens: int = Field(16384, gt=0, description="Token budget of one micro-batch (padded tokens).")
+    dp_size: int = Field(1, gt=0, description="Data-parallel size the rows of a step are split across.")
+    pad_to_dp: bool = Field(False, description="Pad a step's rows to a multiple of dp_size with all-zero-mask rows.")
+    save_interval: int = Field(50, gt=0, description="Save a checkpoint every this many rollout steps (and at the end).")
+    seed: int = Field(1234, description="Seed of data order and trainer RNG.")
+    runtime: Literal["local", "ray"] = Field("local", description="One process (`local`) or Ray workers.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor.")
+
+
+class QueueConfig(Section):
+    train_sample_expansion_factor: int = Field(
+        8, gt=0, description="Most rows one trajectory may expand to; sizes the queue's reserved capacity."
+    )
+    train_data_group_size: int = Field(1, gt=0, description="Rows are handed to training in groups of this size.")
+    timeout_s: float = Field(1800.0, gt=0, description="Longest any wait on the queue may take.")
+
+
+class EvalConfig(Section):
+    limit: int | None = Field(None, gt=0, description="Evaluate only the first N questions.")
+    concurrency: int = Field(64, gt=0, description="Questions evaluated at once.")
+    lengths: list[int] = Field(default_factory=lambda: [50, 200, 800], description="RULER-HQA document counts.")
+
+
+class PluginConfig(Section):
+    generate_function: str = Field(
+        "memrl.memagent.rollout:generate_rollout", description="`module:function` producing a RolloutOutput."
+    )
+    convert_function: str = Field(
+        "memrl.memagent.convert:convert_trajectories", description="`module:function` turning trajectories into rows."
+    )
+    reward_function: str = Field("memrl.memagent.reward:trajectory_reward", description="`module:function` scoring a trajectory.")
+    config_class: str | None = Field(None, description="`module:Class`, a Config subclass with extra sections.")
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    plugins: PluginConfig = Field(default_factory=PluginConfig)
+
+    @model_validator(mode="after")
+    def _expansion_covers_turns(self) -> Config:
+        # A MemAgent trajectory has up to max_chunks memory turns + 1 final turn.
+        needed = self.rollout.max_chunks + 1
+        if self.plugins.convert_function.startswith("memrl.memagent") and self.queue.train_sample_expansion_factor < needed:
+            raise ValueError(
+                f"queue.train_sample_expansion_factor = {self.queue.train_sample_expansion_factor} is below "
+                f"rollout.max_chunks + 1 = {needed}, the most rows one MemAgent trajectory expands to; "
+                f"set it to at least {needed}"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def import_object(spec: str) -> Any:
+    """Load `module:attr` (also `module.attr`); a clear error when either part is missing."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"'{spec}' is not an import path; write it as 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import module '{module_name}' of '{spec}': {e}") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError as e:
+        raise ConfigError(f"module '{module_name}' has no '{attr}' (from '{spec}')") from e
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML: {e}") from e
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{part}' is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _describe_error(cls: type[BaseModel], err: dict[str, Any]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc) or "<root>"
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(cls, loc[:-1])
+        hint = difflib.get_close_matches(loc[-1], allowed, n=1)
+        msg = f"unknown key '{key}'"
+        if hint:
+            msg += f" (did you mean '{'.'.join(loc[:-1] + [hint[0]])}'?)"
+        return msg + f"; allowed here: {', '.join(allowed)}"
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) else f" = {value!r}"
+    return f"{key}{shown}: {err['msg']}"
+
+
+def _allowed_keys(cls: type[BaseModel], loc: list[str]) -> list[str]:
+    model: Any = cls
+    for part in loc:
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            return []
+        model = field.annotation
+    return sorted(model.model_fields) if hasattr(model, "model_fields") else []
+
+
+def config_from_dict(raw: dict[str, Any], config_class: type[Config] | None = None) -> Config:
+    if config_class is None:
+        spec = (raw.get("plugins") or {}).get("config_class") if isinstance(raw.get("plugins"), dict) else None
+        config_class = import_object(spec) if spec else Config
+        if not (isinstance(config_class, type) and issubclass(config_class, Config)):
+            raise ConfigError(f"plugins.config_class '{spec}' must be a subclass of memrl.config.Config")
+    try:
+        return config_class.model_validate(raw)
+    except ValidationError as e:
+        lines = [_describe_error(config_class, err) for err in e.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                config_class: type[Config] | None = None) -> Config:
+    """Read a YAML recipe (or start from defaults), apply `a.b=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"recipe '{p}' does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe '{p}' is not valid YAML: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"recipe '{p}' must be a mapping of sections, got {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or [])
+    return config_from_dict(raw, config_class)

@@ -1,0 +1,120 @@
+"""Record types, one per stage of a rollout step.
+
+    Turn        one generation request and exactly what was sampled (token ids in and out)
+    Trajectory  one sample for one question: memory turns, then one final turn
+    TrainRow    one training row: a turn expanded with its share of the trajectory's advantage
+    RolloutOutput  what a generate step hands to training, with the exact row count it will expand to
+
+Invariants (checked by `memrl.rl.validate`, relied on everywhere else):
+- `Turn.tokens == prompt_ids + response_ids`; `rollout_log_probs` and `loss_mask` hold one value per
+  response token; `response_length <= max_tokens` (the turn kind's own limit).
+- A trajectory's turns are indexed 0..T-1: zero or more `memory` turns, then exactly one `final` turn.
+- `TrainRow.loss_mask` and `rollout_log_probs` align with the response, i.e. `tokens[-response_length:]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+TurnKind = Literal["memory", "final"]
+FinishReason = Literal["stop", "length", "error"]
+TrajectoryStatus = Literal["complete", "truncated", "failed"]
+
+# `complete`: the final answer ended on a stop token. `truncated`: it hit its token limit (still a valid
+# sample; the scorer gives it whatever its text earns, normally 0). `failed`: a generation error; such a
+# trajectory carries no usable tokens and is never trained on.
+TRAINABLE_STATUSES: tuple[str, ...] = ("complete", "truncated")
+
+
+@dataclass
+class Turn:
+    index: int
+    kind: TurnKind
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_log_probs: list[float]
+    loss_mask: list[int]
+    finish_reason: FinishReason
+    max_tokens: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Turn:
+        return cls(**d)
+
+
+@dataclass
+class Trajectory:
+    trajectory_id: str
+    group_id: str
+    sample_index: int
+    turns: list[Turn]
+    status: TrajectoryStatus = "complete"
+    reward: float | None = None
+    answer: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        d["turns"] = [Turn.from_dict(t) for t in d.get("turns", [])]
+        return cls(**d)
+
+
+@dataclass
+class TrainRow:
+    tokens: list[int]
+    response_length: int
+    loss_mask: list[int]
+    rollout_log_probs: list[float]
+    advantage: float
+    group_id: str
+    trajectory_id: str
+    turn_index: int
+    rollout_id: int
+    is_padding: bool = False
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainRow:
+        return cls(**d)
+
+
+@dataclass
+class RolloutOutput:
+    """What `generate_function` returns for one rollout step.
+
+    `train_row_count` is the exact number of rows the converter will produce (None on a plain 1:1
+    rollout, where it equals the number of trajectories).
+    """
+
+    trajectories: list[Trajectory]
+    metrics: dict[str, float] = field(default_factory=dict)
+    train_row_count: int | None = None
