@@ -111,10 +111,12 @@ class TrainRow:
 class RolloutOutput:
     """What `generate_function` returns for one rollout step.
 
-    `train_row_count` is the exact number of rows the converter will produce (None on a plain 1:1
-    rollout, where it equals the number of trajectories).
+    `train_row_count` is the exact number of rows the converter will produce from `trajectories` (None on
+    a plain 1:1 rollout, where it equals the number of trajectories).
     """
 
     trajectories: list[Trajectory]
     metrics: dict[str, float] = field(default_factory=dict)
     train_row_count: int | None = None
+    # Trajectories left out of training (a failed generation in their group), kept for logs.
+    dropped: list[Trajectory] = field(default_factory=list)
