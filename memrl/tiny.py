@@ -9,8 +9,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+
+class TinyModelError(ValueError):
+    """Tiny-model arguments that cannot work; the message says which to change."""
+
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -76,3 +88,103 @@ def save_tiny_tokenizer(out: str | Path, **kwargs) -> PreTrainedTokenizerFast:
     tok = build_tiny_tokenizer(**kwargs)
     tok.save_pretrained(str(out))
     return tok
+
+
+def build_tiny_model(
+    vocab_size: int,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 causal LM (float32, eval mode), identical for identical arguments.
+
+    Tied input/output embeddings and `head_dim = hidden // heads`; the defaults give a few hundred
+    thousand parameters with the tiny tokenizer. `hidden` must divide by `heads` and `heads` by `kv_heads`.
+    """
+    if vocab_size <= 0:
+        raise TinyModelError(f"vocab_size must be > 0, got {vocab_size}")
+    if min(layers, hidden, heads, kv_heads, intermediate) <= 0:
+        raise TinyModelError("layers, hidden, heads, kv_heads and intermediate must all be > 0")
+    if hidden % heads:
+        raise TinyModelError(f"hidden ({hidden}) must be a multiple of heads ({heads}); change one of them")
+    if heads % kv_heads:
+        raise TinyModelError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}); change one of them")
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+    # Seed only a private RNG scope: building a model must not move the caller's global torch RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    return model.float().eval()
+
+
+def save_tiny_model(
+    out: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    seed: int = 0,
+    words: list[str] | None = None,
+) -> Path:
+    """Write a Hugging Face model folder (weights, config, tokenizer with chat template) to `out`.
+
+    The tokenizer is `tokenizer_dir` when given (its own chat template is kept; the Qwen-style one is
+    added only when it has none), else `build_tiny_tokenizer(words)`. The folder loads with
+    `AutoModelForCausalLM` / `AutoTokenizer` and with every memrl command. Returns `out` as a Path.
+    """
+    out = Path(out)
+    if tokenizer_dir is not None:
+        if not Path(tokenizer_dir).is_dir():
+            raise TinyModelError(f"tokenizer folder {tokenizer_dir} does not exist; pass a folder with tokenizer.json")
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = QWEN_STYLE_CHAT_TEMPLATE
+    else:
+        tokenizer = build_tiny_tokenizer(words=words)
+    model = build_tiny_model(
+        len(tokenizer),  # len() counts added special tokens, which vocab_size may not
+        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, seed=seed,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def make_tiny_model_command(
+    out: Path,
+    tokenizer: Path | None = None,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    seed: int = 0,
+) -> None:
+    """Write a random-initialised tiny Qwen3 model folder to OUT (for tests and the CPU demo)."""
+    path = save_tiny_model(out, tokenizer_dir=tokenizer, layers=layers, hidden=hidden, heads=heads,
+                           kv_heads=kv_heads, intermediate=intermediate, seed=seed)
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(path)).parameters())
+    print(f"wrote {path} ({n_params:,} parameters, {layers} layers, hidden {hidden})")

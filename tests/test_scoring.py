@@ -6,7 +6,6 @@ import dataclasses
 import json
 import re
 import string
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -236,13 +235,13 @@ def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
 
 
-def test_extract_boxed_is_linear_on_pathological_input():
-    # Many unclosed boxes: a naive "scan to the end for each box" would be quadratic here.
+@pytest.mark.timeout(60)
+def test_extract_boxed_handles_pathological_input():
+    # Many unclosed boxes: a naive "scan to the end for each box" would be quadratic here (hours, so the
+    # timeout fails it); the linear scan takes milliseconds. No timing assertion: speed lives in bench/.
     text = "\\boxed{" * 200_000 + r"\boxed{ok}"
-    start = time.perf_counter()
     assert extract_boxed(text) == "ok"
     assert extract_boxed("\\boxed{" * 200_000) is None
-    assert time.perf_counter() - start < 5.0
 
 
 # --- score_answer / reward ---------------------------------------------------------------------------
