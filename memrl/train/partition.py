@@ -1,0 +1,111 @@
+"""Pure scheduling of a rollout step's rows: optimizer steps, data-parallel ranks, micro-batches.
+
+Invariants (asserted by tests/train/test_partition.py):
+- every real row lands in exactly one (optimizer step, rank, micro-batch); padding rows have an all-zero
+  loss mask and `is_padding=True`, and are never copies of real rows;
+- the rows of one prompt group (`group_id`) stay in one optimizer step;
+- every rank of an optimizer step gets the same number of rows (divisibility is checked, or padded when
+  `pad_to_dp` is set), and rows are balanced across ranks by token count;
+- a micro-batch holds at most `micro_batch_tokens` padded tokens (rows sorted by length), except a
+  single row longer than the budget, which runs alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from memrl.types import TrainRow
+
+
+class PartitionError(ValueError):
+    """Rows that cannot be split as configured; the message names the numbers to change."""
+
+
+def padding_row(pad_token_id: int, rollout_id: int) -> TrainRow:
+    """A row that trains nothing: two tokens, an all-zero loss mask, marked as padding."""
+    return TrainRow(tokens=[pad_token_id, pad_token_id], response_length=1, loss_mask=[0], rollout_log_probs=[0.0],
+                    advantage=0.0, group_id="__padding__", trajectory_id="__padding__", turn_index=0,
+                    rollout_id=rollout_id, is_padding=True)
+
+
+def split_optimizer_steps(rows: Sequence[TrainRow], num_steps: int) -> list[list[TrainRow]]:
+    """Cut rows into `num_steps` optimizer steps of whole prompt groups, balanced by group count.
+
+    Steps are counted in prompt groups, never rows, so more turns never mean more optimizer steps
+    (PITFALLS: the learning-rate schedule must not speed up with longer documents).
+    """
+    groups: dict[str, list[TrainRow]] = {}
+    for row in rows:
+        groups.setdefault(row.group_id, []).append(row)
+    if num_steps > len(groups):
+        raise PartitionError(
+            f"train.num_optimizer_steps = {num_steps} is more than the {len(groups)} prompt groups of this step; "
+            f"lower train.num_optimizer_steps or raise train.rollout_batch_size"
+        )
+    ordered = list(groups.values())
+    steps: list[list[TrainRow]] = []
+    for k in range(num_steps):
+        lo, hi = k * len(ordered) // num_steps, (k + 1) * len(ordered) // num_steps
+        steps.append([r for g in ordered[lo:hi] for r in g])
+    return steps
+
+
+def split_ranks(rows: Sequence[TrainRow], dp_size: int, pad_to_dp: bool, pad_token_id: int,
+                rollout_id: int) -> list[list[TrainRow]]:
+    """Deal one optimizer step's rows to `dp_size` ranks: equal row counts, balanced token counts."""
+    rows = list(rows)
+    remainder = len(rows) % dp_size
+    if remainder:
+        if not pad_to_dp:
+            up = len(rows) + dp_size - remainder
+            raise PartitionError(
+                f"{len(rows)} rows in an optimizer step do not divide by train.dp_size = {dp_size}; set "
+                f"train.pad_to_dp=true to add {dp_size - remainder} all-zero-loss padding rows (to {up}), or change "
+                f"train.dp_size, rollout.n_samples or train.rollout_batch_size so the row count divides"
+            )
+        rows += [padding_row(pad_token_id, rollout_id) for _ in range(dp_size - remainder)]
+    per_rank = len(rows) // dp_size
+    # Longest-first greedy onto the least-loaded rank that still has room: near-equal token loads.
+    heap = [(0, rank) for rank in range(dp_size)]
+    ranks: list[list[TrainRow]] = [[] for _ in range(dp_size)]
+    for row in sorted(rows, key=lambda r: len(r.tokens), reverse=True):
+        skipped = []
+        load, rank = heapq.heappop(heap)
+        while len(ranks[rank]) >= per_rank:
+            skipped.append((load, rank))
+            load, rank = heapq.heappop(heap)
+        ranks[rank].append(row)
+        heapq.heappush(heap, (load + len(row.tokens), rank))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return ranks
+
+
+def micro_batches(rows: Sequence[TrainRow], micro_batch_tokens: int) -> list[list[TrainRow]]:
+    """Length-sorted micro-batches whose padded size (rows x longest row) stays within the budget."""
+    batches: list[list[TrainRow]] = []
+    current: list[TrainRow] = []
+    for row in sorted(rows, key=lambda r: len(r.tokens)):
+        longest = max(len(row.tokens), max((len(r.tokens) for r in current), default=0))
+        if current and longest * (len(current) + 1) > micro_batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(row)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def equalize_micro_batch_counts(per_rank: list[list[list[TrainRow]]], pad_token_id: int,
+                                rollout_id: int) -> list[list[list[TrainRow]]]:
+    """Give every rank the same number of micro-batches (collectives must match), padding with empty work."""
+    most = max((len(b) for b in per_rank), default=0)
+    return [b + [[padding_row(pad_token_id, rollout_id)] for _ in range(most - len(b))] for b in per_rank]
+
+
+def padding_fraction(batches: Sequence[Sequence[TrainRow]]) -> float:
+    """Share of processed (padded) tokens that are padding."""
+    real = sum(len(r.tokens) for b in batches for r in b if not r.is_padding)
+    padded = sum(max(len(r.tokens) for r in b) * len(b) for b in batches if b)
+    return 1.0 - real / padded if padded else 0.0
