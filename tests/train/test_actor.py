@@ -10,7 +10,7 @@ from memrl.train.partition import PartitionError
 from memrl.types import TrainRow
 
 VOCAB = 64
-pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\(\)` has been overridden")
+pytestmark = pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
 
 
 def tiny_model(seed=0):

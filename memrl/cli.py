@@ -1,0 +1,130 @@
+"""`memrl`: the command line. Each command is a thin wrapper over a library function."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="memrl: train and evaluate MemAgent-style long-document readers with RL.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+
+SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a config value: section.key=value.")]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(
+    out: Annotated[Path, typer.Argument(help="Folder to write.")],
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder to use instead of the built-in one.")] = None,
+    layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0,
+) -> None:
+    """Write a random-initialised tiny Qwen3 model folder (for tests and the CPU demo)."""
+    from memrl.tiny import make_tiny_model_command
+
+    make_tiny_model_command(out, tokenizer, layers, hidden, heads, kv_heads, intermediate, seed)
+
+
+@app.command()
+def train(
+    recipe: Annotated[Path | None, typer.Option(help="YAML recipe (e.g. recipes/qwen3-0.6b-hotpotqa.yaml).")] = None,
+    run_root: Annotated[Path, typer.Option(help="Folder for logs, checkpoints, TensorBoard.")] = Path("runs/train"),
+    set_: SetOption = None,
+    load: Annotated[Path | None, typer.Option(help="Checkpoint (iter_XXXXXXX, or a run root) to resume from.")] = None,
+    start_rollout_id: Annotated[int | None, typer.Option(help="First rollout id (default: after the checkpoint).")] = None,
+    save_rollouts: Annotated[bool, typer.Option(help="Keep raw trajectories per rollout (debug replay input).")] = False,
+    replay_rollouts: Annotated[Path | None, typer.Option(help="Train from saved raw rollouts, no generation.")] = None,
+    runtime: Annotated[str | None, typer.Option(help="local (default) or ray.")] = None,
+    progress: Annotated[bool, typer.Option(help="Progress bars.")] = True,
+) -> None:
+    """Train a MemAgent policy with GRPO (one row per turn)."""
+    from memrl.config import ConfigError, load_config
+    from memrl.train.controller import TrainingError, TrainOptions
+    from memrl.train.controller import train as run_train
+
+    overrides = list(set_ or []) + ([f"train.runtime={runtime}"] if runtime else [])
+    try:
+        cfg = load_config(recipe, overrides)
+        if cfg.train.runtime == "ray":
+            _fail("train.runtime = 'ray' is not available yet; use the default local runtime")
+        history = run_train(cfg, TrainOptions(run_root=run_root, load=load, start_rollout_id=start_rollout_id,
+                                              save_rollouts=save_rollouts, replay_rollouts=replay_rollouts,
+                                              progress=progress))
+    except (ConfigError, TrainingError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        typer.secho("interrupted: completed steps are logged; resume with --load", err=True)
+        raise typer.Exit(130) from None
+    if history:
+        last = history[-1]
+        typer.echo(f"done: {len(history)} steps, last reward {last.get('reward/mean', float('nan')):.3f}, "
+                   f"rows saved/transferred/consumed {int(last['rows/saved'])}/{int(last['rows/transferred'])}/"
+                   f"{int(last['rows/consumed'])}; logs in {run_root}")
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option(help="Model folder (Hugging Face format).")],
+    port: int = 8000,
+    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+    api_key: Annotated[str | None, typer.Option(help="Require this bearer key (or set MEMRL_API_KEY).")] = None,
+    device: str = "auto", dtype: str = "auto",
+) -> None:
+    """Serve a local model over an OpenAI-compatible completions API (token ids in and out, log-probs)."""
+    from memrl.engines.server import serve_command
+
+    serve_command(model, port=port, host=host, api_key=api_key, device=device, dtype=dtype)
+
+
+@app.command("convert-to-hf")
+def convert_to_hf(
+    ckpt: Annotated[Path, typer.Argument(help="Checkpoint folder iter_XXXXXXX (or a run root: latest).")],
+    out: Annotated[Path, typer.Argument(help="Output Hugging Face model folder.")],
+) -> None:
+    """Export a training checkpoint as a plain Hugging Face model folder."""
+    from memrl.train.checkpoint import CheckpointError, convert_to_hf_command
+
+    try:
+        path = convert_to_hf_command(ckpt, out)
+    except CheckpointError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {path}")
+
+
+@app.command()
+def report(run_root: Annotated[Path, typer.Argument(help="A training run root.")]) -> None:
+    """Write PNG plots (reward, KL, log-prob gap, lengths) and a markdown summary of a run."""
+    from memrl.train.report import ReportError, report_command
+
+    try:
+        paths = report_command(run_root)
+    except ReportError as e:
+        _fail(str(e))
+    for p in paths:
+        typer.echo(str(p))
+
+
+def _register_optional() -> None:
+    from memrl.data.prepare import register as register_prepare
+
+    register_prepare(app)
+
+
+_register_optional()
+
+
+def main() -> None:
+    try:
+        app()
+    except BrokenPipeError:  # `memrl ... | head`
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

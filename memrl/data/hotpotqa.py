@@ -1,0 +1,292 @@
+"""HotpotQA (distractor): parse, build per-question contexts, choose held-out and training ids.
+
+Sources: the hub dataset `hotpotqa/hotpot_qa` ("distractor") at a pinned revision, via `datasets`
+(imported lazily), or a local copy of the official JSON. Both parse to `HotpotExample`.
+
+Context of a question (invariants, tested):
+- each paragraph is one document `title + "\\n" + "".join(sentences)`;
+- the question's own paragraphs are shuffled with `random.Random(question_seed(seed, id))`, so every
+  question gets its own order (one global shuffle would pin gold paragraphs to the same positions);
+- documents are numbered `Document i:` (1-based) and joined by blank lines;
+- `gold_positions` are the 1-based numbers of the documents whose title is a supporting-fact title.
+
+Id lists: the held-out ids are drawn first, by seed, from all ids (never from any model's answers);
+training ids come from the rest, by seed or by Pass@k counts (`select_by_pass_counts`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from memrl.data.records import DataError, QuestionRecord, require_module
+
+HOTPOTQA_REPO = "hotpotqa/hotpot_qa"
+HOTPOTQA_CONFIG = "distractor"
+HOTPOTQA_REVISION = "1908d6afbbead072334abe2965f91bd2709910ab"
+
+
+class SelectionError(ValueError):
+    """Id selection cannot be done as asked (too few ids, bad pass counts); the message says what to change."""
+
+
+@dataclass(frozen=True)
+class HotpotExample:
+    id: str
+    question: str
+    answer: str
+    type: str
+    level: str
+    supporting_facts: tuple[tuple[str, int], ...]
+    paragraphs: tuple[tuple[str, tuple[str, ...]], ...]  # (title, sentences), in source order
+
+    @property
+    def gold_titles(self) -> set[str]:
+        return {title for title, _ in self.supporting_facts}
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+def _text_field(raw: dict, name: str, source: Any, index: int, record_id: Any, optional: bool = False) -> str:
+    value = raw.get(name, "" if optional else None)
+    if not isinstance(value, str) or (not optional and name in ("question", "answer") and not value.strip()):
+        raise DataError(source, f"must be a non-empty string, got {value!r}"[:200], index, record_id, name)
+    return value
+
+
+def _paragraph(title: Any, sentences: Any, source: Any, index: int, record_id: Any, pos: int):
+    if not isinstance(title, str) or not isinstance(sentences, list | tuple) or \
+            not all(isinstance(s, str) for s in sentences):
+        raise DataError(source, f"paragraph {pos} must be a title string and a list of sentence strings",
+                        index, record_id, "context")
+    return title, tuple(sentences)
+
+
+def _fact(title: Any, sent_id: Any, source: Any, index: int, record_id: Any, pos: int) -> tuple[str, int]:
+    if not isinstance(title, str) or not isinstance(sent_id, int) or isinstance(sent_id, bool):
+        raise DataError(source, f"fact {pos} must be (title string, sentence index), got {[title, sent_id]!r}",
+                        index, record_id, "supporting_facts")
+    return title, sent_id
+
+
+def parse_official_record(raw: Any, source: Any, index: int) -> HotpotExample:
+    """One record of the official JSON: {_id, question, answer, supporting_facts:[[title, sent_id]...],
+    context:[[title, [sentence...]]...], type, level}."""
+    if not isinstance(raw, dict):
+        raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
+    record_id = raw.get("_id")
+    if not isinstance(record_id, str) or not record_id:
+        raise DataError(source, f"must be a non-empty string, got {record_id!r}", index, record_id, "_id")
+    context, facts = raw.get("context"), raw.get("supporting_facts")
+    if not isinstance(context, list) or not context:
+        raise DataError(source, "must be a non-empty list of [title, sentences]", index, record_id, "context")
+    if not isinstance(facts, list):
+        raise DataError(source, "must be a list of [title, sentence index]", index, record_id, "supporting_facts")
+    paragraphs = []
+    for pos, item in enumerate(context):
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            raise DataError(source, f"paragraph {pos} must be [title, sentences]", index, record_id, "context")
+        paragraphs.append(_paragraph(item[0], item[1], source, index, record_id, pos))
+    parsed_facts = []
+    for pos, item in enumerate(facts):
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            raise DataError(source, f"fact {pos} must be [title, sentence index]", index, record_id, "supporting_facts")
+        parsed_facts.append(_fact(item[0], item[1], source, index, record_id, pos))
+    return HotpotExample(
+        id=record_id, question=_text_field(raw, "question", source, index, record_id),
+        answer=_text_field(raw, "answer", source, index, record_id),
+        type=_text_field(raw, "type", source, index, record_id, optional=True),
+        level=_text_field(raw, "level", source, index, record_id, optional=True),
+        supporting_facts=tuple(parsed_facts), paragraphs=tuple(paragraphs))
+
+
+def parse_hub_record(raw: Any, source: Any, index: int) -> HotpotExample:
+    """One row of the hub dataset: {id, question, answer, type, level,
+    supporting_facts:{title:[...], sent_id:[...]}, context:{title:[...], sentences:[[...]...]}}."""
+    if not isinstance(raw, dict):
+        raise DataError(source, f"expected an object, got {type(raw).__name__}", index)
+    record_id = raw.get("id")
+    if not isinstance(record_id, str) or not record_id:
+        raise DataError(source, f"must be a non-empty string, got {record_id!r}", index, record_id, "id")
+    context, facts = raw.get("context"), raw.get("supporting_facts")
+    if not isinstance(context, dict) or not isinstance(context.get("title"), list) \
+            or not isinstance(context.get("sentences"), list) \
+            or len(context["title"]) != len(context["sentences"]) or not context["title"]:
+        raise DataError(source, "must be {title: [...], sentences: [[...]...]} of equal, non-zero lengths",
+                        index, record_id, "context")
+    if not isinstance(facts, dict) or not isinstance(facts.get("title"), list) \
+            or not isinstance(facts.get("sent_id"), list) or len(facts["title"]) != len(facts["sent_id"]):
+        raise DataError(source, "must be {title: [...], sent_id: [...]} of equal lengths",
+                        index, record_id, "supporting_facts")
+    paragraphs = tuple(_paragraph(t, s, source, index, record_id, pos)
+                       for pos, (t, s) in enumerate(zip(context["title"], context["sentences"], strict=True)))
+    parsed_facts = tuple(_fact(t, s, source, index, record_id, pos)
+                         for pos, (t, s) in enumerate(zip(facts["title"], facts["sent_id"], strict=True)))
+    return HotpotExample(
+        id=record_id, question=_text_field(raw, "question", source, index, record_id),
+        answer=_text_field(raw, "answer", source, index, record_id),
+        type=_text_field(raw, "type", source, index, record_id, optional=True),
+        level=_text_field(raw, "level", source, index, record_id, optional=True),
+        supporting_facts=parsed_facts, paragraphs=paragraphs)
+
+
+def parse_hotpot_record(raw: Any, source: Any, index: int) -> HotpotExample:
+    """Either format: official records carry `_id`, hub rows carry `id` and dict-shaped context."""
+    if isinstance(raw, dict) and "_id" not in raw and "id" in raw:
+        return parse_hub_record(raw, source, index)
+    return parse_official_record(raw, source, index)
+
+
+def parse_hotpot_records(rows: Iterable[Any], source: Any, total: int | None = None) -> list[HotpotExample]:
+    """Parse rows of either format; duplicate ids are a `DataError` (id lists must be unambiguous)."""
+    examples: list[HotpotExample] = []
+    seen: dict[str, int] = {}
+    for index, raw in enumerate(tqdm(rows, total=total, desc="parse hotpotqa", unit="q", leave=False,
+                                     disable=total is not None and total < 5000)):
+        example = parse_hotpot_record(raw, source, index)
+        if example.id in seen:
+            raise DataError(source, f"duplicate id, first seen at record {seen[example.id]}", index, example.id, "id")
+        seen[example.id] = index
+        examples.append(example)
+    return examples
+
+
+def load_hotpotqa_file(path: str | Path) -> list[HotpotExample]:
+    """A local copy: the official JSON list (or a JSON list / JSONL of hub-format rows)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(path, "file does not exist; pass the official HotpotQA JSON (e.g. hotpot_train_v1.1.json)")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        try:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise DataError(path, f"not valid JSONL: {e}") from e
+    else:
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(path, f"not valid JSON: {e}") from e
+    if not isinstance(rows, list):
+        raise DataError(path, f"expected a JSON list of question records, got {type(rows).__name__}")
+    return parse_hotpot_records(rows, path, total=len(rows))
+
+
+def load_hotpotqa_hub(split: str = "train", revision: str = HOTPOTQA_REVISION,
+                      cache_dir: str | None = None) -> list[HotpotExample]:
+    """Download (or reuse the cache of) the pinned hub dataset; needs the optional `datasets` package."""
+    datasets = require_module("datasets", "downloading HotpotQA from the hub", "hub")
+    rows = datasets.load_dataset(HOTPOTQA_REPO, HOTPOTQA_CONFIG, split=split, revision=revision,
+                                 cache_dir=cache_dir)
+    return parse_hotpot_records(rows, f"hub:{HOTPOTQA_REPO}@{revision}[{split}]", total=len(rows))
+
+
+# ---------------------------------------------------------------------------------------------- contexts
+
+def derived_seed(seed: int, tag: str) -> int:
+    """A 64-bit seed from a base seed and a tag (a question id, "heldout", ...), stable across runs and
+    Python versions (unlike hash())."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{tag}".encode()).digest()[:8], "big")
+
+
+def paragraph_document(title: str, sentences: Sequence[str]) -> str:
+    return title + "\n" + "".join(sentences)
+
+
+def format_documents(documents: Sequence[str]) -> str:
+    """`Document 1:\\n{doc}\\n\\nDocument 2:\\n{doc}...` (the RULER-HQA layout)."""
+    return "\n\n".join(f"Document {i}:\n{doc}" for i, doc in enumerate(documents, start=1))
+
+
+def shuffled_context(example: HotpotExample, seed: int) -> tuple[str, list[int]]:
+    """The question's own paragraphs in a per-question seeded order; returns (context, gold_positions)."""
+    order = list(range(len(example.paragraphs)))
+    random.Random(derived_seed(seed, example.id)).shuffle(order)
+    paragraphs = [example.paragraphs[i] for i in order]
+    gold = example.gold_titles
+    positions = [pos for pos, (title, _) in enumerate(paragraphs, start=1) if title in gold]
+    return format_documents([paragraph_document(t, s) for t, s in paragraphs]), positions
+
+
+def to_question_record(example: HotpotExample, seed: int) -> QuestionRecord:
+    context, gold_positions = shuffled_context(example, seed)
+    return QuestionRecord(
+        id=example.id, question=example.question, answers=[example.answer], context=context,
+        metadata={"source": "hotpotqa", "type": example.type, "level": example.level,
+                  "num_docs": len(example.paragraphs), "gold_positions": gold_positions,
+                  "seed": seed, "shuffle_seed": derived_seed(seed, example.id),
+                  "supporting_facts": [list(f) for f in example.supporting_facts]})
+
+
+# ---------------------------------------------------------------------------------------------- id lists
+
+def select_heldout(all_ids: Iterable[str], num: int, seed: int) -> list[str]:
+    """`num` ids drawn by seed from all ids (sorted first, so the input order does not matter)."""
+    pool = sorted(set(all_ids))
+    if num > len(pool):
+        raise SelectionError(f"asked for {num} held-out ids but the data has only {len(pool)} questions; "
+                             f"lower --num-heldout")
+    return random.Random(derived_seed(seed, "heldout")).sample(pool, num)
+
+
+def select_by_seed(candidates: Iterable[str], num: int, seed: int) -> list[str]:
+    """`num` training ids drawn by seed from `candidates`, in the drawn (frozen) order."""
+    pool = sorted(set(candidates))
+    if num > len(pool):
+        raise SelectionError(f"asked for {num} training ids but only {len(pool)} questions remain after the "
+                             f"held-out set; lower --num-train or --num-heldout")
+    return random.Random(derived_seed(seed, "train")).sample(pool, num)
+
+
+def select_by_pass_counts(pass_counts: dict[str, int], k: int, num: int, *, seed: int | None = None) -> list[str]:
+    """Ids whose pass count c satisfies 0 < c < k (neither always nor never solved), `num` of them.
+
+    Pure. Eligible ids keep the order of `pass_counts` (the candidate order), or are shuffled by `seed`
+    when one is given; the first `num` are returned. Counts must be integers in [0, k].
+    """
+    if k < 2:
+        raise SelectionError(f"pass-k = {k}: with k < 2 no question is solved strictly between 0 and k times")
+    for qid, count in pass_counts.items():
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= k:
+            raise SelectionError(f"pass count of {qid!r} is {count!r}; counts must be integers in [0, {k}] "
+                                 f"(is --pass-k right?)")
+    eligible = [qid for qid, count in pass_counts.items() if 0 < count < k]
+    if len(eligible) < num:
+        raise SelectionError(f"only {len(eligible)} of {len(pass_counts)} candidates have 0 < passes < {k}; "
+                             f"need {num}: lower --num-train or run Pass@{k} over more candidates")
+    if seed is not None:
+        random.Random(derived_seed(seed, "pass-train")).shuffle(eligible)
+    return eligible[:num]
+
+
+def read_pass_counts(path: str | Path, k: int | None = None) -> tuple[dict[str, int], int | None]:
+    """Read `{id: count}` or `{"k": k, "pass_counts": {id: count}}` (our own recorded form).
+
+    Returns (counts, k recorded in the file or None). A k in the file that differs from `k` is an error.
+    """
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(path, f"cannot read pass counts: {e}") from e
+    file_k = None
+    if isinstance(raw, dict) and isinstance(raw.get("pass_counts"), dict):
+        file_k = raw.get("k")
+        raw = raw["pass_counts"]
+    if not isinstance(raw, dict):
+        raise DataError(path, "pass counts must be a JSON object {question id: number of passes}")
+    if k is not None and file_k is not None and file_k != k:
+        raise DataError(path, f"the file records k = {file_k} but --pass-k is {k}; pass --pass-k {file_k}")
+    return dict(raw), file_k
+
+
+def read_id_list(path: str | Path) -> list[str]:
+    """One id per line (our `train_ids.txt` / `heldout_ids.txt`)."""
+    return [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,0 +1,136 @@
+"""SHA-256 manifests for prepared data, and atomic file writes.
+
+Every folder that `memrl prepare-data` writes holds a `manifest.json`:
+
+    {"files": {"<relative path>": {"sha256": "...", "bytes": 123, "records": 60}, ...},
+     "created_by": "memrl prepare-data hotpotqa", "args": {...}, "history": [...]}
+
+Invariants:
+- Paths in the manifest are relative to its folder, in POSIX form.
+- A file is written to a temporary sibling and moved into place with `os.replace`, so a reader never
+  sees half a file; the manifest is written last, after every file it lists.
+- `verify_manifest` recomputes size and SHA-256 of each listed file and raises `ManifestError` naming
+  the first file that is missing or changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+_HASH_BLOCK = 1 << 20
+
+
+class ManifestError(ValueError):
+    """A prepared file is missing, changed, or not listed in its folder's manifest."""
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks (prepared files can be hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` via a temporary file in the same folder + `os.replace` (atomic on POSIX)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A unique sibling opened with "xb" (not mkstemp, whose 0600 mode would stick to the final file).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Path:
+    """Deterministic JSON (UTF-8, keys in insertion order, trailing newline) written atomically."""
+    return atomic_write_text(path, json.dumps(obj, ensure_ascii=False, indent=indent) + "\n")
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    """The parsed manifest of `folder`; `ManifestError` when it is missing or malformed."""
+    path = Path(folder) / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(f"no {MANIFEST_NAME} in '{folder}'; prepare the data with `memrl prepare-data`")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"'{path}' is not valid JSON ({e}); re-run `memrl prepare-data`") from e
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ManifestError(f"'{path}' has no 'files' mapping; re-run `memrl prepare-data`")
+    return manifest
+
+
+def write_manifest(folder: str | Path, records: dict[str, int | None], created_by: str,
+                   args: dict[str, Any]) -> Path:
+    """Hash the files named in `records` (relative path -> record count or None) and write the manifest.
+
+    Entries of an existing manifest for other files that still exist are kept (two commands may write
+    into one folder); the previous `created_by`/`args` move into `history`.
+    """
+    folder = Path(folder)
+    previous: dict[str, Any] = {}
+    if (folder / MANIFEST_NAME).is_file():
+        try:
+            previous = read_manifest(folder)
+        except ManifestError:
+            previous = {}  # a broken manifest is replaced wholesale; its files are re-listed below if named
+    files: dict[str, Any] = {
+        name: entry for name, entry in previous.get("files", {}).items()
+        if name not in records and (folder / name).is_file()
+    }
+    for name, count in records.items():
+        path = folder / name
+        if not path.is_file():
+            raise ManifestError(f"cannot list '{path}' in the manifest: the file does not exist")
+        files[Path(name).as_posix()] = {"sha256": sha256_file(path), "bytes": path.stat().st_size,
+                                        "records": count}
+    history = list(previous.get("history", []))
+    if previous.get("created_by"):
+        history.append({"created_by": previous["created_by"], "args": previous.get("args", {})})
+    manifest = {"files": dict(sorted(files.items())), "created_by": created_by, "args": args,
+                "history": history}
+    return atomic_write_json(folder / MANIFEST_NAME, manifest)
+
+
+def verify_manifest(folder: str | Path, files: list[str] | None = None) -> dict[str, Any]:
+    """Check size and SHA-256 of `files` (relative to `folder`; default: every listed file).
+
+    Returns the manifest. Raises `ManifestError` naming the file that is missing, unlisted or changed.
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    listed: dict[str, Any] = manifest["files"]
+    names = list(listed) if files is None else [Path(f).as_posix() for f in files]
+    for name in names:
+        entry = listed.get(name)
+        path = folder / name
+        if entry is None:
+            raise ManifestError(f"'{path}' is not listed in '{folder / MANIFEST_NAME}'; "
+                                f"prepare it with `memrl prepare-data` (or pass verify=False)")
+        if not path.is_file():
+            raise ManifestError(f"'{path}' is listed in the manifest but missing; re-run `memrl prepare-data`")
+        size = path.stat().st_size
+        if size != entry.get("bytes") or sha256_file(path) != entry.get("sha256"):
+            raise ManifestError(f"'{path}' changed since it was prepared (SHA-256/size differ from "
+                                f"{MANIFEST_NAME}); re-run `memrl prepare-data` rather than editing it")
+    return manifest

@@ -1,0 +1,135 @@
+"""The question record every data source turns into, and our prepared JSONL format.
+
+One JSON object per line: {"id", "question", "answers", "context", "metadata"}. `context` is the
+whole document the reader sees ("Document 1:\\n{title}\\n{text}\\n\\nDocument 2:..."); `metadata` holds
+what the source adds (gold positions, seeds, type, level, ...).
+
+Invariants: ids are non-empty strings, unique within a file; `answers` is a non-empty list of strings.
+A record that breaks them is a `DataError` naming the file, the record (index and id) and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memrl.data.manifest import MANIFEST_NAME, atomic_write_text, verify_manifest
+
+
+class DataError(ValueError):
+    """A malformed data record; the message names the file, the record and the field."""
+
+    def __init__(self, source: str | Path, problem: str, index: int | None = None,
+                 record_id: Any = None, field: str | None = None):
+        where = [str(source)]
+        if index is not None:
+            where.append(f"record {index}" + (f" (id {record_id!r})" if record_id is not None else ""))
+        if field is not None:
+            where.append(f"field '{field}'")
+        super().__init__(": ".join(where) + f": {problem}")
+        self.source, self.index, self.record_id, self.field = str(source), index, record_id, field
+
+
+class MissingDependencyError(ImportError):
+    """An optional package (e.g. `datasets`) is needed for a download path; the message says what to install."""
+
+
+def require_module(name: str, purpose: str, extra: str) -> Any:
+    """Import an optional module lazily, or say how to install it (and how to work offline instead)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"{purpose} needs the '{name}' package: pip install 'memrl[{extra}]' (or pip install {name}); "
+            f"offline, use a local copy instead (--from-file / --from-dir)") from e
+
+
+@dataclass
+class QuestionRecord:
+    id: str
+    question: str
+    answers: list[str]
+    context: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def question_record_from_dict(raw: Any, source: str | Path, index: int) -> QuestionRecord:
+    """Validate one prepared record; `DataError` names the first bad field."""
+    if not isinstance(raw, dict):
+        raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
+    record_id = raw.get("id")
+    if not isinstance(record_id, str) or not record_id:
+        raise DataError(source, f"must be a non-empty string, got {record_id!r}", index, record_id, "id")
+    for name in ("question", "context"):
+        if not isinstance(raw.get(name), str):
+            raise DataError(source, f"must be a string, got {type(raw.get(name)).__name__}", index, record_id, name)
+    answers = raw.get("answers")
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+        raise DataError(source, f"must be a non-empty list of strings, got {answers!r}", index, record_id, "answers")
+    metadata = raw.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise DataError(source, f"must be an object, got {type(metadata).__name__}", index, record_id, "metadata")
+    return QuestionRecord(record_id, raw["question"], list(answers), raw["context"], dict(metadata))
+
+
+def write_jsonl(path: str | Path, records: list[QuestionRecord] | list[dict[str, Any]]) -> int:
+    """Write records (QuestionRecords or plain dicts) as UTF-8 JSONL, atomically. Returns the count.
+
+    Byte-deterministic: same records in the same order give the same file.
+    """
+    lines = [json.dumps(r.to_dict() if isinstance(r, QuestionRecord) else r, ensure_ascii=False) for r in records]
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
+    return len(lines)
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
+    """Parse a JSONL file (blank lines skipped); a bad line is a `DataError` naming its line number."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(path, "file does not exist")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(path, f"line {line_no} is not valid JSON: {e}") from e
+    return out
+
+
+def check_unique_ids(records: list[QuestionRecord], source: str | Path) -> None:
+    seen: dict[str, int] = {}
+    for index, record in enumerate(records):
+        if record.id in seen:
+            raise DataError(source, f"duplicate id, first seen at record {seen[record.id]}", index, record.id, "id")
+        seen[record.id] = index
+
+
+def verify_if_manifest(path: str | Path) -> None:
+    """Verify `path` against the manifest of its folder when that folder has one."""
+    path = Path(path)
+    if (path.parent / MANIFEST_NAME).is_file():
+        verify_manifest(path.parent, [path.name])
+
+
+def load_questions(path: str | Path, verify: bool = True) -> list[QuestionRecord]:
+    """Read a prepared JSONL file into QuestionRecords.
+
+    With `verify`, the file is first checked against the `manifest.json` of its folder when there is
+    one (`ManifestError` names a changed file); every record is validated (`DataError`).
+    """
+    path = Path(path)
+    if verify:
+        verify_if_manifest(path)
+    records = [question_record_from_dict(raw, path, i) for i, raw in enumerate(read_jsonl(path))]
+    check_unique_ids(records, path)
+    return records

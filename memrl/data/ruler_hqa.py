@@ -1,0 +1,219 @@
+"""RULER-HQA: read the published `eval_{N}.json` files, and build sets of the same shape offline.
+
+Published files (`BytedTsinghua-SIA/hotpotqa` at a pinned revision, repo_type dataset) are JSON lists
+of `{context, input, answers, num_docs, index}`, 128 per file, where `context` is `num_docs` Wikipedia
+paragraphs formatted `Document i:\\n{title}\\n{text}` and joined by blank lines. For the largest sets
+(12800/25600) `context` is instead a list of document indices into a pool the repository does not
+ship; such a file is readable only with that pool (a JSON list of documents), else it is an error.
+
+Invariants of every record we return or write: `context` is a string, `input` a non-empty string,
+`answers` a non-empty list of strings, `num_docs` and `index` integers; extra fields (id,
+gold_positions, seed, ...) are kept. A violation is a `DataError` naming file, record and field.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from memrl.data.hotpotqa import (
+    HotpotExample,
+    derived_seed,
+    format_documents,
+    paragraph_document,
+)
+from memrl.data.manifest import atomic_write_json
+from memrl.data.records import (
+    DataError,
+    QuestionRecord,
+    check_unique_ids,
+    require_module,
+    verify_if_manifest,
+)
+
+RULER_REPO = "BytedTsinghua-SIA/hotpotqa"
+RULER_REVISION = "27275ff4fee67ac0acb6478e405e7ac07efbdc1a"
+RULER_LENGTHS = (50, 200, 800)
+
+
+class RulerBuildError(ValueError):
+    """A RULER-style set cannot be built as asked (pool too small, N too small); says what to change."""
+
+
+def ruler_filename(num_docs: int) -> str:
+    return f"eval_{num_docs}.json"
+
+
+def download_ruler_file(num_docs: int, revision: str = RULER_REVISION, cache_dir: str | None = None) -> Path:
+    """`eval_{num_docs}.json` from the hub at the pinned revision (cached by huggingface_hub)."""
+    hub = require_module("huggingface_hub", "downloading RULER-HQA from the hub", "hub")
+    return Path(hub.hf_hub_download(repo_id=RULER_REPO, filename=ruler_filename(num_docs), repo_type="dataset",
+                                    revision=revision, cache_dir=cache_dir))
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def load_pool(pool: str | Path | Sequence[Any]) -> list[str]:
+    """Documents of an index-list context: a JSON list (or a path to one) whose items are formatted
+    documents (`"{title}\\n{text}"`), `{"title", "text"}` objects or `[title, sentences]` pairs."""
+    source: Any = "document pool"
+    if isinstance(pool, str | Path):
+        source = Path(pool)
+        try:
+            pool = json.loads(source.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise DataError(source, f"cannot read the document pool: {e}") from e
+    if not isinstance(pool, list | tuple):
+        raise DataError(source, f"the document pool must be a JSON list, got {type(pool).__name__}")
+    documents = []
+    for i, doc in enumerate(pool):
+        if isinstance(doc, str):
+            documents.append(doc)
+        elif isinstance(doc, dict) and isinstance(doc.get("title"), str) and isinstance(doc.get("text"), str):
+            documents.append(doc["title"] + "\n" + doc["text"])
+        elif isinstance(doc, list | tuple) and len(doc) == 2 and isinstance(doc[0], str):
+            body = doc[1] if isinstance(doc[1], str) else "".join(doc[1]) if isinstance(doc[1], list) else None
+            if body is None:
+                raise DataError(source, "document must be [title, text or sentences]", i, field="pool")
+            documents.append(paragraph_document(doc[0], body))
+        else:
+            raise DataError(source, "document must be a string, {title, text} or [title, sentences]", i, field="pool")
+    return documents
+
+
+def _materialize(indices: list[Any], pool: list[str] | None, source: Any, index: int, record_id: Any) -> str:
+    if pool is None:
+        raise DataError(source, "context is a list of document indices; pass the document pool it indexes "
+                                "(--pool FILE, a JSON list of documents)", index, record_id, "context")
+    for pos, i in enumerate(indices):
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(pool):
+            raise DataError(source, f"item {pos} = {i!r} is not an index into the pool of {len(pool)} documents",
+                            index, record_id, "context")
+    return format_documents([pool[i] for i in indices])
+
+
+def normalize_ruler_record(raw: Any, source: Any, index: int, pool: list[str] | None = None) -> dict[str, Any]:
+    """Validate one record; an index-list context is replaced by its text. Extra fields are kept."""
+    if not isinstance(raw, dict):
+        raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
+    record_id = raw.get("id", raw.get("index"))
+    out = dict(raw)
+    for name in ("num_docs", "index"):
+        if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
+            raise DataError(source, f"must be an integer, got {raw.get(name)!r}", index, record_id, name)
+    if not isinstance(raw.get("input"), str) or not raw["input"].strip():
+        raise DataError(source, f"must be a non-empty question string, got {raw.get('input')!r}"[:200],
+                        index, record_id, "input")
+    answers = raw.get("answers")
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+        raise DataError(source, f"must be a non-empty list of strings, got {answers!r}"[:200], index, record_id, "answers")
+    context = raw.get("context")
+    if isinstance(context, list):
+        if len(context) != raw["num_docs"]:
+            raise DataError(source, f"lists {len(context)} documents but num_docs is {raw['num_docs']}",
+                            index, record_id, "context")
+        out["context"] = _materialize(context, pool, source, index, record_id)
+    elif not isinstance(context, str):
+        raise DataError(source, f"must be a string or a list of document indices, got {type(context).__name__}",
+                        index, record_id, "context")
+    return out
+
+
+def read_ruler_file(path: str | Path, pool: str | Path | Sequence[Any] | None = None,
+                    verify: bool = True) -> list[dict[str, Any]]:
+    """Normalized records of an `eval_{N}.json` file (verified against its folder's manifest if any)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(path, "file does not exist")
+    if verify:
+        verify_if_manifest(path)
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(path, f"not valid JSON: {e}") from e
+    if not isinstance(rows, list):
+        raise DataError(path, f"expected a JSON list of records, got {type(rows).__name__}")
+    documents = load_pool(pool) if pool is not None else None
+    return [normalize_ruler_record(raw, path, i, documents) for i, raw in enumerate(rows)]
+
+
+def load_ruler_file(path: str | Path, pool: str | Path | Sequence[Any] | None = None,
+                    verify: bool = True) -> list[QuestionRecord]:
+    """RULER-HQA records as QuestionRecords: id = the record's `id` if it has one, else its `index`."""
+    path = Path(path)
+    records = []
+    for row in read_ruler_file(path, pool, verify):
+        extra = {k: v for k, v in row.items() if k not in ("context", "input", "answers", "id")}
+        records.append(QuestionRecord(id=str(row.get("id", row["index"])), question=row["input"],
+                                      answers=list(row["answers"]), context=row["context"],
+                                      metadata={"source": "ruler_hqa", "file": path.name, **extra}))
+    check_unique_ids(records, path)
+    return records
+
+
+def write_ruler_file(path: str | Path, records: Sequence[dict[str, Any]]) -> int:
+    """Write records as one JSON list (compact, deterministic), atomically. Returns the count."""
+    atomic_write_json(path, list(records), indent=None)
+    return len(records)
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+def _distinct_paragraphs(examples: Sequence[HotpotExample]) -> list[tuple[str, tuple[str, ...]]]:
+    """Every paragraph of the pool once, by title, in first-seen order (one Wikipedia article = one title)."""
+    seen: dict[str, tuple[str, ...]] = {}
+    for example in examples:
+        for title, sentences in example.paragraphs:
+            seen.setdefault(title, sentences)
+    return list(seen.items())
+
+
+def build_ruler_set(examples: Sequence[HotpotExample], num_docs: int, seed: int, *,
+                    pool: Sequence[HotpotExample] | None = None) -> list[dict[str, Any]]:
+    """RULER-HQA-style records with `num_docs` documents per question, built from a HotpotQA pool.
+
+    Each question of `examples` keeps its own paragraphs (gold first if `num_docs` is below their count)
+    and is filled up with paragraphs of the other questions of `pool` (default: `examples`; distinct
+    titles, none of its own), drawn and then shuffled with
+    `random.Random(derived_seed(seed, id))`. Records: {context, input, answers, num_docs, index, id,
+    gold_positions, seed, shuffle_seed}; gold_positions are 1-based document numbers.
+    """
+    if num_docs < 1:
+        raise RulerBuildError(f"num_docs = {num_docs}; ask for at least 1 document per question")
+    paragraphs = _distinct_paragraphs(examples if pool is None else [*pool, *examples])
+    out = []
+    for index, example in enumerate(tqdm(examples, desc=f"build ruler {num_docs}", unit="q", leave=False,
+                                         disable=len(examples) < 2000)):
+        own = _distinct_paragraphs([example])
+        own_titles = {t for t, _ in own}
+        gold = [p for p in own if p[0] in example.gold_titles]
+        if num_docs < len(gold):
+            raise RulerBuildError(f"num_docs = {num_docs} is below the {len(gold)} gold paragraphs of question "
+                                  f"{example.id!r}; ask for more documents")
+        kept = own if len(own) <= num_docs else gold + [p for p in own if p not in gold][:num_docs - len(gold)]
+        need = num_docs - len(kept)
+        available = len(paragraphs) - len(own_titles)
+        if need > available:
+            raise RulerBuildError(f"the pool has only {available} distinct paragraphs outside question "
+                                  f"{example.id!r}'s own, {need} are needed for num_docs = {num_docs}; "
+                                  f"build from a larger pool (more questions) or ask for fewer documents")
+        rng = random.Random(derived_seed(seed, example.id))
+        # Draw a few extra indices so that, after dropping the question's own titles, `need` remain.
+        drawn = rng.sample(range(len(paragraphs)), min(len(paragraphs), need + len(own_titles)))
+        fillers = [paragraphs[i] for i in drawn if paragraphs[i][0] not in own_titles][:need]
+        documents = kept + fillers
+        rng.shuffle(documents)
+        gold_titles = example.gold_titles
+        out.append({
+            "context": format_documents([paragraph_document(t, s) for t, s in documents]),
+            "input": example.question, "answers": [example.answer], "num_docs": num_docs, "index": index,
+            "id": example.id,
+            "gold_positions": [pos for pos, (t, _) in enumerate(documents, start=1) if t in gold_titles],
+            "seed": seed, "shuffle_seed": derived_seed(seed, example.id),
+        })
+    return out

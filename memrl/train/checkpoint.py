@@ -1,0 +1,377 @@
+"""Checkpoints `RUN_ROOT/checkpoints/iter_XXXXXXX/`: save atomically, resume exactly, export to Hugging Face.
+
+Layout of one checkpoint (XXXXXXX = 7-digit rollout id of the last *completed* rollout step):
+
+    model/          `save_pretrained` folder (safetensors + config [+ tokenizer files])
+    optimizer.pt    optimizer.state_dict()
+    scheduler.pt    scheduler.state_dict()
+    rng.pt          python `random`, numpy, torch CPU and (when present) CUDA generator states
+    state.json      {rollout_id, next_rollout_id, data_cursor, global_step, config, memrl_version, created}
+    COMPLETE        written last; a directory without it is never loaded or listed
+
+`RUN_ROOT/checkpoints/latest` holds the name of the newest complete checkpoint.
+
+Invariants:
+- A checkpoint is written into `iter_XXXXXXX.tmp-<pid>` and renamed into place only once COMPLETE is in
+  it, and `latest` is replaced (write-then-rename) only after that, so a kill at any point leaves the
+  previous checkpoint loadable and `latest` never names an incomplete directory.
+- `list_checkpoints` / `find_latest_checkpoint` only return directories named `iter_\\d{7}` holding COMPLETE.
+- Saving is a single-process operation: in data-parallel training only rank 0 calls `save_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+COMPLETE_MARKER = "COMPLETE"
+MODEL_DIR = "model"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng.pt"
+STATE_FILE = "state.json"
+_CHECKPOINT_NAME = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved, found or loaded; the message says which and what to do."""
+
+
+def checkpoint_name(rollout_id: int) -> str:
+    if not 0 <= rollout_id <= 9_999_999:
+        raise CheckpointError(f"rollout_id {rollout_id} does not fit iter_XXXXXXX (0..9999999)")
+    return f"iter_{rollout_id:07d}"
+
+
+def _memrl_version() -> str:
+    try:
+        return metadata.version("memrl")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / COMPLETE_MARKER).is_file()
+
+
+def _checkpoints_dir(run_root: str | Path) -> Path:
+    return Path(run_root) / CHECKPOINTS_DIR
+
+
+def list_checkpoints(run_root: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest rollout id first (`run_root` may also be its checkpoints dir)."""
+    root = Path(run_root)
+    ckpt_dir = root / CHECKPOINTS_DIR if (root / CHECKPOINTS_DIR).is_dir() else root
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if _CHECKPOINT_NAME.match(p.name) and _is_complete(p)]
+    return sorted(found, key=lambda p: int(_CHECKPOINT_NAME.match(p.name).group(1)))
+
+
+def find_latest_checkpoint(run_root: str | Path) -> Path | None:
+    """The checkpoint named by `latest` if complete, else the newest complete one, else None."""
+    complete = list_checkpoints(run_root)
+    if not complete:
+        return None
+    latest_file = complete[-1].parent / LATEST_FILE
+    if latest_file.is_file():
+        named = latest_file.parent / latest_file.read_text().strip()
+        # `latest` is only ever written after its checkpoint completed, but a user may have deleted
+        # that directory by hand: then fall back to the newest complete one.
+        if _CHECKPOINT_NAME.match(named.name) and _is_complete(named):
+            return named
+    return complete[-1]
+
+
+# ---------------------------------------------------------------------------------------------- saving
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    # DDP keeps the real model in `.module`; torch.compile in `._orig_mod`. save_pretrained and the
+    # state-dict keys must be those of the plain Hugging Face model.
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        # numpy's MT19937 key is stored as a tensor so `torch.load(weights_only=True)` can read it back.
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_saved = state["numpy"]
+    np.random.set_state({
+        "bit_generator": np_saved["bit_generator"],
+        "state": {"key": np_saved["key"].numpy().astype(np.uint32), "pos": np_saved["pos"]},
+        "has_gauss": np_saved["has_gauss"],
+        "gauss": np_saved["gauss"],
+    })
+    torch.set_rng_state(state["torch_cpu"])
+    cuda_states = state.get("torch_cuda")
+    if cuda_states and torch.cuda.is_available():
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)
+        else:
+            warnings.warn(
+                f"checkpoint holds CUDA RNG states for {len(cuda_states)} devices but {torch.cuda.device_count()} "
+                "are visible; CUDA RNG not restored (sampling on GPU will differ from the original run)",
+                stacklevel=3,
+            )
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "model_dump"):  # a pydantic config
+        return value.model_dump(mode="json")
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"state value of type {type(value).__name__} is not JSON-serializable")
+
+
+def _fsync_dir(path: Path) -> None:
+    # Make the renames durable; not all platforms allow opening a directory, which is harmless.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Module, optimizer: Any,
+                            scheduler: Any, state: dict[str, Any], tokenizer: Any) -> None:
+    """Everything of one checkpoint into `target`, COMPLETE last."""
+    target.mkdir(parents=True)
+    _unwrap(model).save_pretrained(target / MODEL_DIR)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target / MODEL_DIR)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), target / OPTIMIZER_FILE)
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), target / SCHEDULER_FILE)
+    torch.save(_rng_state(), target / RNG_FILE)
+    full_state = {
+        "rollout_id": rollout_id,
+        "next_rollout_id": rollout_id + 1,
+        "data_cursor": None,
+        "global_step": None,
+        "config": None,
+        **state,
+        "memrl_version": _memrl_version(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (target / STATE_FILE).write_text(json.dumps(full_state, indent=2, default=_jsonable) + "\n")
+    with open(target / COMPLETE_MARKER, "w") as f:
+        f.write(f"{checkpoint_name(rollout_id)}\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Module, optimizer: Any,
+                    scheduler: Any, state: dict[str, Any], tokenizer: Any = None,
+                    keep_last: int | None = None) -> Path:
+    """Save `iter_{rollout_id:07d}` atomically, point `latest` at it, keep only `keep_last` newest.
+
+    `rollout_id` is the last *completed* rollout step. `state` should hold `next_rollout_id`,
+    `data_cursor`, `global_step` and `config` (dict or pydantic model); missing keys default to
+    `rollout_id + 1` / None. `optimizer`/`scheduler` may be None (then their files are absent).
+    """
+    if keep_last is not None and keep_last < 1:
+        raise CheckpointError(f"keep_last = {keep_last}; use None to keep every checkpoint, or a number >= 1")
+    name = checkpoint_name(rollout_id)
+    ckpt_dir = _checkpoints_dir(run_root)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = ckpt_dir / name
+    tmp = ckpt_dir / f"{name}.tmp-{os.getpid()}"
+    if tmp.exists():  # left by an earlier crash of a process with our pid
+        shutil.rmtree(tmp)
+    try:
+        _write_checkpoint_files(tmp, rollout_id, model, optimizer, scheduler, state, tokenizer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        # Replace an existing checkpoint of the same id without a moment where neither is complete
+        # under a name we list: the old one is moved aside first, deleted only after the new is in place.
+        old = ckpt_dir / f"{name}.old-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(ckpt_dir)
+    _write_text_atomic(ckpt_dir / LATEST_FILE, name + "\n")
+    if keep_last is not None:
+        for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
+            if stale != final:
+                shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A complete checkpoint directory from a checkpoint dir, a checkpoints dir or a run root."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    is_checkpoint_dir = bool(_CHECKPOINT_NAME.match(path.name)) or (path / STATE_FILE).exists() or (
+        path / COMPLETE_MARKER
+    ).exists() or (path / MODEL_DIR).is_dir()
+    if is_checkpoint_dir:
+        if not _is_complete(path):
+            complete = [p.name for p in list_checkpoints(path.parent)]
+            raise CheckpointError(
+                f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker: its save was interrupted); "
+                f"complete checkpoints next to it: {complete or 'none'}"
+            )
+        return path
+    latest = find_latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(
+            f"no complete checkpoint under {path}; pass a run root, its `{CHECKPOINTS_DIR}/` folder or an "
+            "`iter_XXXXXXX` folder"
+        )
+    return latest
+
+
+def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    model = _unwrap(model)
+    result = model.load_state_dict(weights, strict=False)
+    if result.unexpected_keys:
+        raise CheckpointError(
+            f"checkpoint weights in {model_dir} do not fit this model: unexpected keys "
+            f"{result.unexpected_keys[:5]} (is the model built from the checkpoint's config.json?)"
+        )
+    # save_pretrained drops tied weights (e.g. lm_head tied to the embeddings); those may be missing,
+    # as long as they share storage with a loaded tensor.
+    params = model.state_dict()
+    loaded_ptrs = {params[k].data_ptr() for k in weights if k in params}
+    untied_missing = [k for k in result.missing_keys if params[k].data_ptr() not in loaded_ptrs]
+    if untied_missing:
+        raise CheckpointError(
+            f"checkpoint weights in {model_dir} miss keys {untied_missing[:5]}; the model has parameters "
+            "the checkpoint does not (is it the same architecture?)"
+        )
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
+                    restore_rng: bool = True) -> dict[str, Any]:
+    """Load weights (and optimizer, scheduler, RNG states) into the given objects; return state.json.
+
+    `path` is a checkpoint dir, or a run root / checkpoints dir (then the one `latest` names).
+    Load the optimizer after the model is on its training device: `Optimizer.load_state_dict` moves the
+    state tensors to the device of their parameters.
+    """
+    ckpt = resolve_checkpoint(path)
+    _load_model_weights(model, ckpt / MODEL_DIR)
+    for obj, filename in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
+        if obj is None:
+            continue
+        if not (ckpt / filename).is_file():
+            raise CheckpointError(f"{ckpt} has no {filename} (saved without one); pass None to skip it")
+        obj.load_state_dict(torch.load(ckpt / filename, map_location="cpu", weights_only=True))
+    if restore_rng:
+        _restore_rng(torch.load(ckpt / RNG_FILE, map_location="cpu", weights_only=True))
+    return json.loads((ckpt / STATE_FILE).read_text())
+
+
+# ------------------------------------------------------------------------------------------- exporting
+
+
+def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: Any = None) -> Path:
+    """Write a plain Hugging Face folder (weights, config, tokenizer) that `from_pretrained` loads.
+
+    `tokenizer` (a tokenizer object or a folder/hub id) adds tokenizer files when the checkpoint was
+    saved without them. `out_dir` must be absent or empty; it is filled via a temporary sibling and a
+    rename, so an interrupted export never looks finished.
+    """
+    ckpt = resolve_checkpoint(checkpoint_path)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"export target {out} exists and is not empty; pick a new or empty folder")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(ckpt / MODEL_DIR, tmp)
+        if tokenizer is not None:
+            if isinstance(tokenizer, str | Path):
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+            tokenizer.save_pretrained(tmp)
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        provenance = {"checkpoint": str(ckpt.resolve()), "rollout_id": state.get("rollout_id"),
+                      "memrl_version": state.get("memrl_version")}
+        (tmp / "memrl_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.replace(tmp, out)
+    if not any(out.glob("tokenizer*")):
+        warnings.warn(f"{out} has no tokenizer files; pass a tokenizer to load it with AutoTokenizer", stacklevel=2)
+    return out
+
+
+def convert_to_hf_command(ckpt: Path, out: Path, tokenizer: str | None = None) -> Path:
+    """`memrl convert-to-hf CKPT OUT [--tokenizer PATH]`: CKPT is a checkpoint dir or a run root.
+
+    Returns the folder written; printing is left to the CLI.
+    """
+    return export_to_hf(ckpt, out, tokenizer=tokenizer)

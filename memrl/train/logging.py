@@ -1,0 +1,267 @@
+"""Run logs under one run root: training log, JSONL metrics, per-rollout records, TensorBoard, reward summary.
+
+    RUN_ROOT/config.yaml                      config snapshot (when one is given)
+    RUN_ROOT/logs/train.log                   records of the `memrl` logger (the caller adds a console)
+    RUN_ROOT/logs/metrics.jsonl               one line per rollout step: {"rollout_id": N, metric: value}
+    RUN_ROOT/logs/rollouts/rollout_XXXXXXX.jsonl   one line per trajectory record of that step
+    RUN_ROOT/tensorboard/                     event files: one scalar per numeric metric, step = rollout id
+    RUN_ROOT/reward_summary.json              per-rollout mean reward, first/last-10 means, best
+
+Invariants:
+- metrics.jsonl is valid JSON per line: non-finite numbers are written as null (and skipped in
+  TensorBoard); lines are flushed as they are written, so a crash loses at most the step in flight.
+- A resumed run (`start_rollout_id`) first drops lines of rollout ids >= start_rollout_id from
+  metrics.jsonl and purges those TensorBoard steps: a step is logged once even if it ran twice.
+- Rollout files are written whole (temporary file, then rename): a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LOGGER_NAME = "memrl"
+REWARD_KEY = "reward/mean"
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+log = logging.getLogger(__name__)
+
+
+def _scalar(value: Any) -> float | int | bool | str | None:
+    """A JSON-safe scalar: numbers (numpy, 0-d tensors too) as float/int, non-finite as None."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)  # float, numpy scalar, 0-d torch tensor
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _json_safe(value: Any) -> Any:
+    """Recursively make a caller-built record JSON-safe (strict JSON: no NaN/Infinity)."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) > 0:  # numpy array / tensor
+        return _json_safe(value.tolist())
+    scalar = _scalar(value)
+    if scalar is None and value is not None and not _is_number_like(value):
+        return str(value)
+    return scalar
+
+
+def _is_number_like(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_metrics(run_root: str | Path) -> list[dict[str, Any]]:
+    """The records of RUN_ROOT/logs/metrics.jsonl, one per rollout id (its last line), sorted by id.
+
+    A torn last line (a crash mid-write) is skipped; any other unreadable line raises ValueError.
+    """
+    path = Path(run_root) / "logs" / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    by_rollout: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                continue
+            raise ValueError(f"{path}:{number} is not valid JSON ({err}); fix or delete that line") from err
+        by_rollout[int(record["rollout_id"])] = record
+    return [by_rollout[k] for k in sorted(by_rollout)]
+
+
+def reward_summary(records: list[dict[str, Any]], key: str = REWARD_KEY, window: int = 10) -> dict[str, Any]:
+    """Per-rollout mean reward, mean of the first / last `window` rollouts, and the best rollout.
+
+    Rollouts without a finite `key` are left out. With fewer than `window` rollouts, first and last
+    are taken over all of them (so they may overlap).
+    """
+    rewards = [(int(r["rollout_id"]), float(r[key])) for r in records if _scalar(r.get(key)) is not None]
+    if not rewards:
+        return {"num_rollouts": 0, "per_rollout": [], "first_10_mean": None, "last_10_mean": None, "best": None}
+    values = [v for _, v in rewards]
+    best_id, best_value = max(rewards, key=lambda item: item[1])
+    return {
+        "num_rollouts": len(rewards),
+        "per_rollout": [{"rollout_id": i, "reward_mean": v} for i, v in rewards],
+        "first_10_mean": sum(values[:window]) / len(values[:window]),
+        "last_10_mean": sum(values[-window:]) / len(values[-window:]),
+        "best": {"rollout_id": best_id, "reward_mean": best_value},
+    }
+
+
+class RunLogger:
+    """Writes every log of one run; use as a context manager or call `close()`.
+
+    `config_dict` (dict or pydantic model) is saved as RUN_ROOT/config.yaml. Pass `start_rollout_id`
+    when resuming so steps that ran after the checkpoint are not logged twice.
+    """
+
+    def __init__(self, run_root: str | Path, config_dict: Any = None, use_tensorboard: bool = True,
+                 start_rollout_id: int | None = None) -> None:
+        self.run_root = Path(run_root)
+        self.logs_dir = self.run_root / "logs"
+        self.rollouts_dir = self.logs_dir / "rollouts"
+        self.tensorboard_dir = self.run_root / "tensorboard"
+        self.metrics_path = self.logs_dir / "metrics.jsonl"
+        self.config_path = self.run_root / "config.yaml"
+        self.reward_summary_path = self.run_root / "reward_summary.json"
+        self.rollouts_dir.mkdir(parents=True, exist_ok=True)
+
+        if config_dict is not None:
+            if hasattr(config_dict, "model_dump"):
+                config_dict = config_dict.model_dump(mode="json")
+            _write_atomic(self.config_path, yaml.safe_dump(_json_safe(config_dict), sort_keys=False))
+
+        # File handler on the package logger, so every memrl module's records reach train.log.
+        self._handler = logging.FileHandler(self.logs_dir / "train.log", encoding="utf-8")
+        self._handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        package_logger = logging.getLogger(LOGGER_NAME)
+        package_logger.addHandler(self._handler)
+        if package_logger.level == logging.NOTSET or package_logger.level > logging.INFO:
+            package_logger.setLevel(logging.INFO)
+
+        if start_rollout_id is not None:
+            self._drop_metrics_from(start_rollout_id)
+        self._metrics_file = open(self.metrics_path, "a", encoding="utf-8")
+
+        self._writer = None
+        if use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides events of steps >= start_rollout_id written by the interrupted run.
+            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=start_rollout_id)
+
+    def _drop_metrics_from(self, start_rollout_id: int) -> None:
+        if not self.metrics_path.is_file():
+            return
+        kept = [r for r in read_metrics(self.run_root) if int(r["rollout_id"]) < start_rollout_id]
+        _write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def log_metrics(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Append one metrics line and one TensorBoard scalar per finite numeric value; returns the line."""
+        record: dict[str, Any] = {"rollout_id": int(rollout_id)}
+        record.update({str(k): _json_safe(v) for k, v in metrics.items()})
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+        numeric = {k: v for k, v in record.items()
+                   if k != "rollout_id" and isinstance(v, int | float) and not isinstance(v, bool)}
+        if self._writer is not None:
+            for key, value in numeric.items():
+                self._writer.add_scalar(key, value, global_step=int(rollout_id))
+            self._writer.flush()
+        summary = " ".join(f"{k}={v:.4g}" for k, v in numeric.items())
+        logging.getLogger(LOGGER_NAME).info("rollout %d: %s", rollout_id, summary)
+        return record
+
+    def log_rollout(self, rollout_id: int, records: list[dict[str, Any]]) -> Path:
+        """Write the trajectory records of one rollout step to rollouts/rollout_XXXXXXX.jsonl (whole)."""
+        path = self.rollouts_dir / f"rollout_{int(rollout_id):07d}.jsonl"
+        _write_atomic(path, "".join(json.dumps(_json_safe(r), ensure_ascii=False) + "\n" for r in records))
+        return path
+
+    def write_reward_summary(self) -> Path:
+        """RUN_ROOT/reward_summary.json from the `reward/mean` of every logged rollout step."""
+        self._metrics_file.flush()
+        summary = reward_summary(read_metrics(self.run_root))
+        _write_atomic(self.reward_summary_path, json.dumps(summary, indent=2) + "\n")
+        return self.reward_summary_path
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if not self._metrics_file.closed:
+            self._metrics_file.close()
+        logging.getLogger(LOGGER_NAME).removeHandler(self._handler)
+        self._handler.close()
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_PROCESS = None  # one psutil.Process, so cpu_percent measures the time since the previous call
+
+
+def device_stats() -> dict[str, float]:
+    """GPU memory (GB) and utilization (%) when CUDA is present; process CPU % and resident memory (GB)."""
+    import psutil
+    import torch
+
+    global _PROCESS
+    stats: dict[str, float] = {}
+    if torch.cuda.is_available():
+        gb = 1024**3
+        stats["device/gpu_memory_allocated_gb"] = torch.cuda.memory_allocated() / gb
+        stats["device/gpu_memory_max_allocated_gb"] = torch.cuda.max_memory_allocated() / gb
+        stats["device/gpu_memory_reserved_gb"] = torch.cuda.memory_reserved() / gb
+        try:  # needs pynvml / amdsmi; absent on some installs
+            stats["device/gpu_utilization"] = float(torch.cuda.utilization())
+        except Exception:  # any failure just means "not available"
+            pass
+    if _PROCESS is None:
+        _PROCESS = psutil.Process()
+    stats["device/cpu_percent"] = float(_PROCESS.cpu_percent(interval=None))
+    stats["device/rss_gb"] = _PROCESS.memory_info().rss / 1024**3
+    return stats
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage; repeated stages add up until `reset()`.
+
+        timer = StageTimer()
+        with timer("rollout"): ...
+        timer.metrics()  # {"time/rollout_s": 1.23}
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:  # a failed stage still reports how long it ran
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self, prefix: str = "time/") -> dict[str, float]:
+        return {f"{prefix}{stage}_s": seconds for stage, seconds in self.seconds.items()}
+
+    def reset(self) -> None:
+        self.seconds = {}

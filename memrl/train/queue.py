@@ -1,0 +1,322 @@
+"""TransferQueue: hands the training rows of each rollout id from the producer (rollout + converter) to
+the consumer (trainer), with exact row counts, bounded capacity, and no silent hang.
+
+Protocol for one rollout id:
+- Counted (1:N expansion). The producer states the exact `train_row_count`, either in the first
+  `put(rollout_id, rows, train_row_count=n)` or with `announce(rollout_id, n)`, then puts rows in any
+  number of calls. The rollout is complete when exactly n rows have arrived.
+- Plain 1:1. No count: the producer puts rows and then calls `finish(rollout_id)` (or passes
+  `final=True` to its last put). The rollout is complete at finish, with whatever was put.
+- The consumer takes the rows either all at once with `get_rollout` (waits for completion) or in
+  groups of `data_group_size` with `iter_groups` / `get_group` (each group handed out as soon as its
+  rows are there), never both for one rollout id. Rows come out in put order.
+
+Invariants:
+- A rollout's row count (announced, or the total at finish) must be a multiple of `data_group_size`,
+  so every group is full; otherwise `QueueError` at announce/finish time.
+- Rows held (put, not yet taken) never exceed `capacity_rows`; a put that would exceed it raises
+  `QueueOverflowError` (never drops, never blocks). Taking rows releases their capacity.
+- rows_put == rows_taken for every rollout id that was consumed to the end (see `stats`).
+- Every wait has a timeout (`QueueTimeoutError`). `fail(rollout_id, error)` wakes that rollout's waiters
+  with `RolloutFailedError` (its `__cause__` is `error`); `close()` wakes every waiter with
+  `QueueClosedError`. A producer-side protocol error (bad or changed count, over-count, overflow, bad
+  finish) both raises to the producer and fails the rollout, so the consumer wakes at once with it
+  instead of timing out. Puts after close, after fail or after finish only raise.
+
+Thread-safe (one `threading.Condition`); used in one process, and wrapped by a Ray actor for the
+distributed runtime (`get_group` is the non-generator form of `iter_groups` for that reason).
+Exceptions carry only a message so they pickle across processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from memrl.config import QueueConfig
+
+
+class QueueError(RuntimeError):
+    """Misuse of the queue protocol; the message names the rollout id, the numbers and what to change."""
+
+
+class QueueOverflowError(QueueError):
+    """A put would hold more rows than the queue's capacity."""
+
+
+class QueueTimeoutError(QueueError, TimeoutError):
+    """A wait ran past its timeout; the message says how many rows had arrived out of how many."""
+
+
+class RolloutFailedError(QueueError):
+    """The producer reported the rollout as failed; `__cause__` is the original error."""
+
+
+class QueueClosedError(QueueError):
+    """The queue was closed while waiting, or is used after `close()`."""
+
+
+@dataclass
+class _Rollout:
+    expected: int | None = None        # announced train_row_count
+    finished: bool = False             # 1:1 path: finish() called
+    rows: list[Any] = field(default_factory=list)  # rows put and not yet taken, in put order
+    rows_put: int = 0
+    rows_taken: int = 0
+    mode: str | None = None            # "all" (get_rollout) or "groups" (get_group), once consuming
+    error: BaseException | None = None
+
+    @property
+    def target(self) -> int | None:
+        """Total rows this rollout will deliver, once known."""
+        if self.expected is not None:
+            return self.expected
+        return self.rows_put if self.finished else None
+
+    @property
+    def complete(self) -> bool:
+        return self.target is not None and self.rows_put == self.target
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return "failed"
+        if self.complete and self.rows_taken == self.target:
+            return "consumed"
+        return "complete" if self.complete else "open"
+
+
+class TransferQueue:
+    """Rows per rollout id, with exact counts, capacity, groups, timeouts and failure wake-up."""
+
+    def __init__(self, capacity_rows: int, data_group_size: int = 1, timeout_s: float = 1800.0) -> None:
+        if capacity_rows <= 0:
+            raise QueueError(f"capacity_rows must be > 0, got {capacity_rows}")
+        if data_group_size <= 0:
+            raise QueueError(f"data_group_size must be > 0 (queue.train_data_group_size), got {data_group_size}")
+        if capacity_rows < data_group_size:
+            raise QueueError(f"capacity_rows = {capacity_rows} is below data_group_size = {data_group_size}: "
+                             f"no group could ever be held; raise queue.train_sample_expansion_factor")
+        if timeout_s <= 0:
+            raise QueueError(f"timeout_s must be > 0 (queue.timeout_s), got {timeout_s}")
+        self.capacity_rows = capacity_rows
+        self.data_group_size = data_group_size
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._rollouts: dict[int, _Rollout] = {}
+        self._held = 0
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, queue_cfg: QueueConfig, rollout_batch_size: int, n_samples: int) -> TransferQueue:
+        """Capacity = rollout_batch_size × n_samples × train_sample_expansion_factor rows: room for one
+        whole rollout step at the largest expansion."""
+        capacity = rollout_batch_size * n_samples * queue_cfg.train_sample_expansion_factor
+        return cls(capacity, queue_cfg.train_data_group_size, queue_cfg.timeout_s)
+
+    # ---- producer -------------------------------------------------------------------------------
+
+    def announce(self, rollout_id: int, train_row_count: int) -> None:
+        """State the exact number of rows `rollout_id` will deliver (once; repeating the same number is fine)."""
+        with self._cond:
+            state = self._producer_state(rollout_id)
+            self._announce_locked(rollout_id, state, train_row_count)
+            self._cond.notify_all()
+
+    def put(self, rollout_id: int, rows: list[Any], train_row_count: int | None = None, final: bool = False) -> None:
+        """Add `rows` of `rollout_id` (all or nothing). `train_row_count` announces the exact total
+        (see `announce`); `final=True` ends a rollout without a count (1:1 path, same as `finish`)."""
+        rows = list(rows)
+        with self._cond:
+            state = self._producer_state(rollout_id)
+            if train_row_count is not None:
+                self._announce_locked(rollout_id, state, train_row_count)
+            if state.expected is not None and state.rows_put + len(rows) > state.expected:
+                self._fail_locked(rollout_id, state, QueueError(
+                    f"rollout {rollout_id}: putting {len(rows)} rows after {state.rows_put} exceeds the announced "
+                    f"train_row_count = {state.expected}; the converter must produce exactly the count it announces"))
+            if self._held + len(rows) > self.capacity_rows:
+                self._fail_locked(rollout_id, state, QueueOverflowError(
+                    f"rollout {rollout_id}: putting {len(rows)} rows while {self._held} are held exceeds the queue "
+                    f"capacity of {self.capacity_rows} rows (rollout_batch_size × n_samples × "
+                    f"queue.train_sample_expansion_factor); raise queue.train_sample_expansion_factor"))
+            state.rows.extend(rows)
+            state.rows_put += len(rows)
+            self._held += len(rows)
+            if final:
+                self._finish_locked(rollout_id, state)
+            self._cond.notify_all()
+
+    def finish(self, rollout_id: int) -> None:
+        """End a rollout without an announced count (1:1 path): it delivers exactly the rows put so far."""
+        with self._cond:
+            state = self._producer_state(rollout_id)
+            self._finish_locked(rollout_id, state)
+            self._cond.notify_all()
+
+    def fail(self, rollout_id: int, error: BaseException) -> None:
+        """Mark `rollout_id` failed: its rows are dropped and every waiter on it raises
+        `RolloutFailedError` from `error`. Later puts and gets of that id raise the same."""
+        with self._cond:
+            state = self._rollouts.setdefault(rollout_id, _Rollout())
+            if state.error is None:
+                self._drop_rows_locked(state)
+                state.error = error
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake every waiter with `QueueClosedError`; every later call raises it too."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ---- consumer -------------------------------------------------------------------------------
+
+    def get_rollout(self, rollout_id: int, timeout_s: float | None = None) -> list[Any]:
+        """Wait until `rollout_id` is complete (announced count reached, or finished), then return all its
+        rows in put order and release their capacity."""
+        with self._cond:
+            state = self._consumer_state(rollout_id, "all")
+            self._wait_locked(rollout_id, lambda: self._checked(rollout_id).complete, timeout_s, "all rows")
+            if state.rows_taken:  # get_rollout hands out everything at once, so this is a second call
+                raise QueueError(f"rollout {rollout_id} was already consumed ({state.rows_taken} rows)")
+            rows, state.rows = state.rows, []
+            state.rows_taken += len(rows)
+            self._held -= len(rows)
+            self._cond.notify_all()
+            return rows
+
+    def get_group(self, rollout_id: int, timeout_s: float | None = None) -> list[Any] | None:
+        """The next `data_group_size` rows of `rollout_id` as soon as they are there (capacity released),
+        or None once every row of the rollout has been handed out. Each call waits at most `timeout_s`."""
+        size = self.data_group_size
+        with self._cond:
+            state = self._consumer_state(rollout_id, "groups")
+
+            def ready() -> bool:
+                s = self._checked(rollout_id)
+                return len(s.rows) >= size or (s.complete and s.rows_taken == s.target)
+
+            self._wait_locked(rollout_id, ready, timeout_s, f"a group of {size} rows")
+            if len(state.rows) < size:
+                return None
+            group, state.rows = state.rows[:size], state.rows[size:]
+            state.rows_taken += size
+            self._held -= size
+            self._cond.notify_all()
+            return group
+
+    def iter_groups(self, rollout_id: int, timeout_s: float | None = None) -> Iterator[list[Any]]:
+        """Yield the rows of `rollout_id` in groups of exactly `data_group_size`, each as soon as it is
+        there, until all rows are handed out. `timeout_s` bounds each wait (time without a new group)."""
+        while (group := self.get_group(rollout_id, timeout_s)) is not None:
+            yield group
+
+    # ---- inspection -----------------------------------------------------------------------------
+
+    def stats(self, rollout_id: int) -> dict[str, Any]:
+        """Counts for one rollout id: rows_put (transferred in), rows_taken (consumed), expected (the
+        announced or finished total, None while unknown), held, status (open|complete|consumed|failed)."""
+        with self._cond:
+            state = self._rollouts.get(rollout_id, _Rollout())
+            return {"rows_put": state.rows_put, "rows_taken": state.rows_taken, "expected": state.target,
+                    "held": len(state.rows), "status": state.status}
+
+    @property
+    def rows_held(self) -> int:
+        """Rows put and not yet taken, over all rollout ids."""
+        with self._cond:
+            return self._held
+
+    # ---- internals (call with the lock held) ----------------------------------------------------
+
+    def _producer_state(self, rollout_id: int) -> _Rollout:
+        if self._closed:
+            raise QueueClosedError(f"rollout {rollout_id}: the queue is closed; nothing more can be put")
+        state = self._rollouts.setdefault(rollout_id, _Rollout())
+        self._raise_if_failed(rollout_id, state)
+        if state.finished:
+            raise QueueError(f"rollout {rollout_id} was already finished with {state.rows_put} rows; "
+                             f"nothing more can be put for it")
+        return state
+
+    def _consumer_state(self, rollout_id: int, mode: str) -> _Rollout:
+        state = self._checked(rollout_id)
+        if state.mode is not None and state.mode != mode:
+            raise QueueError(f"rollout {rollout_id} is already being consumed with "
+                             f"{'get_rollout' if state.mode == 'all' else 'iter_groups/get_group'}; "
+                             f"use one way of taking rows per rollout id")
+        state.mode = mode
+        return state
+
+    def _checked(self, rollout_id: int) -> _Rollout:
+        """The rollout's state, raising if the queue is closed or the rollout failed."""
+        if self._closed:
+            raise QueueClosedError(f"rollout {rollout_id}: the queue was closed")
+        state = self._rollouts.setdefault(rollout_id, _Rollout())
+        self._raise_if_failed(rollout_id, state)
+        return state
+
+    @staticmethod
+    def _raise_if_failed(rollout_id: int, state: _Rollout) -> None:
+        if state.error is not None:
+            raise RolloutFailedError(f"rollout {rollout_id} failed: {state.error!r}") from state.error
+
+    def _announce_locked(self, rollout_id: int, state: _Rollout, count: int) -> None:
+        if state.expected is not None and count != state.expected:
+            problem = f"train_row_count = {count} differs from the {state.expected} announced before"
+        elif state.expected is not None:
+            return
+        elif count <= 0:
+            problem = f"train_row_count must be > 0, got {count}"
+        elif count % self.data_group_size:
+            problem = (f"train_row_count = {count} is not a multiple of queue.train_data_group_size = "
+                       f"{self.data_group_size}; change one of them")
+        elif count > self.capacity_rows:
+            self._fail_locked(rollout_id, state, QueueOverflowError(
+                f"rollout {rollout_id}: train_row_count = {count} exceeds the queue capacity of "
+                f"{self.capacity_rows} rows; raise queue.train_sample_expansion_factor"))
+        elif count < state.rows_put:
+            problem = f"train_row_count = {count} is below the {state.rows_put} rows already put"
+        else:
+            state.expected = count
+            return
+        self._fail_locked(rollout_id, state, QueueError(f"rollout {rollout_id}: {problem}"))
+
+    def _finish_locked(self, rollout_id: int, state: _Rollout) -> None:
+        if state.expected is not None and state.rows_put != state.expected:
+            self._fail_locked(rollout_id, state, QueueError(
+                f"rollout {rollout_id}: finish() after {state.rows_put} rows, but {state.expected} were announced"))
+        if state.rows_put % self.data_group_size:
+            self._fail_locked(rollout_id, state, QueueError(
+                f"rollout {rollout_id}: finished with {state.rows_put} rows, not a multiple of "
+                f"queue.train_data_group_size = {self.data_group_size}; change one of them"))
+        state.finished = True
+
+    def _fail_locked(self, rollout_id: int, state: _Rollout, error: QueueError) -> NoReturn:
+        """Fail the rollout (waking its waiters with `error` as cause), then raise `error` to the producer."""
+        self._drop_rows_locked(state)
+        state.error = error
+        self._cond.notify_all()
+        raise error
+
+    def _drop_rows_locked(self, state: _Rollout) -> None:
+        self._held -= len(state.rows)
+        state.rows = []
+
+    def _wait_locked(self, rollout_id: int, ready: Callable[[], bool], timeout_s: float | None, what: str) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        while not ready():  # ready() raises on close/failure, which is how waiters are woken with errors
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                state = self._rollouts[rollout_id]
+                expected = "not yet announced" if state.target is None else str(state.target)
+                raise QueueTimeoutError(
+                    f"rollout {rollout_id}: waited {timeout:.1f} s for {what}; received {state.rows_put} rows "
+                    f"so far, expected {expected} (taken {state.rows_taken}); the producer may have died "
+                    f"without calling fail(), or raise queue.timeout_s")
+            self._cond.wait(remaining)

@@ -1,0 +1,150 @@
+"""`memrl report RUN_ROOT`: PNG plots and a Markdown summary of a run, from RUN_ROOT/logs/metrics.jsonl.
+
+Writes RUN_ROOT/report/*.png (one per metric family present: reward with its moving average, KL,
+log-prob gap, response lengths, losses, grad norm, ...) and RUN_ROOT/report/report.md. A family none of
+whose metrics was logged is skipped; points logged as null (non-finite) are left out of the lines.
+Plots use matplotlib's object API (no pyplot), so no global backend is switched in the caller's process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from memrl.train.logging import REWARD_KEY, read_metrics, reward_summary
+
+# (file stem, title, y label, metric keys drawn as lines on one plot)
+PLOTS: list[tuple[str, str, str, list[str]]] = [
+    ("kl", "KL to the reference", "KL", ["kl/mean"]),
+    ("logprob_gap", "Rollout vs trainer log-prob gap", "mean |gap|", ["logprob_gap/mean_abs"]),
+    ("response_length", "Response length", "tokens",
+     ["response_length/memory_mean", "response_length/final_mean"]),
+    ("loss", "Loss", "loss", ["loss/policy", "loss/total"]),
+    ("grad_norm", "Gradient norm", "norm", ["grad_norm"]),
+    ("entropy", "Entropy", "nats", ["entropy/mean"]),
+    ("lr", "Learning rate", "lr", ["lr"]),
+    ("truncation", "Memory truncation rate", "fraction", ["truncation/memory_rate"]),
+    ("throughput", "Throughput", "tokens / s", ["perf/tokens_per_s"]),
+]
+ROW_KEYS = ["rows/saved", "rows/transferred", "rows/consumed"]
+MOVING_AVERAGE_WINDOW = 10
+
+
+class ReportError(RuntimeError):
+    """No metrics to report on; the message says where they were looked for."""
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [(int(r["rollout_id"]), float(r[key])) for r in records
+              if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values (shorter at the start, so it has one value per input)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _save_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, list[int], list[float], dict]]) -> Path:
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
+    for label, xs, ys, style in lines:
+        ax.plot(xs, ys, label=label, **style)
+    ax.set_title(title)
+    ax.set_xlabel("rollout id")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
+def _plot_reward(records: list[dict[str, Any]], out_dir: Path) -> Path | None:
+    xs, ys = _series(records, REWARD_KEY)
+    if not xs:
+        return None
+    window = min(MOVING_AVERAGE_WINDOW, len(ys))
+    return _save_plot(out_dir / "reward.png", "Training reward", "mean reward", [
+        ("reward/mean", xs, ys, {"marker": ".", "alpha": 0.5}),
+        (f"moving average ({window})", xs, moving_average(ys, window), {"linewidth": 2}),
+    ])
+
+
+def _plot_stage_times(records: list[dict[str, Any]], out_dir: Path) -> Path | None:
+    keys = sorted({k for r in records for k in r if k.startswith("time/")})
+    lines = [(k, *_series(records, k), {}) for k in keys]
+    lines = [line for line in lines if line[1]]
+    if not lines:
+        return None
+    return _save_plot(out_dir / "stage_time.png", "Time per stage", "seconds", lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def _markdown(run_root: Path, records: list[dict[str, Any]], plots: list[Path]) -> str:
+    summary = reward_summary(records)
+    ids = [int(r["rollout_id"]) for r in records]
+    lines = [
+        f"# Run report: {run_root.resolve().name}",
+        "",
+        f"- Run root: `{run_root.resolve()}`",
+        f"- Rollout steps logged: {len(records)} (rollout ids {min(ids)}..{max(ids)})",
+        f"- Reward, mean of first 10 rollouts: {_fmt(summary['first_10_mean'])}",
+        f"- Reward, mean of last 10 rollouts: {_fmt(summary['last_10_mean'])}",
+    ]
+    if summary["best"] is not None:
+        best = summary["best"]
+        lines.append(f"- Best rollout reward: {_fmt(best['reward_mean'])} (rollout {best['rollout_id']})")
+    totals = {key: sum(values) for key in ROW_KEYS if (values := _series(records, key)[1])}
+    lines += [f"- Total {key}: {total:g}" for key, total in totals.items()]
+    # Every saved row must be trained on exactly once; a difference means rows were lost or duplicated.
+    if {"rows/saved", "rows/consumed"} <= totals.keys() and totals["rows/saved"] != totals["rows/consumed"]:
+        lines.append(f"- **Warning:** rows saved ({totals['rows/saved']:g}) != rows consumed "
+                     f"({totals['rows/consumed']:g})")
+    lines += ["", "## Plots", ""]
+    lines += [f"### {p.stem}\n\n![{p.stem}]({p.name})\n" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_root: str | Path) -> list[Path]:
+    """Write RUN_ROOT/report/{*.png, report.md}; returns the files written (PNGs, then report.md)."""
+    run_root = Path(run_root)
+    metrics_path = run_root / "logs" / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise ReportError(f"no metrics at {metrics_path}; pass the run root of a training run (the folder "
+                          "holding logs/metrics.jsonl)")
+    records = read_metrics(run_root)
+    if not records:
+        raise ReportError(f"{metrics_path} holds no rollout steps yet; report after the first step is logged")
+    out_dir = run_root / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    plots = [p for p in (_plot_reward(records, out_dir),) if p is not None]
+    for stem, title, ylabel, keys in PLOTS:
+        lines = [(key, *_series(records, key), {"marker": "."}) for key in keys]
+        lines = [line for line in lines if line[1]]
+        if lines:
+            plots.append(_save_plot(out_dir / f"{stem}.png", title, ylabel, lines))
+    stage_plot = _plot_stage_times(records, out_dir)
+    if stage_plot is not None:
+        plots.append(stage_plot)
+
+    report_md = out_dir / "report.md"
+    report_md.write_text(_markdown(run_root, records, plots))
+    return [*plots, report_md]
+
+
+def report_command(run_root: Path) -> list[Path]:
+    """`memrl report RUN_ROOT`: write the plots and report.md; returns them (the CLI prints the paths)."""
+    return write_report(run_root)
