@@ -23,8 +23,8 @@ FinishReason = Literal["stop", "length", "error"]
 TrajectoryStatus = Literal["complete", "truncated", "failed"]
 
 # `complete`: the final answer ended on a stop token. `truncated`: it hit its token limit (still a valid
-# sample; the scorer gives it whatever its text earns, normally 0). `failed`: a generation error; such a
-# trajectory carries no usable tokens and is never trained on.
+# sample to train on, with reward 0 as SPEC §2 says). `failed`: a generation error; such a trajectory
+# carries no usable tokens and is never trained on (its whole group is left out of the step).
 TRAINABLE_STATUSES: tuple[str, ...] = ("complete", "truncated")
 
 

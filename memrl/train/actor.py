@@ -72,8 +72,9 @@ class MicroBatch:
                 pos.append((b, p + k - 1))  # the logits at position t predict token t + 1
                 tgt.append(r.tokens[p + k])
                 ridx.append((b, k))
-        return cls(ids.to(device), attn.to(device), torch.tensor(pos, device=device),
-                   torch.tensor(tgt, device=device), torch.tensor(ridx, device=device), mask.to(device),
+        return cls(ids.to(device), attn.to(device), torch.tensor(pos, dtype=torch.long, device=device).reshape(-1, 2),
+                   torch.tensor(tgt, dtype=torch.long, device=device),
+                   torch.tensor(ridx, dtype=torch.long, device=device).reshape(-1, 2), mask.to(device),
                    old.to(device), torch.tensor([r.advantage for r in rows], device=device),
                    torch.tensor(weights, dtype=torch.float, device=device))
 

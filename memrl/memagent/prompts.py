@@ -1,0 +1,173 @@
+"""Token-in prompt building for MemAgent turns (SPEC §1.2, 1.3, 1.5).
+
+A prompt is the tokenizer's chat template around one user message built from a configurable template:
+- memory turn: `memory_template` with {question}, {memory}, {chunk};
+- final turn:  `final_template`  with {question}, {memory} only (no chunk parameter exists at all).
+
+Chunk and memory are **token ids** and are spliced into the prompt as ids, never decoded and
+re-encoded (PITFALLS "Text round trips": re-encoding changes tokens at multi-byte characters and merge
+boundaries, so stored log-probs would no longer match stored tokens). How:
+1. in the user template, {chunk} and {memory} become unique sentinel strings; then {question} is
+   replaced by the question text (str.replace, not str.format: templates hold literal braces such as
+   \\boxed{}; and a question that contains "{memory}" stays literal text);
+2. the chat template is rendered to text (`enable_thinking` from the config; Qwen3: off);
+3. the text is split at the sentinels and each static piece is tokenized on its own with
+   add_special_tokens=False (special-token strings of the template, such as <|im_start|>, still become
+   their single ids); the pieces are concatenated with the id segments in between.
+
+Invariant (tested): decoding a prompt gives the rendered chat-template text with the decoded chunk
+and memory in place of the placeholders, and the chunk / memory ids occur in it as contiguous runs.
+The question is tokenized together with the static text around it, so it reads naturally; questions
+are trusted data (a question that literally contains a special-token string becomes that token).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from memrl.config import RolloutConfig
+
+# Unlikely in any question or template; rendering must keep each exactly as often as the template has it.
+CHUNK_SENTINEL = "\u27e6memrl:chunk:7c1f\u27e7"
+MEMORY_SENTINEL = "\u27e6memrl:memory:7c1f\u27e7"
+_SLOT_OF = {CHUNK_SENTINEL: "chunk", MEMORY_SENTINEL: "memory"}
+_SPLIT = re.compile(f"({re.escape(CHUNK_SENTINEL)}|{re.escape(MEMORY_SENTINEL)})")
+
+# Names of end-of-turn / end-of-text tokens that also stop a memory turn when the tokenizer has them.
+_EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+# A piece of a prompt: static token ids, or the name of a slot ("chunk" / "memory") filled per call.
+Segment = tuple[int, ...] | str
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be built as configured; the message says what to change."""
+
+
+class PromptBuilder:
+    """Builds memory-turn and final-turn prompt ids for one tokenizer and one rollout config.
+
+    Static pieces are cached per (template, question) in a small LRU, since every memory turn of every
+    sample of a question shares them.
+    """
+
+    def __init__(self, tokenizer: Any, rollout_cfg: RolloutConfig, cache_size: int = 256) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise PromptError(
+                "the tokenizer has no chat template; MemAgent prompts go through one "
+                "(set tokenizer.chat_template, or use a chat/instruct model's tokenizer)"
+            )
+        self.tokenizer = tokenizer
+        self.cfg = rollout_cfg
+        self._segments = functools.lru_cache(maxsize=cache_size)(self._build_segments)
+        self._no_memory_ids = self._encode_text(rollout_cfg.no_memory_text)
+        self._stop_token_ids = self._find_stop_token_ids()
+
+    # ---- public API -------------------------------------------------------------------------------
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Ids that end a turn: the tokenizer's eos (and pad), plus <|im_end|> / <|endoftext|> if present."""
+        return list(self._stop_token_ids)
+
+    def memory_prompt_ids(self, question: str, memory_ids: Sequence[int] | None,
+                          chunk_ids: Sequence[int]) -> list[int]:
+        """Prompt ids of a memory turn: question + previous memory (None: the no-memory text) + chunk."""
+        return self._assemble(self.cfg.memory_template, question, memory_ids, chunk_ids)
+
+    def final_prompt_ids(self, question: str, memory_ids: Sequence[int] | None) -> list[int]:
+        """Prompt ids of the final turn: question + final memory + answer instruction, nothing else."""
+        return self._assemble(self.cfg.final_template, question, memory_ids, None)
+
+    def cap_memory(self, response_ids: Sequence[int]) -> tuple[list[int], bool]:
+        """The memory passed on from a memory-turn response, and whether it had to be cut.
+
+        Trailing stop tokens are stripped, then the rest is re-cut to `memory_tokens`. An empty
+        response gives an empty memory, which still replaces the old one (SPEC §1.2).
+        """
+        ids = [int(i) for i in response_ids]
+        stops = set(self._stop_token_ids)
+        end = len(ids)
+        while end > 0 and ids[end - 1] in stops:
+            end -= 1
+        limit = self.cfg.memory_tokens
+        return ids[: min(end, limit)], end > limit
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _encode_text(self, text: str) -> list[int]:
+        # split_special_tokens=False explicitly: template markers like <|im_start|> must stay single ids
+        # even on a tokenizer configured to split them by default.
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
+
+    def _find_stop_token_ids(self) -> list[int]:
+        found: list[int] = []
+        for token_id in (getattr(self.tokenizer, "eos_token_id", None), getattr(self.tokenizer, "pad_token_id", None)):
+            if isinstance(token_id, int) and token_id not in found:
+                found.append(token_id)
+        for name in _EXTRA_STOP_TOKENS:
+            token_id = self.tokenizer.convert_tokens_to_ids(name)
+            # Unknown names map to None or to the unk id; only keep a real, exact vocabulary entry.
+            if isinstance(token_id, int) and token_id not in found and \
+                    self.tokenizer.convert_ids_to_tokens(token_id) == name:
+                found.append(token_id)
+        if not found:
+            raise PromptError("the tokenizer has no eos token and no <|im_end|> / <|endoftext|>; set tokenizer.eos_token")
+        return found
+
+    def _build_segments(self, template: str, question: str) -> tuple[Segment, ...]:
+        for sentinel in _SLOT_OF:
+            if sentinel in question or sentinel in template:
+                raise PromptError(f"the question or template contains the reserved string {sentinel!r}; remove it")
+        user = template.replace("{chunk}", CHUNK_SENTINEL).replace("{memory}", MEMORY_SENTINEL)
+        user = user.replace("{question}", question)
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True,
+            enable_thinking=self.cfg.enable_thinking,
+        )
+        for sentinel, slot in _SLOT_OF.items():
+            if rendered.count(sentinel) != user.count(sentinel):
+                raise PromptError(
+                    f"the chat template did not keep the {{{slot}}} placeholder of the user message intact "
+                    f"({user.count(sentinel)} in the message, {rendered.count(sentinel)} rendered); "
+                    "use a chat template that passes the user content through unchanged"
+                )
+        segments: list[Segment] = []
+        for part in _SPLIT.split(rendered):
+            if part in _SLOT_OF:
+                segments.append(_SLOT_OF[part])
+            elif part:
+                segments.append(tuple(self._encode_text(part)))
+        return tuple(segments)
+
+    def _assemble(self, template: str, question: str, memory_ids: Sequence[int] | None,
+                  chunk_ids: Sequence[int] | None) -> list[int]:
+        if not isinstance(question, str):
+            raise PromptError(f"question must be a str, got {type(question).__name__}")
+        memory = self._no_memory_ids if memory_ids is None else memory_ids
+        fill = {"memory": memory, "chunk": chunk_ids}
+        out: list[int] = []
+        for segment in self._segments(template, question):
+            if isinstance(segment, str):
+                ids = fill[segment]
+                if ids is None:  # unreachable with a validated RolloutConfig (final has no {chunk})
+                    raise PromptError(f"the template has a {{{segment}}} placeholder but no ids were given for it")
+                out.extend(int(i) for i in ids)
+            else:
+                out.extend(segment)
+        return out
+
+
+def memory_prompt_ids(tokenizer: Any, cfg: RolloutConfig, question: str,
+                      memory_ids: Sequence[int] | None, chunk_ids: Sequence[int]) -> list[int]:
+    """One-off form of `PromptBuilder.memory_prompt_ids` (a rollout should keep one PromptBuilder)."""
+    return PromptBuilder(tokenizer, cfg).memory_prompt_ids(question, memory_ids, chunk_ids)
+
+
+def final_prompt_ids(tokenizer: Any, cfg: RolloutConfig, question: str,
+                     memory_ids: Sequence[int] | None) -> list[int]:
+    """One-off form of `PromptBuilder.final_prompt_ids` (a rollout should keep one PromptBuilder)."""
+    return PromptBuilder(tokenizer, cfg).final_prompt_ids(question, memory_ids)

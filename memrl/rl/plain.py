@@ -1,0 +1,33 @@
+"""A plain 1:1 converter for single-turn tasks: each trajectory is one turn and becomes one row.
+
+    convert_one_row_per_trajectory(trajectories, algorithm_cfg, rollout_id) -> list[TrainRow]
+
+Same contract as the MemAgent converter (validate everything first, GRPO per group_id, then rows),
+plus one rule: every trajectory has exactly one turn (`single_turn`), whose row carries the full
+advantage (with one turn, `split` and `share` agree). Use it as `plugins.convert_function =
+"memrl.rl.plain:convert_one_row_per_trajectory"`; the rollout then needs no `train_row_count`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memrl.config import AlgorithmConfig
+from memrl.rl.advantages import expand_rows, trajectory_advantages
+from memrl.rl.validate import TrajectoryError, validate_groups
+from memrl.types import TrainRow, Trajectory
+
+
+def convert_one_row_per_trajectory(trajectories: Sequence[Trajectory], algorithm_cfg: AlgorithmConfig,
+                                   rollout_id: int) -> list[TrainRow]:
+    """One row per trajectory; raises `TrajectoryError` before producing anything on a bad input."""
+    trajectories = list(trajectories)
+    for traj in trajectories:
+        if traj.num_turns != 1:
+            raise TrajectoryError(traj.trajectory_id, None, "single_turn",
+                                  f"{traj.num_turns} turns; the plain converter takes single-turn trajectories "
+                                  "(use memrl.memagent.convert:convert_trajectories for multi-turn ones)")
+    validate_groups(trajectories)
+    advantages = trajectory_advantages(trajectories, std_normalize=algorithm_cfg.std_normalize,
+                                       eps=algorithm_cfg.eps)
+    return expand_rows(trajectories, advantages, "share", rollout_id)

@@ -1,0 +1,240 @@
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from memrl.config import RolloutConfig
+from memrl.memagent import prompts
+from memrl.memagent.chunking import tokenize_document
+from memrl.memagent.prompts import PromptBuilder, PromptError, final_prompt_ids, memory_prompt_ids
+from memrl.tiny import build_tiny_tokenizer
+
+QWEN3_GENERATION_TAIL = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QUESTION = "Which city is the capital of France?"
+CHUNK_TEXT = "Document 3:\nThe Beatles were an English rock band formed in Liverpool in 1960. é ☃ 東京"
+MEMORY_TEXT = "Paris is the capital of France."
+
+
+def occurrences(haystack: list[int], needle: list[int]) -> int:
+    n = len(needle)
+    return sum(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
+
+
+def rendered(tokenizer, cfg: RolloutConfig, template: str, question: str, memory: str, chunk: str = "") -> str:
+    """What the prompt must decode to: the chat template over the user text with everything substituted."""
+    user = template.replace("{chunk}", chunk).replace("{memory}", memory).replace("{question}", question)
+    return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=cfg.enable_thinking)
+
+
+@pytest.fixture(params=["tiny_tokenizer", "qwen3_tokenizer"])
+def tokenizer(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_memory_prompt_splices_ids_and_decodes_to_rendered_text(tokenizer):
+    cfg = RolloutConfig()
+    builder = PromptBuilder(tokenizer, cfg)
+    chunk = tokenize_document(tokenizer, CHUNK_TEXT)
+    memory = tokenize_document(tokenizer, MEMORY_TEXT)
+    ids = builder.memory_prompt_ids(QUESTION, memory, chunk)
+    assert occurrences(ids, chunk) == 1 and occurrences(ids, memory) == 1
+    assert ids.index(chunk[0]) > 0
+    expected = rendered(tokenizer, cfg, cfg.memory_template, QUESTION, MEMORY_TEXT, CHUNK_TEXT)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == expected
+    # The generation prompt (thinking off) is tokenized as it would be on its own.
+    tail = tokenizer(QWEN3_GENERATION_TAIL, add_special_tokens=False)["input_ids"]
+    assert ids[-len(tail):] == tail and expected.endswith(QWEN3_GENERATION_TAIL)
+
+
+def test_final_prompt_decodes_to_rendered_text(tokenizer):
+    cfg = RolloutConfig()
+    memory = tokenize_document(tokenizer, MEMORY_TEXT)
+    ids = PromptBuilder(tokenizer, cfg).final_prompt_ids(QUESTION, memory)
+    assert occurrences(ids, memory) == 1
+    assert tokenizer.decode(ids, skip_special_tokens=False) == rendered(
+        tokenizer, cfg, cfg.final_template, QUESTION, MEMORY_TEXT)
+
+
+def test_special_tokens_are_single_ids(tokenizer):
+    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    builder = PromptBuilder(tokenizer, RolloutConfig())
+    for ids in (builder.memory_prompt_ids(QUESTION, None, [5, 6, 7]), builder.final_prompt_ids(QUESTION, None)):
+        assert ids[0] == im_start
+        assert ids.count(im_start) == 2 and ids.count(im_end) == 1  # user turn + generation prompt
+
+
+def test_real_qwen3_template_ids(qwen3_tokenizer):
+    ids = PromptBuilder(qwen3_tokenizer, RolloutConfig()).memory_prompt_ids(QUESTION, None, [1, 2, 3])
+    assert ids[0] == 151644 and ids.count(151644) == 2 and ids.count(151645) == 1
+    assert qwen3_tokenizer.decode(ids).endswith("<|im_end|>\n" + QWEN3_GENERATION_TAIL)
+    thinking = PromptBuilder(qwen3_tokenizer, RolloutConfig(enable_thinking=True)).final_prompt_ids(QUESTION, None)
+    assert qwen3_tokenizer.decode(thinking).endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_ids_are_never_retokenized(tokenizer):
+    # "Paris" spelled one character per token is not how the tokenizer would encode the text, so a
+    # decode/re-encode anywhere would change these ids; they must reach the prompt unchanged.
+    odd = tokenizer.convert_tokens_to_ids(list("Paris"))
+    assert odd != tokenize_document(tokenizer, "Paris")
+    builder = PromptBuilder(tokenizer, RolloutConfig())
+    assert occurrences(builder.memory_prompt_ids(QUESTION, odd, odd[::-1]), odd) == 1
+    assert occurrences(builder.memory_prompt_ids(QUESTION, odd[::-1], odd), odd) == 1
+    assert occurrences(builder.final_prompt_ids(QUESTION, odd), odd) == 1
+
+
+def test_no_memory_text_and_empty_memory(tiny_tokenizer):
+    cfg = RolloutConfig()
+    builder = PromptBuilder(tiny_tokenizer, cfg)
+    first = tiny_tokenizer.decode(builder.memory_prompt_ids(QUESTION, None, [70, 71]))
+    assert f"Your memory so far:\n{cfg.no_memory_text}\n\n" in first
+    empty = tiny_tokenizer.decode(builder.memory_prompt_ids(QUESTION, [], [70, 71]))
+    assert "Your memory so far:\n\n\nNext part" in empty and cfg.no_memory_text not in empty
+    assert cfg.no_memory_text not in tiny_tokenizer.decode(builder.final_prompt_ids(QUESTION, []))
+
+
+def test_question_is_literal_text(tiny_tokenizer):
+    # Placeholders and braces inside a question stay text; they are not filled or formatted.
+    question = "Is {memory} or {chunk} in \\boxed{x} {question}?"
+    cfg = RolloutConfig()
+    builder = PromptBuilder(tiny_tokenizer, cfg)
+    memory = tokenize_document(tiny_tokenizer, MEMORY_TEXT)
+    ids = builder.memory_prompt_ids(question, memory, [70, 71, 72])
+    assert occurrences(ids, memory) == 1 and occurrences(ids, [70, 71, 72]) == 1
+    assert f"Question: {question}\n" in tiny_tokenizer.decode(ids)
+
+
+def test_custom_template_with_literal_braces(tiny_tokenizer):
+    cfg = RolloutConfig(memory_template="Q={question} {} M=[{memory}] C=[{chunk}] {x}",
+                        final_template="{memory}|{question}|\\boxed{}")
+    builder = PromptBuilder(tiny_tokenizer, cfg)
+    text = tiny_tokenizer.decode(builder.memory_prompt_ids("why", tokenize_document(tiny_tokenizer, "mm"),
+                                                           tokenize_document(tiny_tokenizer, "cc")))
+    assert "user\nQ=why {} M=[mm] C=[cc] {x}<|im_end|>" in text
+    final = tiny_tokenizer.decode(builder.final_prompt_ids("why", tokenize_document(tiny_tokenizer, "mm")))
+    assert "user\nmm|why|\\boxed{}<|im_end|>" in final
+
+
+def test_cached_prompts_are_independent(tiny_tokenizer):
+    builder = PromptBuilder(tiny_tokenizer, RolloutConfig())
+    first = builder.final_prompt_ids(QUESTION, [70])
+    expected = list(first)
+    first.append(999)
+    first[0] = -1
+    assert builder.final_prompt_ids(QUESTION, [70]) == expected
+
+
+def test_module_functions_match_builder(tiny_tokenizer):
+    cfg = RolloutConfig()
+    builder = PromptBuilder(tiny_tokenizer, cfg)
+    assert memory_prompt_ids(tiny_tokenizer, cfg, QUESTION, [80], [81, 82]) == builder.memory_prompt_ids(
+        QUESTION, [80], [81, 82])
+    assert final_prompt_ids(tiny_tokenizer, cfg, QUESTION, None) == builder.final_prompt_ids(QUESTION, None)
+
+
+def test_final_prompt_has_no_chunk_parameter():
+    for fn in (PromptBuilder.final_prompt_ids, prompts.final_prompt_ids):
+        params = inspect.signature(fn).parameters
+        assert not any("chunk" in name for name in params), params
+    assert "chunk_ids" in inspect.signature(PromptBuilder.memory_prompt_ids).parameters
+
+
+# ---- no chunk can reach the final prompt ----------------------------------------------------------
+# Chunk words use only characters that occur nowhere in the final prompt's text (template, question,
+# memory), so any chunk token 4-gram found in the final prompt could only have come from the chunk.
+CHUNK_ALPHABET = "ZJKXVGH0189"
+MEMORY_WORDS = ["Paris", "is", "the", "capital", "of", "France", "Beatles", "Liverpool", "band", "yes", "no"]
+chunk_texts = st.lists(st.text(alphabet=CHUNK_ALPHABET, min_size=1, max_size=8), min_size=3, max_size=40).map(" ".join)
+memory_texts = st.lists(st.sampled_from(MEMORY_WORDS), min_size=0, max_size=20).map(" ".join)
+
+
+def _assert_chunk_never_in_final(tokenizer, chunk_text: str, memory_text: str) -> None:
+    cfg = RolloutConfig()
+    builder = PromptBuilder(tokenizer, cfg)
+    static = rendered(tokenizer, cfg, cfg.final_template, QUESTION, memory_text)
+    assert not set(CHUNK_ALPHABET) & set(static)  # the premise of this test
+    chunk = tokenize_document(tokenizer, chunk_text)
+    assume(len(chunk) >= 4)
+    grams = {tuple(chunk[i : i + 4]) for i in range(len(chunk) - 3)}
+    memory = tokenize_document(tokenizer, memory_text)
+
+    memory_prompt = builder.memory_prompt_ids(QUESTION, memory, chunk)
+    found = {tuple(memory_prompt[i : i + 4]) for i in range(len(memory_prompt) - 3)}
+    assert grams <= found  # the detector sees the chunk where it belongs
+    final = builder.final_prompt_ids(QUESTION, builder.cap_memory(memory)[0])
+    final_grams = {tuple(final[i : i + 4]) for i in range(len(final) - 3)}
+    assert not grams & final_grams
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunk_text=chunk_texts, memory_text=memory_texts)
+def test_no_chunk_in_final_prompt_tiny(tiny_tokenizer, chunk_text, memory_text):
+    _assert_chunk_never_in_final(tiny_tokenizer, chunk_text, memory_text)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunk_text=chunk_texts, memory_text=memory_texts)
+def test_no_chunk_in_final_prompt_qwen3(qwen3_tokenizer, chunk_text, memory_text):
+    _assert_chunk_never_in_final(qwen3_tokenizer, chunk_text, memory_text)
+
+
+# ---- memory cap ------------------------------------------------------------------------------------
+
+
+def test_stop_token_ids(tokenizer):
+    ids = PromptBuilder(tokenizer, RolloutConfig()).stop_token_ids
+    expected = set(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    assert set(ids) == expected | {tokenizer.eos_token_id}
+    assert len(ids) == len(set(ids))
+
+
+def test_stop_token_ids_of_real_qwen3(qwen3_tokenizer):
+    assert set(PromptBuilder(qwen3_tokenizer, RolloutConfig()).stop_token_ids) == {151645, 151643}
+
+
+def test_cap_memory(tiny_tokenizer):
+    builder = PromptBuilder(tiny_tokenizer, RolloutConfig(memory_tokens=4))
+    im_end, eot = tiny_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert builder.cap_memory([70, 71, im_end]) == ([70, 71], False)
+    assert builder.cap_memory([70, 71, im_end, eot, im_end]) == ([70, 71], False)
+    assert builder.cap_memory([70, im_end, 71]) == ([70, im_end, 71], False)  # only trailing stops go
+    assert builder.cap_memory([70, 71, 72, 73, im_end]) == ([70, 71, 72, 73], False)
+    assert builder.cap_memory([70, 71, 72, 73, 74]) == ([70, 71, 72, 73], True)
+    assert builder.cap_memory([70, 71, 72, 73, 74, 75, im_end]) == ([70, 71, 72, 73], True)
+    assert builder.cap_memory([]) == ([], False)
+    assert builder.cap_memory([im_end]) == ([], False)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def test_config_rejects_templates_without_placeholders():
+    with pytest.raises(ValidationError, match="chunk"):
+        RolloutConfig(memory_template="Question: {question}\nMemory: {memory}")
+    with pytest.raises(ValidationError, match="memory"):
+        RolloutConfig(final_template="Question: {question}")
+    with pytest.raises(ValidationError, match="must not contain"):
+        RolloutConfig(final_template="{question} {memory} {chunk}")
+
+
+def test_chat_template_that_drops_content_is_rejected():
+    tok = build_tiny_tokenizer()
+    tok.chat_template = "{{- '<|im_start|>assistant\\n' }}"
+    with pytest.raises(PromptError, match="memory"):
+        PromptBuilder(tok, RolloutConfig()).final_prompt_ids(QUESTION, None)
+
+
+def test_tokenizer_without_chat_template_is_rejected():
+    tok = build_tiny_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(PromptError, match="chat template"):
+        PromptBuilder(tok, RolloutConfig())
+
+
+def test_reserved_sentinel_in_question_is_rejected(tiny_tokenizer):
+    with pytest.raises(PromptError, match="reserved"):
+        PromptBuilder(tiny_tokenizer, RolloutConfig()).final_prompt_ids(f"x {prompts.CHUNK_SENTINEL}", None)

@@ -1,0 +1,81 @@
+"""Trajectory reward and scores: final answer only, via the shared scorer; unfinished answers score 0."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memrl.config import Config, import_object
+from memrl.memagent.reward import score_trajectory, trajectory_reward
+from memrl.scoring import reward_from_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
+from traj_factory import make_trajectory  # noqa: E402
+
+
+def _traj(answer: str, status: str = "complete", memory_turns: int = 2):
+    return make_trajectory("q/s0", "q", memory_turns, reward=None, status=status, answer=answer)
+
+
+def test_is_the_configured_reward_function():
+    assert import_object(Config().plugins.reward_function) is trajectory_reward
+
+
+@pytest.mark.parametrize("answer, golds, expected", [
+    ("The answer is \\boxed{Paris}.", ["Paris"], 1.0),
+    ("\\boxed{The Beatles.}", ["the beatles"], 1.0),  # HotpotQA normalization, not a math normalizer
+    ("\\boxed{London}", ["Paris"], 0.0),
+    ("Paris", ["Paris"], 0.0),  # no box, no answer
+    ("\\boxed{Paris} then \\boxed{Rome}", ["Paris"], 0.0),  # the last box counts
+    ("\\boxed{Rome}", ["Paris", "Rome"], 1.0),  # any gold
+])
+def test_complete_trajectory_scores_its_boxed_answer(answer, golds, expected):
+    assert trajectory_reward(_traj(answer), golds) == expected
+    assert score_trajectory(_traj(answer), golds).em == expected
+
+
+@pytest.mark.parametrize("status", ["failed", "truncated"])
+def test_unfinished_answers_score_zero(status):
+    traj = _traj("\\boxed{Paris}", status=status)
+    assert trajectory_reward(traj, ["Paris"]) == 0.0
+    score = score_trajectory(traj, ["Paris"])
+    assert (score.em, score.sub_em, score.f1) == (0.0, 0.0, 0.0)
+
+
+def test_failed_is_a_missing_answer_and_truncated_keeps_what_it_boxed():
+    failed = score_trajectory(_traj("\\boxed{Paris}", status="failed"), ["Paris"])
+    assert failed.missing_box and failed.boxed is None
+    truncated = score_trajectory(_traj("\\boxed{Paris} and then", status="truncated"), ["Paris"])
+    assert not truncated.missing_box and truncated.boxed == "Paris"
+
+
+def test_score_reports_sub_em_and_f1():
+    score = score_trajectory(_traj("\\boxed{Paris France}"), ["Paris"])
+    assert (score.em, score.sub_em, score.missing_box) == (0.0, 1.0, False)
+    assert score.f1 == pytest.approx(2 / 3)
+
+
+def test_memory_turns_do_not_change_the_reward():
+    for memory_turns in (0, 1, 5):
+        assert trajectory_reward(_traj("\\boxed{Paris}", memory_turns=memory_turns), ["Paris"]) == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(answer=st.text(max_size=60) | st.builds(lambda s: f"x \\boxed{{{s}}}", st.text(max_size=20)),
+       gold=st.text(max_size=20), status=st.sampled_from(["complete", "truncated", "failed"]))
+def test_reward_equals_em_and_matches_the_shared_scorer(answer, gold, status):
+    traj = _traj(answer, status=status)
+    reward = trajectory_reward(traj, [gold])
+    assert reward == score_trajectory(traj, [gold]).em
+    assert reward == (reward_from_text(answer, [gold]) if status == "complete" else 0.0)
+
+
+def test_real_hotpotqa_answers_score_one_when_boxed(hotpot_dev_records):
+    for record in hotpot_dev_records[:50]:
+        gold = record["answer"]
+        assert trajectory_reward(_traj(f"So the answer is \\boxed{{{gold}}}"), [gold]) == 1.0
+        assert trajectory_reward(_traj(f"So the answer is {gold}"), [gold]) == 0.0

@@ -1,0 +1,169 @@
+"""Validation rules of memrl.rl.validate: each broken rule is reported with its trajectory, turn and id."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memrl.rl.validate import TrajectoryError, validate_groups, validate_train_rows, validate_trajectory
+from memrl.types import TrainRow, Trajectory
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from traj_factory import FINAL_MAX_TOKENS, make_group, make_trajectory  # noqa: E402
+
+
+def _set(obj, **values):
+    for name, value in values.items():
+        setattr(obj, name, value)
+
+
+def _shift_indices(t: Trajectory) -> None:
+    for turn in t.turns:
+        turn.index += 1
+
+
+def _swap_final_into_middle(t: Trajectory) -> None:
+    t.turns[1].kind, t.turns[2].kind = "final", "memory"
+    t.turns[1].max_tokens, t.turns[2].max_tokens = t.turns[2].max_tokens, t.turns[1].max_tokens
+
+
+def _empty_response(turn) -> None:
+    _set(turn, response_ids=[], loss_mask=[], rollout_log_probs=[])
+
+
+def _final_over_its_own_limit(t: Trajectory) -> None:
+    # The final turn is longer than its own limit but within the memory-turn limit: official MemAgent
+    # took the final limit from the memory limit; validation must check each kind against its own.
+    final = t.turns[-1]
+    final.max_tokens = 2
+    assert final.response_length == 3 and t.turns[0].max_tokens >= 3
+
+
+# (mutation of a valid 3-turn trajectory "t", expected turn, expected rule)
+BROKEN: list[tuple[str, Callable[[Trajectory], None], int | None, str]] = [
+    ("index gap", lambda t: _set(t.turns[1], index=5), 1, "turn_index_sequence"),
+    ("indices start at 1", _shift_indices, 0, "turn_index_sequence"),
+    ("final turn in the middle", _swap_final_into_middle, 1, "final_turn_last"),
+    ("no final turn", lambda t: _set(t.turns[2], kind="memory", max_tokens=16), None, "single_final_turn"),
+    ("two final turns", lambda t: _set(t.turns[0], kind="final", max_tokens=FINAL_MAX_TOKENS), 0, "single_final_turn"),
+    ("unknown kind", lambda t: _set(t.turns[0], kind="summary"), 0, "turn_kind"),
+    ("empty response", lambda t: _empty_response(t.turns[1]), 1, "response_length_positive"),
+    ("memory turn over its limit", lambda t: _set(t.turns[0], max_tokens=2), 0, "response_length_limit"),
+    ("final turn over its own limit", _final_over_its_own_limit, 2, "response_length_limit"),
+    ("empty prompt", lambda t: _set(t.turns[2], prompt_ids=[]), 2, "response_length_tokens"),
+    ("loss mask too long", lambda t: t.turns[1].loss_mask.append(1), 1, "loss_mask_length"),
+    ("loss mask too short", lambda t: t.turns[2].loss_mask.pop(), 2, "loss_mask_length"),
+    ("log-probs too short", lambda t: t.turns[0].rollout_log_probs.pop(), 0, "log_probs_length"),
+    ("log-probs too long", lambda t: t.turns[2].rollout_log_probs.append(-1.0), 2, "log_probs_length"),
+    ("failed status", lambda t: _set(t, status="failed"), None, "status_trainable"),
+    ("no reward", lambda t: _set(t, reward=None), None, "reward_present"),
+    ("nan reward", lambda t: _set(t, reward=math.nan), None, "reward_finite"),
+    ("text reward", lambda t: _set(t, reward="1"), None, "reward_finite"),
+    ("empty group id", lambda t: _set(t, group_id=""), None, "group_id_present"),
+]
+
+
+def test_factory_trajectory_is_valid():
+    validate_trajectory(make_trajectory("t"))
+    validate_trajectory(make_trajectory("t", num_memory_turns=0))  # empty document: final turn only
+    validate_trajectory(make_trajectory("t", status="truncated", reward=0.0))
+
+
+@pytest.mark.parametrize("mutate, turn, rule", [b[1:] for b in BROKEN], ids=[b[0] for b in BROKEN])
+def test_each_rule_is_reported_with_trajectory_turn_and_rule(mutate, turn, rule):
+    traj = make_trajectory("q7/s3", num_memory_turns=2)
+    mutate(traj)
+    with pytest.raises(TrajectoryError) as info:
+        validate_trajectory(traj)
+    err = info.value
+    assert (err.trajectory_id, err.turn, err.rule) == ("q7/s3", turn, rule)
+    message = str(err)
+    assert "q7/s3" in message and rule in message
+    if turn is not None:
+        assert f"turn {turn}" in message
+    # validate_groups runs the same per-trajectory rules
+    with pytest.raises(TrajectoryError) as info:
+        validate_groups([make_trajectory("other", group_id="q7"), traj])
+    assert info.value.rule == rule
+
+
+def test_trajectory_error_is_a_value_error_with_what_was_found():
+    traj = make_trajectory("t")
+    traj.turns[0].loss_mask.append(1)
+    with pytest.raises(ValueError, match=r"len\(loss_mask\) = 4 but response_length = 3"):
+        validate_trajectory(traj)
+
+
+def test_zero_turns_is_not_a_trajectory():
+    traj = make_trajectory("t")
+    traj.turns = []
+    with pytest.raises(TrajectoryError) as info:
+        validate_trajectory(traj)
+    assert (info.value.rule, info.value.turn) == ("single_final_turn", None)
+
+
+def test_groups_with_equal_turn_counts_pass_and_empty_list_passes():
+    validate_groups(make_group("q1", [1, 0, 1], num_memory_turns=3) + make_group("q2", [0, 0], num_memory_turns=1))
+    validate_groups([])
+
+
+def test_unequal_turn_counts_in_one_group_name_the_odd_trajectory():
+    group = make_group("q1", [1, 0], num_memory_turns=2)
+    odd = make_trajectory("q1/odd", group_id="q1", num_memory_turns=4, sample_index=2)
+    with pytest.raises(TrajectoryError) as info:
+        validate_groups([*group, odd])
+    assert (info.value.trajectory_id, info.value.turn, info.value.rule) == ("q1/odd", None, "group_turn_count")
+    assert "q1/s0" in str(info.value)  # names the trajectory it disagrees with
+
+
+def test_turn_counts_may_differ_between_groups():
+    validate_groups(make_group("q1", [1, 0], num_memory_turns=1) + make_group("q2", [1, 0], num_memory_turns=4))
+
+
+def test_duplicate_trajectory_ids_are_rejected():
+    a = make_trajectory("dup", group_id="q1")
+    b = make_trajectory("dup", group_id="q1", sample_index=1)
+    with pytest.raises(TrajectoryError) as info:
+        validate_groups([a, b])
+    assert (info.value.trajectory_id, info.value.rule) == ("dup", "trajectory_id_unique")
+
+
+@settings(max_examples=50, deadline=None)
+@given(num_memory=st.integers(0, 6), response_len=st.integers(1, FINAL_MAX_TOKENS),
+       status=st.sampled_from(["complete", "truncated"]), reward=st.floats(-5, 5))
+def test_any_well_formed_trajectory_passes(num_memory, response_len, status, reward):
+    validate_trajectory(make_trajectory("t", num_memory_turns=num_memory, response_len=response_len,
+                                        status=status, reward=reward))
+
+
+def _row(**overrides) -> TrainRow:
+    values = dict(tokens=[1, 2, 3, 4, 5], response_length=2, loss_mask=[1, 0], rollout_log_probs=[-0.5, -1.0],
+                  advantage=0.25, group_id="q1", trajectory_id="q1/s0", turn_index=1, rollout_id=3)
+    values.update(overrides)
+    return TrainRow(**values)
+
+
+@pytest.mark.parametrize("overrides, rule", [
+    (dict(response_length=0, loss_mask=[], rollout_log_probs=[]), "row_response_length"),
+    (dict(tokens=[1, 2]), "row_response_length"),
+    (dict(loss_mask=[1]), "row_loss_mask_length"),
+    (dict(rollout_log_probs=[-0.5, -1.0, -2.0]), "row_log_probs_length"),
+    (dict(advantage=math.inf), "row_advantage_finite"),
+    (dict(advantage=math.nan), "row_advantage_finite"),
+    (dict(is_padding=True), "padding_mask_zero"),
+])
+def test_train_row_rules(overrides, rule):
+    validate_train_rows([_row(turn_index=0), _row(trajectory_id="q1/s1")])
+    with pytest.raises(TrajectoryError) as info:
+        validate_train_rows([_row(turn_index=0), _row(trajectory_id="q1/s1", **overrides)])
+    assert (info.value.trajectory_id, info.value.turn, info.value.rule) == ("q1/s1", 1, rule)
+
+
+def test_padding_row_with_zero_mask_passes():
+    validate_train_rows([_row(is_padding=True, loss_mask=[0, 0], advantage=0.0)])

@@ -1,0 +1,149 @@
+"""End-to-end training loop on a tiny model (CPU, fp32): row counts, resume, replay, weight sync."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from memrl.config import Config
+from memrl.data.records import QuestionRecord
+from memrl.engines.base import GenerationRequest
+from memrl.memagent.convert import convert_trajectories
+from memrl.tiny import build_tiny_model, build_tiny_tokenizer
+from memrl.train.checkpoint import list_checkpoints
+from memrl.train.controller import Trainer, TrainingError, TrainOptions, load_raw_rollout
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def records(n=6):
+    # ~3 chunks of 24 tokens each with the byte-level tiny tokenizer: 3 memory turns + 1 final turn.
+    out = []
+    for k in range(n):
+        text = " ".join(f"Document {j}: fact{k}{j} is the capital of France." for j in range(4))
+        out.append(QuestionRecord(id=f"q{k}", question=f"What is fact{k}?", answers=["Paris"], context=text, metadata={}))
+    return out
+
+
+def parity_reward(traj, golds):
+    """A reward that varies within a group even for a random model (the real one is 0 for all)."""
+    return float(traj.turns[-1].response_ids[0] % 2 == 0)
+
+
+def config(**train):
+    return Config.model_validate({
+        "plugins": {"reward_function": f"{__name__}:parity_reward"},
+        "rollout": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3, "n_samples": 8,
+                    "temperature": 1.0, "max_batch_size": 1},
+        "algorithm": {"kl_coef": 0.01},
+        "train": {"lr": 1e-3, "num_rollout": 2, "rollout_batch_size": 1, "save_interval": 1, **train},
+        "queue": {"train_sample_expansion_factor": 4},
+    })
+
+
+def make_trainer(tokenizer, run_root, cfg, **opts):
+    model = build_tiny_model(len(tokenizer), layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=0,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return Trainer(cfg, TrainOptions(run_root=run_root, progress=False, **opts), model=model, tokenizer=tokenizer,
+                   records=records())
+
+
+def read_metrics(run_root):
+    return [json.loads(line) for line in (run_root / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_step_smoke_run_counts_rows_and_resumes(tokenizer, tmp_path):
+    run_root = tmp_path / "run"
+    history = make_trainer(tokenizer, run_root, config()).run()
+    assert len(history) == 2
+    for m in history:
+        # 1 question x 8 samples x (3 memory turns + 1 final) = 32 rows saved = transferred = consumed
+        assert m["rows/saved"] == m["rows/transferred"] == m["rows/consumed"] == 32
+        assert m["turns/mean"] == 4
+    assert history[1]["grad_norm"] > 0 and history[1]["loss/total"] != 0
+    assert [p.name for p in list_checkpoints(run_root)] == ["iter_0000000", "iter_0000001"]
+    assert list((run_root / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_root / "logs" / "rollouts" / "rollout_0000001.jsonl").is_file()
+    assert json.loads((run_root / "reward_summary.json").read_text())
+    resumed = make_trainer(tokenizer, run_root, config(num_rollout=3),
+                           load=run_root / "checkpoints" / "iter_0000001").run()
+    assert len(resumed) == 1 and resumed[0]["rows/consumed"] == 32
+    assert [m["rollout_id"] for m in read_metrics(run_root)] == [0, 1, 2]
+
+
+def test_resume_is_exact(tokenizer, tmp_path):
+    straight = make_trainer(tokenizer, tmp_path / "a", config(num_rollout=4, save_interval=2))
+    straight.run()
+    first = make_trainer(tokenizer, tmp_path / "b", config(num_rollout=2, save_interval=2))
+    first.run()
+    second = make_trainer(tokenizer, tmp_path / "b", config(num_rollout=4, save_interval=2),
+                          load=tmp_path / "b" / "checkpoints" / "iter_0000001")
+    assert second.start_rollout_id == 2
+    second.run()
+    assert [straight.data.batch(k)[0].id for k in range(4)] == [second.data.batch(k)[0].id for k in range(4)]
+    a = read_metrics(tmp_path / "a")
+    b = read_metrics(tmp_path / "b")
+    assert [m["reward/mean"] for m in a] == [m["reward/mean"] for m in b]
+    for (name, pa), pb in zip(straight.actor.model.named_parameters(), second.actor.model.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)
+
+
+def test_replay_trains_on_identical_rows(tokenizer, tmp_path):
+    run_root = tmp_path / "run"
+    make_trainer(tokenizer, run_root, config(), save_rollouts=True).run()
+    cfg = config()
+    saved = load_raw_rollout(run_root / "rollouts_raw", 1)
+    replay = make_trainer(tokenizer, tmp_path / "replay", cfg, replay_rollouts=run_root / "rollouts_raw")
+    assert replay.engine is None  # no generation at all
+    captured = []
+    original = replay.actor.train_rollout
+    replay.actor.train_rollout = lambda rows, rid: (captured.append(rows), original(rows, rid))[1]
+    history = replay.run()
+    assert [m["rows/consumed"] for m in history] == [32, 32]
+    assert [r.to_dict() for r in captured[1]] == [r.to_dict() for r in
+                                                 convert_trajectories(saved.trajectories, cfg.algorithm, 1)]
+
+
+def test_engine_uses_actor_weights_after_sync(tokenizer, tmp_path):
+    from memrl.train.logging import RunLogger
+    from memrl.types import TrainRow
+
+    trainer = make_trainer(tokenizer, tmp_path / "run", config(num_rollout=1))
+    loop = asyncio.new_event_loop()
+    with RunLogger(tmp_path / "run", use_tensorboard=False) as logger:
+        metrics = trainer.step(loop, 0, logger)  # the actor's weights change, then are synced into the engine
+    assert metrics["grad_norm"] > 0
+    prompt = tokenizer("Document 1: hello", add_special_tokens=False)["input_ids"]
+    request = GenerationRequest(prompt, 6, temperature=1.0, seed=7)
+    (result,) = loop.run_until_complete(trainer.engine.generate([request]))
+    loop.run_until_complete(trainer.engine.close())
+    loop.close()
+    assert result.output_ids
+    row = TrainRow(tokens=prompt + result.output_ids, response_length=len(result.output_ids),
+                   loss_mask=[1] * len(result.output_ids), rollout_log_probs=result.log_probs, advantage=0.0,
+                   group_id="g", trajectory_id="t", turn_index=0, rollout_id=0)
+    (trainer_lp,) = trainer.actor.log_probs([row])
+    assert max(abs(a - b) for a, b in zip(trainer_lp, result.log_probs, strict=True)) <= 1e-4
+    # and the synced weights are not the initial ones: the step changed the policy the engine samples from
+    initial = build_tiny_model(len(tokenizer), layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=0)
+    assert any(not torch.equal(a, b) for a, b in zip(initial.parameters(), trainer.engine.model.parameters(), strict=True))
+
+
+def test_expanded_rollout_without_row_count_is_an_error(tokenizer, tmp_path, monkeypatch):
+    trainer = make_trainer(tokenizer, tmp_path / "run", config())
+    real = trainer.generate_fn
+
+    async def no_count(ctx, recs):
+        out = await real(ctx, recs)
+        out.train_row_count = None
+        return out
+
+    trainer.generate_fn = no_count
+    with pytest.raises(TrainingError, match="no train_row_count"):
+        trainer.run()
