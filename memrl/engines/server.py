@@ -1,0 +1,502 @@
+"""`memrl serve`: an OpenAI-compatible completions server over a local engine, token ids in and out.
+
+Endpoints (shapes follow vLLM's OpenAI server, so one client speaks to both):
+    GET  /health                 200 {"status": "ok"}; never needs the API key, never waits on a reload
+    GET  /v1/models              the one served model
+    POST /v1/completions         `prompt` = list of ints, or list of lists of ints (a batch); returns per
+                                 choice `text` (decoded, for humans), `token_ids`, `logprobs`
+                                 {tokens, token_logprobs} when `logprobs` is set, `finish_reason`, usage
+    POST /v1/reload_weights      {"path": DIR}: the engine reloads its weights from DIR (trainer sync)
+
+Invariants:
+- Text prompts are refused (400): memrl serves token ids only, so nothing is re-tokenized.
+- Every malformed request gets a 4xx with an OpenAI-style body {"error": {"message", "type", "code"}};
+  an engine failure gets a 500 with the engine's message. The server never drops a request silently.
+- A reload waits for in-flight generations to finish and holds new ones back until it is done, so no
+  response mixes two weight versions.
+- Bound to 127.0.0.1 unless told otherwise; with an API key, every /v1 route needs
+  `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from memrl.engines.base import Engine, GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PROMPT_TOKENS = 32768
+DEFAULT_MAX_TOKENS_LIMIT = 8192
+DEFAULT_MAX_BATCH_PROMPTS = 256
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+API_KEY_ENV = "MEMRL_API_KEY"
+
+TEXT_PROMPT_MESSAGE = (
+    "memrl serve takes token-id prompts only: send `prompt` as a list of ints (or a list of lists of "
+    "ints for a batch), tokenized on the client with the model's tokenizer and chat template"
+)
+
+
+class APIError(Exception):
+    """A request the server refuses; becomes an OpenAI-style error response with `status`."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+def _parse_prompt(value: Any) -> list[list[int]]:
+    """A prompt as a batch of token-id lists; ValueError with a message that says what to send."""
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and all(isinstance(v, str) for v in value)
+    ):
+        raise ValueError(TEXT_PROMPT_MESSAGE)
+    if not isinstance(value, list) or not value:
+        raise ValueError(
+            "`prompt` must be a non-empty list of token ids (ints) or a non-empty list of such lists"
+        )
+    batch = value if isinstance(value[0], list) else [value]
+    for i, ids in enumerate(batch):
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids (ints)")
+        # bool is an int subclass in Python; a JSON `true` in a prompt is a client bug, not token 1.
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise ValueError(f"prompt {i} holds {bad!r} ({type(bad).__name__}); token ids must be ints")
+    return batch
+
+
+class CompletionBody(BaseModel):
+    """The /v1/completions request. Unknown OpenAI/vLLM fields are ignored; unsupported ones refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: Any
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    skip_special_tokens: bool = True
+    n: int = Field(1, ge=1, le=1, description="one sample per prompt; send the prompt again for more")
+    stream: bool = Field(False, description="streaming is not supported")
+    stop: str | list[str] | None = Field(None, description="text stops are not supported; use stop_token_ids")
+    echo: bool = Field(False, description="echo is not supported")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_token_ids(cls, value: Any) -> list[list[int]]:
+        return _parse_prompt(value)
+
+    @field_validator("stream", "echo")
+    @classmethod
+    def _unsupported_flag(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported by memrl serve; send false")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_text_stops(cls, value: str | list[str] | None) -> None:
+        if value:
+            raise ValueError("text stop strings are not supported; send `stop_token_ids` instead")
+        return None
+
+
+class ReloadBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(min_length=1)
+
+
+class _ReloadGate:
+    """Generations share the engine; a reload needs it alone (a small readers-writer lock).
+
+    Waiting reloads take precedence over new generations, so a busy server still reloads.
+    """
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._active = 0
+        self._reloading = False
+        self._reloads_waiting = 0
+
+    @asynccontextmanager
+    async def generation(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._reloading and self._reloads_waiting == 0)
+            self._active += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def reload(self):
+        async with self._cond:
+            self._reloads_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._reloading and self._active == 0)
+            finally:
+                self._reloads_waiting -= 1
+            self._reloading = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._reloading = False
+                self._cond.notify_all()
+
+
+class _BodySizeLimit:
+    """ASGI middleware: 413 when a request body passes `max_bytes`.
+
+    The body is read here (at most `max_bytes` of it) and replayed to the app, so a body without a
+    Content-Length header is bounded too.
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
+        message = f"request body exceeds {self.max_bytes} bytes; send fewer or shorter prompts per request"
+        await _error_response(APIError(413, message, "request_too_large"))(scope, receive, send)
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(
+        status_code=err.status,
+        content={"error": {"message": err.message, "type": err.kind, "code": err.status}},
+    )
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        # pydantic prefixes messages of raised ValueErrors with "Value error, "; the rest is ours.
+        parts.append(f"{where}: {str(error.get('msg', '')).removeprefix('Value error, ')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def _token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
+    if tokenizer is not None and hasattr(tokenizer, "convert_ids_to_tokens"):
+        return [str(t) for t in tokenizer.convert_ids_to_tokens(ids)]
+    return [f"token_id:{t}" for t in ids]  # vLLM's --return-tokens-as-token-ids format
+
+
+def create_app(
+    engine: Engine,
+    model_name: str,
+    api_key: str | None = None,
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+    max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tokenizer: Any = None,
+    vocab_size: int | None = None,
+    close_engine_on_shutdown: bool = True,
+) -> FastAPI:
+    """The FastAPI app serving `engine` as `model_name`.
+
+    `tokenizer` (optional) only decodes `text` and per-token strings for humans; `vocab_size`
+    (optional) makes out-of-range token ids a 400 instead of an engine error.
+    """
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if close_engine_on_shutdown:
+            await engine.close()
+
+    app = FastAPI(title="memrl serve", lifespan=lifespan)
+    app.add_middleware(_BodySizeLimit, max_bytes=max_request_bytes)
+    gate = _ReloadGate()
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(APIError(400, _validation_message(exc)))
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(
+                401, "missing or wrong API key: send `Authorization: Bearer <key>`", "authentication_error"
+            )
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        check_key(request)
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "memrl"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> dict:
+        check_key(request)
+        prompts: list[list[int]] = body.prompt
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves {model_name!r}")
+        if len(prompts) > max_batch_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request; the limit is {max_batch_prompts}")
+        if body.max_tokens > max_tokens_limit:
+            raise APIError(
+                400, f"max_tokens={body.max_tokens} exceeds this server's limit of {max_tokens_limit}"
+            )
+        for i, ids in enumerate(prompts):
+            if len(ids) > max_prompt_tokens:
+                raise APIError(
+                    400, f"prompt {i} has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}"
+                )
+        for ids in (*prompts, body.stop_token_ids):
+            bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size or 'inf'})")
+        requests = [
+            GenerationRequest(
+                prompt_ids=ids,
+                max_tokens=body.max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                stop_token_ids=list(body.stop_token_ids),
+                # One seed for a batch would give identical prompts identical samples; offset it per prompt.
+                seed=None if body.seed is None else body.seed + i,
+            )
+            for i, ids in enumerate(prompts)
+        ]
+        async with gate.generation():
+            try:
+                results = await engine.generate(requests)
+            except Exception as exc:  # an engine bug must reach the client, not hang it
+                logger.exception("engine.generate failed")
+                raise APIError(500, f"engine error: {type(exc).__name__}: {exc}", "server_error") from exc
+        choices = []
+        for i, result in enumerate(results):
+            if result.finish_reason == "error":
+                raise APIError(500, f"engine error on prompt {i}: {result.error}", "server_error")
+            text = ""
+            if tokenizer is not None:
+                text = tokenizer.decode(result.output_ids, skip_special_tokens=body.skip_special_tokens)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = {
+                    "tokens": _token_strings(tokenizer, result.output_ids),
+                    "token_logprobs": list(result.log_probs),
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "text": text,
+                    "token_ids": list(result.output_ids),
+                    "prompt_token_ids": prompts[i],
+                    "logprobs": logprobs,
+                    "finish_reason": result.finish_reason,
+                    "stop_reason": None,
+                }
+            )
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    @app.post("/v1/reload_weights")
+    async def reload_weights(body: ReloadBody, request: Request) -> dict:
+        check_key(request)
+        reload = getattr(engine, "reload_from_path", None)
+        if reload is None:
+            raise APIError(501, f"{type(engine).__name__} cannot reload weights (no reload_from_path)")
+        if not Path(body.path).is_dir():
+            raise APIError(400, f"reload path {body.path!r} is not a folder on the server's machine")
+        start = time.perf_counter()
+        async with gate.reload():
+            try:
+                if inspect.iscoroutinefunction(reload):
+                    await reload(body.path)
+                else:  # in a thread, so /health keeps answering during a long reload
+                    await asyncio.to_thread(reload, body.path)
+            except Exception as exc:
+                logger.exception("reload_from_path failed")
+                raise APIError(
+                    500, f"reload from {body.path!r} failed: {type(exc).__name__}: {exc}", "server_error"
+                ) from exc
+        return {"success": True, "path": body.path, "seconds": round(time.perf_counter() - start, 3)}
+
+    return app
+
+
+def _load_engine(model_path: str, engine_factory: str | None, device: str, dtype: str) -> Engine:
+    if engine_factory:
+        module_name, _, func_name = engine_factory.partition(":")
+        if not func_name:
+            raise ValueError(f"--engine must be 'module:function', got {engine_factory!r}")
+        return getattr(importlib.import_module(module_name), func_name)(model_path)
+    from memrl.engines.hf import HFEngine
+
+    return HFEngine.from_pretrained(model_path, device=device, dtype=dtype)
+
+
+def _vocab_size(engine: Any) -> int | None:
+    config = getattr(getattr(engine, "model", None), "config", None)
+    size = getattr(config, "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def serve(
+    model_path: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+    max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    engine_factory: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Load the model (HFEngine, or `engine_factory` 'module:function(model_path) -> Engine') and serve it
+    until interrupted. The model is served under `served_model_name` (default: the folder's name)."""
+    import uvicorn
+
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logger.warning(
+            "serving on %s without an API key: anyone who reaches this port can generate and reload", host
+        )
+    engine = _load_engine(model_path, engine_factory, device, dtype)
+    app = create_app(
+        engine,
+        model_name=served_model_name or Path(model_path).name or model_path,
+        api_key=api_key,
+        max_prompt_tokens=max_prompt_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_batch_prompts=max_batch_prompts,
+        max_request_bytes=max_request_bytes,
+        tokenizer=getattr(engine, "tokenizer", None),  # HFEngine loads the folder's tokenizer
+        vocab_size=_vocab_size(engine),
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def serve_command(
+    model: str,
+    port: int = 8000,
+    host: str = "127.0.0.1",
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+    engine: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """`memrl serve --model DIR [--port 8000] [--host 127.0.0.1] [--api-key KEY]`: typed parameters for
+    the CLI. The API key may also come from the MEMRL_API_KEY environment variable (keeps it out of `ps`)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(
+        model, host=host, port=port, api_key=api_key, served_model_name=served_model_name, device=device,
+        dtype=dtype, max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
+        engine_factory=engine, log_level=log_level,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m memrl.engines.server", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--model", required=True, help="model folder (Hugging Face format)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address; loopback by default")
+    parser.add_argument("--api-key", default=None, help=f"require this bearer key (or set {API_KEY_ENV})")
+    parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: folder name)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS)
+    parser.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT)
+    parser.add_argument(
+        "--engine", default=None, help="'module:function' building the engine from the model path"
+    )
+    parser.add_argument("--log-level", default="info")
+    serve_command(**vars(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""`memrl serve` (memrl.engines.server) over a fake engine, on a real uvicorn server on loopback.
+
+Also home of `FakeEngine` and `serve_in_thread`, which tests/engines/test_openai_client.py imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+
+from memrl.engines.base import GenerationRequest, GenerationResult
+from memrl.engines.server import TEXT_PROMPT_MESSAGE, create_app
+
+FAIL_TOKEN = 99  # a prompt holding it gets an `error` result
+RAISE_TOKEN = 98  # a prompt holding it makes generate() raise
+
+
+class FakeEngine:
+    """Deterministic Engine: output token k = (sum(prompt) + 7k + seed) % 97, log-prob -(k+1)/10.
+
+    Generation stops after a stop token (included) or at max_tokens. Records the largest number of
+    concurrent generate() calls, every request, reloads and the order of events.
+    """
+
+    vocab_size = 100
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.active = 0
+        self.max_active = 0
+        self.requests: list[GenerationRequest] = []
+        self.reloads: list[str] = []
+        self.events: list[str] = []
+        self.closed = False
+
+    @staticmethod
+    def expected(request: GenerationRequest) -> GenerationResult:
+        if FAIL_TOKEN in request.prompt_ids:
+            return GenerationResult.failed("fake failure on token 99")
+        ids: list[int] = []
+        for k in range(request.max_tokens):
+            ids.append((sum(request.prompt_ids) + 7 * k + (request.seed or 0)) % 97)
+            if ids[-1] in request.stop_token_ids:
+                break
+        reason = "stop" if ids[-1] in request.stop_token_ids else "length"
+        return GenerationResult(ids, [-(k + 1) / 10 for k in range(len(ids))], reason)
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self.events.append("generate_start")
+        try:
+            self.requests.extend(requests)
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if any(RAISE_TOKEN in r.prompt_ids for r in requests):
+                raise RuntimeError("fake engine exploded")
+            return [self.expected(r) for r in requests]
+        finally:
+            self.active -= 1
+            self.events.append("generate_end")
+
+    def reload_from_path(self, path: str) -> None:
+        self.events.append("reload")
+        self.reloads.append(path)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def make_fake_engine(model_path: str) -> FakeEngine:
+    """`--engine test_server:make_fake_engine` for the server subprocess tests."""
+    return FakeEngine()
+
+
+def bound_loopback_socket() -> socket.socket:
+    """A socket bound to a free loopback port, not yet listening (connections to it are refused)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextmanager
+def serve_in_thread(app, sock: socket.socket | None = None, start_delay_s: float = 0.0) -> Iterator[str]:
+    """Run `app` with uvicorn in a thread on loopback; yields the base URL; stops it on exit."""
+    sock = sock or bound_loopback_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+
+    def run() -> None:
+        time.sleep(start_delay_s)
+        server.run(sockets=[sock])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    if not start_delay_s:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("uvicorn did not start within 10 s")
+            time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, FakeEngine]]:
+    engine = FakeEngine()
+    app = create_app(
+        engine,
+        "fake",
+        max_prompt_tokens=8,
+        max_tokens_limit=32,
+        max_batch_prompts=4,
+        max_request_bytes=2000,
+        vocab_size=FakeEngine.vocab_size,
+    )
+    with serve_in_thread(app) as url:
+        yield url, engine
+
+
+def post(url: str, body, **kwargs) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=10, **kwargs)
+
+
+def test_completion_returns_token_ids_logprobs_and_usage(served):
+    url, _ = served
+    r = post(
+        url,
+        {
+            "model": "fake",
+            "prompt": [1, 2, 3],
+            "max_tokens": 5,
+            "seed": 4,
+            "logprobs": 1,
+            "stop_token_ids": [33],
+        },
+    )
+    assert r.status_code == 200, r.text
+    want = FakeEngine.expected(GenerationRequest([1, 2, 3], 5, seed=4, stop_token_ids=[33]))
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want.output_ids
+    assert choice["logprobs"]["token_logprobs"] == want.log_probs
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in want.output_ids]
+    assert choice["finish_reason"] == want.finish_reason == "length"
+    assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+
+
+def test_stop_token_gives_stop_and_logprobs_only_when_asked(served):
+    url, _ = served
+    first = FakeEngine.expected(GenerationRequest([5], 4)).output_ids
+    r = post(url, {"prompt": [5], "max_tokens": 4, "stop_token_ids": [first[1]]})
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == first[:2]
+    assert choice["finish_reason"] == "stop"
+    assert choice["logprobs"] is None
+
+
+def test_batch_prompts_answer_in_order_with_distinct_seeds(served):
+    url, engine = served
+    r = post(url, {"prompt": [[1, 2], [3], [1, 2]], "max_tokens": 3, "seed": 10, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    seeds = [r.seed for r in engine.requests[-3:]]
+    assert seeds == [10, 11, 12]
+    want = [
+        FakeEngine.expected(GenerationRequest(p, 3, seed=s))
+        for p, s in zip([[1, 2], [3], [1, 2]], seeds, strict=True)
+    ]
+    assert [c["token_ids"] for c in choices] == [w.output_ids for w in want]
+    assert choices[0]["token_ids"] != choices[2]["token_ids"]  # same prompt, different seed
+
+
+@pytest.mark.parametrize("prompt", ["Hello there", ["Hello", "there"]])
+def test_text_prompts_are_refused_with_a_clear_400(served, prompt):
+    r = post(served[0], {"prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400
+    assert TEXT_PROMPT_MESSAGE in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"prompt": [1, "a"], "max_tokens": 2}, "must be ints"),
+        ({"prompt": [1.5], "max_tokens": 2}, "must be ints"),
+        ({"prompt": [1, True], "max_tokens": 2}, "must be ints"),
+        ({"prompt": [], "max_tokens": 2}, "non-empty"),
+        ({"prompt": [[1], []], "max_tokens": 2}, "prompt 1"),
+        ({"prompt": {"ids": [1]}, "max_tokens": 2}, "non-empty list"),
+        ({"max_tokens": 2}, "prompt"),
+        ({"prompt": [1], "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1], "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": [1], "temperature": -1}, "temperature"),
+        ({"prompt": [1], "top_p": 0}, "top_p"),
+        ({"prompt": [1], "stream": True}, "stream"),
+        ({"prompt": [1], "n": 2}, "n"),
+        ({"prompt": [1], "stop": ["\n"]}, "stop_token_ids"),
+        ({"prompt": [1], "stop_token_ids": ["x"]}, "stop_token_ids"),
+    ],
+)
+def test_malformed_requests_get_400_naming_the_field(served, body, words):
+    r = post(served[0], body)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_invalid_json_is_a_400(served):
+    r = httpx.post(
+        served[0] + "/v1/completions",
+        content=b"{not json",
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert "invalid request" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"prompt": list(range(9)), "max_tokens": 2}, "at most 8"),
+        ({"prompt": [1], "max_tokens": 33}, "limit of 32"),
+        ({"prompt": [[1]] * 5, "max_tokens": 2}, "limit is 4"),
+        ({"prompt": [1, 100], "max_tokens": 2}, "token id 100 is outside"),
+        ({"prompt": [1, -1], "max_tokens": 2}, "token id -1 is outside"),
+        ({"prompt": [1], "max_tokens": 2, "stop_token_ids": [500]}, "token id 500"),
+    ],
+)
+def test_server_limits_give_400(served, body, words):
+    r = post(served[0], body)
+    assert r.status_code == 400
+    assert words in r.json()["error"]["message"]
+
+
+def test_unknown_model_name_is_a_404(served):
+    r = post(served[0], {"model": "other", "prompt": [1]})
+    assert r.status_code == 404
+    assert "'fake'" in r.json()["error"]["message"]
+
+
+def test_oversized_body_is_a_413_with_and_without_content_length(served):
+    big = {"prompt": [1], "padding": "x" * 3000}
+    assert post(served[0], big).status_code == 413
+
+    def chunks():  # a generator body goes out with chunked transfer encoding, no Content-Length
+        yield b'{"prompt": [1], "padding": "'
+        for _ in range(10):
+            yield b"x" * 500
+        yield b'"}'
+
+    r = httpx.post(
+        served[0] + "/v1/completions",
+        content=chunks(),
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 413
+    assert "2000 bytes" in r.json()["error"]["message"]
+
+
+def test_models_and_health(served):
+    models = httpx.get(served[0] + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["fake"]
+    assert models["data"][0]["owned_by"] == "memrl"
+    assert httpx.get(served[0] + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_engine_failures_become_500_with_the_message(served):
+    r = post(served[0], {"prompt": [1, RAISE_TOKEN], "max_tokens": 2})
+    assert r.status_code == 500
+    assert "fake engine exploded" in r.json()["error"]["message"]
+    r = post(served[0], {"prompt": [[1], [FAIL_TOKEN]], "max_tokens": 2})
+    assert r.status_code == 500
+    assert "prompt 1: fake failure" in r.json()["error"]["message"]
+
+
+def test_api_key_required_on_v1_routes_but_not_health():
+    app = create_app(FakeEngine(), "fake", api_key="s3cret")
+    with serve_in_thread(app) as url:
+        body = {"prompt": [1], "max_tokens": 1}
+        assert post(url, body).status_code == 401
+        wrong = post(url, body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert "API key" in wrong.json()["error"]["message"]
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        assert httpx.post(url + "/v1/reload_weights", json={"path": "/"}, timeout=10).status_code == 401
+        assert post(url, body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+class LetterTokenizer:
+    """Token t is the letter chr(65 + t % 26); token 0 is special."""
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(65 + t % 26) for t in ids]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.convert_ids_to_tokens([t for t in ids if t or not skip_special_tokens]))
+
+
+def test_text_is_decoded_with_the_tokenizer_honouring_skip_special_tokens():
+    tokenizer = LetterTokenizer()
+    request = GenerationRequest([40, 50], 6)
+    want = FakeEngine.expected(request).output_ids
+    assert 0 in want  # (40+50+7k) % 97 hits 0 at k=1: the special token is in the output
+    with serve_in_thread(create_app(FakeEngine(), "fake", tokenizer=tokenizer)) as url:
+        body = {"prompt": [40, 50], "max_tokens": 6, "logprobs": 1}
+        kept = post(url, {**body, "skip_special_tokens": False}).json()["choices"][0]
+        skipped = post(url, body).json()["choices"][0]
+    assert kept["token_ids"] == skipped["token_ids"] == want
+    assert kept["text"] == tokenizer.decode(want) and len(kept["text"]) == 6
+    assert skipped["text"] == tokenizer.decode(want, skip_special_tokens=True) and len(skipped["text"]) == 5
+    assert kept["logprobs"]["tokens"] == tokenizer.convert_ids_to_tokens(want)
+
+
+def test_reload_calls_the_engine_and_checks_the_folder(served, tmp_path):
+    url, engine = served
+    r = httpx.post(url + "/v1/reload_weights", json={"path": str(tmp_path)}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert engine.reloads[-1] == str(tmp_path)
+    missing = httpx.post(url + "/v1/reload_weights", json={"path": str(tmp_path / "nope")}, timeout=10)
+    assert missing.status_code == 400
+    assert "not a folder" in missing.json()["error"]["message"]
+    assert httpx.post(url + "/v1/reload_weights", json={}, timeout=10).status_code == 400
+
+
+def test_reload_of_an_async_engine_and_of_one_that_cannot(tmp_path):
+    class AsyncReloading(FakeEngine):
+        async def reload_from_path(self, path: str) -> None:
+            await asyncio.sleep(0)
+            self.reloads.append(path)
+
+    class Broken(FakeEngine):
+        def reload_from_path(self, path: str) -> None:
+            raise OSError("no safetensors here")
+
+    class NoReload(FakeEngine):
+        reload_from_path = None  # type: ignore[assignment]
+
+    async_engine = AsyncReloading()
+    replies = {}
+    for engine in (async_engine, Broken(), NoReload()):
+        with serve_in_thread(create_app(engine, "fake")) as url:
+            replies[type(engine).__name__] = httpx.post(
+                url + "/v1/reload_weights", json={"path": str(tmp_path)}, timeout=10
+            )
+    assert replies["AsyncReloading"].status_code == 200
+    assert async_engine.reloads == [str(tmp_path)]
+    assert replies["Broken"].status_code == 500
+    assert "no safetensors here" in replies["Broken"].json()["error"]["message"]
+    assert replies["NoReload"].status_code == 501
+
+
+def test_reload_waits_for_in_flight_generation(tmp_path):
+    engine = FakeEngine(delay_s=0.4)
+    with serve_in_thread(create_app(engine, "fake")) as url:
+        worker = threading.Thread(target=post, args=(url, {"prompt": [1], "max_tokens": 2}))
+        worker.start()
+        deadline = time.monotonic() + 5
+        while "generate_start" not in engine.events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = httpx.post(url + "/v1/reload_weights", json={"path": str(tmp_path)}, timeout=10)
+        worker.join(timeout=10)
+    assert r.status_code == 200
+    assert engine.events == ["generate_start", "generate_end", "reload"]
+
+
+def test_engine_is_closed_when_the_server_stops():
+    engine = FakeEngine()
+    with serve_in_thread(create_app(engine, "fake")):
+        assert not engine.closed
+    assert engine.closed
