@@ -135,17 +135,22 @@ def document_chunks(tokenizer: Any, cfg: RolloutConfig, context: str) -> Chunks:
 
 
 async def generate_group(ctx: RolloutContext, record: QuestionLike, n_samples: int | None = None,
-                         on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-    """`n_samples` independent trajectories of one question: one GRPO group (group id = question + step)."""
+                         on_done: Callable[[Trajectory], None] | None = None, slot: int | None = None) -> list[Trajectory]:
+    """`n_samples` independent trajectories of one question: one GRPO group (group id = question + step).
+
+    `slot` (the question's position in the step's batch) keeps group ids and seeds distinct when a batch
+    holds the same question twice (a batch that wraps around the end of the data set).
+    """
     cfg = ctx.config.rollout
     n = n_samples or cfg.n_samples
     chunks = document_chunks(ctx.tokenizer, cfg, record.context)
-    group_id = f"r{ctx.rollout_id}:{record.id}"
+    key = f"{ctx.rollout_id}:{record.id}" if slot is None else f"{ctx.rollout_id}:{slot}:{record.id}"
+    group_id = f"r{key}"
 
     async def one(k: int) -> Trajectory:
         traj = await run_trajectory(ctx.engine, ctx.builder, cfg, record.question, chunks,
                                     trajectory_id=f"{group_id}:s{k}", group_id=group_id, sample_index=k,
-                                    seed_key=f"{ctx.rollout_id}:{record.id}")
+                                    seed_key=key)
         traj.metadata.update(question_id=record.id, golds=list(record.answers))
         if ctx.reward_function is not None:
             traj.reward = 0.0 if traj.status == "failed" else float(ctx.reward_function(traj, list(record.answers)))
@@ -175,7 +180,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     if fin:
         metrics["response_length/final_mean"] = sum(t.response_length for t in fin) / len(fin)
         metrics["truncation/final_rate"] = sum(t.status == "truncated" for t in ok) / len(ok)
-    metrics["truncation/document_rate"] = sum(bool(t.metadata["chunks"]["truncated"]) for t in ok) / len(ok)
+    metrics["truncation/document_rate"] = sum(bool(t.metadata.get("chunks", {}).get("truncated")) for t in ok) / len(ok)
     metrics["tokens/generated"] = float(sum(t.response_length for tr in ok for t in tr.turns))
     return metrics
 
@@ -190,7 +195,8 @@ async def generate_rollout(ctx: RolloutContext, records: Sequence[QuestionLike])
     bar = tqdm(total=len(records) * ctx.config.rollout.n_samples, desc=f"rollout {ctx.rollout_id}",
                unit="traj", disable=not ctx.progress, leave=False)
     try:
-        groups = await asyncio.gather(*(generate_group(ctx, r, on_done=lambda _t: bar.update()) for r in records))
+        groups = await asyncio.gather(*(generate_group(ctx, r, on_done=lambda _t: bar.update(), slot=k)
+                                        for k, r in enumerate(records)))
     finally:
         bar.close()
     kept = [t for g in groups if all(t.status != "failed" for t in g) for t in g]

@@ -78,12 +78,12 @@ def test_empty_document_goes_straight_to_final_turn(tiny_tokenizer):
 
 
 def test_one_failed_request_fails_only_its_trajectory_and_group(tiny_tokenizer):
-    bad_seed = request_seed(4242, "3:q2", 1, 1)  # question q2, sample 1, turn 1
+    bad_seed = request_seed(4242, "3:1:q2", 1, 1)  # step 3, slot 1 = question q2, sample 1, turn 1
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id,
                         fail_when=lambda req: req.seed == bad_seed)
     ctx = make_ctx(tiny_tokenizer, engine)
     out = run(generate_rollout(ctx, [record("q1"), record("q2")]))
-    assert {t.group_id for t in out.trajectories} == {"r3:q1"}
+    assert {t.group_id for t in out.trajectories} == {"r3:0:q1"}
     failed = [t for t in out.dropped if t.status == "failed"]
     assert len(failed) == 1 and "injected failure" in failed[0].error and "memory turn 1" in failed[0].error
     assert len(out.dropped) == 4 and out.metrics["groups/dropped"] == 1.0
@@ -124,3 +124,10 @@ def test_row_count_equals_total_turns(tiny_tokenizer, n_words):
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
     out = run(generate_rollout(make_ctx(tiny_tokenizer, engine), [record("a", n_words), record("b", 5)]))
     assert out.train_row_count == sum(t.num_turns for t in out.trajectories)
+
+
+def test_same_question_twice_in_a_batch_gets_two_groups(tiny_tokenizer):
+    engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    out = run(generate_rollout(make_ctx(tiny_tokenizer, engine), [record("q1"), record("q1")]))
+    assert sorted({t.group_id for t in out.trajectories}) == ["r3:0:q1", "r3:1:q1"]
+    validate_groups(out.trajectories)

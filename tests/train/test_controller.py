@@ -49,7 +49,7 @@ def config(**train):
 
 def make_trainer(tokenizer, run_root, cfg, **opts):
     model = build_tiny_model(len(tokenizer), layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=0,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                             eos_token_id=tokenizer.eos_token_id)
     return Trainer(cfg, TrainOptions(run_root=run_root, progress=False, **opts), model=model, tokenizer=tokenizer,
                    records=records())
 
