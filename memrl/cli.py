@@ -112,8 +112,10 @@ def report(run_root: Annotated[Path, typer.Argument(help="A training run root.")
 
 def _register_optional() -> None:
     from memrl.data.prepare import register as register_prepare
+    from memrl.eval.runner import register as register_eval
 
     register_prepare(app)
+    register_eval(app)
 
 
 _register_optional()

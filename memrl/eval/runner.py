@@ -1,0 +1,425 @@
+"""`memrl eval` (SPEC §7): the training memory loop, run once per question, scored, resumable.
+
+Output folder:
+    eval_run.json   identity of the run (model, tokenizer, data SHA-256, format); written first
+    results.jsonl   one line per finished question, appended, flushed and fsynced as it finishes
+    summary.json    counts and metrics with 95% intervals (written atomically at the end)
+
+Invariants:
+- Every question of the run has exactly one line once the run ends: a failed generation is a line
+  with status `failed` and its error, scores 0, and stays in every denominator (PITFALLS: failures
+  never dropped).
+- A rerun in the same folder skips ids already written and runs the rest. A torn last line (a kill
+  mid-write) is cut off and redone; any other unreadable line, a line of an id outside the run's
+  questions, or a different data SHA-256 / model / format in `eval_run.json` is an `EvalError`, so
+  two runs never mix in one file.
+- Seeds do not depend on the model: question `q` uses group "eval:q", sample 0 and seed key "0:q",
+  i.e. turn t samples with `request_seed(rollout.seed, "0:q", 0, t)`.
+- The scorer is `memrl.scoring.score_answer` over the final answer text, as the training reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from tqdm.auto import tqdm
+
+from memrl.config import Config
+from memrl.data.manifest import atomic_write_json, atomic_write_text, sha256_file
+from memrl.data.records import QuestionRecord, check_unique_ids
+from memrl.engines.base import Engine
+from memrl.eval.stats import metric_summary
+from memrl.memagent.prompts import PromptBuilder
+from memrl.memagent.rollout import document_chunks, run_trajectory
+from memrl.scoring import score_answer
+
+RESULTS_FILE = "results.jsonl"
+SUMMARY_FILE = "summary.json"
+RUN_FILE = "eval_run.json"
+METRICS = ("em", "sub_em", "f1")
+SCORER = "memrl.scoring.score_answer (HotpotQA normalization, last \\boxed{})"
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run or resume as asked; the message says what to change."""
+
+
+def _sha256_text(text: Any) -> str:
+    return hashlib.sha256(json.dumps(text, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """SHA-256 of the tokenizer's vocabulary (token -> id): equal for the same tokenizer wherever it is loaded."""
+    return _sha256_text(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]))
+
+
+def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> dict[str, Any]:
+    """The controlled variables two evaluations must share to be comparable (checked by `memrl compare`)."""
+    r = cfg.rollout
+    return {
+        "chunk_tokens": r.chunk_tokens, "memory_tokens": r.memory_tokens, "final_tokens": r.final_tokens,
+        "max_chunks": r.max_chunks, "truncation": r.truncation, "n_samples": 1,
+        "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed, "enable_thinking": r.enable_thinking,
+        "memory_template_sha256": _sha256_text(r.memory_template),
+        "final_template_sha256": _sha256_text(r.final_template),
+        "no_memory_text_sha256": _sha256_text(r.no_memory_text),
+        "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "stop_token_ids": sorted(int(t) for t in stop_token_ids),
+        "scorer": SCORER,
+    }
+
+
+def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, error: str | None = None) -> dict[str, Any]:
+    """One results.jsonl line. `traj` None (with `error`) = the sample failed before generating."""
+    failed = traj is None or traj.status == "failed"
+    answer = "" if traj is None else traj.answer
+    score = score_answer(answer, record.answers)
+    meta = {} if traj is None else traj.metadata
+    chunks = meta.get("chunks", {})
+    return {
+        "id": record.id, "question": record.question, "golds": list(record.answers),
+        "answer": answer, "boxed": None if failed else score.boxed,
+        "em": 0.0 if failed else score.em, "sub_em": 0.0 if failed else score.sub_em,
+        "f1": 0.0 if failed else score.f1,
+        "missing_box": (not failed) and score.missing_box,
+        "status": "failed" if traj is None else traj.status,
+        "error": error if traj is None else traj.error,
+        "num_chunks": chunks.get("num_chunks"), "document_tokens": chunks.get("total_tokens"),
+        "document_truncated": chunks.get("truncated"),
+        "memory_lengths": meta.get("memory_lengths", []), "memory_truncations": meta.get("memory_truncations", 0),
+        "final_tokens": (traj.turns[-1].response_length if traj is not None and traj.turns
+                         and traj.turns[-1].kind == "final" else None),
+        "turns": 0 if traj is None else traj.num_turns,
+        "latency_s": round(latency_s, 4),
+    }
+
+
+# ------------------------------------------------------------------------------------------ results file
+
+def read_results(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
+    """Lines of a results.jsonl. The last line without a newline is torn (a kill mid-write): it is
+    ignored, and with `repair` cut off the file. Any other bad line is an `EvalError`."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # everything after the last newline is a torn write
+    if repair and end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    lines = []
+    for number, raw in enumerate(data[:end].splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{path} line {number} is not valid JSON ({e}); it was not written by memrl eval "
+                            f"or was edited; move the file away to start over") from e
+        if not isinstance(line, dict) or not isinstance(line.get("id"), str):
+            raise EvalError(f"{path} line {number} has no string 'id'; move the file away to start over")
+        lines.append(line)
+    return lines
+
+
+def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_failed: bool) -> dict[str, dict]:
+    """Check that `out_dir` belongs to this run and return its finished lines by id."""
+    run_path, results_path = out_dir / RUN_FILE, out_dir / RESULTS_FILE
+    if run_path.is_file():
+        try:
+            previous = json.loads(run_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{run_path} is not valid JSON ({e}); use a new --out folder") from e
+        fmt_prev, fmt_now = previous.get("format", {}), identity["format"]
+        differ = [f"{k}: {previous.get(k)!r} -> {identity[k]!r}" for k in identity
+                  if k != "format" and previous.get(k) != identity[k]]
+        differ += [f"format.{k}: {fmt_prev.get(k)!r} -> {fmt_now.get(k)!r}" for k in sorted(set(fmt_prev) | set(fmt_now))
+                   if fmt_prev.get(k) != fmt_now.get(k)]
+        if differ:
+            raise EvalError(f"{out_dir} holds results of another evaluation ({'; '.join(differ)}); "
+                            f"use a new --out folder, or delete {out_dir} to start over")
+    elif results_path.exists():
+        raise EvalError(f"{results_path} exists without {RUN_FILE}, so it cannot be checked against this run; "
+                        f"use a new --out folder")
+    else:
+        atomic_write_json(run_path, identity)
+    done: dict[str, dict] = {}
+    for line in read_results(results_path, repair=True):
+        if line["id"] in done:
+            raise EvalError(f"{results_path} holds id {line['id']!r} twice; move the file away to start over")
+        if line["id"] not in ids:
+            raise EvalError(f"{results_path} holds id {line['id']!r}, which is not among this run's questions "
+                            f"(different --limit or data?); use a new --out folder")
+        done[line["id"]] = line
+    if retry_failed and any(line.get("status") == "failed" for line in done.values()):
+        done = {k: v for k, v in done.items() if v.get("status") != "failed"}
+        # Rewrite without the failed lines (atomically) so their retries never duplicate an id.
+        atomic_write_text(results_path, "".join(json.dumps(v, ensure_ascii=False) + "\n" for v in done.values()))
+    return done
+
+
+# ------------------------------------------------------------------------------------------ summary
+
+def summarize_lines(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts and metrics (percent, 95% intervals) over all lines; failed lines count as 0."""
+    failed = [line["id"] for line in lines if line.get("status") == "failed"]
+    return {
+        "total": len(lines), "succeeded": len(lines) - len(failed), "failed": len(failed),
+        "missing_boxes": sum(bool(line.get("missing_box")) for line in lines),
+        "truncated_answers": sum(line.get("status") == "truncated" for line in lines),
+        "metrics": {m: metric_summary([float(line.get(m) or 0.0) for line in lines], binary=m != "f1")
+                    for m in METRICS},
+        "failed_ids": failed,
+    }
+
+
+def _config_record(cfg: Config) -> dict[str, Any]:
+    rollout = cfg.rollout.model_dump(mode="json")
+    rollout.pop("api_key", None)  # never write a credential into results
+    return {"rollout": rollout, "eval": cfg.eval.model_dump(mode="json")}
+
+
+class _RunningScore:
+    def __init__(self, lines: Sequence[dict[str, Any]]) -> None:
+        self.n, self.failed = 0, 0
+        self.sums = dict.fromkeys(METRICS, 0.0)
+        for line in lines:
+            self.add(line)
+
+    def add(self, line: dict[str, Any]) -> None:
+        self.n += 1
+        self.failed += line.get("status") == "failed"
+        for m in METRICS:
+            self.sums[m] += float(line.get(m) or 0.0)
+
+    def postfix(self) -> dict[str, str]:
+        out = {m: f"{100 * s / self.n:.1f}" for m, s in self.sums.items()} if self.n else {}
+        return {**out, "failed": str(self.failed)}
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+async def evaluate_records(engine: Engine, tokenizer: Any, cfg: Config, records: Sequence[QuestionRecord],
+                           out_dir: Path, *, model_name: str, data_sha256: str, data_path: str | None = None,
+                           tokenizer_name: str | None = None, engine_info: dict[str, Any] | None = None,
+                           retry_failed: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Evaluate `records` (one trajectory each) into `out_dir`; returns the summary (also written).
+
+    At most `cfg.eval.concurrency` questions are in flight; the engine batches their requests.
+    The engine is not closed here.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = list(records)
+    check_unique_ids(records, data_path or "records")
+    builder = PromptBuilder(tokenizer, cfg.rollout)
+    fmt = eval_format(cfg, tokenizer, builder.stop_token_ids)
+    identity = {"model": model_name, "data_sha256": data_sha256, "format": fmt}
+    done = _resume_state(out_dir, identity, {r.id for r in records}, retry_failed)
+    todo = [r for r in records if r.id not in done]
+    start = time.perf_counter()
+    running = _RunningScore(list(done.values()))
+    bar = tqdm(total=len(records), initial=len(done), desc=f"eval {Path(model_name).name or model_name}",
+               unit="q", disable=not progress, dynamic_ncols=True)
+    semaphore = asyncio.Semaphore(cfg.eval.concurrency)
+    rollout = cfg.rollout
+
+    with open(out_dir / RESULTS_FILE, "a", encoding="utf-8") as results:
+
+        async def one(record: QuestionRecord) -> None:
+            async with semaphore:
+                t0 = time.perf_counter()
+                try:
+                    chunks = document_chunks(tokenizer, rollout, record.context)
+                    traj = await run_trajectory(engine, builder, rollout, record.question, chunks,
+                                                trajectory_id=f"eval:{record.id}:s0", group_id=f"eval:{record.id}",
+                                                sample_index=0, seed_key=f"0:{record.id}")
+                    line = sample_line(record, traj, time.perf_counter() - t0)
+                except Exception as e:  # one odd record must not end the run; it is a failed line
+                    line = sample_line(record, None, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
+                # One write of a whole line, then flush + fsync: a kill leaves at most a torn last line.
+                results.write(json.dumps(line, ensure_ascii=False) + "\n")
+                results.flush()
+                os.fsync(results.fileno())
+                done[record.id] = line
+                running.add(line)
+                bar.update()
+                bar.set_postfix(running.postfix(), refresh=False)
+
+        try:
+            await asyncio.gather(*(one(r) for r in todo))
+        finally:
+            bar.close()
+
+    lines = [done[r.id] for r in records]
+    summary = {
+        "model": model_name, "tokenizer": tokenizer_name or model_name,
+        "engine": engine_info or {"kind": type(engine).__name__},
+        "data": {"path": data_path, "sha256": data_sha256},
+        **summarize_lines(lines),
+        "format": fmt, "config": _config_record(cfg),
+        "results_file": RESULTS_FILE, "complete": True,
+        "resumed_from": len(records) - len(todo), "elapsed_s": round(time.perf_counter() - start, 3),
+    }
+    atomic_write_json(out_dir / SUMMARY_FILE, summary)
+    return summary
+
+
+def evaluate(engine: Engine, tokenizer: Any, cfg: Config, records: Sequence[QuestionRecord], out_dir: Path,
+             *, model_name: str, data_sha256: str, **kwargs: Any) -> dict[str, Any]:
+    """Synchronous `evaluate_records` in its own event loop (the engine is not closed)."""
+    return asyncio.run(evaluate_records(engine, tokenizer, cfg, records, out_dir, model_name=model_name,
+                                        data_sha256=data_sha256, **kwargs))
+
+
+# ------------------------------------------------------------------------------------------ command
+
+def load_eval_data(path: Path, verify: bool = True) -> list[QuestionRecord]:
+    """Questions of a prepared JSONL file (`memrl prepare-data`) or of a RULER-HQA `eval_N.json` list."""
+    from memrl.data.records import load_questions
+    from memrl.data.ruler_hqa import load_ruler_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise EvalError(f"data file {path} does not exist; prepare it with `memrl prepare-data`")
+    if path.suffix == ".jsonl":
+        return load_questions(path, verify=verify)
+    with open(path, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    # A RULER file is one JSON list; our prepared format is one object per line.
+    if head.startswith("["):
+        return load_ruler_file(path, verify=verify)
+    if head.startswith("{"):
+        return load_questions(path, verify=verify)
+    raise EvalError(f"{path} is neither prepared JSONL (one object per line) nor a RULER-HQA JSON list")
+
+
+def eval_command(model: str | None, server_url: str | None, recipe: Path | None, data: Path, out: Path,
+                 sets: list[str] | None = None, limit: int | None = None, concurrency: int | None = None,
+                 tokenizer: str | None = None, progress: bool = True, *, retry_failed: bool = False) -> dict[str, Any]:
+    """`memrl eval`: evaluate a model folder (local engine) or a served model on one data file.
+
+    Overrides, in order: the recipe, `--set`, then `--limit` / `--concurrency`. The tokenizer is
+    `--tokenizer`, else `model.tokenizer` of the recipe, else the model folder (a server needs one).
+    """
+    from memrl.config import load_config
+
+    overrides = list(sets or [])
+    overrides += [f"eval.limit={limit}"] if limit is not None else []
+    overrides += [f"eval.concurrency={concurrency}"] if concurrency is not None else []
+    cfg = load_config(recipe, overrides)
+    model = model or (cfg.model.path if server_url is None and cfg.rollout.engine == "hf" else None)
+    server_url = server_url or (cfg.rollout.server_url if model is None else None)
+    if (model is None) == (server_url is None):
+        raise EvalError("give exactly one of --model DIR (local engine) or --server-url URL (a served model)")
+    tokenizer_path = tokenizer or cfg.model.tokenizer or model
+    if tokenizer_path is None:
+        raise EvalError("a served model needs --tokenizer (a folder or hub id): prompts are built as token ids here")
+
+    records = load_eval_data(data, verify=cfg.data.verify_manifest)
+    if cfg.eval.limit is not None:
+        records = records[: cfg.eval.limit]
+    data_sha = sha256_file(data)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    except (OSError, ValueError) as e:
+        raise EvalError(f"cannot load a tokenizer from {tokenizer_path}: {e}; pass --tokenizer") from e
+
+    engine: Any
+    if server_url is not None:
+        from memrl.engines.openai import OpenAIEngine
+
+        engine = OpenAIEngine(server_url, api_key=cfg.rollout.api_key, max_concurrency=cfg.rollout.max_concurrency,
+                              timeout_s=cfg.rollout.request_timeout_s)
+        info: dict[str, Any] = {"kind": "openai", "url": server_url}
+    else:
+        from memrl.engines.hf import HFEngine
+
+        engine = HFEngine.from_pretrained(model, device=cfg.model.device, dtype=cfg.model.dtype,
+                                          tokenizer_path=tokenizer_path, max_batch_size=cfg.rollout.max_batch_size,
+                                          max_batch_tokens=cfg.rollout.max_batch_tokens)
+        info = {"kind": "hf", "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
+
+    # A local folder is named by its absolute path, so a rerun from another directory still resumes.
+    model_name = str(Path(model).resolve()) if model is not None and Path(model).is_dir() else str(model or server_url)
+
+    async def run() -> dict[str, Any]:
+        try:
+            summary = await evaluate_records(engine, tok, cfg, records, Path(out), model_name=model_name,
+                                             data_sha256=data_sha, data_path=str(data), tokenizer_name=str(tokenizer_path),
+                                             engine_info=info, retry_failed=retry_failed, progress=progress)
+            if server_url is not None:
+                summary["engine"]["served_model"] = getattr(engine, "model", None)
+                atomic_write_json(Path(out) / SUMMARY_FILE, summary)
+            return summary
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few lines for the terminal: counts, then each metric with its interval."""
+    head = (f"{summary['model']}: {summary['total']} questions, {summary['succeeded']} succeeded, "
+            f"{summary['failed']} failed, {summary['missing_boxes']} missing boxes")
+    metrics = "  ".join(f"{m} {v['value']:.1f} [{v['low']:.1f}, {v['high']:.1f}]"
+                        for m, v in summary["metrics"].items())
+    return f"{head}\n{metrics}"
+
+
+def register(app: Any) -> None:
+    """Add `eval` and `compare` to a typer app (called by memrl.cli)."""
+    from memrl.eval.compare import compare_cli
+
+    def fail(message: str, code: int = 2) -> None:
+        typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code)
+
+    @app.command("eval")
+    def eval_cmd(
+        data: Annotated[Path, typer.Option(help="Prepared JSONL or RULER-HQA eval_N.json.")],
+        out: Annotated[Path, typer.Option(help="Results folder (results.jsonl, summary.json); reruns resume.")],
+        model: Annotated[str | None, typer.Option(help="Model folder, run by the local engine.")] = None,
+        server_url: Annotated[str | None, typer.Option(help="OpenAI-compatible server (vLLM, SGLang, memrl serve).")] = None,
+        recipe: Annotated[Path | None, typer.Option(help="Evaluation recipe, e.g. recipes/ruler-hqa-eval.yaml.")] = None,
+        set_: Annotated[list[str] | None, typer.Option("--set", help="Override a config value: section.key=value.")] = None,
+        limit: Annotated[int | None, typer.Option(min=1, help="Only the first N questions.")] = None,
+        concurrency: Annotated[int | None, typer.Option(min=1, help="Questions in flight at once.")] = None,
+        tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (required with --server-url).")] = None,
+        retry_failed: Annotated[bool, typer.Option(help="Run failed questions of an earlier run again.")] = False,
+        progress: Annotated[bool, typer.Option(help="Progress bar with the running score.")] = True,
+    ) -> None:
+        """Evaluate a model with the multi-turn memory loop: one JSONL line per question + summary.json."""
+        from memrl.config import ConfigError
+        from memrl.data.manifest import ManifestError
+        from memrl.data.records import DataError
+        from memrl.engines.base import EngineError
+        from memrl.memagent.prompts import PromptError
+
+        try:
+            summary = eval_command(model, server_url, recipe, data, out, set_, limit, concurrency, tokenizer,
+                                   progress, retry_failed=retry_failed)
+        except (EvalError, ConfigError, DataError, ManifestError, EngineError, PromptError) as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            typer.secho(f"interrupted: finished questions are saved in {out}; rerun the same command to finish",
+                        err=True)
+            raise typer.Exit(130) from None
+        typer.echo(format_summary(summary))
+        if summary["failed"]:
+            typer.secho(f"{summary['failed']} questions failed (see 'error' in {out / RESULTS_FILE}); "
+                        f"rerun with --retry-failed", fg=typer.colors.YELLOW, err=True)
+
+    app.command("compare")(compare_cli)
