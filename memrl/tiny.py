@@ -100,7 +100,6 @@ def build_tiny_model(
     intermediate: int = 128,
     seed: int = 0,
     eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
 ) -> Qwen3ForCausalLM:
     """A randomly initialised Qwen3 causal LM (float32, eval mode), identical for identical arguments.
 
@@ -126,7 +125,8 @@ def build_tiny_model(
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
+        # No pad_token_id: it would make the (tied) embedding row of the pad token a zero, untrainable
+        # padding_idx row. Padding is masked by attention, as for the real Qwen3 config.
         bos_token_id=None,
     )
     # Seed only a private RNG scope: building a model must not move the caller's global torch RNG.
@@ -165,7 +165,7 @@ def save_tiny_model(
     model = build_tiny_model(
         len(tokenizer),  # len() counts added special tokens, which vocab_size may not
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, seed=seed,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))

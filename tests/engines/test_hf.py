@@ -28,6 +28,15 @@ def sharp_model(seed: int = 0) -> torch.nn.Module:
     return model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """A 100k-parameter model gains nothing from intra-op threads; on a busy 2-core machine they only wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return sharp_model()
@@ -203,6 +212,40 @@ def test_failing_batch_fails_its_waiters_and_engine_keeps_serving(engine, monkey
 
     failed, ok = run(again())
     assert failed[0].finish_reason == "error" and ok[0].finish_reason == "length"
+
+
+def test_dead_worker_fails_pending_requests_and_restarts(engine, monkeypatch):
+    original = engine._take_batch
+
+    def crash():
+        raise RuntimeError("worker bug")
+
+    monkeypatch.setattr(engine, "_take_batch", crash)
+    results = run(engine.generate([GenerationRequest(prompt(i), max_tokens=2) for i in range(2)]))
+    assert [r.finish_reason for r in results] == ["error", "error"] and "worker stopped" in results[0].error
+    monkeypatch.setattr(engine, "_take_batch", original)
+    assert run(engine.generate([GenerationRequest(prompt(0), max_tokens=2)]))[0].finish_reason == "length"
+
+
+def test_event_loop_stays_responsive_during_a_batch(engine, monkeypatch):
+    original = engine._decode
+    monkeypatch.setattr(engine, "_decode", lambda reqs: (time.sleep(0.3), original(reqs))[1])
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.ensure_future(ticker())
+        await engine.generate([GenerationRequest(prompt(0), max_tokens=2)])
+        task.cancel()
+        return ticks
+
+    assert run(main()) >= 10  # the blocking torch work ran off the event loop
 
 
 def test_out_of_vocabulary_request_fails_alone(engine):
