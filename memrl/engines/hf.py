@@ -153,15 +153,17 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto",
-                        tokenizer_path: str | Path | None = None, **kwargs) -> HFEngine:
-        """Load a Hugging Face model folder (and its tokenizer, if it has one); kwargs go to `HFEngine`."""
+                        tokenizer_path: str | Path | None = None, revision: str | None = None, **kwargs) -> HFEngine:
+        """Load a Hugging Face model folder or hub id (pinned at `revision`, and its tokenizer, if it has
+        one); kwargs go to `HFEngine`."""
         device_, dtype_ = resolve_device_dtype(device, dtype)
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype_)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype_, revision=revision)
         except OSError as error:
             raise EngineError(f"cannot load a model from {path}: {error}") from error
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or path))
+            tok_revision = revision if tokenizer_path is None or str(tokenizer_path) == str(path) else None
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or path), revision=tok_revision)
         except (OSError, ValueError):
             tokenizer = None  # engines work on token ids; the tokenizer is a convenience for callers
         return cls(model, tokenizer, device=device_, dtype=dtype_, **kwargs)

@@ -333,7 +333,9 @@ def eval_command(model: str | None, server_url: str | None, recipe: Path | None,
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
+        # The recipe's pinned revision applies to the recipe's own hub ids, not to folders given on the CLI.
+        tok_revision = cfg.model.revision if str(tokenizer_path) in (cfg.model.path, cfg.model.tokenizer) else None
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_path), revision=tok_revision)
     except (OSError, ValueError) as e:
         raise EvalError(f"cannot load a tokenizer from {tokenizer_path}: {e}; pass --tokenizer") from e
 
@@ -349,7 +351,8 @@ def eval_command(model: str | None, server_url: str | None, recipe: Path | None,
 
         engine = HFEngine.from_pretrained(model, device=cfg.model.device, dtype=cfg.model.dtype,
                                           tokenizer_path=tokenizer_path, max_batch_size=cfg.rollout.max_batch_size,
-                                          max_batch_tokens=cfg.rollout.max_batch_tokens)
+                                          max_batch_tokens=cfg.rollout.max_batch_tokens,
+                                          revision=cfg.model.revision if model == cfg.model.path else None)
         info = {"kind": "hf", "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
 
     # A local folder is named by its absolute path, so a rerun from another directory still resumes.

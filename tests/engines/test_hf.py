@@ -328,3 +328,25 @@ def test_cuda_float32_log_probs_and_bfloat16_default():
         expected = teacher_forced_log_probs(bf16_model, request, result.output_ids)
         gap = sum(abs(a - b) for a, b in zip(result.log_probs, expected, strict=True)) / len(expected)
         assert gap < 0.1, f"bf16 cached decode drifts from the teacher-forced pass by {gap:.3f} nats per token"
+
+
+def test_from_pretrained_pins_the_revision(monkeypatch, tmp_path):
+    """A hub id is loaded at the recipe's pinned revision (checked without a download)."""
+    import memrl.engines.hf as hf
+    from memrl.tiny import build_tiny_model, build_tiny_tokenizer
+
+    seen = {}
+    tok = build_tiny_tokenizer()
+
+    def fake_model(path, **kw):
+        seen["model"] = (path, kw.get("revision"))
+        return build_tiny_model(len(tok), layers=1, hidden=32)
+
+    def fake_tok(path, **kw):
+        seen["tokenizer"] = (path, kw.get("revision"))
+        return tok
+
+    monkeypatch.setattr(hf.AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(hf.AutoTokenizer, "from_pretrained", fake_tok)
+    hf.HFEngine.from_pretrained("Qwen/Qwen3-0.6B", device="cpu", revision="c1899de2")
+    assert seen == {"model": ("Qwen/Qwen3-0.6B", "c1899de2"), "tokenizer": ("Qwen/Qwen3-0.6B", "c1899de2")}
