@@ -1,0 +1,285 @@
+"""Actor training throughput side by side in one run: token-budget micro-batches vs naive padded batches.
+
+    python bench/train.py                 # 0.85M-parameter random Qwen3 on CPU, about 2 minutes on a shared 2-core machine
+    python bench/train.py --quick
+    python bench/train.py --device cuda --model-shape qwen3-0.6b     # random-init Qwen3-0.6B shape, bf16 autocast
+
+Both variants run one optimizer step (AdamW, grad clipping) over the same MemAgent-shaped rows, from
+the same initial weights:
+- measured: `memrl.train.actor.Actor.train_rollout` (rows sorted by length into micro-batches of at most
+  `--micro-batch-tokens` padded tokens; only response positions go through the LM head; KL off, so no
+  reference forward: the comparison is about batching, not the loss);
+- naive: a plain loop in this file: fixed batches of `--batch-size` rows in arrival order, right-padded
+  to the batch's longest row, the LM head over every position (full-sequence logits), then the
+  response tokens' log-probs picked out for a policy-gradient loss.
+By default the token budget is `--batch-size` x the longest row, so both hold at most the same number
+of padded tokens per forward.
+
+MemAgent-shaped rows (SPEC §1, one row per turn): for each question, documents of 1..max_chunks chunks,
+`--samples` trajectories; a memory turn's prompt is the template (~60 tokens) + previous memory +
+a chunk, its response 1..memory_tokens; the final turn's prompt is the template + memory, its response
+1..final_tokens. So prompts are most of every row, and rows arrive trajectory by trajectory (long
+memory rows, then a short final row). Printed: real tokens/s both ways and their ratio, the share of
+processed tokens that are padding, and peak memory (process RSS sampled during each variant; on CUDA
+also torch.cuda.max_memory_allocated). The machine may be shared: read the per-repeat figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import math
+import random
+import resource
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psutil
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from memrl.config import AlgorithmConfig, Config, RolloutConfig, TrainConfig
+from memrl.train.actor import Actor
+from memrl.types import TrainRow
+
+# Qwen3-0.6B's architecture (config.json of Qwen/Qwen3-0.6B), random init: no download.
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+}
+# Row shape per model: (chunk_tokens, memory_tokens, final_tokens), MemAgent's 5000/1024 scaled down.
+ROW_SHAPES: dict[str, tuple[int, int, int]] = {"tiny": (256, 64, 16), "qwen3-0.6b": (1024, 256, 64)}
+MEMORY_TEMPLATE_TOKENS = 60  # chat template + instructions + question of a memory turn (tiny tokenizer)
+FINAL_TEMPLATE_TOKENS = 45
+PAD_ID = 0
+
+
+class BenchError(ValueError):
+    """Bench arguments that cannot work; the message says which to change."""
+
+
+def build_model(shape: str, device: torch.device, seed: int) -> Qwen3ForCausalLM:
+    config = Qwen3Config(**MODEL_SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=32768,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=PAD_ID)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(config).float()
+
+
+def memagent_rows(questions: int, samples: int, max_chunks: int, chunk_tokens: int, memory_tokens: int,
+                  final_tokens: int, vocab: int, seed: int) -> list[TrainRow]:
+    """Rows in arrival order (trajectory by trajectory, turn by turn); the samples of a question share
+    its document, so a group's trajectories have the same turn count (as `validate_groups` requires)."""
+    rng = random.Random(seed)
+    rows: list[TrainRow] = []
+
+    def row(prompt_len: int, response_len: int, group: str, traj: str, turn: int, advantage: float) -> TrainRow:
+        tokens = [rng.randrange(1, vocab) for _ in range(prompt_len + response_len)]
+        return TrainRow(tokens=tokens, response_length=response_len, loss_mask=[1] * response_len,
+                        rollout_log_probs=[-rng.uniform(0.5, 6.0) for _ in range(response_len)],
+                        advantage=advantage, group_id=group, trajectory_id=traj, turn_index=turn, rollout_id=0)
+
+    for q in range(questions):
+        n_chunks = 1 + q % max_chunks
+        chunks = [chunk_tokens] * (n_chunks - 1) + [rng.randint(chunk_tokens // 2, chunk_tokens)]
+        for s in range(samples):
+            advantage, memory, traj = rng.gauss(0.0, 1.0), 4, f"q{q}:s{s}"  # 4 = "No memory yet."
+            for i, chunk in enumerate(chunks):
+                response = rng.randint(1, memory_tokens)
+                rows.append(row(MEMORY_TEMPLATE_TOKENS + memory + chunk, response, f"q{q}", traj, i, advantage))
+                memory = response
+            rows.append(row(FINAL_TEMPLATE_TOKENS + memory, rng.randint(1, final_tokens), f"q{q}", traj,
+                            len(chunks), advantage))
+    return rows
+
+
+def naive_batches(rows: list[TrainRow], batch_size: int) -> list[list[TrainRow]]:
+    return [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+
+
+def padding_fraction(batches: list[list[TrainRow]]) -> float:
+    real = sum(len(r.tokens) for b in batches for r in b)
+    return 1.0 - real / sum(len(b) * max(len(r.tokens) for r in b) for b in batches)
+
+
+def naive_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[TrainRow],
+                     batch_size: int, device: torch.device) -> None:
+    """One optimizer step the plain way: padded fixed batches, full-sequence logits, token-mean PG loss."""
+    total_loss_tokens = sum(sum(r.loss_mask) for r in rows)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
+    optimizer.zero_grad(set_to_none=True)
+    for batch in naive_batches(rows, batch_size):
+        width = max(len(r.tokens) for r in batch)
+        ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width - 1))
+        for b, r in enumerate(batch):
+            ids[b, :len(r.tokens)], attention[b, :len(r.tokens)] = torch.tensor(r.tokens), 1
+            mask[b, r.prompt_length - 1:len(r.tokens) - 1] = torch.tensor(r.loss_mask, dtype=torch.float)
+        ids, attention, mask = ids.to(device), attention.to(device), mask.to(device)
+        advantages = torch.tensor([r.advantage for r in batch], device=device)
+        with autocast if autocast is not None else contextlib.nullcontext():
+            logits = model(input_ids=ids, attention_mask=attention).logits  # [B, L, V]: every position
+        log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = -(log_probs * advantages[:, None] * mask).sum() / total_loss_tokens
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+@dataclass
+class Peak:
+    rss_mb: float = 0.0
+    rss_start_mb: float = 0.0
+    cuda_mb: float = float("nan")
+
+
+@contextmanager
+def peak_memory(device: torch.device, interval_s: float = 0.005) -> Iterator[Peak]:
+    """Peak process RSS sampled every `interval_s` while the block runs (and CUDA's allocator peak)."""
+    process, peak, done = psutil.Process(), Peak(), threading.Event()
+    peak.rss_start_mb = peak.rss_mb = process.memory_info().rss / 2**20
+
+    def sample() -> None:
+        while not done.wait(interval_s):
+            peak.rss_mb = max(peak.rss_mb, process.memory_info().rss / 2**20)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        thread.join()
+        peak.rss_mb = max(peak.rss_mb, process.memory_info().rss / 2**20)
+        if device.type == "cuda":
+            peak.cuda_mb = torch.cuda.max_memory_allocated(device) / 2**20
+
+
+@dataclass
+class Run:
+    variant: str
+    seconds: float
+    padding: float
+    peak: Peak
+    micro_batches: int
+
+
+def timed(device: torch.device, fn: Callable[[], tuple[float, int]]) -> tuple[float, float, int, Peak]:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(device)
+    with peak_memory(device) as peak:
+        start = time.perf_counter()
+        padding, n_batches = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    return seconds, padding, n_batches, peak
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="half the questions, 1 repeat")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="tiny")
+    parser.add_argument("--questions", type=int, default=12)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max-chunks", type=int, default=4)
+    parser.add_argument("--chunk-tokens", type=int, help="default: 256 (tiny) / 1024 (qwen3-0.6b)")
+    parser.add_argument("--memory-tokens", type=int, help="default: 64 (tiny) / 256 (qwen3-0.6b)")
+    parser.add_argument("--final-tokens", type=int, help="default: 16 (tiny) / 64 (qwen3-0.6b)")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per naive batch")
+    parser.add_argument("--micro-batch-tokens", type=int, help="default: batch size x longest row")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved naive/measured pairs")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads; 1 by default (2 threads on a shared 2-core machine spin-wait)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    chunk, memory, final = ROW_SHAPES[args.model_shape]
+    args.chunk_tokens = args.chunk_tokens or chunk
+    args.memory_tokens = args.memory_tokens or memory
+    args.final_tokens = args.final_tokens or final
+    if args.quick:
+        args.questions, args.repeats = max(args.max_chunks, args.questions // 2), 1
+    if min(args.questions, args.samples, args.max_chunks, args.batch_size, args.repeats) <= 0:
+        raise BenchError("--questions, --samples, --max-chunks, --batch-size and --repeats must all be > 0")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchError("--device cuda but torch sees no CUDA device; use --device cpu")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    vocab = MODEL_SHAPES[args.model_shape]["vocab_size"]
+    rows = memagent_rows(args.questions, args.samples, args.max_chunks, args.chunk_tokens, args.memory_tokens,
+                         args.final_tokens, vocab, args.seed)
+    longest = max(len(r.tokens) for r in rows)
+    budget = args.micro_batch_tokens or args.batch_size * longest
+    real_tokens = sum(len(r.tokens) for r in rows)
+    prompt_share = sum(r.prompt_length for r in rows) / real_tokens
+    cfg = Config(rollout=RolloutConfig(max_chunks=args.max_chunks, temperature=1.0),
+                 algorithm=AlgorithmConfig(kl_coef=0.0),
+                 train=TrainConfig(micro_batch_tokens=budget, lr=1e-6, num_optimizer_steps=1))
+    base = build_model(args.model_shape, device, args.seed)
+    params = sum(p.numel() for p in base.parameters()) / 1e6
+    print(f"model: {args.model_shape}, {params:.2f}M parameters, {device}"
+          f"{', bf16 autocast' if device.type == 'cuda' else ', float32'}, torch threads {torch.get_num_threads()}")
+    print(f"rows: {len(rows)} ({args.questions} questions x {args.samples} samples, 1..{args.max_chunks} chunks), "
+          f"{real_tokens} tokens, lengths {min(len(r.tokens) for r in rows)}..{longest}, prompts "
+          f"{prompt_share:.0%} of tokens; naive batch {args.batch_size} rows, token budget {budget}")
+
+    naive_model = copy.deepcopy(base).train()
+    naive_opt = torch.optim.AdamW(naive_model.parameters(), lr=1e-6)
+    actor = Actor(copy.deepcopy(base), cfg, pad_token_id=PAD_ID, device=device)
+    del base
+
+    def naive() -> tuple[float, int]:
+        naive_train_step(naive_model, naive_opt, rows, args.batch_size, device)
+        return padding_fraction(naive_batches(rows, args.batch_size)), len(naive_batches(rows, args.batch_size))
+
+    def measured() -> tuple[float, int]:
+        metrics = actor.train_rollout(rows, rollout_id=0)
+        return metrics["padding_fraction"], int(metrics["micro_batches"])
+
+    warm = rows[: 2 * args.batch_size]  # first-call allocations and kernel selection, outside the timing
+    naive_train_step(naive_model, naive_opt, warm, args.batch_size, device)
+    actor.train_rollout([r for r in rows if r.group_id == rows[0].group_id], rollout_id=0)
+
+    runs: list[Run] = []
+    for repeat in range(args.repeats):
+        order = [("naive", naive), ("measured", measured)]
+        for name, fn in order if repeat % 2 == 0 else order[::-1]:
+            seconds, padding, n_batches, peak = timed(device, fn)
+            runs.append(Run(name, seconds, padding, peak, n_batches))
+
+    print(f"\n{'variant':<9} {'seconds':>8} {'tokens/s':>9} {'batches':>8} {'padding':>8} {'peak_rss_MB':>12} "
+          f"{'rss_growth_MB':>14} {'cuda_peak_MB':>13}")
+    for r in runs:
+        cuda = "n/a" if math.isnan(r.peak.cuda_mb) else f"{r.peak.cuda_mb:.0f}"
+        print(f"{r.variant:<9} {r.seconds:>8.2f} {real_tokens / r.seconds:>9.0f} {r.micro_batches:>8d} "
+              f"{r.padding:>8.1%} {r.peak.rss_mb:>12.0f} {r.peak.rss_mb - r.peak.rss_start_mb:>14.0f} {cuda:>13}")
+    best = {v: min(r.seconds for r in runs if r.variant == v) for v in ("naive", "measured")}
+    median = {v: statistics.median(r.seconds for r in runs if r.variant == v) for v in ("naive", "measured")}
+    padding = {r.variant: r.padding for r in runs}
+    print(f"\nmeasured vs naive: {best['naive'] / best['measured']:.2f}x tokens/s (best), "
+          f"{median['naive'] / median['measured']:.2f}x (median); padding {padding['measured']:.1%} vs "
+          f"{padding['naive']:.1%} of processed tokens (goal <= 10%); process peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
