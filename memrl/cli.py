@@ -110,6 +110,32 @@ def report(run_root: Annotated[Path, typer.Argument(help="A training run root.")
         typer.echo(str(p))
 
 
+@app.command("pass-at-k")
+def pass_at_k(
+    data: Annotated[Path, typer.Option(help="Candidate questions (prepared JSONL).")],
+    out: Annotated[Path, typer.Option(help="Pass-count JSON to write (input of prepare-data --pass-counts).")],
+    k: Annotated[int, typer.Option(min=1, help="Samples per question.")] = 8,
+    model: Annotated[str | None, typer.Option(help="Model folder (local engine).")] = None,
+    server_url: Annotated[str | None, typer.Option(help="OpenAI-compatible server.")] = None,
+    recipe: Annotated[Path | None, typer.Option(help="Recipe whose rollout settings are used.")] = None,
+    set_: SetOption = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N candidates.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (required with --server-url).")] = None,
+) -> None:
+    """Count how often a model solves each candidate in k samples (for Pass@k training-set selection)."""
+    from memrl.config import ConfigError
+    from memrl.data.records import DataError
+    from memrl.eval.pass_at_k import pass_at_k_command
+    from memrl.eval.runner import EvalError
+
+    try:
+        result = pass_at_k_command(model, server_url, recipe, data, out, k, set_, limit, tokenizer)
+    except (ConfigError, DataError, EvalError) as e:
+        _fail(str(e))
+    typer.echo(f"wrote {out}: {len(result['pass_counts'])} questions, {result['mixed']} solved sometimes, "
+               f"{result['never']} never, {result['always']} always, {len(result['failed'])} failed")
+
+
 def _register_optional() -> None:
     from memrl.data.prepare import register as register_prepare
     from memrl.eval.runner import register as register_eval

@@ -304,6 +304,37 @@ def load_eval_data(path: Path, verify: bool = True) -> list[QuestionRecord]:
     raise EvalError(f"{path} is neither prepared JSONL (one object per line) nor a RULER-HQA JSON list")
 
 
+def open_engine(cfg: Config, model: str | None, server_url: str | None,
+                tokenizer_path: str | Path) -> tuple[Any, Any, dict[str, Any]]:
+    """(tokenizer, engine, engine info) for a model folder / hub id (local engine) or a server URL."""
+    from transformers import AutoTokenizer
+
+    try:
+        # The recipe's pinned revision applies to the recipe's own hub ids, not to folders given on the CLI.
+        tok_revision = cfg.model.revision if str(tokenizer_path) in (cfg.model.path, cfg.model.tokenizer) else None
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_path), revision=tok_revision)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"cannot load a tokenizer from {tokenizer_path}: {e}; pass --tokenizer") from e
+
+    engine: Any
+    if server_url is not None:
+        from memrl.engines.openai import OpenAIEngine
+
+        engine = OpenAIEngine(server_url, api_key=cfg.rollout.api_key, max_concurrency=cfg.rollout.max_concurrency,
+                              timeout_s=cfg.rollout.request_timeout_s)
+        info: dict[str, Any] = {"kind": "openai", "url": server_url}
+    else:
+        from memrl.engines.hf import HFEngine
+
+        engine = HFEngine.from_pretrained(model, device=cfg.model.device, dtype=cfg.model.dtype,
+                                          tokenizer_path=tokenizer_path, max_batch_size=cfg.rollout.max_batch_size,
+                                          max_batch_tokens=cfg.rollout.max_batch_tokens,
+                                          revision=cfg.model.revision if model == cfg.model.path else None)
+        info = {"kind": "hf", "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
+
+    return tok, engine, info
+
+
 def eval_command(model: str | None, server_url: str | None, recipe: Path | None, data: Path, out: Path,
                  sets: list[str] | None = None, limit: int | None = None, concurrency: int | None = None,
                  tokenizer: str | None = None, progress: bool = True, *, retry_failed: bool = False) -> dict[str, Any]:
@@ -330,30 +361,7 @@ def eval_command(model: str | None, server_url: str | None, recipe: Path | None,
     if cfg.eval.limit is not None:
         records = records[: cfg.eval.limit]
     data_sha = sha256_file(data)
-    from transformers import AutoTokenizer
-
-    try:
-        # The recipe's pinned revision applies to the recipe's own hub ids, not to folders given on the CLI.
-        tok_revision = cfg.model.revision if str(tokenizer_path) in (cfg.model.path, cfg.model.tokenizer) else None
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_path), revision=tok_revision)
-    except (OSError, ValueError) as e:
-        raise EvalError(f"cannot load a tokenizer from {tokenizer_path}: {e}; pass --tokenizer") from e
-
-    engine: Any
-    if server_url is not None:
-        from memrl.engines.openai import OpenAIEngine
-
-        engine = OpenAIEngine(server_url, api_key=cfg.rollout.api_key, max_concurrency=cfg.rollout.max_concurrency,
-                              timeout_s=cfg.rollout.request_timeout_s)
-        info: dict[str, Any] = {"kind": "openai", "url": server_url}
-    else:
-        from memrl.engines.hf import HFEngine
-
-        engine = HFEngine.from_pretrained(model, device=cfg.model.device, dtype=cfg.model.dtype,
-                                          tokenizer_path=tokenizer_path, max_batch_size=cfg.rollout.max_batch_size,
-                                          max_batch_tokens=cfg.rollout.max_batch_tokens,
-                                          revision=cfg.model.revision if model == cfg.model.path else None)
-        info = {"kind": "hf", "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
+    tok, engine, info = open_engine(cfg, model, server_url, tokenizer_path)
 
     # A local folder is named by its absolute path, so a rerun from another directory still resumes.
     model_name = str(Path(model).resolve()) if model is not None and Path(model).is_dir() else str(model or server_url)

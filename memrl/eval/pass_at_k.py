@@ -1,0 +1,85 @@
+"""Pass@k over candidate questions, for choosing a training set that carries a GRPO signal (SPEC §5).
+
+The seed's recipe ran the base model 8 times on each of 4,000 candidates (32,000 trajectories) and kept
+questions solved sometimes but not always. `memrl pass-at-k` writes `{k, pass_counts: {id: passes}, ...}`,
+the file `memrl prepare-data hotpotqa --pass-counts FILE --pass-k K` reads. Samples use the training
+loop itself (`generate_group`, the reward function), so "pass" means exactly what the reward means.
+A question with a failed request gets no count (it is listed under `failed`), never a made-up one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from memrl.config import Config
+from memrl.data.manifest import atomic_write_json, sha256_file
+from memrl.data.records import QuestionRecord
+from memrl.memagent.reward import trajectory_reward
+from memrl.memagent.rollout import RolloutContext, generate_group
+
+
+async def count_passes(engine: Any, tokenizer: Any, cfg: Config, records: Sequence[QuestionRecord], k: int,
+                       progress: bool = True) -> tuple[dict[str, int], list[str]]:
+    """(passes per question id, ids with a failed sample). Questions run `cfg.eval.concurrency` at a time."""
+    ctx = RolloutContext(engine=engine, tokenizer=tokenizer, config=cfg, rollout_id=0,
+                         reward_function=trajectory_reward, progress=False)
+    limit = asyncio.Semaphore(cfg.eval.concurrency)
+    counts: dict[str, int] = {}
+    failed: list[str] = []
+    bar = tqdm(total=len(records), desc=f"pass@{k}", unit="q", disable=not progress)
+
+    async def one(slot: int, record: QuestionRecord) -> None:
+        async with limit:
+            group = await generate_group(ctx, record, n_samples=k, slot=slot)
+        if any(t.status == "failed" for t in group):
+            failed.append(record.id)
+        else:
+            counts[record.id] = sum(int(t.reward == 1.0) for t in group)
+        bar.update()
+        bar.set_postfix(mixed=sum(0 < c < k for c in counts.values()), failed=len(failed))
+
+    try:
+        await asyncio.gather(*(one(slot, r) for slot, r in enumerate(records)))
+    finally:
+        bar.close()
+    order = {r.id: i for i, r in enumerate(records)}
+    return dict(sorted(counts.items(), key=lambda kv: order[kv[0]])), sorted(failed, key=order.__getitem__)
+
+
+def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | None, data: Path, out: Path, k: int,
+                      sets: list[str] | None = None, limit: int | None = None, tokenizer: str | None = None,
+                      progress: bool = True) -> dict[str, Any]:
+    """Run Pass@k with the rollout recipe (temperature, seed, chunking) and write the pass-count file."""
+    from memrl.config import load_config
+    from memrl.eval.runner import EvalError, load_eval_data, open_engine
+
+    cfg = load_config(recipe, list(sets or []))
+    model = model or (cfg.model.path if server_url is None else None)
+    if (model is None) == (server_url is None):
+        raise EvalError("give exactly one of --model DIR (local engine) or --server-url URL (a served model)")
+    tokenizer_path = tokenizer or cfg.model.tokenizer or model
+    if tokenizer_path is None:
+        raise EvalError("a served model needs --tokenizer")
+    records = load_eval_data(data, verify=cfg.data.verify_manifest)[:limit]
+    tok, engine, info = open_engine(cfg, model, server_url, tokenizer_path)
+
+    async def run() -> tuple[dict[str, int], list[str]]:
+        try:
+            return await count_passes(engine, tok, cfg, records, k, progress)
+        finally:
+            await engine.close()
+
+    counts, failed = asyncio.run(run())
+    result = {"k": k, "pass_counts": counts, "failed": failed, "model": str(model or server_url),
+              "engine": info, "data": str(data), "data_sha256": sha256_file(data),
+              "rollout": cfg.rollout.model_dump(mode="json"),
+              "mixed": sum(0 < c < k for c in counts.values()), "never": sum(c == 0 for c in counts.values()),
+              "always": sum(c == k for c in counts.values())}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, result)
+    return result
