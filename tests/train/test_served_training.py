@@ -1,0 +1,50 @@
+"""Training against a served engine: after each step the trainer saves its weights and the server reloads them."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from memrl.config import Config
+from memrl.data.records import QuestionRecord
+from memrl.engines.hf import HFEngine
+from memrl.engines.server import create_app
+from memrl.tiny import save_tiny_model
+from memrl.train.controller import Trainer, TrainOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
+from test_server import serve_in_thread  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def parity_reward(traj, golds):
+    return float(traj.turns[-1].response_ids[0] % 2 == 0)
+
+
+def test_served_engine_is_reloaded_with_the_trained_weights(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "model", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    served = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
+    records = [QuestionRecord(id="q0", question="Which city?", answers=["Paris"],
+                              context="Document 1: Paris is the capital of France. " * 3, metadata={})]
+    with serve_in_thread(create_app(served, "tiny", tokenizer=tok)) as url:
+        cfg = Config.model_validate({
+            "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
+                        "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+            "train": {"num_rollout": 1, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
+            "plugins": {"reward_function": f"{__name__}:parity_reward"},
+        })
+        trainer = Trainer(cfg, TrainOptions(run_root=tmp_path / "run", progress=False),
+                          model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, records=records)
+        history = trainer.run()
+        assert history[0]["rows/consumed"] == history[0]["rows/saved"] > 0
+        assert history[0]["grad_norm"] > 0
+        trained = dict(trainer.actor.model.named_parameters())
+        reloaded = dict(served.model.named_parameters())
+        initial = AutoModelForCausalLM.from_pretrained(model_dir)
+        assert any(not torch.equal(p, trained[n]) for n, p in initial.named_parameters())
+        for name, param in reloaded.items():
+            torch.testing.assert_close(param, trained[name].detach(), atol=0, rtol=0, msg=name)
