@@ -56,15 +56,10 @@ def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | 
                       progress: bool = True) -> dict[str, Any]:
     """Run Pass@k with the rollout recipe (temperature, seed, chunking) and write the pass-count file."""
     from memrl.config import load_config
-    from memrl.eval.runner import EvalError, load_eval_data, open_engine
+    from memrl.eval.runner import load_eval_data, open_engine, resolve_model_source
 
     cfg = load_config(recipe, list(sets or []))
-    model = model or (cfg.model.path if server_url is None else None)
-    if (model is None) == (server_url is None):
-        raise EvalError("give exactly one of --model DIR (local engine) or --server-url URL (a served model)")
-    tokenizer_path = tokenizer or cfg.model.tokenizer or model
-    if tokenizer_path is None:
-        raise EvalError("a served model needs --tokenizer")
+    model, server_url, tokenizer_path = resolve_model_source(cfg, model, server_url, tokenizer)
     records = load_eval_data(data, verify=cfg.data.verify_manifest)[:limit]
     tok, engine, info = open_engine(cfg, model, server_url, tokenizer_path)
 

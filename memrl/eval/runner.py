@@ -304,6 +304,19 @@ def load_eval_data(path: Path, verify: bool = True) -> list[QuestionRecord]:
     raise EvalError(f"{path} is neither prepared JSONL (one object per line) nor a RULER-HQA JSON list")
 
 
+def resolve_model_source(cfg: Config, model: str | None, server_url: str | None,
+                         tokenizer: str | None) -> tuple[str | None, str | None, str]:
+    """(model, server_url, tokenizer path) from the command line, falling back to the recipe."""
+    model = model or (cfg.model.path if server_url is None and cfg.rollout.engine == "hf" else None)
+    server_url = server_url or (cfg.rollout.server_url if model is None else None)
+    if (model is None) == (server_url is None):
+        raise EvalError("give exactly one of --model DIR (local engine) or --server-url URL (a served model)")
+    tokenizer_path = tokenizer or cfg.model.tokenizer or model
+    if tokenizer_path is None:
+        raise EvalError("a served model needs --tokenizer (a folder or hub id): prompts are built as token ids here")
+    return model, server_url, tokenizer_path
+
+
 def open_engine(cfg: Config, model: str | None, server_url: str | None,
                 tokenizer_path: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     """(tokenizer, engine, engine info) for a model folder / hub id (local engine) or a server URL."""
@@ -349,13 +362,7 @@ def eval_command(model: str | None, server_url: str | None, recipe: Path | None,
     overrides += [f"eval.limit={limit}"] if limit is not None else []
     overrides += [f"eval.concurrency={concurrency}"] if concurrency is not None else []
     cfg = load_config(recipe, overrides)
-    model = model or (cfg.model.path if server_url is None and cfg.rollout.engine == "hf" else None)
-    server_url = server_url or (cfg.rollout.server_url if model is None else None)
-    if (model is None) == (server_url is None):
-        raise EvalError("give exactly one of --model DIR (local engine) or --server-url URL (a served model)")
-    tokenizer_path = tokenizer or cfg.model.tokenizer or model
-    if tokenizer_path is None:
-        raise EvalError("a served model needs --tokenizer (a folder or hub id): prompts are built as token ids here")
+    model, server_url, tokenizer_path = resolve_model_source(cfg, model, server_url, tokenizer)
 
     records = load_eval_data(data, verify=cfg.data.verify_manifest)
     if cfg.eval.limit is not None:

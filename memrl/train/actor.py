@@ -1,10 +1,18 @@
 """The policy optimizer: consumes exactly one rollout step's rows, PPO-clip + KL, AdamW, grad clipping.
 
 One optimizer step = whole prompt groups (`split_optimizer_steps`); its rows are dealt to data-parallel
-ranks (`split_ranks`, simulated sequentially in one process, or one share per Ray worker) and cut into
-token-budget micro-batches. The loss of a step is `sum_r w_r * sum_t mask * loss` with per-row weights
-computed once for the whole step (`compute_token_weights`), so any micro-batching or rank split gives
-the same gradient as one full batch.
+ranks (`split_ranks`) and cut into token-budget micro-batches (`plan_rollout` does all of it, purely).
+The loss of a step is `sum_r w_r * sum_t mask * loss` with per-row weights computed once for the whole
+step (`compute_token_weights`), so any micro-batching or rank split gives the same gradient as one full
+batch.
+
+Two ways to run the ranks of a plan:
+- one process (`world_size == 1`, the default): every rank's share runs sequentially, gradients add up;
+- real data parallelism (`world_size > 1`, torch.distributed initialised, e.g. one Ray trainer worker
+  per rank): each process runs only its own share; DDP all-reduces the gradients once per optimizer step
+  (no_sync on every micro-batch but the last; every rank has the same number of micro-batches, see
+  `equalize_micro_batch_counts`). DDP *averages*, so each rank's loss is multiplied by the world size:
+  the summed gradient then equals the one-process gradient. Metrics are summed across ranks.
 
 Only response positions go through the LM head: prompt tokens carry no loss, and MemAgent prompts are
 most of every row (PITFALLS: the actor update dominated by prompt tokens).
@@ -12,12 +20,16 @@ most of every row (PITFALLS: the actor update dominated by prompt tokens).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from memrl.config import Config
@@ -32,11 +44,44 @@ from memrl.rl.validate import validate_train_rows
 from memrl.train.partition import (
     equalize_micro_batch_counts,
     micro_batches,
-    padding_fraction,
     split_optimizer_steps,
     split_ranks,
 )
 from memrl.types import TrainRow
+
+
+class ActorError(RuntimeError):
+    """An actor set up or driven inconsistently; the message says what to change."""
+
+
+@dataclass
+class RankShare:
+    """One rank's work in one optimizer step: its micro-batches and every row's weight in the whole step.
+
+    Invariant: `weights[k][i]` belongs to `micro_batches[k][i]`; padding rows have weight 0.
+    """
+
+    micro_batches: list[list[TrainRow]]
+    weights: list[list[float]]
+
+
+def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[RankShare]:
+    """Deal one optimizer step's rows to `train.dp_size` ranks, weigh them over the whole step, cut each
+    rank's rows into micro-batches, and give every rank the same number of micro-batches."""
+    t, a = config.train, config.algorithm
+    ranks = split_ranks(rows, t.dp_size, t.pad_to_dp, pad_token_id, rollout_id)
+    all_rows = [r for rank in ranks for r in rank]
+    weights = dict(zip(map(id, all_rows), compute_token_weights(
+        [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg), strict=True))
+    batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens) for rank in ranks],
+                                          pad_token_id, rollout_id)
+    return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]
+
+
+def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[list[RankShare]]:
+    """`[optimizer step][rank] -> RankShare` for one rollout step's rows (prompt groups kept in one step)."""
+    return [plan_optimizer_step(step, config, pad_token_id, rollout_id)
+            for step in split_optimizer_steps(rows, config.train.num_optimizer_steps)]
 
 
 @dataclass
@@ -86,10 +131,27 @@ class MicroBatch:
 
 def response_logits(model: torch.nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
     """Logits (divided by the sampling temperature) at the positions that predict response tokens: [N, V]."""
-    hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
-    selected = hidden[mb.positions[:, 0], mb.positions[:, 1]]
+    return _response_logits(model, mb.input_ids, mb.attention_mask, mb.positions, temperature)
+
+
+def _response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
+                     temperature: float) -> Tensor:
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    selected = hidden[positions[:, 0], positions[:, 1]]
     logits = model.get_output_embeddings()(selected).float()
     return logits / temperature if temperature > 0 else logits
+
+
+class ResponseLogits(torch.nn.Module):
+    """`response_logits` as a module's forward, so DDP (whose gradient hooks are armed by its own
+    forward) can wrap it; `self.model` is the plain Hugging Face model, shared, never copied."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.model, self.temperature = model, temperature
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
+        return _response_logits(self.model, input_ids, attention_mask, positions, self.temperature)
 
 
 def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -99,7 +161,18 @@ def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
 class Actor:
     """A causal LM policy with a frozen reference copy (for the KL term), AdamW and a warmup schedule."""
 
-    def __init__(self, model: torch.nn.Module, config: Config, pad_token_id: int, device: torch.device | None = None):
+    def __init__(self, model: torch.nn.Module, config: Config, pad_token_id: int, device: torch.device | None = None,
+                 rank: int = 0, world_size: int = 1):
+        """`world_size > 1`: this is rank `rank` of a torch.distributed group of `train.dp_size` processes
+        (initialised by the caller); the model is wrapped in DDP, which also broadcasts rank 0's weights."""
+        if world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+                raise ActorError(f"Actor(world_size={world_size}) needs torch.distributed initialised with that "
+                                 f"many processes; call init_process_group first (the Ray runtime does)")
+            if config.train.dp_size != world_size:
+                raise ActorError(f"train.dp_size = {config.train.dp_size} but {world_size} trainer processes run; "
+                                 f"set train.dp_size to the number of trainer workers")
+        self.rank, self.world_size = rank, world_size
         self.cfg = config
         self.device = device or next(model.parameters()).device
         self.model = model.to(self.device)
@@ -118,76 +191,65 @@ class Actor:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
         self.global_step = 0
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
+        self.ddp = None
+        if world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+                if self.device.type == "cuda" else None
+            # Buffers (rotary tables) are identical on every rank: no per-forward sync. torch >= 2.13 renamed it.
+            params = inspect.signature(DistributedDataParallel).parameters
+            no_sync_buffers = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+            self.ddp = DistributedDataParallel(ResponseLogits(self.model, config.rollout.temperature),
+                                               device_ids=ids, **no_sync_buffers)
 
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> Tensor:
-        if self.autocast is None:
-            return response_logits(model, mb, self.cfg.rollout.temperature)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with self.autocast if self.autocast is not None else contextlib.nullcontext():
+            if model is self.model and self.ddp is not None:
+                return self.ddp(mb.input_ids, mb.attention_mask, mb.positions)
             return response_logits(model, mb, self.cfg.rollout.temperature)
 
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
-        """Run `train.num_optimizer_steps` optimizer steps over exactly these rows; return step metrics."""
+        """Run `train.num_optimizer_steps` optimizer steps over exactly these rows; return step metrics.
+        With `world_size > 1` every rank is given all the rows and runs its own share of the plan."""
         validate_train_rows(rows)
+        plan = plan_rollout(rows, self.cfg, self.pad_token_id, rollout_id)
+        own = plan if self.world_size == 1 else [[shares[self.rank]] for shares in plan]
+        return self.train_planned(own, rollout_id, len(rows), sum(len(r.tokens) for r in rows))
+
+    def train_planned(self, steps: list[list[RankShare]], rollout_id: int, num_rows: int,
+                      num_tokens: int) -> dict[str, float]:
+        """Run one optimizer step per entry of `steps`, each over the shares this process runs (all ranks'
+        in one process; its own rank's only when distributed). `num_rows` / `num_tokens` count the whole
+        rollout step's rows (for metrics). Returns metrics averaged over the optimizer steps."""
         start = time.perf_counter()
         totals: dict[str, float] = {}
-        steps = split_optimizer_steps(rows, self.cfg.train.num_optimizer_steps)
-        for step_rows in steps:
-            for key, value in self._optimizer_step(step_rows, rollout_id).items():
+        for shares in steps:
+            for key, value in self._optimizer_step(shares, rollout_id).items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
-        totals["rows/consumed"] = float(len(rows))
+        totals["rows/consumed"] = float(num_rows)
         elapsed = time.perf_counter() - start
         totals["time/train_s"] = elapsed
-        totals["perf/train_tokens_per_s"] = sum(len(r.tokens) for r in rows) / elapsed if elapsed > 0 else 0.0
+        totals["perf/train_tokens_per_s"] = num_tokens / elapsed if elapsed > 0 else 0.0
         return totals
 
-    def _optimizer_step(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
-        t, a = self.cfg.train, self.cfg.algorithm
-        ranks = split_ranks(rows, t.dp_size, t.pad_to_dp, self.pad_token_id, rollout_id)
-        all_rows = [r for rank in ranks for r in rank]
-        weights = dict(zip(map(id, all_rows), compute_token_weights(
-            [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg), strict=True))
-        batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens) for rank in ranks],
-                                              self.pad_token_id, rollout_id)
-        flat = [mb for rank in batches for mb in rank]
+    def _optimizer_step(self, shares: list[RankShare], rollout_id: int) -> dict[str, float]:
+        t = self.cfg.train
+        if self.world_size > 1 and len(shares) != 1:
+            raise ActorError(f"rank {self.rank} of {self.world_size} was given {len(shares)} shares of an "
+                             f"optimizer step; a distributed rank runs exactly its own share")
+        work = [(mb, w) for share in shares for mb, w in zip(share.micro_batches, share.weights, strict=True)]
+        # DDP averages the gradients of the world; our loss is already the exact share of the step's sum.
+        loss_scale = float(self.world_size)
         sums: dict[str, float] = {}
-
-        def add(key: str, value: Tensor | float, w: float = 1.0) -> None:
-            sums[key] = sums.get(key, 0.0) + float(value) * w
-
         self.optimizer.zero_grad(set_to_none=True)
-        for mb_rows in flat:
-            mb = MicroBatch.build(mb_rows, [weights.get(id(r), 0.0) for r in mb_rows], self.pad_token_id, self.device)
-            logits = self._forward(self.model, mb)
-            logp = mb.scatter(token_log_probs(logits, mb.targets))
-            entropy = mb.scatter(entropy_from_logits(logits.detach()))
-            # One optimizer step per group set: the pre-update policy is this forward's (detached) output.
-            old = logp.detach()
-            iw = truncated_importance_weights(old, mb.rollout_log_probs, a.tis_cap) if a.tis_cap else None
-            pg, m = policy_loss(logp, old, mb.advantages, mb.loss_mask, a.clip_low, a.clip_high, a.dual_clip,
-                                row_weights=mb.row_weights, importance_weights=iw)
-            loss = pg
-            w_tokens = (mb.loss_mask * mb.row_weights.unsqueeze(-1))
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = mb.scatter(token_log_probs(self._forward(self.ref_model, mb), mb.targets))
-                kl = kl_penalty(logp, ref, a.kl_estimator)
-                kl_term = (kl * w_tokens).sum()
-                loss = loss + a.kl_coef * kl_term
-                add("kl/mean", kl_term.detach())
-            if a.entropy_coef > 0:
-                with_grad_entropy = mb.scatter(entropy_from_logits(logits))
-                loss = loss - a.entropy_coef * (with_grad_entropy * w_tokens).sum()
-            loss.backward()
-            n_tok = float(mb.loss_mask.sum())
-            gap = ((old - mb.rollout_log_probs).abs() * mb.loss_mask)
-            add("loss/policy", pg.detach())
-            add("loss/total", loss.detach())
-            add("entropy/mean", (entropy * w_tokens).sum())
-            add("logprob_gap/sum_abs", gap.sum())
-            add("logprob_gap/max_abs", 0.0)
-            sums["logprob_gap/max_abs"] = max(sums["logprob_gap/max_abs"], float(gap.max()) if gap.numel() else 0.0)
-            add("tokens/loss", n_tok)
-            add("clip_fraction_tokens", m["clip_fraction"], n_tok)
+        for k, (mb_rows, mb_weights) in enumerate(work):
+            # Gradients are all-reduced once, on the last micro-batch (every rank has as many).
+            sync = self.ddp is None or k == len(work) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                self._micro_batch(mb_rows, mb_weights, sums, loss_scale)
+        if self.world_size > 1:
+            self._all_reduce_metrics(sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         if not math.isfinite(float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -197,15 +259,72 @@ class Actor:
         self.scheduler.step()
         self.global_step += 1
         n_tok = max(sums.pop("tokens/loss"), 1.0)
+        padded = sums["tokens/padded"]
         return {
             "loss/policy": sums["loss/policy"], "loss/total": sums["loss/total"],
             "kl/mean": sums.get("kl/mean", 0.0), "entropy/mean": sums["entropy/mean"],
             "logprob_gap/mean_abs": sums.pop("logprob_gap/sum_abs") / n_tok,
             "logprob_gap/max_abs": sums["logprob_gap/max_abs"],
             "clip_fraction": sums["clip_fraction_tokens"] / n_tok, "grad_norm": float(grad_norm),
-            "lr": self.scheduler.get_last_lr()[0], "padding_fraction": padding_fraction(flat),
-            "micro_batches": float(len(flat)), "tokens/loss": n_tok,
+            "lr": self.scheduler.get_last_lr()[0],
+            "padding_fraction": 1.0 - sums["tokens/real"] / padded if padded else 0.0,
+            "micro_batches": sums["micro_batches"], "tokens/loss": n_tok,
         }
+
+    def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, float],
+                     loss_scale: float) -> None:
+        """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums."""
+        a = self.cfg.algorithm
+
+        def add(key: str, value: Tensor | float, w: float = 1.0) -> None:
+            sums[key] = sums.get(key, 0.0) + float(value) * w
+
+        mb = MicroBatch.build(mb_rows, mb_weights, self.pad_token_id, self.device)
+        logits = self._forward(self.model, mb)
+        logp = mb.scatter(token_log_probs(logits, mb.targets))
+        entropy = mb.scatter(entropy_from_logits(logits.detach()))
+        # One optimizer step per group set: the pre-update policy is this forward's (detached) output.
+        old = logp.detach()
+        iw = truncated_importance_weights(old, mb.rollout_log_probs, a.tis_cap) if a.tis_cap else None
+        pg, m = policy_loss(logp, old, mb.advantages, mb.loss_mask, a.clip_low, a.clip_high, a.dual_clip,
+                            row_weights=mb.row_weights, importance_weights=iw)
+        loss = pg
+        w_tokens = (mb.loss_mask * mb.row_weights.unsqueeze(-1))
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = mb.scatter(token_log_probs(self._forward(self.ref_model, mb), mb.targets))
+            kl = kl_penalty(logp, ref, a.kl_estimator)
+            kl_term = (kl * w_tokens).sum()
+            loss = loss + a.kl_coef * kl_term
+            add("kl/mean", kl_term.detach())
+        if a.entropy_coef > 0:
+            with_grad_entropy = mb.scatter(entropy_from_logits(logits))
+            loss = loss - a.entropy_coef * (with_grad_entropy * w_tokens).sum()
+        (loss * loss_scale).backward()
+        n_tok = float(mb.loss_mask.sum())
+        gap = ((old - mb.rollout_log_probs).abs() * mb.loss_mask)
+        add("loss/policy", pg.detach())
+        add("loss/total", loss.detach())
+        add("entropy/mean", (entropy * w_tokens).sum())
+        add("logprob_gap/sum_abs", gap.sum())
+        add("logprob_gap/max_abs", 0.0)
+        sums["logprob_gap/max_abs"] = max(sums["logprob_gap/max_abs"], float(gap.max()) if gap.numel() else 0.0)
+        add("tokens/loss", n_tok)
+        add("clip_fraction_tokens", m["clip_fraction"], n_tok)
+        add("micro_batches", 1.0)
+        add("tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
+        add("tokens/padded", max(len(r.tokens) for r in mb_rows) * len(mb_rows))
+
+    def _all_reduce_metrics(self, sums: dict[str, float]) -> None:
+        """Sum every metric over the ranks (max for the max gap); all ranks have the same keys."""
+        keys = sorted(k for k in sums if k != "logprob_gap/max_abs")
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        summed = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        top = torch.tensor([sums["logprob_gap/max_abs"]], dtype=torch.float64, device=device)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        sums.update(zip(keys, summed.tolist(), strict=True))
+        sums["logprob_gap/max_abs"] = float(top.item())
 
     @torch.no_grad()
     def log_probs(self, rows: list[TrainRow]) -> list[list[float]]:
