@@ -40,7 +40,8 @@ def train(
     start_rollout_id: Annotated[int | None, typer.Option(help="First rollout id (default: after the checkpoint).")] = None,
     save_rollouts: Annotated[bool, typer.Option(help="Keep raw trajectories per rollout (debug replay input).")] = False,
     replay_rollouts: Annotated[Path | None, typer.Option(help="Train from saved raw rollouts, no generation.")] = None,
-    runtime: Annotated[str | None, typer.Option(help="local (default) or ray.")] = None,
+    runtime: Annotated[str | None, typer.Option(help="local (default: one process) or ray.")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster to join (HOST:PORT); default: a local one.")] = None,
     progress: Annotated[bool, typer.Option(help="Progress bars.")] = True,
 ) -> None:
     """Train a MemAgent policy with GRPO (one row per turn)."""
@@ -51,11 +52,18 @@ def train(
     overrides = list(set_ or []) + ([f"train.runtime={runtime}"] if runtime else [])
     try:
         cfg = load_config(recipe, overrides)
+        options = TrainOptions(run_root=run_root, load=load, start_rollout_id=start_rollout_id,
+                               save_rollouts=save_rollouts, replay_rollouts=replay_rollouts, progress=progress)
         if cfg.train.runtime == "ray":
-            _fail("train.runtime = 'ray' is not available yet; use the default local runtime")
-        history = run_train(cfg, TrainOptions(run_root=run_root, load=load, start_rollout_id=start_rollout_id,
-                                              save_rollouts=save_rollouts, replay_rollouts=replay_rollouts,
-                                              progress=progress))
+            from memrl.distributed.runtime import run_ray_training
+            from memrl.distributed.workers import WorkerError
+
+            try:
+                history = run_ray_training(cfg, options, ray_address=ray_address)
+            except WorkerError as e:
+                _fail(str(e))
+        else:
+            history = run_train(cfg, options)
     except (ConfigError, TrainingError) as e:
         _fail(str(e))
     except KeyboardInterrupt:

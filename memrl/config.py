@@ -149,6 +149,25 @@ class EvalConfig(Section):
     lengths: list[int] = Field(default_factory=lambda: [50, 200, 800], description="RULER-HQA document counts.")
 
 
+class RayConfig(Section):
+    """The Ray runtime (`train.runtime: ray`); trainer workers = `train.dp_size`. See docs/multinode.md."""
+
+    num_rollout_workers: int = Field(1, gt=0, description="Rollout workers, each with its own engine.")
+    placement: Literal["separate", "colocated"] = Field(
+        "separate", description="`colocated`: trainer i and rollout worker i share a resource bundle."
+    )
+    trainer_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs per trainer worker.")
+    trainer_num_gpus: float | None = Field(None, ge=0, description="GPUs per trainer worker; unset: 1 if the cluster has GPUs (0.5 colocated), else 0.")
+    rollout_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs per rollout worker.")
+    rollout_num_gpus: float | None = Field(None, ge=0, description="GPUs per rollout worker; unset: as trainer_num_gpus.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: nccl with GPUs, else gloo.")
+    rollout_server_urls: list[str] = Field(default_factory=list, description="engine=openai: one server URL per rollout worker.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Worker start, model load, process-group setup.")
+    rollout_timeout_s: float = Field(3600.0, gt=0, description="One rollout step on the rollout workers.")
+    train_timeout_s: float = Field(3600.0, gt=0, description="One step's training on the trainer workers.")
+    sync_timeout_s: float = Field(600.0, gt=0, description="Weight sync and checkpoint save.")
+
+
 class PluginConfig(Section):
     generate_function: str = Field(
         "memrl.memagent.rollout:generate_rollout", description="`module:function` producing a RolloutOutput."
@@ -168,6 +187,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
     plugins: PluginConfig = Field(default_factory=PluginConfig)
 
     @model_validator(mode="after")

@@ -10,5 +10,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[dev,serve]"
+.venv/bin/python -m pip install -q -e ".[dev,serve,ray]"
 echo "memrl installed in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -51,6 +51,9 @@ class RolloutContext:
     rollout_id: int = 0
     reward_function: Callable[[Trajectory, list[str]], float] | None = None
     progress: bool = True
+    # Position of this batch's first question in the step's whole batch: a rollout worker that serves a
+    # slice keeps the group ids and seeds the whole batch would have in one process.
+    slot_offset: int = 0
     builder: PromptBuilder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -195,7 +198,7 @@ async def generate_rollout(ctx: RolloutContext, records: Sequence[QuestionLike])
     bar = tqdm(total=len(records) * ctx.config.rollout.n_samples, desc=f"rollout {ctx.rollout_id}",
                unit="traj", disable=not ctx.progress, leave=False)
     try:
-        groups = await asyncio.gather(*(generate_group(ctx, r, on_done=lambda _t: bar.update(), slot=k)
+        groups = await asyncio.gather(*(generate_group(ctx, r, on_done=lambda _t: bar.update(), slot=ctx.slot_offset + k)
                                         for k, r in enumerate(records)))
     finally:
         bar.close()

@@ -159,34 +159,53 @@ def sync_weights(engine: Any, actor: Actor, run_root: Path, tokenizer: Any,
     loop.run_until_complete(engine.reload_weights(str(path)))
 
 
+def load_tokenizer(cfg: Config) -> Any:
+    from transformers import AutoTokenizer
+
+    if not cfg.model.tokenizer_path:
+        raise ConfigError("model.path (or model.tokenizer) is not set; pass --set model.path=DIR")
+    return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path, revision=cfg.model.revision)
+
+
+def load_policy(cfg: Config) -> torch.nn.Module:
+    """The starting policy in fp32 (the actor trains fp32 master weights; autocast does bf16 on GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    if not cfg.model.path:
+        raise ConfigError("model.path is not set; pass --set model.path=DIR")
+    return AutoModelForCausalLM.from_pretrained(cfg.model.path, revision=cfg.model.revision, dtype=torch.float32)
+
+
+def load_train_records(cfg: Config) -> list[Any]:
+    from memrl.data.records import load_questions
+
+    if not cfg.data.dir:
+        raise ConfigError("data.dir is not set; pass --set data.dir=DIR (see `memrl prepare-data`)")
+    return load_questions(Path(cfg.data.dir) / cfg.data.train_file, verify=cfg.data.verify_manifest)
+
+
+def checkpoint_state(cfg: Config, rollout_id: int, global_step: int) -> dict[str, Any]:
+    """What a checkpoint records besides tensors: where to resume and with which config."""
+    return {"rollout_id": rollout_id, "next_rollout_id": rollout_id + 1, "global_step": global_step,
+            "data_cursor": (rollout_id + 1) * cfg.train.rollout_batch_size, "config": cfg.model_dump(mode="json")}
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 class Trainer:
     def __init__(self, cfg: Config, options: TrainOptions, model: torch.nn.Module | None = None,
                  tokenizer: Any = None, records: Sequence[Any] | None = None) -> None:
         self.cfg, self.opt = cfg, options
         seed_everything(cfg.train.seed)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if tokenizer is None:
-            if not cfg.model.tokenizer_path:
-                raise ConfigError("model.path (or model.tokenizer) is not set; pass --set model.path=DIR")
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path, revision=cfg.model.revision)
-        if model is None:
-            if not cfg.model.path:
-                raise ConfigError("model.path is not set; pass --set model.path=DIR")
-            model = AutoModelForCausalLM.from_pretrained(cfg.model.path, revision=cfg.model.revision,
-                                                         dtype=torch.float32)
-        if records is None:
-            from memrl.data.records import load_questions
-
-            if not cfg.data.dir:
-                raise ConfigError("data.dir is not set; pass --set data.dir=DIR (see `memrl prepare-data`)")
-            records = load_questions(Path(cfg.data.dir) / cfg.data.train_file, verify=cfg.data.verify_manifest)
-        self.tokenizer = tokenizer
-        self.data = DataSource(records, cfg.train.rollout_batch_size, cfg.train.seed)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+        model = model if model is not None else load_policy(cfg)
+        self.data = DataSource(records if records is not None else load_train_records(cfg),
+                               cfg.train.rollout_batch_size, cfg.train.seed)
         device = torch.device("cuda" if torch.cuda.is_available() and cfg.model.device != "cpu" else "cpu")
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # The reference model is the starting policy, also on resume: the actor copies it before any load.
-        self.actor = Actor(model, cfg, pad_token_id=pad_id, device=device)
+        self.actor = Actor(model, cfg, pad_token_id=pad_token_id(self.tokenizer), device=device)
         self.start_rollout_id = 0
         if options.load is not None:
             state = load_checkpoint(options.load, self.actor.model, self.actor.optimizer, self.actor.scheduler)
@@ -198,7 +217,8 @@ class Trainer:
         self.convert_fn = import_object(cfg.plugins.convert_function)
         self.reward_fn = import_object(cfg.plugins.reward_function)
         self.queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples)
-        self.engine = None if options.replay_rollouts else build_engine(cfg, self.actor.model, tokenizer, options.progress)
+        self.engine = None if options.replay_rollouts else build_engine(cfg, self.actor.model, self.tokenizer,
+                                                                      options.progress)
         self.expanded = cfg.queue.train_sample_expansion_factor > 1
 
     def _rollout(self, loop: asyncio.AbstractEventLoop, rollout_id: int) -> RolloutOutput:
@@ -251,9 +271,7 @@ class Trainer:
         return metrics
 
     def save(self, rollout_id: int) -> Path:
-        state = {"rollout_id": rollout_id, "next_rollout_id": rollout_id + 1, "global_step": self.actor.global_step,
-                 "data_cursor": (rollout_id + 1) * self.cfg.train.rollout_batch_size,
-                 "config": self.cfg.model_dump(mode="json")}
+        state = checkpoint_state(self.cfg, rollout_id, self.actor.global_step)
         return save_checkpoint(self.opt.run_root, rollout_id, self.actor.model, self.actor.optimizer,
                                self.actor.scheduler, state, tokenizer=self.tokenizer)
 

@@ -1,0 +1,225 @@
+"""Ray worker classes (plain classes; the runtime wraps them with `ray.remote`) and the bounded wait.
+
+- `TrainerWorker`: one data-parallel rank. Joins a torch.distributed group (gloo on CPU, NCCL on GPU),
+  builds the same `Actor` as the one-process trainer with `rank`/`world_size`, and runs its own share of
+  each optimizer step (DDP all-reduces gradients). Rank 0 also hands out weights and saves checkpoints.
+- `RolloutWorker`: one engine (a local copy of the policy, or a client of its own server) and the
+  configured `generate_function`; generates the trajectories of its slice of a rollout step.
+- `wait_named`: every remote wait of the runtime goes through it: a timeout, and an error that names
+  the worker (died, raised, or did not answer in time). It returns on the first failure, so one rank that
+  raises never leaves the driver waiting for peers stuck in a collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memrl.config import Config, import_object
+from memrl.train.controller import load_policy, load_tokenizer
+from memrl.types import RolloutOutput
+
+
+class WorkerError(RuntimeError):
+    """A Ray worker failed a step; the message names the worker and what happened."""
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process died (killed, out of memory, node lost) while the driver waited for it."""
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """A worker did not answer within its timeout (raise the matching `ray.*_timeout_s` if it is just slow)."""
+
+
+def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool = False) -> dict[str, Any]:
+    """`ray.get` of named object refs, bounded by `timeout_s` in total; fails at the first failure.
+
+    `reraise=True` re-raises a task's own exception (Ray's error subclasses the cause) instead of wrapping it
+    in `WorkerError`; a dead actor or a timeout is always a `WorkerError` naming the worker.
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    by_ref = {ref: name for name, ref in refs.items()}
+    results: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    pending = list(by_ref)
+    while pending:
+        left = deadline - time.monotonic()
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0)) if left > 0 else ([], pending)
+        if not ready:
+            names = ", ".join(sorted(by_ref[r] for r in pending))
+            raise WorkerTimeoutError(f"{what}: {names} did not answer within {timeout_s:g}s")
+        name = by_ref[ready[0]]
+        try:
+            results[name] = ray.get(ready[0], timeout=max(deadline - time.monotonic(), 1.0))
+        except RayActorError as error:
+            raise WorkerDiedError(f"{what}: {name} died ({type(error).__name__}: {error})") from error
+        except GetTimeoutError as error:
+            raise WorkerTimeoutError(f"{what}: {name} did not answer within {timeout_s:g}s") from error
+        except RayTaskError as error:
+            if reraise:
+                raise
+            cause = error.cause if getattr(error, "cause", None) is not None else error
+            raise WorkerError(f"{what}: {name} raised {type(cause).__name__}: {cause}") from error
+    return results
+
+
+def merge_rollout_outputs(outputs: list[RolloutOutput]) -> RolloutOutput:
+    """One rollout step's output from its workers' slices, in slice order.
+
+    Trajectory and row counts add up. Metrics: `time/*` take the slowest worker; counts (`*/total`,
+    `*/failed`, `groups/*`, `tokens/*`) add up; every other metric is averaged weighted by the worker's
+    number of trajectories (kept + dropped), which is exact for per-trajectory means such as reward/mean.
+    """
+    if len(outputs) == 1:
+        return outputs[0]
+    counts = [float(len(o.trajectories) + len(o.dropped)) for o in outputs]
+    total = sum(counts) or 1.0
+    metrics: dict[str, float] = {}
+    for key in sorted({k for o in outputs for k in o.metrics}):
+        values = [(o.metrics[key], n) for o, n in zip(outputs, counts, strict=True) if key in o.metrics]
+        if key.startswith("time/"):
+            metrics[key] = max(v for v, _ in values)
+        elif key.endswith(("/total", "/failed")) or key.startswith(("groups/", "tokens/")):
+            metrics[key] = sum(v for v, _ in values)
+        else:
+            metrics[key] = sum(v * n for v, n in values) / (sum(n for _, n in values) or total)
+    row_counts = [o.train_row_count for o in outputs]
+    return RolloutOutput(trajectories=[t for o in outputs for t in o.trajectories], metrics=metrics,
+                         train_row_count=None if any(c is None for c in row_counts) else sum(row_counts),
+                         dropped=[t for o in outputs for t in o.dropped])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _load_model(cfg: Config, model: torch.nn.Module | None) -> torch.nn.Module:
+    return model if model is not None else load_policy(cfg)
+
+
+def _load_tokenizer(cfg: Config, tokenizer: Any) -> Any:
+    return tokenizer if tokenizer is not None else load_tokenizer(cfg)
+
+
+class TrainerWorker:
+    """Data-parallel rank `rank` of `world_size`. Call `address` on rank 0, then `setup` on every rank at
+    once (init_process_group waits for all of them), then `train` on every rank for each rollout step."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.actor = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, master: tuple[str, int], backend: str, timeout_s: float, pad_token_id: int,
+              model: torch.nn.Module | None = None, load: str | None = None) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        from memrl.train.actor import Actor
+        from memrl.train.checkpoint import load_checkpoint
+        from memrl.train.controller import seed_everything
+
+        use_cuda = backend == "nccl"
+        if use_cuda:
+            torch.cuda.set_device(0)  # Ray makes this worker's GPU(s) the only visible ones
+        dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        seed_everything(self.cfg.train.seed)
+        device = torch.device("cuda" if use_cuda else "cpu")
+        self.actor = Actor(_load_model(self.cfg, model), self.cfg, pad_token_id=pad_token_id, device=device,
+                           rank=self.rank, world_size=self.world_size)
+        state: dict[str, Any] = {}
+        if load is not None:
+            # Every rank loads the same files, so the replicas (and optimizer states) stay identical.
+            state = load_checkpoint(load, self.actor.model, self.actor.optimizer, self.actor.scheduler)
+            self.actor.global_step = int(state.get("global_step") or 0)
+        return {"rank": self.rank, "pid": os.getpid(), "global_step": self.actor.global_step}
+
+    def train(self, steps: list[Any], rollout_id: int, num_rows: int, num_tokens: int) -> dict[str, float]:
+        """This rank's share of every optimizer step of one rollout step (`steps[k]` is a `RankShare`)."""
+        metrics = self.actor.train_planned([[share] for share in steps], rollout_id, num_rows, num_tokens)
+        metrics["global_step"] = float(self.actor.global_step)
+        return metrics
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the policy weights (Hugging Face keys), for the rollout engines."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.actor.model.state_dict().items()}
+
+    def save_pretrained(self, path: str, tokenizer: Any = None) -> str:
+        """A Hugging Face folder of the current weights (for served engines that reload from disk)."""
+        self.actor.model.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        return path
+
+    def save(self, run_root: str, rollout_id: int, state: dict[str, Any], tokenizer: Any = None) -> str:
+        """Checkpoint (rank 0 only: DDP replicas and their optimizer states are identical)."""
+        from memrl.train.checkpoint import save_checkpoint
+
+        state = {**state, "global_step": self.actor.global_step}
+        return str(save_checkpoint(run_root, rollout_id, self.actor.model, self.actor.optimizer,
+                                   self.actor.scheduler, state, tokenizer=tokenizer))
+
+    def log_probs(self, rows: list[Any]) -> list[list[float]]:
+        return self.actor.log_probs(rows)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RolloutWorker:
+    """An engine plus the configured generate/reward functions; one event loop for the worker's life."""
+
+    def __init__(self, cfg: Config, index: int, tokenizer: Any = None, model: torch.nn.Module | None = None,
+                 server_url: str | None = None) -> None:
+        from memrl.train.controller import build_engine
+
+        if server_url is not None:
+            cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"server_url": server_url})})
+        self.cfg, self.index = cfg, index
+        self.tokenizer = _load_tokenizer(cfg, tokenizer)
+        local = cfg.rollout.engine != "openai"
+        self.engine = build_engine(cfg, _load_model(cfg, model) if local else None, self.tokenizer, progress=False)
+        self.generate_fn = import_object(cfg.plugins.generate_function)
+        self.reward_fn = import_object(cfg.plugins.reward_function)
+        self.loop = asyncio.new_event_loop()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def generate(self, rollout_id: int, records: list[Any], slot_offset: int = 0) -> RolloutOutput:
+        """Trajectories (with rewards) of `records`, the slice of the step's batch starting at `slot_offset`."""
+        from memrl.memagent.rollout import RolloutContext
+
+        ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
+                             reward_function=self.reward_fn, progress=False)
+        # Slots (positions in the batch) name groups and seed requests: a slice keeps its batch positions.
+        ctx.slot_offset = slot_offset
+        return self.loop.run_until_complete(self.generate_fn(ctx, records))
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.engine.load_weights(state_dict)
+
+    def reload_weights(self, path: str) -> None:
+        self.loop.run_until_complete(self.engine.reload_weights(str(Path(path))))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.close())

@@ -1,0 +1,101 @@
+"""Row partitioning across data-parallel ranks (no Ray needed): the invariants every real rank relies on."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memrl.config import Config
+from memrl.distributed.workers import merge_rollout_outputs
+from memrl.train.actor import plan_rollout
+from memrl.train.partition import split_ranks
+from memrl.types import RolloutOutput, TrainRow, Trajectory
+
+
+def make_rows(seed, n_groups, per_group):
+    rng = random.Random(seed)
+    rows = []
+    for g in range(n_groups):
+        for s in range(per_group):
+            for turn in range(rng.randint(1, 4)):
+                p, r = rng.randint(2, 30), rng.randint(1, 8)
+                rows.append(TrainRow(tokens=[rng.randrange(1, 50) for _ in range(p + r)], response_length=r,
+                                     loss_mask=[1] * r, rollout_log_probs=[-1.0] * r, advantage=rng.uniform(-1, 1),
+                                     group_id=f"g{g}", trajectory_id=f"g{g}s{s}", turn_index=turn, rollout_id=0))
+    return rows
+
+
+def cfg(**train):
+    return Config.model_validate({"train": train})
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n_groups=st.integers(2, 6), per_group=st.integers(1, 4),
+       dp=st.integers(1, 4), steps=st.integers(1, 2), budget=st.sampled_from([30, 80, 10_000]),
+       agg=st.sampled_from(["token_mean", "seq_mean_token_mean", "trajectory_mean"]))
+def test_plan_invariants(seed, n_groups, per_group, dp, steps, budget, agg):
+    rows = make_rows(seed, n_groups, per_group)
+    config = Config.model_validate({"train": {"dp_size": dp, "pad_to_dp": True, "num_optimizer_steps": steps,
+                                              "micro_batch_tokens": budget}, "algorithm": {"loss_agg": agg}})
+    plan = plan_rollout(rows, config, pad_token_id=0, rollout_id=0)
+    assert len(plan) == steps and all(len(shares) == dp for shares in plan)
+    seen = []
+    for shares in plan:
+        step_rows = [r for share in shares for mb in share.micro_batches for r in mb]
+        real = [r for r in step_rows if not r.is_padding]
+        seen += real
+        # rows of one prompt group stay in one optimizer step
+        groups = {r.group_id for r in real}
+        assert all(r.group_id not in groups for other in plan if other is not shares
+                   for share in other for mb in share.micro_batches for r in mb if not r.is_padding)
+        # every rank runs the same number of micro-batches; padding rows train nothing
+        assert len({len(share.micro_batches) for share in shares}) == 1
+        for r in step_rows:
+            if r.is_padding:
+                assert sum(r.loss_mask) == 0 and r.trajectory_id == "__padding__"
+        # the dealing itself gives every rank the same number of rows (real + all-zero padding)
+        assert len({len(rank) for rank in split_ranks(real, dp, True, 0, 0)}) == 1
+        # balanced token loads
+        loads = [sum(len(r.tokens) for mb in s.micro_batches for r in mb if not r.is_padding) for s in shares]
+        assert max(loads) - min(loads) <= max(len(r.tokens) for r in real)
+        # weights are over the whole step: token_mean weights of real tokens sum to 1 across ranks
+        total = sum(w * sum(r.loss_mask) for s in shares for mb, ws in zip(s.micro_batches, s.weights, strict=True)
+                    for r, w in zip(mb, ws, strict=True))
+        assert total == pytest.approx(1.0)
+        # micro-batch token budget, except a single over-long row
+        for s in shares:
+            for mb in s.micro_batches:
+                assert len(mb) == 1 or max(len(r.tokens) for r in mb) * len(mb) <= budget
+    # every real row exactly once
+    assert sorted(map(id, seen)) == sorted(map(id, rows))
+
+
+def test_indivisible_step_without_padding_names_the_fix():
+    from memrl.train.partition import PartitionError
+
+    rows = make_rows(1, 1, 1)[:1] * 1
+    with pytest.raises(PartitionError, match="pad_to_dp"):
+        plan_rollout(rows, cfg(dp_size=2), 0, 0)
+
+
+def traj(tid, group, reward, question):
+    return Trajectory(trajectory_id=tid, group_id=group, sample_index=0, turns=[], reward=reward,
+                      metadata={"question_id": question})
+
+
+def test_merge_rollout_outputs_adds_counts_and_weights_means():
+    a = RolloutOutput([traj("a0", "g0", 1.0, "q0"), traj("a1", "g0", 1.0, "q0")],
+                      {"reward/mean": 1.0, "trajectories/total": 2, "time/generate_s": 3.0, "tokens/generated": 10},
+                      train_row_count=5)
+    b = RolloutOutput([traj("b0", "g1", 0.0, "q1")],
+                      {"reward/mean": 0.0, "trajectories/total": 2, "time/generate_s": 5.0, "tokens/generated": 4},
+                      train_row_count=3, dropped=[traj("b1", "g2", 0.0, "q2")])
+    out = merge_rollout_outputs([a, b])
+    assert [t.trajectory_id for t in out.trajectories] == ["a0", "a1", "b0"]
+    assert [t.trajectory_id for t in out.dropped] == ["b1"]
+    assert out.train_row_count == 8
+    assert out.metrics["trajectories/total"] == 4 and out.metrics["tokens/generated"] == 14
+    assert out.metrics["time/generate_s"] == 5.0
+    assert out.metrics["reward/mean"] == pytest.approx(0.5)  # 2 trajectories at 1.0, 2 (1 kept + 1 dropped) at 0.0
+    assert merge_rollout_outputs([a, RolloutOutput([], {}, train_row_count=None)]).train_row_count is None

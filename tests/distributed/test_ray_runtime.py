@@ -1,0 +1,209 @@
+"""The Ray runtime on a local CPU cluster: DDP parity with one process, faults, and a 2-step run.
+
+One Ray instance for the module (starting Ray costs ~10 s); every test kills the actors it made.
+"""
+
+import dataclasses
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from memrl.config import Config  # noqa: E402
+from memrl.data.records import QuestionRecord  # noqa: E402
+from memrl.distributed.runtime import RolloutPool, TrainerGroup, _scheduling, run_ray_training  # noqa: E402
+from memrl.distributed.settings import RaySettings  # noqa: E402
+from memrl.distributed.workers import WorkerDiedError, WorkerError, WorkerTimeoutError, wait_named  # noqa: E402
+from memrl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from memrl.train.actor import Actor  # noqa: E402
+from memrl.train.checkpoint import list_checkpoints  # noqa: E402
+from memrl.train.controller import Trainer, TrainOptions  # noqa: E402
+from memrl.types import TrainRow  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+HERE = Path(__file__).resolve().parent
+SETTINGS = RaySettings(startup_timeout_s=120, rollout_timeout_s=120, train_timeout_s=120, sync_timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    path = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})  # workers import ray_test_plugins
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def handles(cluster):
+    made = []
+    yield made
+    for handle in made:
+        ray.kill(handle)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def tiny(tokenizer, seed=0):
+    return build_tiny_model(len(tokenizer), layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=seed,
+                            eos_token_id=tokenizer.eos_token_id)
+
+
+def records(n=6):
+    out = []
+    for k in range(n):
+        text = " ".join(f"Document {j}: fact{k}{j} is the capital of France." for j in range(4))
+        out.append(QuestionRecord(id=f"q{k}", question=f"What is fact{k}?", answers=["Paris"], context=text, metadata={}))
+    return out
+
+
+def config(plugins=None, **train):
+    return Config.model_validate({
+        "plugins": {"reward_function": "ray_test_plugins:parity_reward", **(plugins or {})},
+        "rollout": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3, "n_samples": 8,
+                    "temperature": 1.0, "max_batch_size": 1},
+        "algorithm": {"kl_coef": 0.01},
+        "train": {"lr": 1e-3, "num_rollout": 2, "rollout_batch_size": 1, "save_interval": 1, **train},
+        "queue": {"train_sample_expansion_factor": 4},
+    })
+
+
+def random_rows(vocab, n_groups=3, seed=0):
+    rng = random.Random(seed)
+    rows = []
+    for g in range(n_groups):
+        for s in range(2):
+            for turn in range(rng.randint(1, 3)):
+                p, r = rng.randint(3, 20), rng.randint(1, 6)
+                rows.append(TrainRow(tokens=[rng.randrange(1, vocab) for _ in range(p + r)], response_length=r,
+                                     loss_mask=[1] * r, rollout_log_probs=[-rng.random() * 3 for _ in range(r)],
+                                     advantage=rng.uniform(-1, 1), group_id=f"g{g}", trajectory_id=f"g{g}s{s}",
+                                     turn_index=turn, rollout_id=0))
+    return rows
+
+
+def trainer_group(cfg, tokenizer, handles, model):
+    trainer_opts, _ = _scheduling(ray, SETTINGS, cfg.train.dp_size, handles)
+    return TrainerGroup(ray, cfg, SETTINGS, trainer_opts, 0, ray.put(model), None, handles)
+
+
+def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_named(tokenizer, handles):
+    # an odd row count: padding rows (all-zero loss mask) on one rank; 40 tokens: several micro-batches per rank
+    cfg = config(dp_size=2, pad_to_dp=True, num_optimizer_steps=2, micro_batch_tokens=40)
+    rows = random_rows(len(tokenizer))
+    rows = rows if len(rows) % 2 else rows[:-1]
+    group = trainer_group(cfg, tokenizer, handles, tiny(tokenizer))
+    for rollout_id in (0, 1):
+        metrics = group.train_rollout(rows, rollout_id)
+    ranks = wait_named({f"rank {k}": w.state_dict.remote() for k, w in enumerate(group.workers)}, 60, "fetch")
+
+    one = Actor(tiny(tokenizer), config(pad_to_dp=True, num_optimizer_steps=2, micro_batch_tokens=40), pad_token_id=0)
+    for rollout_id in (0, 1):
+        expected = one.train_rollout(rows, rollout_id)
+    assert metrics["rows/consumed"] == expected["rows/consumed"] == len(rows)
+    assert metrics["loss/total"] == pytest.approx(expected["loss/total"], abs=1e-6)
+    assert metrics["kl/mean"] == pytest.approx(expected["kl/mean"], abs=1e-7) and metrics["kl/mean"] > 0
+    assert metrics["micro_batches"] > 2  # summed over ranks: every rank ran several
+    assert group.global_step == one.global_step == 4
+    moved = False
+    initial = tiny(tokenizer).state_dict()
+    for name, value in one.model.state_dict().items():
+        torch.testing.assert_close(ranks["rank 0"][name], value, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(ranks["rank 1"][name], ranks["rank 0"][name], atol=0, rtol=0, msg=name)
+        moved |= not torch.equal(value, initial[name])
+    assert moved  # the comparison is about trained weights, not two untouched copies
+
+    ray.kill(group.workers[1])  # rank 0 will block in the all-reduce; the driver must not wait for it
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"rollout 2: train: trainer rank 1 \(pid \d+\) died"):
+        group.train_rollout(rows, 2)
+    assert time.monotonic() - start < SETTINGS.train_timeout_s / 2
+
+
+def test_rollout_workers_dead_or_hung_fail_the_step_within_their_timeout(tokenizer, handles):
+    cfg = config(plugins={"generate_function": "ray_test_plugins:generate_or_hang"})
+    settings = RaySettings(num_rollout_workers=2, startup_timeout_s=120, rollout_timeout_s=60)
+    _, opts = _scheduling(ray, settings, 1, handles)
+    pool = RolloutPool(ray, cfg, settings, opts, tokenizer, ray.put(tiny(tokenizer)), Path("unused"), handles)
+    out = pool.generate(0, records(2))  # both workers serve: one question each, merged in batch order
+    assert len(out.trajectories) == 16 and out.train_row_count == 64
+    assert [t.metadata["question_id"] for t in out.trajectories] == ["q0"] * 8 + ["q1"] * 8
+    ray.kill(pool.workers[1])
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"rollout 1: generate: rollout worker 1 \(pid \d+\) died"):
+        pool.generate(1, records(2))
+    assert time.monotonic() - start < settings.rollout_timeout_s
+    # a worker that never answers (its generate function hangs) is named once its timeout passes
+    pool.settings = dataclasses.replace(settings, rollout_timeout_s=2)
+    hang = QuestionRecord(id="hang", question="?", answers=["x"], context="", metadata={})
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError, match=r"rollout 2: generate: rollout worker 0 \(pid \d+\) did not answer"):
+        pool.generate(2, [hang])
+    assert 2 <= time.monotonic() - start < 60  # not a speed check: it must end, named, not hang
+
+
+def test_a_raising_worker_is_named(cluster, handles):
+    @ray.remote(num_cpus=0)
+    class Broken:
+        def work(self):
+            raise ValueError("bad rows")
+
+    worker = Broken.remote()
+    handles.append(worker)
+    with pytest.raises(WorkerError, match="step 3: worker A raised ValueError: bad rows"):
+        wait_named({"worker A": worker.work.remote()}, 30, "step 3")
+
+
+def read_metrics(run_root):
+    return [json.loads(line) for line in (run_root / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def files_of(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_two_step_ray_run_matches_the_single_process_run_and_resumes(cluster, tokenizer, tmp_path):
+    cfg = config(dp_size=2)
+    local_root, ray_root = tmp_path / "local", tmp_path / "ray"
+    local = Trainer(cfg, TrainOptions(run_root=local_root, progress=False), model=tiny(tokenizer),
+                    tokenizer=tokenizer, records=records()).run()
+    history = run_ray_training(cfg, TrainOptions(run_root=ray_root, progress=False), settings=SETTINGS,
+                               model=tiny(tokenizer), tokenizer=tokenizer, records=records())
+    assert len(history) == len(local) == 2
+    for got, want in zip(history, local, strict=True):
+        assert got["rows/saved"] == got["rows/transferred"] == got["rows/consumed"] == want["rows/consumed"] == 32
+        assert got["reward/mean"] == want["reward/mean"]  # same seeds, same weights synced: same trajectories
+        assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-6)
+    # the same kinds of logs and checkpoints
+    assert [p.name for p in list_checkpoints(ray_root)] == [p.name for p in list_checkpoints(local_root)]
+    for name in ("iter_0000000", "iter_0000001"):
+        assert files_of(ray_root / "checkpoints" / name) == files_of(local_root / "checkpoints" / name)
+    assert [m["rollout_id"] for m in read_metrics(ray_root)] == [0, 1]
+    assert (ray_root / "logs" / "rollouts" / "rollout_0000001.jsonl").is_file()
+    assert list((ray_root / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((ray_root / "reward_summary.json").read_text())
+    from safetensors.torch import load_file
+
+    def weights(root):
+        return load_file(str(root / "checkpoints" / "iter_0000001" / "model" / "model.safetensors"))
+
+    want = weights(local_root)
+    for name, value in weights(ray_root).items():
+        torch.testing.assert_close(value, want[name], atol=1e-5, rtol=0, msg=name)
+    # resume the Ray run from its last complete checkpoint
+    resumed = run_ray_training(config(dp_size=2, num_rollout=3), TrainOptions(
+        run_root=ray_root, progress=False, load=ray_root / "checkpoints" / "iter_0000001"), settings=SETTINGS,
+        model=tiny(tokenizer), tokenizer=tokenizer, records=records())
+    assert len(resumed) == 1 and resumed[0]["rows/consumed"] == 32
+    assert [m["rollout_id"] for m in read_metrics(ray_root)] == [0, 1, 2]
+    assert [p.name for p in list_checkpoints(ray_root)][-1] == "iter_0000002"
