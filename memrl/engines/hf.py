@@ -1,12 +1,22 @@
 """The default engine: a local transformers model serving concurrent async requests in dynamic batches.
 
 How it works. `generate` puts its requests on a queue and awaits their futures. One background worker
-(an asyncio task) takes whatever is waiting, up to `max_batch_size` requests and `max_batch_tokens`
-padded tokens, and runs the batch in a dedicated thread (so the event loop stays responsive): a
-left-padded prefill, then a KV-cached decode loop, one token per step for every unfinished row. A row
-leaves the batch (its KV cache rows are dropped) as soon as it samples a stop token (`stop`, the stop
-token is kept in the output) or reaches its `max_tokens` (`length`). Requests that arrive meanwhile
-form the next batch.
+(an asyncio task) hands the waiting requests, up to `max_batch_size` requests and `max_batch_tokens`
+padded tokens, to a dedicated thread (so the event loop stays responsive) that runs a left-padded
+prefill, then a KV-cached decode loop, one token per step for every unfinished row. A row leaves the
+batch (its KV cache rows are dropped) as soon as it samples a stop token (`stop`, the stop token is kept
+in the output) or reaches its `max_tokens` (`length`).
+
+Continuous batching (`continuous_batching=True`, the default). Between two decode steps the thread
+admits the requests that arrived meanwhile (within the same size and token limits): it prefills them
+(left-padded among themselves) and merges their KV cache into the running one, left-padding the shorter
+side's keys/values with zeros (attention mask 0) along the sequence; position ids are per row, so the
+padding changes no logit. A finished request's future is resolved at once (not when the batch ends), so
+a MemAgent trajectory can send its next turn while the batch keeps running; left-padding columns that
+every remaining row masks are trimmed when rows leave, so the cache never outgrows its longest row.
+With `continuous_batching=False` requests that arrive during a batch wait for the whole batch to end
+(the previous behaviour, kept for comparison: bench/rollout.py). Caches that cannot be merged
+(sliding-window, quantized or shared-KV layers) fall back to admitting only into an empty batch.
 
 Why our own loop and not `model.generate`: one batch mixes requests with different temperature,
 top_p, seed, stop tokens and max_tokens, and we need the exact log-prob of every sampled token under
@@ -21,12 +31,13 @@ renormalized; the token is drawn from it and its log-prob under exactly that dis
 returned. T == 0 is greedy (argmax); its log-prob is that of the raw T = 1 distribution (top_p
 ignored, since argmax is always kept). Each request draws its uniforms from its own CPU
 `torch.Generator` seeded with `request.seed` (a random seed when None), so a seeded request's random
-draws never depend on its batch mates or the device (its tokens are the same alone or in any batch,
-as far as padded fp32 logits agree; tested on CPU).
+draws never depend on its batch mates, when it was admitted, or the device (its tokens are the same
+alone or in any batch, as far as padded fp32 logits agree; tested on CPU).
 
 Failure rules: a request with out-of-vocabulary ids fails alone; a batch that raises fails each of its
-waiters with `GenerationResult.failed(...)` and the engine keeps serving; if the worker stops, every
-pending request is failed; with `request_timeout_s` set, a request that waits longer is failed.
+unfinished waiters with `GenerationResult.failed(...)` and the engine keeps serving; if the worker stops
+(or `close()` is called, even mid-batch), every pending request is failed; with `request_timeout_s`
+set, a request that waits longer is failed (in continuous mode its row also leaves the batch).
 An engine serves one event loop at a time (a new loop, e.g. a second `asyncio.run`, starts a new worker).
 """
 
@@ -38,18 +49,24 @@ import contextlib
 import inspect
 import random
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult
 
+try:  # transformers >= 4.56 keeps one layer object per decoder layer; older caches are never merged
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover
+    DynamicLayer = None
 
 def resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
     """`auto`/None: CUDA when available else CPU; bfloat16 on CUDA, float32 on CPU."""
@@ -104,14 +121,167 @@ class _Pending:
     future: asyncio.Future
 
 
+@dataclass
+class EngineStats:
+    """What the engine computed since it was created or `reset_stats()`; written by the worker thread only.
+
+    One prefill per batch (whole-request batching) or per group of requests admitted together
+    (continuous batching); `decode_rows / decode_steps` is the mean number of rows per decode step.
+    """
+
+    prefills: int = 0
+    prefill_requests: int = 0
+    prefill_tokens: int = 0  # padded: rows x widest prompt of each prefill
+    decode_steps: int = 0
+    decode_rows: int = 0
+    compute_s: float = 0.0  # wall time the worker thread spent in batches or sessions
+
+    @property
+    def mean_decode_batch(self) -> float:
+        return self.decode_rows / self.decode_steps if self.decode_steps else float("nan")
+
+
+@dataclass
+class _Row:
+    """One request in the running batch and what it has generated so far."""
+
+    request: GenerationRequest
+    pending: _Pending | None  # None in whole-request batching, where results are returned, not posted
+    generator: torch.Generator
+    stops: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish: str | None = None
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(output_ids=self.output_ids, log_probs=self.log_probs,
+                                finish_reason=self.finish)  # type: ignore[arg-type]
+
+    def abandoned(self) -> bool:
+        """The waiter is gone (timed out, or failed by close): computing further is wasted."""
+        return self.pending is not None and self.pending.future.done()
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zeros prepended along `dim` (counted from the end, -1 or -2) up to `width`."""
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    return F.pad(x, (missing, 0) if dim == -1 else (0, 0, missing, 0))
+
+
+class _RunningBatch:
+    """The rows being decoded, right-aligned in one KV cache.
+
+    Invariants: row i's tokens fill the last `attention_mask[i].sum()` columns of `attention_mask` and of
+    every cache layer (before them: zero keys/values, mask 0); `next_position[i]` is the position id of
+    row i's next input token; between `admit`/`advance` and `sample`, `logits[i]` are the logits of row
+    i's next token; after `sample`, `tokens[i]` is the token it just sampled.
+    """
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self.rows: list[_Row] = []
+        self.cache: DynamicCache | None = None
+        self.mergeable = False
+
+    @property
+    def width(self) -> int:
+        return self.attention_mask.shape[1] if self.rows else 0
+
+    def remaining(self) -> int:
+        return max((r.request.max_tokens - len(r.output_ids) for r in self.rows), default=0)
+
+    def admit(self, rows: list[_Row]) -> None:
+        """Prefill `rows` and add them; their logits join the running rows' pending logits."""
+        cache, mask, next_position, logits = self.engine._prefill([r.request for r in rows])
+        device = mask.device
+        temperatures = torch.tensor([r.request.temperature for r in rows], dtype=torch.float32, device=device)
+        top_ps = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32, device=device)
+        if not self.rows:
+            self.rows, self.cache, self.attention_mask, self.next_position = list(rows), cache, mask, next_position
+            self.temperatures, self.top_ps, self.logits = temperatures, top_ps, logits
+            self.mergeable = _mergeable(cache)
+            return
+        width = max(self.width, mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, -2), _left_pad(theirs.keys, width, -2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, -2), _left_pad(theirs.values, width, -2)])
+        self.attention_mask = torch.cat([_left_pad(self.attention_mask, width, -1), _left_pad(mask, width, -1)])
+        self.next_position = torch.cat([self.next_position, next_position])
+        self.temperatures = torch.cat([self.temperatures, temperatures])
+        self.top_ps = torch.cat([self.top_ps, top_ps])
+        self.logits = torch.cat([self.logits, logits])
+        self.rows.extend(rows)
+
+    def sample(self) -> list[_Row]:
+        """One token for every row from its pending logits; returns the rows that finished with it."""
+        uniforms = torch.stack([torch.rand((), generator=row.generator) for row in self.rows])
+        row_log_probs = sampling_log_probs(self.logits, self.temperatures, self.top_ps)
+        self.tokens = sample_tokens(row_log_probs, self.temperatures, uniforms)
+        token_log_probs = row_log_probs.gather(1, self.tokens[:, None]).squeeze(1)
+        finished = []
+        for row, token, lp in zip(self.rows, self.tokens.tolist(), token_log_probs.tolist(), strict=True):
+            row.output_ids.append(token)
+            row.log_probs.append(lp)
+            if token in row.stops:
+                row.finish = "stop"
+            elif len(row.output_ids) >= row.request.max_tokens:
+                row.finish = "length"
+            if row.finish is not None:
+                finished.append(row)
+        return finished
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows at positions `keep` (after `sample`); trims padding no kept row needs."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None  # the next admission starts a fresh cache
+            return
+        index = torch.tensor(keep, device=self.tokens.device)
+        self.cache.batch_select_indices(index)
+        self.attention_mask, self.next_position = self.attention_mask[index], self.next_position[index]
+        self.temperatures, self.top_ps, self.tokens = self.temperatures[index], self.top_ps[index], self.tokens[index]
+        # Rows are right-aligned, so the columns every row masks are a prefix; dropping them keeps the
+        # cache no wider than its longest row (without it, staggered admissions would widen it forever).
+        unused = int((self.attention_mask.shape[1] - self.attention_mask.sum(1)).min())
+        if unused > 0 and self.mergeable:
+            self.attention_mask = self.attention_mask[:, unused:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+
+    def advance(self) -> None:
+        """Feed every row its sampled token (one forward pass); no-op when no row is left."""
+        if not self.rows:
+            return
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((len(self.rows), 1))], 1)
+        self.logits = self.engine._forward(self.tokens[:, None], self.attention_mask, self.next_position[:, None],
+                                           self.cache)
+        self.next_position = self.next_position + 1
+        self.engine.stats.decode_steps += 1
+        self.engine.stats.decode_rows += len(self.rows)
+
+
+def _mergeable(cache) -> bool:
+    """Plain full-attention layers only: sliding-window, quantized or shared-KV layers store keys/values
+    that left-padding would corrupt, so such models admit new requests only into an empty batch."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and DynamicLayer is not None and all(
+        type(layer) is DynamicLayer and isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4
+        for layer in layers)
+
+
 class HFEngine:
     """Local transformers engine implementing the `Engine` protocol (async generate, close).
 
     The engine owns `model`: it is moved to `device`/`dtype` (None keeps the model's own; `auto` picks
     CUDA/bfloat16 when available, else CPU/float32) and put in eval mode. To serve a trainer's model,
     give the engine its own copy and sync it with `load_weights` / `update_weights_from_model`; these
-    wait for a running batch, so call them between rollouts (they block the caller meanwhile).
-    `max_batch_tokens` bounds batch size x (longest prompt + largest max_tokens), i.e. the KV cache.
+    wait for a running batch (in continuous mode: until no request is left), so call them between
+    rollouts (they block the caller meanwhile). `max_batch_tokens` bounds batch size x (longest cache
+    row + most tokens any row may still generate), i.e. the KV cache. `stats` counts the work done.
     """
 
     def __init__(
@@ -125,6 +295,7 @@ class HFEngine:
         dtype: str | torch.dtype | None = None,
         progress: bool = False,
         request_timeout_s: float | None = None,
+        continuous_batching: bool = True,
     ) -> None:
         if max_batch_size <= 0 or max_batch_tokens <= 0:
             raise EngineError(f"max_batch_size ({max_batch_size}) and max_batch_tokens ({max_batch_tokens}) must be > 0")
@@ -139,15 +310,19 @@ class HFEngine:
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
         self.request_timeout_s = request_timeout_s
+        self.continuous_batching = continuous_batching
+        self.stats = EngineStats()
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self._lock = threading.Lock()  # one batch or one weight update at a time
+        self._lock = threading.Lock()  # one batch (or session) or one weight update at a time
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._seed_rng = random.Random()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The worker thread pops from the queue between decode steps while the event loop appends to it.
+        self._queue_lock = threading.Lock()
         self._queue: collections.deque[_Pending] = collections.deque()
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
-        self._in_flight: list[_Pending] = []
+        self._in_flight: list[_Pending] = []  # replaced (never mutated) by the worker thread
         self._bar: tqdm | None = None
         self._closed = False
 
@@ -168,6 +343,9 @@ class HFEngine:
             tokenizer = None  # engines work on token ids; the tokenizer is a convenience for callers
         return cls(model, tokenizer, device=device_, dtype=dtype_, **kwargs)
 
+    def reset_stats(self) -> None:
+        self.stats = EngineStats()
+
     # ----------------------------------------------------------------------------------- async API
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Results in request order; concurrent calls share batches. Raises EngineError only if closed."""
@@ -186,7 +364,8 @@ class HFEngine:
             if bad:
                 future.set_result(GenerationResult.failed(f"prompt ids {bad[:5]} outside the vocabulary [0, {vocab})"))
             else:
-                self._queue.append(_Pending(request, future))
+                with self._queue_lock:
+                    self._queue.append(_Pending(request, future))
                 queued += 1
             futures.append(future)
         if self._bar is not None:
@@ -201,11 +380,11 @@ class HFEngine:
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.request_timeout_s)
         except TimeoutError:
-            future.cancel()  # the worker skips cancelled requests that have not started
+            future.cancel()  # the worker skips cancelled requests (and drops their rows between steps)
             return GenerationResult.failed(f"request timed out after {self.request_timeout_s} s")
 
     async def close(self) -> None:
-        """Stop the worker; pending requests are failed. Idempotent."""
+        """Stop the worker; pending requests are failed, a running batch stops at its next step. Idempotent."""
         self._closed = True
         if self._worker is not None and not self._worker.done():
             if self._loop is asyncio.get_running_loop():
@@ -227,7 +406,8 @@ class HFEngine:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             # First use or a new event loop: futures and tasks of an old loop cannot be awaited here.
-            self._loop, self._queue, self._in_flight = loop, collections.deque(), []
+            with self._queue_lock:
+                self._loop, self._queue, self._in_flight = loop, collections.deque(), []
             self._wakeup, self._worker = asyncio.Event(), None
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._serve(), name="hf-engine-worker")
@@ -246,46 +426,83 @@ class HFEngine:
                         continue
                     self._in_flight = batch
                     try:
-                        results = await loop.run_in_executor(self._executor, self._run_batch, [p.request for p in batch])
+                        if self.continuous_batching:  # results are posted as rows finish
+                            await loop.run_in_executor(self._executor, self._run_session, batch)
+                            results = None
+                        else:
+                            results = await loop.run_in_executor(self._executor, self._run_batch,
+                                                                 [p.request for p in batch])
                     except Exception as error:  # the batch failed: its waiters learn why, later batches still run
-                        message = f"batch of {len(batch)} failed: {type(error).__name__}: {error}"
-                        results = [GenerationResult.failed(message) for _ in batch]
-                    for pending, result in zip(batch, results, strict=True):
-                        if not pending.future.done():
-                            pending.future.set_result(result)
+                        message = f"batch of {len(self._in_flight)} failed: {type(error).__name__}: {error}"
+                        batch, results = self._in_flight, [GenerationResult.failed(message) for _ in self._in_flight]
+                    if results is not None:
+                        for pending, result in zip(batch, results, strict=True):
+                            self._resolve(pending, result)
                     self._in_flight = []
-                    if self._bar is not None:
-                        self._bar.update(len(batch))
         finally:
             self._fail_pending("engine worker stopped")
 
+    def _resolve(self, pending: _Pending, result: GenerationResult) -> None:
+        """On the event loop: hand one result to its waiter (unless it timed out or was failed)."""
+        if not pending.future.done():
+            pending.future.set_result(result)
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def _post(self, pending: _Pending, result: GenerationResult) -> None:
+        """From the worker thread: resolve on the waiter's own loop, now rather than at the batch's end."""
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
+            pending.future.get_loop().call_soon_threadsafe(self._resolve, pending, result)
+
     def _fail_pending(self, message: str) -> None:
-        for pending in [*self._in_flight, *self._queue]:
+        with self._queue_lock:
+            pending_now = [*self._in_flight, *self._queue]
+            self._in_flight, self._queue = [], collections.deque()
+        for pending in pending_now:
             if not pending.future.done() and not pending.future.get_loop().is_closed():
                 pending.future.set_result(GenerationResult.failed(message))
-        self._in_flight, self._queue = [], collections.deque()
 
-    def _take_batch(self) -> list[_Pending]:
-        """FIFO, up to max_batch_size and max_batch_tokens padded tokens; the first request always fits."""
+    def _take_batch(self, running: _RunningBatch | None = None) -> list[_Pending]:
+        """FIFO, up to max_batch_size rows and max_batch_tokens padded tokens together with the `running`
+        batch; the first request into an empty batch always fits. Safe from the worker thread."""
+        rows = len(running.rows) if running else 0
+        widest = running.width if running else 0  # the longest cache row, prompt or prompt + output
+        longest_new = running.remaining() if running else 0
         batch: list[_Pending] = []
-        longest_prompt = longest_new = 0
-        while self._queue and len(batch) < self.max_batch_size:
-            pending = self._queue[0]
-            if pending.future.done():  # cancelled or timed out while waiting
-                self._queue.popleft()
-                continue
-            prompt = max(longest_prompt, len(pending.request.prompt_ids))
-            new = max(longest_new, pending.request.max_tokens)
-            if batch and (len(batch) + 1) * (prompt + new) > self.max_batch_tokens:
-                break
-            batch.append(self._queue.popleft())
-            longest_prompt, longest_new = prompt, new
+        with self._queue_lock:
+            while self._queue and rows + len(batch) < self.max_batch_size:
+                pending = self._queue[0]
+                if pending.future.done():  # cancelled or timed out while waiting
+                    self._queue.popleft()
+                    continue
+                prompt = max(widest, len(pending.request.prompt_ids))
+                new = max(longest_new, pending.request.max_tokens)
+                if (rows or batch) and (rows + len(batch) + 1) * (prompt + new) > self.max_batch_tokens:
+                    break
+                batch.append(self._queue.popleft())
+                widest, longest_new = prompt, new
         return batch
 
     # ------------------------------------------------------------------------ blocking torch work
     def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        with self._lock, torch.inference_mode(), self._attention_backends():
+        """Whole-request batching: decode `requests` together until every one has finished."""
+        with self._lock, torch.inference_mode(), self._attention_backends(), self._timed():
             return self._decode(requests)
+
+    def _run_session(self, first: list[_Pending]) -> None:
+        """Continuous batching: decode `first` and admit newcomers between steps until none is left."""
+        with self._lock, torch.inference_mode(), self._attention_backends():
+            self._decode_continuously(first)
+
+    @contextlib.contextmanager
+    def _timed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.stats.compute_s += time.perf_counter() - start
 
     def _attention_backends(self):
         """On CUDA, keep SDPA off cuDNN attention: it builds a graph per (batch, length) shape and caches
@@ -300,7 +517,8 @@ class HFEngine:
                          use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
         return out.logits[:, -1, :].float()
 
-    def _decode(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def _prefill(self, requests: list[GenerationRequest]):
+        """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits)."""
         device, n = self.device, len(requests)
         lengths = [len(r.prompt_ids) for r in requests]
         width = max(lengths)
@@ -311,51 +529,52 @@ class HFEngine:
             attention_mask[row, width - lengths[row]:] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        next_position = torch.tensor(lengths, device=device)
-        generators = [torch.Generator().manual_seed(r.seed if r.seed is not None else self._seed_rng.getrandbits(63))
-                      for r in requests]
-        temperatures = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=device)
-        top_ps = torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=device)
-        stops = [set(r.stop_token_ids) for r in requests]
-        outputs: list[list[int]] = [[] for _ in requests]
-        log_probs: list[list[float]] = [[] for _ in requests]
-        finish: list[str | None] = [None] * n
-
         try:
             cache = DynamicCache(config=self.model.config)
         except TypeError:  # older transformers
             cache = DynamicCache()
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
-        active = list(range(n))  # request index of each row still in the batch
-        while True:
-            uniforms = torch.stack([torch.rand((), generator=generators[i]) for i in active])
-            row_log_probs = sampling_log_probs(logits, temperatures, top_ps)
-            tokens = sample_tokens(row_log_probs, temperatures, uniforms)
-            token_log_probs = row_log_probs.gather(1, tokens[:, None]).squeeze(1)
-            keep: list[int] = []
-            for row, (i, token, lp) in enumerate(zip(active, tokens.tolist(), token_log_probs.tolist(), strict=True)):
-                outputs[i].append(token)
-                log_probs[i].append(lp)
-                if token in stops[i]:
-                    finish[i] = "stop"
-                elif len(outputs[i]) >= requests[i].max_tokens:
-                    finish[i] = "length"
-                else:
-                    keep.append(row)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                # Finished rows leave the batch: later steps compute only for unfinished requests.
-                index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
-                attention_mask, next_position, tokens = attention_mask[index], next_position[index], tokens[index]
-                temperatures, top_ps = temperatures[index], top_ps[index]
-                active = [active[row] for row in keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
-            logits = self._forward(tokens[:, None], attention_mask, next_position[:, None], cache)
-            next_position = next_position + 1
-        return [GenerationResult(output_ids=o, log_probs=lp, finish_reason=f)  # type: ignore[arg-type]
-                for o, lp, f in zip(outputs, log_probs, finish, strict=True)]
+        self.stats.prefills += 1
+        self.stats.prefill_requests += n
+        self.stats.prefill_tokens += n * width
+        return cache, attention_mask, torch.tensor(lengths, device=device), logits
+
+    def _new_row(self, request: GenerationRequest, pending: _Pending | None = None) -> _Row:
+        seed = request.seed if request.seed is not None else self._seed_rng.getrandbits(63)
+        return _Row(request, pending, torch.Generator().manual_seed(seed), frozenset(request.stop_token_ids))
+
+    def _decode(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        rows = [self._new_row(r) for r in requests]
+        batch = _RunningBatch(self)
+        batch.admit(rows)
+        while batch.rows:
+            if self._closed:
+                raise EngineError("engine closed during generation")
+            batch.sample()
+            batch.keep([i for i, row in enumerate(batch.rows) if row.finish is None])
+            batch.advance()
+        return [row.result() for row in rows]
+
+    def _decode_continuously(self, first: list[_Pending]) -> None:
+        batch, newcomers, owner = _RunningBatch(self), first, self._loop
+        # Stops when nothing is running or waiting (the worker then takes over the queue again), or on
+        # close(), whose waiters are already failed. Compute time is counted per step, since a session
+        # can span a whole rollout.
+        while not self._closed and (newcomers or batch.rows):
+            start = time.perf_counter()
+            if newcomers:
+                self._in_flight = [*(row.pending for row in batch.rows), *newcomers]
+                batch.admit([self._new_row(p.request, p) for p in newcomers])
+            for row in batch.sample():
+                self._post(row.pending, row.result())
+            batch.keep([i for i, row in enumerate(batch.rows) if row.finish is None and not row.abandoned()])
+            self._in_flight = [row.pending for row in batch.rows]
+            batch.advance()
+            # The queue belongs to the engine's current loop: after a switch (a new asyncio.run) its own
+            # worker serves it, so this session only finishes its rows.
+            can_take = (batch.mergeable or not batch.rows) and self._loop is owner
+            newcomers = self._take_batch(batch) if can_take else []
+            self.stats.compute_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------------------ weight sync
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

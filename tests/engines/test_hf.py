@@ -1,4 +1,8 @@
-"""HFEngine: batching of concurrent calls, stop/length, determinism, exact log-probs, failures, weight sync."""
+"""HFEngine: batching of concurrent calls, stop/length, determinism, exact log-probs, failures, weight sync.
+
+Every engine test runs in both modes (continuous batching and whole-request batching); the behaviour
+specific to continuous batching is tested in test_hf_continuous.py.
+"""
 
 from __future__ import annotations
 
@@ -42,9 +46,14 @@ def model():
     return sharp_model()
 
 
+@pytest.fixture(params=[True, False], ids=["continuous", "whole"])
+def continuous(request) -> bool:
+    return request.param
+
+
 @pytest.fixture
-def engine(model):
-    eng = HFEngine(model, max_batch_size=16)
+def engine(model, continuous):
+    eng = HFEngine(model, max_batch_size=16, continuous_batching=continuous)
     yield eng
     asyncio.run(eng.close())
 
@@ -73,10 +82,16 @@ def test_engine_satisfies_protocol(engine):
     assert isinstance(engine, Engine)
 
 
+def count_prefills(engine, monkeypatch) -> list[int]:
+    """Sizes of the prefills (one per batch, or per group admitted together in continuous mode)."""
+    sizes: list[int] = []
+    original = engine._prefill
+    monkeypatch.setattr(engine, "_prefill", lambda reqs: (sizes.append(len(reqs)), original(reqs))[1])
+    return sizes
+
+
 def test_concurrent_calls_are_batched_and_results_stay_in_order(engine, monkeypatch):
-    batch_sizes: list[int] = []
-    original = engine._run_batch
-    monkeypatch.setattr(engine, "_run_batch", lambda reqs: (batch_sizes.append(len(reqs)), original(reqs))[1])
+    batch_sizes = count_prefills(engine, monkeypatch)
     calls = [[GenerationRequest(prompt(2 * c + j), max_tokens=4 + c, temperature=1.0, seed=100 * c + j) for j in range(2)]
              for c in range(8)]
 
@@ -98,11 +113,9 @@ def test_concurrent_calls_are_batched_and_results_stay_in_order(engine, monkeypa
             assert single.log_probs == pytest.approx(result.log_probs, abs=1e-5)
 
 
-def test_max_batch_size_and_token_budget_split_batches(model, monkeypatch):
-    engine = HFEngine(model, max_batch_size=3, max_batch_tokens=10_000)
-    sizes: list[int] = []
-    original = engine._run_batch
-    monkeypatch.setattr(engine, "_run_batch", lambda reqs: (sizes.append(len(reqs)), original(reqs))[1])
+def test_max_batch_size_and_token_budget_split_batches(model, continuous, monkeypatch):
+    engine = HFEngine(model, max_batch_size=3, max_batch_tokens=10_000, continuous_batching=continuous)
+    sizes = count_prefills(engine, monkeypatch)
     run(engine.generate([GenerationRequest(prompt(i), max_tokens=2) for i in range(7)]))
     assert sizes == [3, 3, 1]
     sizes.clear()
@@ -217,7 +230,7 @@ def test_failing_batch_fails_its_waiters_and_engine_keeps_serving(engine, monkey
 def test_dead_worker_fails_pending_requests_and_restarts(engine, monkeypatch):
     original = engine._take_batch
 
-    def crash():
+    def crash(*args):
         raise RuntimeError("worker bug")
 
     monkeypatch.setattr(engine, "_take_batch", crash)
@@ -228,8 +241,8 @@ def test_dead_worker_fails_pending_requests_and_restarts(engine, monkeypatch):
 
 
 def test_event_loop_stays_responsive_during_a_batch(engine, monkeypatch):
-    original = engine._decode
-    monkeypatch.setattr(engine, "_decode", lambda reqs: (time.sleep(0.3), original(reqs))[1])
+    original = engine._prefill
+    monkeypatch.setattr(engine, "_prefill", lambda reqs: (time.sleep(0.3), original(reqs))[1])
 
     async def main():
         ticks = 0
@@ -254,10 +267,10 @@ def test_out_of_vocabulary_request_fails_alone(engine):
     assert results[1].finish_reason == "length"
 
 
-def test_timeout_and_close_never_hang(model, monkeypatch):
-    engine = HFEngine(model, request_timeout_s=0.2)
-    original = engine._decode
-    monkeypatch.setattr(engine, "_decode", lambda reqs: (time.sleep(0.6), original(reqs))[1])
+def test_timeout_and_close_never_hang(model, continuous, monkeypatch):
+    engine = HFEngine(model, request_timeout_s=0.2, continuous_batching=continuous)
+    original = engine._prefill
+    monkeypatch.setattr(engine, "_prefill", lambda reqs: (time.sleep(0.6), original(reqs))[1])
     result = run(engine.generate([GenerationRequest(prompt(0), max_tokens=2)]))[0]
     assert result.finish_reason == "error" and "timed out" in result.error
 
@@ -300,8 +313,8 @@ def test_weight_sync_copies_and_reload_from_path(tmp_path):
         engine.reload_from_path(tmp_path / "missing")
 
 
-def test_progress_bar_and_empty_call(model, capsys):
-    engine = HFEngine(model, progress=True)
+def test_progress_bar_and_empty_call(model, continuous, capsys):
+    engine = HFEngine(model, progress=True, continuous_batching=continuous)
     assert run(engine.generate([])) == []
     results = run(engine.generate([GenerationRequest(prompt(i), max_tokens=2) for i in range(3)]))
     assert all(isinstance(r, GenerationResult) and r.finish_reason == "length" for r in results)
