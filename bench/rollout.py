@@ -67,23 +67,18 @@ class BenchError(ValueError):
 
 
 class TimedHFEngine(HFEngine):
-    """HFEngine that also records (a) wall time with at least one `generate` call in flight, (b) time its
-    worker spends computing batches, and per batch its size, decode steps (its longest response: the
-    engine decodes a batch until its last row finishes) and padded prefill tokens. `reset_meters()`."""
+    """HFEngine that also records wall time with at least one `generate` call in flight; what the engine
+    computed (prefills, decode steps, rows per step, compute time) comes from its own `stats`."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.computes_batches = callable(getattr(HFEngine, "_run_batch", None))
         self.reset_meters()
 
     def reset_meters(self) -> None:
         self.in_flight = 0
         self.busy_since = 0.0
         self.busy_s = 0.0
-        self.compute_s = 0.0
-        self.batch_sizes: list[int] = []
-        self.decode_steps = 0
-        self.prefill_tokens = 0
+        self.reset_stats()
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         # Calls overlap: count wall time only on 0 -> 1 and 1 -> 0 transitions of the in-flight count.
@@ -96,18 +91,6 @@ class TimedHFEngine(HFEngine):
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.busy_s += time.perf_counter() - self.busy_since
-
-    def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        # Runs in the engine's single worker thread, so plain float accumulation is safe.
-        start = time.perf_counter()
-        results = super()._run_batch(requests)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.compute_s += time.perf_counter() - start
-        self.batch_sizes.append(len(requests))
-        self.decode_steps += max((len(r.output_ids) for r in results), default=0)
-        self.prefill_tokens += len(requests) * max(len(r.prompt_ids) for r in requests)
-        return results
 
 
 @dataclass
@@ -167,12 +150,12 @@ def measure(schedule: str, output: RolloutOutput, wall: float, engine: TimedHFEn
     if output.dropped:
         raise BenchError(f"{schedule}: {len(output.dropped)} trajectories failed, e.g. {output.dropped[0].error}")
     turns = [t for tr in output.trajectories for t in tr.turns]
-    compute = engine.compute_s if engine.computes_batches else float("nan")
-    sizes = engine.batch_sizes
-    return Measurement(schedule, wall, compute, sum(t.response_length for t in turns), len(turns),
-                       max(0.0, 1.0 - engine.busy_s / wall), max(0.0, 1.0 - compute / wall), len(sizes),
-                       statistics.fmean(sizes) if sizes else float("nan"), engine.decode_steps,
-                       engine.prefill_tokens,
+    stats = engine.stats
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return Measurement(schedule, wall, stats.compute_s, sum(t.response_length for t in turns), len(turns),
+                       max(0.0, 1.0 - engine.busy_s / wall), max(0.0, 1.0 - stats.compute_s / wall), stats.prefills,
+                       stats.mean_decode_batch, stats.decode_steps, stats.prefill_tokens,
                        [(k, t.index, t.response_length) for k, tr in enumerate(output.trajectories) for t in tr.turns])
 
 
@@ -282,8 +265,8 @@ async def main_async(args: argparse.Namespace) -> None:
             runs[name] = await run_schedule(name, fn, ctx, records, engine)
         pairs.append((runs["async"], runs["lockstep"]))
 
-    print(f"\n{'schedule':<10} {'wall_s':>7} {'comp_s':>7} {'tokens':>7} {'tokens/s':>9} {'batches':>8} "
-          f"{'mean_b':>6} {'steps':>6} {'prefill':>8} {'no_call_%':>10} {'engine_idle%':>12}")
+    print(f"\n{'schedule':<10} {'wall_s':>7} {'comp_s':>7} {'tokens':>7} {'tokens/s':>9} {'prefills':>8} "
+          f"{'rows/st':>6} {'steps':>6} {'prefill':>8} {'no_call_%':>10} {'engine_idle%':>12}")
     for a, b in pairs:
         print(report_line(a))
         print(report_line(b))
