@@ -1,5 +1,11 @@
 """The default engine: a local transformers model serving concurrent async requests in dynamic batches.
 
+Where things live: this module holds `HFEngine` (async queue, worker, admission limits, model calls,
+weight sync) and `resolve_device_dtype`; the running batch it decodes (KV-cache merging, per-row state,
+`EngineStats`) is in memrl/engines/hf_batch.py, and the pure sampling functions (`sampling_log_probs`,
+`sample_tokens`) in memrl/engines/sampling.py. All of these are re-exported here, so
+`from memrl.engines.hf import HFEngine, EngineStats, sampling_log_probs, ...` keeps working.
+
 How it works. `generate` puts its requests on a queue and awaits their futures. One background worker
 (an asyncio task) hands the waiting requests, up to `max_batch_size` requests and `max_batch_tokens`
 padded tokens, to a dedicated thread (so the event loop stays responsive) that runs a left-padded
@@ -9,14 +15,12 @@ in the output) or reaches its `max_tokens` (`length`).
 
 Continuous batching (`continuous_batching=True`, the default). Between two decode steps the thread
 admits the requests that arrived meanwhile (within the same size and token limits): it prefills them
-(left-padded among themselves) and merges their KV cache into the running one, left-padding the shorter
-side's keys/values with zeros (attention mask 0) along the sequence; position ids are per row, so the
-padding changes no logit. A finished request's future is resolved at once (not when the batch ends), so
-a MemAgent trajectory can send its next turn while the batch keeps running; left-padding columns that
-every remaining row masks are trimmed when rows leave, so the cache never outgrows its longest row.
-With `continuous_batching=False` requests that arrive during a batch wait for the whole batch to end
-(the previous behaviour, kept for comparison: bench/rollout.py). Caches that cannot be merged
-(sliding-window, quantized or shared-KV layers) fall back to admitting only into an empty batch.
+and merges their KV cache into the running one (how, without changing any logit: hf_batch.py). A
+finished request's future is resolved at once (not when the batch ends), so a MemAgent trajectory can
+send its next turn while the batch keeps running. With `continuous_batching=False` requests that
+arrive during a batch wait for the whole batch to end (the previous behaviour, kept for comparison:
+bench/rollout.py). Caches that cannot be merged (sliding-window, quantized or shared-KV layers) fall
+back to admitting only into an empty batch.
 
 Why our own loop and not `model.generate`: one batch mixes requests with different temperature,
 top_p, seed, stop tokens and max_tokens, and we need the exact log-prob of every sampled token under
@@ -25,14 +29,10 @@ Qwen3, 16 requests x 64 tokens: H200 bf16 2310 vs 2889 tokens/s, 64 x 128: 10101
 2293 vs 2456), and about 10x faster than transformers' continuous batching `generate_batch` there
 (222 and 975 tokens/s on the H200), so we do not use the latter.
 
-Sampling (see `sampling_log_probs`). Temperature T > 0: the distribution is softmax(logits / T),
-restricted when top_p < 1 to the smallest set of most-likely tokens whose mass reaches top_p, and
-renormalized; the token is drawn from it and its log-prob under exactly that distribution is
-returned. T == 0 is greedy (argmax); its log-prob is that of the raw T = 1 distribution (top_p
-ignored, since argmax is always kept). Each request draws its uniforms from its own CPU
-`torch.Generator` seeded with `request.seed` (a random seed when None), so a seeded request's random
-draws never depend on its batch mates, when it was admitted, or the device (its tokens are the same
-alone or in any batch, as far as padded fp32 logits agree; tested on CPU).
+Sampling (rules: sampling.py). Each request draws its uniforms from its own CPU `torch.Generator`
+seeded with `request.seed` (a random seed when None), so a seeded request's random draws never depend
+on its batch mates, when it was admitted, or the device (its tokens are the same alone or in any
+batch, as far as padded fp32 logits agree; tested on CPU).
 
 Failure rules: a request with out-of-vocabulary ids fails alone; a batch that raises fails each of its
 unfinished waiters with `GenerationResult.failed(...)` and the engine keeps serving; if the worker stops
@@ -52,21 +52,20 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult
+from memrl.engines.hf_batch import EngineStats, _Pending, _Row, _RunningBatch
+from memrl.engines.sampling import sample_tokens, sampling_log_probs
 
-try:  # transformers >= 4.56 keeps one layer object per decoder layer; older caches are never merged
-    from transformers.cache_utils import DynamicLayer
-except ImportError:  # pragma: no cover
-    DynamicLayer = None
+# Re-exported: callers and tests import these from memrl.engines.hf, where they used to live.
+__all__ = ["EngineStats", "HFEngine", "resolve_device_dtype", "sample_tokens", "sampling_log_probs"]
+
 
 def resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
     """`auto`/None: CUDA when available else CPU; bfloat16 on CUDA, float32 on CPU."""
@@ -81,196 +80,6 @@ def resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.d
         dtype = getattr(torch, dtype)
     return device, dtype
 
-
-def sampling_log_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Log-probs (N, V) of the distributions each row samples from; every row is computed independently.
-
-    Row i: log_softmax(logits_i / T_i), and when 0 < T_i and top_p_i < 1, tokens outside the smallest
-    most-likely set whose probability reaches top_p_i get -inf and the rest are renormalized. Rows with
-    T_i == 0 (greedy) get the raw log_softmax(logits_i). Computed in float32.
-    """
-    logits = logits.float()
-    greedy = temperatures <= 0
-    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures).to(logits)
-    log_probs = torch.log_softmax(logits / scale[:, None], dim=-1)
-    nucleus = (~greedy) & (top_ps < 1.0)
-    if bool(nucleus.any()):
-        sorted_lp, order = torch.sort(log_probs, dim=-1, descending=True)
-        sorted_p = sorted_lp.exp()
-        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
-        drop_sorted = mass_before >= top_ps.to(logits)[:, None]
-        drop_sorted[:, 0] = False  # the most likely token always stays
-        drop_sorted &= nucleus[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-        log_probs = torch.log_softmax(log_probs.masked_fill(drop, float("-inf")), dim=-1)
-    return log_probs
-
-
-def sample_tokens(log_probs: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row: argmax where T == 0, else inverse-CDF sampling with the row's uniform in [0, 1)."""
-    cdf = log_probs.exp().cumsum(-1)
-    # Scale by the total so float rounding of the cumulative sum can never push u past the end.
-    targets = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)
-    sampled = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=log_probs.shape[-1] - 1)
-    return torch.where(temperatures <= 0, log_probs.argmax(-1), sampled)
-
-
-@dataclass
-class _Pending:
-    request: GenerationRequest
-    future: asyncio.Future
-
-
-@dataclass
-class EngineStats:
-    """What the engine computed since it was created or `reset_stats()`; written by the worker thread only.
-
-    One prefill per batch (whole-request batching) or per group of requests admitted together
-    (continuous batching); `decode_rows / decode_steps` is the mean number of rows per decode step.
-    """
-
-    prefills: int = 0
-    prefill_requests: int = 0
-    prefill_tokens: int = 0  # padded: rows x widest prompt of each prefill
-    decode_steps: int = 0
-    decode_rows: int = 0
-    compute_s: float = 0.0  # wall time the worker thread spent in batches or sessions
-
-    @property
-    def mean_decode_batch(self) -> float:
-        return self.decode_rows / self.decode_steps if self.decode_steps else float("nan")
-
-
-@dataclass
-class _Row:
-    """One request in the running batch and what it has generated so far."""
-
-    request: GenerationRequest
-    pending: _Pending | None  # None in whole-request batching, where results are returned, not posted
-    generator: torch.Generator
-    stops: frozenset[int]
-    output_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    finish: str | None = None
-
-    def result(self) -> GenerationResult:
-        return GenerationResult(output_ids=self.output_ids, log_probs=self.log_probs,
-                                finish_reason=self.finish)  # type: ignore[arg-type]
-
-    def abandoned(self) -> bool:
-        """The waiter is gone (timed out, or failed by close): computing further is wasted."""
-        return self.pending is not None and self.pending.future.done()
-
-
-def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zeros prepended along `dim` (counted from the end, -1 or -2) up to `width`."""
-    missing = width - x.shape[dim]
-    if missing == 0:
-        return x
-    return F.pad(x, (missing, 0) if dim == -1 else (0, 0, missing, 0))
-
-
-class _RunningBatch:
-    """The rows being decoded, right-aligned in one KV cache.
-
-    Invariants: row i's tokens fill the last `attention_mask[i].sum()` columns of `attention_mask` and of
-    every cache layer (before them: zero keys/values, mask 0); `next_position[i]` is the position id of
-    row i's next input token; between `admit`/`advance` and `sample`, `logits[i]` are the logits of row
-    i's next token; after `sample`, `tokens[i]` is the token it just sampled.
-    """
-
-    def __init__(self, engine: HFEngine) -> None:
-        self.engine = engine
-        self.rows: list[_Row] = []
-        self.cache: DynamicCache | None = None
-        self.mergeable = False
-
-    @property
-    def width(self) -> int:
-        return self.attention_mask.shape[1] if self.rows else 0
-
-    def remaining(self) -> int:
-        return max((r.request.max_tokens - len(r.output_ids) for r in self.rows), default=0)
-
-    def admit(self, rows: list[_Row]) -> None:
-        """Prefill `rows` and add them; their logits join the running rows' pending logits."""
-        cache, mask, next_position, logits = self.engine._prefill([r.request for r in rows])
-        device = mask.device
-        temperatures = torch.tensor([r.request.temperature for r in rows], dtype=torch.float32, device=device)
-        top_ps = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32, device=device)
-        if not self.rows:
-            self.rows, self.cache, self.attention_mask, self.next_position = list(rows), cache, mask, next_position
-            self.temperatures, self.top_ps, self.logits = temperatures, top_ps, logits
-            self.mergeable = _mergeable(cache)
-            return
-        width = max(self.width, mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width, -2), _left_pad(theirs.keys, width, -2)])
-            mine.values = torch.cat([_left_pad(mine.values, width, -2), _left_pad(theirs.values, width, -2)])
-        self.attention_mask = torch.cat([_left_pad(self.attention_mask, width, -1), _left_pad(mask, width, -1)])
-        self.next_position = torch.cat([self.next_position, next_position])
-        self.temperatures = torch.cat([self.temperatures, temperatures])
-        self.top_ps = torch.cat([self.top_ps, top_ps])
-        self.logits = torch.cat([self.logits, logits])
-        self.rows.extend(rows)
-
-    def sample(self) -> list[_Row]:
-        """One token for every row from its pending logits; returns the rows that finished with it."""
-        uniforms = torch.stack([torch.rand((), generator=row.generator) for row in self.rows])
-        row_log_probs = sampling_log_probs(self.logits, self.temperatures, self.top_ps)
-        self.tokens = sample_tokens(row_log_probs, self.temperatures, uniforms)
-        token_log_probs = row_log_probs.gather(1, self.tokens[:, None]).squeeze(1)
-        finished = []
-        for row, token, lp in zip(self.rows, self.tokens.tolist(), token_log_probs.tolist(), strict=True):
-            row.output_ids.append(token)
-            row.log_probs.append(lp)
-            if token in row.stops:
-                row.finish = "stop"
-            elif len(row.output_ids) >= row.request.max_tokens:
-                row.finish = "length"
-            if row.finish is not None:
-                finished.append(row)
-        return finished
-
-    def keep(self, keep: list[int]) -> None:
-        """Keep only the rows at positions `keep` (after `sample`); trims padding no kept row needs."""
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in keep]
-        if not self.rows:
-            self.cache = None  # the next admission starts a fresh cache
-            return
-        index = torch.tensor(keep, device=self.tokens.device)
-        self.cache.batch_select_indices(index)
-        self.attention_mask, self.next_position = self.attention_mask[index], self.next_position[index]
-        self.temperatures, self.top_ps, self.tokens = self.temperatures[index], self.top_ps[index], self.tokens[index]
-        # Rows are right-aligned, so the columns every row masks are a prefix; dropping them keeps the
-        # cache no wider than its longest row (without it, staggered admissions would widen it forever).
-        unused = int((self.attention_mask.shape[1] - self.attention_mask.sum(1)).min())
-        if unused > 0 and self.mergeable:
-            self.attention_mask = self.attention_mask[:, unused:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
-
-    def advance(self) -> None:
-        """Feed every row its sampled token (one forward pass); no-op when no row is left."""
-        if not self.rows:
-            return
-        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((len(self.rows), 1))], 1)
-        self.logits = self.engine._forward(self.tokens[:, None], self.attention_mask, self.next_position[:, None],
-                                           self.cache)
-        self.next_position = self.next_position + 1
-        self.engine.stats.decode_steps += 1
-        self.engine.stats.decode_rows += len(self.rows)
-
-
-def _mergeable(cache) -> bool:
-    """Plain full-attention layers only: sliding-window, quantized or shared-KV layers store keys/values
-    that left-padding would corrupt, so such models admit new requests only into an empty batch."""
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and DynamicLayer is not None and all(
-        type(layer) is DynamicLayer and isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4
-        for layer in layers)
 
 
 class HFEngine:

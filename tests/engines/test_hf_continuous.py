@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-import memrl.engines.hf as hf
+import memrl.engines.hf_batch as hf_batch
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.engines.hf import HFEngine, sampling_log_probs
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
@@ -171,7 +171,7 @@ def test_batch_size_limit_holds_with_admissions_and_padding_is_trimmed(model, mo
 
 
 def test_unmergeable_cache_admits_only_into_an_empty_batch(model, monkeypatch):
-    monkeypatch.setattr(hf, "_mergeable", lambda cache: False)
+    monkeypatch.setattr(hf_batch, "_mergeable", lambda cache: False)
     engine = HFEngine(model)
     long = [GenerationRequest(prompt(8, 6), max_tokens=30, temperature=1.0, seed=0)]
     short = [GenerationRequest(prompt(9, 6), max_tokens=3, temperature=1.0, seed=1)]

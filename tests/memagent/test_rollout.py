@@ -2,12 +2,11 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from fake_engine import FakeEngine
 
 from memrl.config import Config
 from memrl.memagent.rollout import RolloutContext, generate_group, generate_rollout, request_seed
 from memrl.rl.validate import validate_groups, validate_trajectory
-
-from fake_engine import FakeEngine
 
 
 def make_ctx(tokenizer, engine, **rollout):

@@ -1,0 +1,193 @@
+"""The running batch behind HFEngine: rows decoded together in one right-aligned, mergeable KV cache.
+
+What lives here and why: the per-step tensor bookkeeping of a batch (`_RunningBatch`: admit, sample,
+keep, advance), the per-request state it carries (`_Row`, `_Pending`), and the counters it and the
+engine update (`EngineStats`). The engine (memrl/engines/hf.py) keeps the async queue, the worker
+thread, batch admission limits and weight sync; the model calls (`_prefill`, `_forward`) stay on the
+engine so tests can patch them there, and this module reaches them through `_RunningBatch.engine`.
+
+Merging. A group of requests admitted together is prefilled left-padded among themselves, then joins
+the running rows by left-padding the shorter side's keys/values with zeros (attention mask 0) along
+the sequence; position ids are per row, so the padding changes no logit. When rows leave, the columns
+every remaining row masks are trimmed, so the cache never outgrows its longest row. Caches that cannot
+be merged (sliding-window, quantized or shared-KV layers, see `_mergeable`) only ever start a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from memrl.engines.base import GenerationRequest, GenerationResult
+from memrl.engines.sampling import sample_tokens, sampling_log_probs
+
+if TYPE_CHECKING:  # only for annotations: hf.py imports this module
+    from memrl.engines.hf import HFEngine
+
+try:  # transformers >= 4.56 keeps one layer object per decoder layer; older caches are never merged
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover
+    DynamicLayer = None
+
+
+@dataclass
+class _Pending:
+    request: GenerationRequest
+    future: asyncio.Future
+
+
+@dataclass
+class EngineStats:
+    """What the engine computed since it was created or `reset_stats()`; written by the worker thread only.
+
+    One prefill per batch (whole-request batching) or per group of requests admitted together
+    (continuous batching); `decode_rows / decode_steps` is the mean number of rows per decode step.
+    """
+
+    prefills: int = 0
+    prefill_requests: int = 0
+    prefill_tokens: int = 0  # padded: rows x widest prompt of each prefill
+    decode_steps: int = 0
+    decode_rows: int = 0
+    compute_s: float = 0.0  # wall time the worker thread spent in batches or sessions
+
+    @property
+    def mean_decode_batch(self) -> float:
+        return self.decode_rows / self.decode_steps if self.decode_steps else float("nan")
+
+
+@dataclass
+class _Row:
+    """One request in the running batch and what it has generated so far."""
+
+    request: GenerationRequest
+    pending: _Pending | None  # None in whole-request batching, where results are returned, not posted
+    generator: torch.Generator
+    stops: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish: str | None = None
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(output_ids=self.output_ids, log_probs=self.log_probs,
+                                finish_reason=self.finish)  # type: ignore[arg-type]
+
+    def abandoned(self) -> bool:
+        """The waiter is gone (timed out, or failed by close): computing further is wasted."""
+        return self.pending is not None and self.pending.future.done()
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zeros prepended along `dim` (counted from the end, -1 or -2) up to `width`."""
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    return F.pad(x, (missing, 0) if dim == -1 else (0, 0, missing, 0))
+
+
+class _RunningBatch:
+    """The rows being decoded, right-aligned in one KV cache.
+
+    Invariants: row i's tokens fill the last `attention_mask[i].sum()` columns of `attention_mask` and of
+    every cache layer (before them: zero keys/values, mask 0); `next_position[i]` is the position id of
+    row i's next input token; between `admit`/`advance` and `sample`, `logits[i]` are the logits of row
+    i's next token; after `sample`, `tokens[i]` is the token it just sampled.
+    """
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self.rows: list[_Row] = []
+        self.cache: DynamicCache | None = None
+        self.mergeable = False
+
+    @property
+    def width(self) -> int:
+        return self.attention_mask.shape[1] if self.rows else 0
+
+    def remaining(self) -> int:
+        return max((r.request.max_tokens - len(r.output_ids) for r in self.rows), default=0)
+
+    def admit(self, rows: list[_Row]) -> None:
+        """Prefill `rows` and add them; their logits join the running rows' pending logits."""
+        cache, mask, next_position, logits = self.engine._prefill([r.request for r in rows])
+        device = mask.device
+        temperatures = torch.tensor([r.request.temperature for r in rows], dtype=torch.float32, device=device)
+        top_ps = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32, device=device)
+        if not self.rows:
+            self.rows, self.cache, self.attention_mask, self.next_position = list(rows), cache, mask, next_position
+            self.temperatures, self.top_ps, self.logits = temperatures, top_ps, logits
+            self.mergeable = _mergeable(cache)
+            return
+        width = max(self.width, mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, -2), _left_pad(theirs.keys, width, -2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, -2), _left_pad(theirs.values, width, -2)])
+        self.attention_mask = torch.cat([_left_pad(self.attention_mask, width, -1), _left_pad(mask, width, -1)])
+        self.next_position = torch.cat([self.next_position, next_position])
+        self.temperatures = torch.cat([self.temperatures, temperatures])
+        self.top_ps = torch.cat([self.top_ps, top_ps])
+        self.logits = torch.cat([self.logits, logits])
+        self.rows.extend(rows)
+
+    def sample(self) -> list[_Row]:
+        """One token for every row from its pending logits; returns the rows that finished with it."""
+        uniforms = torch.stack([torch.rand((), generator=row.generator) for row in self.rows])
+        row_log_probs = sampling_log_probs(self.logits, self.temperatures, self.top_ps)
+        self.tokens = sample_tokens(row_log_probs, self.temperatures, uniforms)
+        token_log_probs = row_log_probs.gather(1, self.tokens[:, None]).squeeze(1)
+        finished = []
+        for row, token, lp in zip(self.rows, self.tokens.tolist(), token_log_probs.tolist(), strict=True):
+            row.output_ids.append(token)
+            row.log_probs.append(lp)
+            if token in row.stops:
+                row.finish = "stop"
+            elif len(row.output_ids) >= row.request.max_tokens:
+                row.finish = "length"
+            if row.finish is not None:
+                finished.append(row)
+        return finished
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows at positions `keep` (after `sample`); trims padding no kept row needs."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None  # the next admission starts a fresh cache
+            return
+        index = torch.tensor(keep, device=self.tokens.device)
+        self.cache.batch_select_indices(index)
+        self.attention_mask, self.next_position = self.attention_mask[index], self.next_position[index]
+        self.temperatures, self.top_ps, self.tokens = self.temperatures[index], self.top_ps[index], self.tokens[index]
+        # Rows are right-aligned, so the columns every row masks are a prefix; dropping them keeps the
+        # cache no wider than its longest row (without it, staggered admissions would widen it forever).
+        unused = int((self.attention_mask.shape[1] - self.attention_mask.sum(1)).min())
+        if unused > 0 and self.mergeable:
+            self.attention_mask = self.attention_mask[:, unused:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+
+    def advance(self) -> None:
+        """Feed every row its sampled token (one forward pass); no-op when no row is left."""
+        if not self.rows:
+            return
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((len(self.rows), 1))], 1)
+        self.logits = self.engine._forward(self.tokens[:, None], self.attention_mask, self.next_position[:, None],
+                                           self.cache)
+        self.next_position = self.next_position + 1
+        self.engine.stats.decode_steps += 1
+        self.engine.stats.decode_rows += len(self.rows)
+
+
+def _mergeable(cache) -> bool:
+    """Plain full-attention layers only: sliding-window, quantized or shared-KV layers store keys/values
+    that left-padding would corrupt, so such models admit new requests only into an empty batch."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and DynamicLayer is not None and all(
+        type(layer) is DynamicLayer and isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4
+        for layer in layers)
