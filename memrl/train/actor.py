@@ -224,8 +224,11 @@ class Actor:
         rollout step's rows (for metrics). Returns metrics averaged over the optimizer steps."""
         start = time.perf_counter()
         totals: dict[str, float] = {}
-        for shares in steps:
-            for key, value in self._optimizer_step(shares, rollout_id).items():
+        # With several optimizer steps per rollout, later steps' groups are off-policy by then: their PPO
+        # ratio must be taken against the policy before this rollout's first update, computed up front.
+        olds = [self._old_log_probs(shares) for shares in steps] if len(steps) > 1 else [None] * len(steps)
+        for shares, old in zip(steps, olds, strict=True):
+            for key, value in self._optimizer_step(shares, rollout_id, old).items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
         totals["rows/consumed"] = float(num_rows)
         elapsed = time.perf_counter() - start
@@ -233,7 +236,20 @@ class Actor:
         totals["perf/train_tokens_per_s"] = num_tokens / elapsed if elapsed > 0 else 0.0
         return totals
 
-    def _optimizer_step(self, shares: list[RankShare], rollout_id: int) -> dict[str, float]:
+    @torch.no_grad()
+    def _old_log_probs(self, shares: list[RankShare]) -> list[Tensor]:
+        """The current policy's log-probs of every micro-batch of one optimizer step, in work order."""
+        olds = []
+        for share in shares:
+            for mb_rows, mb_weights in zip(share.micro_batches, share.weights, strict=True):
+                mb = MicroBatch.build(mb_rows, mb_weights, self.pad_token_id, self.device)
+                with self.autocast if self.autocast is not None else contextlib.nullcontext():
+                    logits = response_logits(self.model, mb, self.cfg.rollout.temperature)
+                olds.append(mb.scatter(token_log_probs(logits, mb.targets)))
+        return olds
+
+    def _optimizer_step(self, shares: list[RankShare], rollout_id: int,
+                        old_log_probs: list[Tensor] | None = None) -> dict[str, float]:
         t = self.cfg.train
         if self.world_size > 1 and len(shares) != 1:
             raise ActorError(f"rank {self.rank} of {self.world_size} was given {len(shares)} shares of an "
@@ -247,7 +263,8 @@ class Actor:
             # Gradients are all-reduced once, on the last micro-batch (every rank has as many).
             sync = self.ddp is None or k == len(work) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                self._micro_batch(mb_rows, mb_weights, sums, loss_scale)
+                self._micro_batch(mb_rows, mb_weights, sums, loss_scale,
+                                  None if old_log_probs is None else old_log_probs[k])
         if self.world_size > 1:
             self._all_reduce_metrics(sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
@@ -272,7 +289,7 @@ class Actor:
         }
 
     def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, float],
-                     loss_scale: float) -> None:
+                     loss_scale: float, old: Tensor | None = None) -> None:
         """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums."""
         a = self.cfg.algorithm
 
@@ -283,8 +300,9 @@ class Actor:
         logits = self._forward(self.model, mb)
         logp = mb.scatter(token_log_probs(logits, mb.targets))
         entropy = mb.scatter(entropy_from_logits(logits.detach()))
-        # One optimizer step per group set: the pre-update policy is this forward's (detached) output.
-        old = logp.detach()
+        # `old`: the policy before this rollout's first update; with one optimizer step per rollout that
+        # is this very forward (ratio 1), so no extra pass is needed.
+        old = logp.detach() if old is None else old
         iw = truncated_importance_weights(old, mb.rollout_log_probs, a.tis_cap) if a.tis_cap else None
         pg, m = policy_loss(logp, old, mb.advantages, mb.loss_mask, a.clip_low, a.clip_high, a.dual_clip,
                             row_weights=mb.row_weights, importance_weights=iw)

@@ -114,3 +114,18 @@ def test_optimizer_steps_counted_in_groups():
     assert actor.global_step == 2
     with pytest.raises(PartitionError, match="num_optimizer_steps"):
         Actor(tiny_model(), make_cfg(num_optimizer_steps=5), pad_token_id=0).train_rollout(rows, 0)
+
+
+def test_later_optimizer_steps_use_the_pre_update_policy_as_old():
+    """With 2 optimizer steps, the second step's PPO ratio is against the policy before the first update:
+    its ratio is no longer 1, so some tokens get clipped at a high learning rate."""
+    rows = make_rows(n_groups=4, per_group=3, seed=5)
+    cfg = Config.model_validate({"train": {"lr": 0.05, "grad_clip": 1e9, "num_optimizer_steps": 2},
+                                 "algorithm": {"kl_coef": 0.0, "clip_low": 0.01, "clip_high": 0.01}})
+    actor = Actor(tiny_model(), cfg, pad_token_id=0)
+    metrics = actor.train_rollout(rows, 0)
+    # averaged over the 2 steps: step 1 clips nothing (ratio 1), step 2 clips where the policy moved
+    assert metrics["clip_fraction"] > 0
+    one_step = Actor(tiny_model(), Config.model_validate({"train": {"lr": 0.05, "grad_clip": 1e9},
+                                                          "algorithm": {"kl_coef": 0.0}}), pad_token_id=0)
+    assert one_step.train_rollout(rows, 0)["clip_fraction"] == 0
