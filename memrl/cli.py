@@ -19,6 +19,17 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+@app.command()
+def demo(
+    run_root: Annotated[Path, typer.Option(help="Output folder (new or empty).")] = Path("runs/demo"),
+    quick: Annotated[bool, typer.Option(help="A smaller run (~4 min) instead of the full one.")] = False,
+) -> None:
+    """The CPU demo: warm start, held-out eval, GRPO through the MemAgent loop, eval, compare, plots."""
+    from memrl.demo import demo_command
+
+    raise typer.Exit(demo_command(run_root, quick))
+
+
 @app.command("make-tiny-model")
 def make_tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write.")],

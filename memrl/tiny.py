@@ -79,6 +79,9 @@ def build_tiny_tokenizer(words: list[str] | None = None, vocab_size: int = 512) 
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token="[UNK]" if words is not None else None,
+        # Every chat-template marker must be one special token, also for the word-level vocabulary
+        # (whose pre-tokenizer would otherwise read "<|im_start|>user" as one unknown word).
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
     )
     fast.chat_template = QWEN_STYLE_CHAT_TEMPLATE
     return fast

@@ -185,6 +185,9 @@ def register(app: typer.Typer) -> None:
     group = typer.Typer(help="Download or convert data into a prepared folder with a SHA-256 manifest.",
                         no_args_is_help=True)
     app.add_typer(group, name="prepare-data")
+    from memrl.data.synthetic import register_synthetic
+
+    register_synthetic(group)
 
     @group.command("hotpotqa")
     def hotpotqa_cmd(

@@ -1,0 +1,260 @@
+"""A synthetic long-document memory task that a tiny model can learn on CPU (the `memrl demo` task).
+
+A document is 1..`max_chunks` chunks of `facts_per_chunk` facts each, every fact the same 7 words:
+
+    "the color of bram is teal ."          question: "what is the color of bram ?"   answer: "teal"
+
+Exactly one fact answers the question (same attribute *and* same entity). Every other fact is a
+distractor that shares the entity or the attribute with the question, so matching one of the two is
+never enough; no (attribute, entity) pair occurs twice in a document. The answer fact sits in a random
+chunk, so a reader must notice it when it passes and carry it through its memory to the final turn:
+the final turn sees only question + memory (SPEC §1.3), never the document.
+
+With the word-level tokenizer of `task_tokenizer` every word is one token, so a fact is `FACT_TOKENS`
+tokens and `chunk_tokens = FACT_TOKENS * facts_per_chunk` puts whole facts in every chunk (checked).
+
+Demonstrations (`demonstration_turns`) are the memory/answer turns a supervised warm start learns:
+memory = the answer fact once seen, else the question's key with the value "unknown"
+("the color of bram is unknown ."); final = `\\boxed{ value }` of the fact in memory (a guess among
+the attribute's values when it is unknown). With `keep_prob < 1` the memory turn at the answer chunk
+often overlooks the fact (an imperfect reader): the warm-started policy then answers right mostly when
+its memory kept the fact, and only the final reward, flowing back to memory turns through the 1:N
+expansion, can raise the keep rate.
+
+Training and held-out sets come from disjoint seeded streams (`make_splits`); a held-out document is
+never identical to a training one (checked), and the held-out set never depends on any model.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memrl.data.records import QuestionRecord
+
+ENTITIES = ["bram", "cora", "dax", "elin", "finn", "gale", "hugo", "ida", "jora", "kai", "lena", "milo"]
+ATTRIBUTES: dict[str, list[str]] = {
+    "color": ["teal", "amber", "crimson", "ivory", "olive", "violet"],
+    "city": ["oslo", "lima", "cairo", "perth", "quito", "tunis"],
+    "pet": ["otter", "falcon", "lizard", "rabbit", "parrot", "beetle"],
+    "food": ["plum", "lentil", "walnut", "pepper", "radish", "mango"],
+    "tool": ["hammer", "chisel", "trowel", "ladle", "wrench", "spindle"],
+}
+FACT_TOKENS = 7  # "the {attribute} of {entity} is {value} ."
+BOX_OPEN, BOX_CLOSE = "\\boxed{", "}"
+# Template words of the toy recipe (recipes/toy.yaml) and the chat template's role names.
+TEMPLATE_WORDS = ["user", "assistant", "system", "question", "memory", "text", "answer", ":", "nothing", "yet",
+                  "what", "is", "the", "of", "?", ".", "unknown"]
+UNKNOWN = "unknown"  # the value a memory holds until the answer fact is seen
+
+
+class SyntheticTaskError(ValueError):
+    """Task parameters that cannot make a valid document; the message says what to change."""
+
+
+def task_words() -> list[str]:
+    """Every word the task and the toy recipe's templates use (the word-level vocabulary), in fixed order."""
+    values = [v for vs in ATTRIBUTES.values() for v in vs]
+    return [*TEMPLATE_WORDS, *ENTITIES, *ATTRIBUTES, *values, BOX_OPEN, BOX_CLOSE]
+
+
+def task_tokenizer() -> Any:
+    """The word-level tiny tokenizer (Qwen-style chat template) on which every word is one token."""
+    from memrl.tiny import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(words=task_words())
+
+
+def fact_text(attribute: str, entity: str, value: str) -> str:
+    return f"the {attribute} of {entity} is {value} ."
+
+
+def question_text(attribute: str, entity: str) -> str:
+    return f"what is the {attribute} of {entity} ?"
+
+
+def answer_text(value: str) -> str:
+    """The boxed final answer the demonstrations teach (`memrl.scoring` extracts `value`)."""
+    return f"{BOX_OPEN} {value} {BOX_CLOSE}"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Size of the task. `chunk_tokens` (for the recipe) holds exactly `facts_per_chunk` facts."""
+
+    max_chunks: int = 3
+    facts_per_chunk: int = 3
+
+    @property
+    def chunk_tokens(self) -> int:
+        return FACT_TOKENS * self.facts_per_chunk
+
+    def check(self) -> None:
+        if self.max_chunks < 1 or self.facts_per_chunk < 1:
+            raise SyntheticTaskError(f"max_chunks ({self.max_chunks}) and facts_per_chunk ({self.facts_per_chunk}) "
+                                     "must both be >= 1")
+        # Distractors share the entity (other attributes) or the attribute (other entities).
+        capacity = (len(ATTRIBUTES) - 1) + (len(ENTITIES) - 1)
+        if self.max_chunks * self.facts_per_chunk - 1 > capacity:
+            raise SyntheticTaskError(f"a document of {self.max_chunks} x {self.facts_per_chunk} facts needs more "
+                                     f"distractors than the {capacity} available; lower max_chunks or facts_per_chunk")
+
+
+def make_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionRecord:
+    """One question and its document, drawn from `rng` (see the module docstring for the rules)."""
+    spec.check()
+    attribute = rng.choice(list(ATTRIBUTES))
+    entity = rng.choice(ENTITIES)
+    value = rng.choice(ATTRIBUTES[attribute])
+    num_chunks = rng.randint(1, spec.max_chunks)
+    num_facts = num_chunks * spec.facts_per_chunk
+    # Distractors: same entity + other attribute, or same attribute + other entity (a coin decides
+    # which, while both kinds remain); a same-attribute distractor never has the answer's value.
+    same_entity = rng.sample([a for a in ATTRIBUTES if a != attribute], len(ATTRIBUTES) - 1)
+    same_attribute = rng.sample([e for e in ENTITIES if e != entity], len(ENTITIES) - 1)
+    facts = []
+    for _ in range(num_facts - 1):
+        if same_entity and (not same_attribute or rng.random() < 0.5):
+            a = same_entity.pop()
+            facts.append((a, entity, rng.choice(ATTRIBUTES[a])))
+        else:
+            facts.append((attribute, same_attribute.pop(), rng.choice([v for v in ATTRIBUTES[attribute] if v != value])))
+    answer_index = rng.randrange(num_facts)
+    facts.insert(answer_index, (attribute, entity, value))
+    return QuestionRecord(
+        id=record_id, question=question_text(attribute, entity), answers=[value],
+        context=" ".join(fact_text(*f) for f in facts),
+        metadata={"task": "synthetic-memory", "attribute": attribute, "entity": entity,
+                  "facts": [list(f) for f in facts], "answer_index": answer_index,
+                  "answer_chunk": answer_index // spec.facts_per_chunk, "num_chunks": num_chunks,
+                  "facts_per_chunk": spec.facts_per_chunk},
+    )
+
+
+def make_records(n: int, spec: TaskSpec, seed: int, prefix: str) -> list[QuestionRecord]:
+    rng = random.Random(f"memrl-synthetic:{prefix}:{seed}")
+    return [make_record(rng, spec, f"{prefix}-{i:05d}") for i in range(n)]
+
+
+def make_splits(num_train: int, num_heldout: int, spec: TaskSpec, seed: int = 0
+                ) -> tuple[list[QuestionRecord], list[QuestionRecord]]:
+    """Training and held-out questions from two independent seeded streams; no shared (question, document).
+
+    A held-out record that happens to equal a training record (possible only for tiny documents) is
+    replaced by the next draw of the held-out stream, so the held-out set is never trained on.
+    """
+    train = make_records(num_train, spec, seed, "train")
+    seen = {(r.question, r.context) for r in train}
+    rng = random.Random(f"memrl-synthetic:heldout:{seed}")
+    heldout: list[QuestionRecord] = []
+    while len(heldout) < num_heldout:
+        record = make_record(rng, spec, f"heldout-{len(heldout):05d}")
+        if (record.question, record.context) not in seen:
+            heldout.append(record)
+    return train, heldout
+
+
+# ---- demonstrations for the supervised warm start ------------------------------------------------------
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, rollout_cfg: Any,
+                        keep_prob: float, rng: random.Random, miss: str = "forget"
+                        ) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, response_ids) of every turn of one demonstrated trajectory, memory turns then final.
+
+    Prompts are built by the rollout's own `PromptBuilder` from the rollout's own chunks, so the warm
+    start sees exactly the prompts the MemAgent loop will produce; responses end with the end-of-turn
+    token the engine stops on. At the answer chunk the memory keeps the answer fact with probability
+    `keep_prob`; else (`miss`) it overlooks it and stays "unknown" (`forget`; the final answer is then a
+    guess among the attribute's values) or keeps a distractor of that chunk (`distractor`).
+    The final answer boxes the value held in memory.
+    """
+    if miss not in ("forget", "distractor"):
+        raise SyntheticTaskError(f"miss must be 'forget' or 'distractor', got {miss!r}")
+    from memrl.memagent.rollout import document_chunks
+
+    meta = record.metadata
+    per_chunk = meta["facts_per_chunk"]
+    chunks = document_chunks(tokenizer, rollout_cfg, record.context)
+    if rollout_cfg.chunk_tokens != FACT_TOKENS * per_chunk or chunks.truncated:
+        raise SyntheticTaskError(f"rollout.chunk_tokens must be {FACT_TOKENS * per_chunk} and rollout.max_chunks "
+                                 f">= {meta['num_chunks']} for record {record.id} (whole facts per chunk)")
+    eos = tokenizer.eos_token_id
+    facts = [tuple(f) for f in meta["facts"]]
+    turns: list[tuple[list[int], list[int]]] = []
+    memory_fact: tuple[str, str, str] | None = None
+    memory_ids: list[int] | None = None
+    for i, chunk_ids in enumerate(chunks.chunks):
+        chunk_facts = facts[i * per_chunk:(i + 1) * per_chunk]
+        if _encode(tokenizer, " ".join(fact_text(*f) for f in chunk_facts)) != chunk_ids:
+            raise SyntheticTaskError(f"record {record.id}: chunk {i} does not tokenize to whole facts; "
+                                     "use task_tokenizer()")
+        if i == meta["answer_chunk"]:
+            answer_fact = facts[meta["answer_index"]]
+            distractors = [f for f in chunk_facts if f != answer_fact]
+            if rng.random() < keep_prob or (miss == "distractor" and not distractors):
+                memory_fact = answer_fact
+            elif miss == "distractor":
+                memory_fact = rng.choice(distractors)
+        # The memory always restates the question's key and ends with the value or "unknown": the
+        # decision sits at the value position, where the whole key is in context (a lookup a small
+        # model learns far faster than deciding at the first token whether to write anything).
+        text = fact_text(*memory_fact) if memory_fact else fact_text(meta["attribute"], meta["entity"], UNKNOWN)
+        prompt = builder.memory_prompt_ids(record.question, memory_ids, chunk_ids)
+        response = _encode(tokenizer, text)[: rollout_cfg.memory_tokens - 1] + [eos]
+        turns.append((prompt, response))
+        memory_ids, _ = builder.cap_memory(response)
+    value = memory_fact[2] if memory_fact else rng.choice(ATTRIBUTES[meta["attribute"]])  # a guess
+    final = _encode(tokenizer, answer_text(value))
+    turns.append((builder.final_prompt_ids(record.question, memory_ids), final[: rollout_cfg.final_tokens - 1] + [eos]))
+    return turns
+
+
+# ---- `memrl prepare-data synthetic` ----------------------------------------------------------------------
+def prepare_synthetic(out: str | Path, *, num_train: int = 2000, num_heldout: int = 200, max_chunks: int = 3,
+                      facts_per_chunk: int = 3, seed: int = 0) -> dict[str, Path]:
+    """Write synthetic_train.jsonl / synthetic_heldout.jsonl and a SHA-256 manifest to `out`."""
+    from memrl.data.manifest import write_manifest
+    from memrl.data.records import write_jsonl
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = TaskSpec(max_chunks=max_chunks, facts_per_chunk=facts_per_chunk)
+    train, heldout = make_splits(num_train, num_heldout, spec, seed)
+    paths = {"train": out / "synthetic_train.jsonl", "heldout": out / "synthetic_heldout.jsonl"}
+    write_jsonl(paths["train"], train)
+    write_jsonl(paths["heldout"], heldout)
+    write_manifest(out, {paths["train"].name: len(train), paths["heldout"].name: len(heldout)},
+                   "memrl prepare-data synthetic",
+                   {"task": "synthetic-memory", "num_train": num_train, "num_heldout": num_heldout,
+                    "max_chunks": max_chunks, "facts_per_chunk": facts_per_chunk, "seed": seed,
+                    "chunk_tokens": spec.chunk_tokens})
+    return paths
+
+
+def register_synthetic(prepare_app: Any) -> None:
+    """Add `synthetic` to the `memrl prepare-data` command group (a typer.Typer)."""
+    import typer
+
+    @prepare_app.command("synthetic")
+    def synthetic_cmd(
+        out: Path = typer.Option(Path("data/synthetic"), help="Folder to write."),
+        num_train: int = typer.Option(2000, help="Training questions."),
+        num_heldout: int = typer.Option(200, help="Held-out questions (disjoint stream)."),
+        max_chunks: int = typer.Option(3, help="Documents have 1..max_chunks chunks."),
+        facts_per_chunk: int = typer.Option(3, help="Facts per chunk (chunk_tokens = 7 x this)."),
+        seed: int = typer.Option(0, help="Seed of both streams."),
+    ) -> None:
+        """Synthetic memory task (the CPU demo's data): facts scattered among distractors."""
+        try:
+            paths = prepare_synthetic(out, num_train=num_train, num_heldout=num_heldout, max_chunks=max_chunks,
+                                      facts_per_chunk=facts_per_chunk, seed=seed)
+        except SyntheticTaskError as e:
+            typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
+        for p in paths.values():
+            typer.echo(str(p))

@@ -1,0 +1,263 @@
+"""`memrl demo`: the CPU main job. Shows, with no GPU and no download, that GRPO through the MemAgent loop
+teaches a model to keep the right fact in its memory (docs/demo.md).
+
+    data      synthetic memory task (memrl.data.synthetic): training and held-out questions, disjoint
+    sft       tiny Qwen3 + word-level tokenizer built in code; supervised warm start on imperfect
+              demonstrations (the memory keeps the needed fact only `keep_prob` of the time) -> base
+    eval_base held-out boxed EM of the base (memrl.eval.runner; temperature 1.0, fixed per-question seeds)
+    train     GRPO with the real controller (queue, converter 1:N, checkpoints, logs, TensorBoard)
+    eval_trained  the same held-out questions, the same sampling settings and seeds
+    compare   memrl compare (flips, McNemar p); report: memrl report plots of the training run
+
+Why temperature 1.0 for both evaluations: it is the recipe's sampling (SPEC §6) and the distribution
+GRPO optimizes; seeds are per question and turn, independent of the model, so base and trained see
+identical randomness. Targets (issue): held-out EM trained >= base + 15 pp; training reward, mean of the
+last 10 rollouts >= mean of the first 10 + 0.15. Both are measured and printed, never assumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memrl.config import Config, load_config
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "toy.yaml"
+EM_TARGET_PP = 15.0
+REWARD_TARGET = 0.15
+
+
+class DemoError(RuntimeError):
+    """The demo cannot run as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Sizes of one demo run; `FULL` is `memrl demo`, `QUICK` is `memrl demo --quick` (the slow test)."""
+
+    num_train: int = 10000
+    num_heldout: int = 1000
+    max_chunks: int = 3
+    facts_per_chunk: int = 3
+    # model (tiny Qwen3; word-level vocabulary of the task)
+    layers: int = 3
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+    # supervised warm start on imperfect demonstrations
+    sft_clean_demos: int = 8000   # phase 1: perfect demonstrations (learn to find and copy the fact)
+    keep_prob: float = 0.3        # phase 2: the memory keeps the fact only this often (an imperfect reader)
+    sft_demos: int = 800
+    sft_epochs: int = 3
+    sft_batch_size: int = 16
+    sft_lr: float = 2e-3
+    # GRPO (the rest comes from recipes/toy.yaml)
+    num_rollout: int = 80
+    rollout_batch_size: int = 16
+    n_samples: int = 8
+    grpo_lr: float = 1e-3
+    seed: int = 0
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+
+
+FULL = DemoSettings()
+QUICK = replace(FULL, num_heldout=400, sft_clean_demos=4000, sft_demos=400, num_rollout=20)
+
+
+def demo_config(settings: DemoSettings) -> Config:
+    """recipes/toy.yaml with the settings' GRPO sizes (and any `section.key=value` overrides) applied."""
+    if not RECIPE.is_file():
+        raise DemoError(f"the toy recipe {RECIPE} is missing; run the demo from a memrl checkout")
+    from memrl.data.synthetic import FACT_TOKENS
+
+    overrides = [f"rollout.chunk_tokens={FACT_TOKENS * settings.facts_per_chunk}",
+                 f"rollout.max_chunks={settings.max_chunks}",
+                 f"queue.train_sample_expansion_factor={settings.max_chunks + 1}",
+                 f"rollout.n_samples={settings.n_samples}", f"train.num_rollout={settings.num_rollout}",
+                 f"train.rollout_batch_size={settings.rollout_batch_size}", f"train.lr={settings.grpo_lr}",
+                 f"train.seed={settings.seed + 1234}", *settings.overrides]
+    return load_config(RECIPE, overrides)
+
+
+def _evaluate(model: torch.nn.Module, tokenizer: Any, cfg: Config, records: list, out_dir: Path,
+              name: str, data_sha256: str, data_path: Path) -> dict[str, Any]:
+    from memrl.engines.hf import HFEngine
+    from memrl.eval.runner import evaluate
+
+    engine = HFEngine(copy.deepcopy(model).eval(), tokenizer, max_batch_size=cfg.rollout.max_batch_size,
+                      max_batch_tokens=cfg.rollout.max_batch_tokens, device="cpu", dtype="float32")
+    try:
+        return evaluate(engine, tokenizer, cfg, records, out_dir, model_name=name, data_sha256=data_sha256,
+                        data_path=str(data_path), tokenizer_name="memrl.data.synthetic:task_tokenizer")
+    finally:
+        asyncio.run(engine.close())
+
+
+def _window_means(rewards: list[float], window: int = 10) -> tuple[float, float, int]:
+    """Mean of the first and last `window` rollouts (shorter windows, never overlapping, on short runs)."""
+    w = max(1, min(window, len(rewards) // 2))
+    return sum(rewards[:w]) / w, sum(rewards[-w:]) / w, w
+
+
+def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = True) -> dict[str, Any]:
+    """Run every stage into `run_root` (which must be new or empty); returns the summary (also
+    written to run_root/demo_summary.json)."""
+    from memrl.data.manifest import sha256_file
+    from memrl.data.records import load_questions
+    from memrl.data.synthetic import demonstration_turns, prepare_synthetic, task_tokenizer
+    from memrl.eval.compare import compare_results
+    from memrl.memagent.prompts import PromptBuilder
+    from memrl.tiny import build_tiny_model
+    from memrl.train.controller import Trainer, TrainOptions, seed_everything
+    from memrl.train.report import write_report
+    from memrl.train.sft import SFTOptions, run_sft
+
+    run_root = Path(run_root)
+    if run_root.exists() and any(run_root.iterdir()):
+        raise DemoError(f"{run_root} is not empty; pass a new --run-root (or delete the old run)")
+    run_root.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    times: dict[str, float] = {}
+    cfg = demo_config(settings)
+    (run_root / "demo_settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
+    seed_everything(settings.seed)
+
+    # 1. Data: training and held-out questions from disjoint streams, with a SHA-256 manifest.
+    t = time.perf_counter()
+    paths = prepare_synthetic(run_root / "data", num_train=settings.num_train, num_heldout=settings.num_heldout,
+                              max_chunks=settings.max_chunks, facts_per_chunk=settings.facts_per_chunk,
+                              seed=settings.seed)
+    train, heldout = load_questions(paths["train"]), load_questions(paths["heldout"])
+    heldout_sha = sha256_file(paths["heldout"])
+    tokenizer = task_tokenizer()
+
+    # 2. Base: a tiny Qwen3 warm-started on imperfect demonstrations (prompts built by the rollout's builder).
+    model = build_tiny_model(len(tokenizer), layers=settings.layers, hidden=settings.hidden, heads=settings.heads,
+                             kv_heads=settings.kv_heads, intermediate=settings.intermediate, seed=settings.seed,
+                             eos_token_id=tokenizer.eos_token_id)
+    builder = PromptBuilder(tokenizer, cfg.rollout)
+    rng = random.Random(f"demo-sft:{settings.seed}")
+    # Two phases on disjoint training questions: perfect demonstrations teach finding and copying the
+    # fact (a clean signal learns fastest); imperfect ones then make the reader overlook it often, so
+    # the base keeps the fact only ~keep_prob of the time and GRPO has that to fix.
+    clean = train[: settings.sft_clean_demos]
+    noisy = train[settings.sft_clean_demos: settings.sft_clean_demos + settings.sft_demos]
+    for phase, records, keep in (("sft/clean", clean, 1.0), ("sft/imperfect", noisy, settings.keep_prob)):
+        if not records:
+            continue
+        demos = [demonstration_turns(r, tokenizer, builder, cfg.rollout, keep, rng) for r in records]
+        run_sft(model, tokenizer, cfg, demos,
+                SFTOptions(epochs=settings.sft_epochs, batch_size=settings.sft_batch_size, lr=settings.sft_lr,
+                           seed=settings.seed, progress=progress), out_dir=run_root / phase)
+    times["data+sft_s"] = time.perf_counter() - t
+
+    # 3. Held-out evaluation of the base.
+    t = time.perf_counter()
+    base = _evaluate(model, tokenizer, cfg, heldout, run_root / "eval_base", "sft-base", heldout_sha, paths["heldout"])
+    times["eval_base_s"] = time.perf_counter() - t
+
+    # 4. GRPO through the real training controller (queue, converter, checkpoints, logs).
+    t = time.perf_counter()
+    # GRPO questions are training questions the warm start never saw, so the reward curve is not
+    # inflated by demonstrations the base may have memorized.
+    grpo_records = train[settings.sft_clean_demos + settings.sft_demos:]
+    if len(grpo_records) < settings.rollout_batch_size:
+        raise DemoError(f"num_train ({settings.num_train}) leaves {len(grpo_records)} questions for GRPO after "
+                        f"{settings.sft_clean_demos + settings.sft_demos} warm-start demonstrations; raise num_train")
+    trainer = Trainer(cfg, TrainOptions(run_root=run_root / "train", progress=progress),
+                      model=copy.deepcopy(model), tokenizer=tokenizer, records=grpo_records)
+    history = trainer.run()
+    trained_model = trainer.actor.model.eval()
+    trained_model.save_pretrained(run_root / "trained_model")
+    tokenizer.save_pretrained(run_root / "trained_model")
+    times["train_s"] = time.perf_counter() - t
+
+    # 5. Held-out evaluation of the trained policy: same questions, sampling settings and seeds.
+    t = time.perf_counter()
+    trained = _evaluate(trained_model, tokenizer, cfg, heldout, run_root / "eval_trained", "grpo-trained",
+                        heldout_sha, paths["heldout"])
+    times["eval_trained_s"] = time.perf_counter() - t
+
+    # 6. Comparison (memrl compare) and training plots (memrl report).
+    report = compare_results([run_root / "eval_base", run_root / "eval_trained"], names=["base", "trained"])
+    report.write(run_root / "compare")
+    plots = write_report(run_root / "train")
+
+    rewards = [float(m.get("reward/mean", 0.0)) for m in history]
+    first, last, window = _window_means(rewards)
+    base_em, trained_em = base["metrics"]["em"]["value"], trained["metrics"]["em"]["value"]
+    pair = report.pairs[0]
+    summary = {
+        "settings": asdict(settings),
+        "heldout_questions": len(heldout),
+        "base": {"em": base_em, "em_ci95": [base["metrics"]["em"]["low"], base["metrics"]["em"]["high"]],
+                 "sub_em": base["metrics"]["sub_em"]["value"], "f1": base["metrics"]["f1"]["value"]},
+        "trained": {"em": trained_em,
+                    "em_ci95": [trained["metrics"]["em"]["low"], trained["metrics"]["em"]["high"]],
+                    "sub_em": trained["metrics"]["sub_em"]["value"], "f1": trained["metrics"]["f1"]["value"]},
+        "em_gain_pp": trained_em - base_em,
+        "flips": {"wrong_to_right": len(pair.wrong_to_right), "right_to_wrong": len(pair.right_to_wrong),
+                  "mcnemar_p": pair.mcnemar_p},
+        "reward": {"window": window, "first": first, "last": last, "gain": last - first, "per_rollout": rewards},
+        "targets": {"em_gain_pp": {"target": EM_TARGET_PP, "met": trained_em - base_em >= EM_TARGET_PP},
+                    "reward_gain": {"target": REWARD_TARGET, "met": last - first >= REWARD_TARGET}},
+        "paths": {"eval_base": "eval_base", "eval_trained": "eval_trained", "compare": "compare/report.md",
+                  "train": "train", "report": "train/report/report.md", "plots": [str(p) for p in plots]},
+        "times_s": {**times, "total_s": time.perf_counter() - started},
+    }
+    (run_root / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def format_summary(summary: dict[str, Any], run_root: Path) -> str:
+    b, t, r, tg = summary["base"], summary["trained"], summary["reward"], summary["targets"]
+    n = summary["heldout_questions"]
+    yes = {True: "yes", False: "NO"}
+    lines = [
+        "",
+        f"memrl demo: {n} held-out questions, temperature 1.0, same per-question seeds for both models",
+        "",
+        "| policy  | boxed EM % [95% CI]     | sub_EM % | F1 %  |",
+        "|---------|-------------------------|----------|-------|",
+        f"| base    | {b['em']:5.1f} [{b['em_ci95'][0]:4.1f}, {b['em_ci95'][1]:4.1f}]      | {b['sub_em']:8.1f} | "
+        f"{b['f1']:5.1f} |",
+        f"| trained | {t['em']:5.1f} [{t['em_ci95'][0]:4.1f}, {t['em_ci95'][1]:4.1f}]      | {t['sub_em']:8.1f} | "
+        f"{t['f1']:5.1f} |",
+        "",
+        f"EM flips: {summary['flips']['wrong_to_right']} wrong->right, {summary['flips']['right_to_wrong']} "
+        f"right->wrong (exact McNemar p = {summary['flips']['mcnemar_p']:.3g})",
+        f"training reward: first {r['window']} rollouts {r['first']:.3f} -> last {r['window']} rollouts {r['last']:.3f}"
+        f" ({r['gain']:+.3f})",
+        "",
+        f"target met: {yes[tg['em_gain_pp']['met']]}  held-out EM {b['em']:.1f} -> {t['em']:.1f} "
+        f"({summary['em_gain_pp']:+.1f} pp; target >= +{tg['em_gain_pp']['target']:g} pp)",
+        f"target met: {yes[tg['reward_gain']['met']]}  training reward {r['first']:.3f} -> {r['last']:.3f} "
+        f"({r['gain']:+.3f}; target >= +{tg['reward_gain']['target']:g})",
+        "",
+        f"time: {summary['times_s']['total_s'] / 60:.1f} min. Results in {run_root}: eval_base/, eval_trained/, "
+        "compare/report.md, train/report/*.png, demo_summary.json",
+    ]
+    return "\n".join(lines)
+
+
+def demo_command(run_root: Path, quick: bool = False) -> int:
+    """`memrl demo [--run-root DIR] [--quick]`: 0 when both targets are met, 1 when not, 2 on an error."""
+    import logging
+
+    logging.getLogger("memrl").setLevel(logging.WARNING)
+    try:
+        summary = run_demo(Path(run_root), QUICK if quick else FULL)
+    except DemoError as e:
+        print(f"error: {e}")
+        return 2
+    print(format_summary(summary, Path(run_root)))
+    return 0 if all(t["met"] for t in summary["targets"].values()) else 1
