@@ -30,6 +30,34 @@ def demo(
     raise typer.Exit(demo_command(run_root, quick))
 
 
+@app.command()
+def sft(
+    model: Annotated[str, typer.Option(help="Model folder to warm-start.")],
+    data: Annotated[Path, typer.Option(help='JSONL, one demonstration a line: {"turns": [{"prompt", "response"}]}.')],
+    out: Annotated[Path, typer.Option(help="Output folder (metrics.jsonl, model/).")],
+    epochs: int = 2, batch_size: int = 32, lr: float = 2e-3,
+    recipe: Annotated[Path | None, typer.Option(help="Recipe (templates, thinking, micro-batch budget).")] = None,
+    set_: SetOption = None,
+) -> None:
+    """Supervised warm start through the RL actor (loss on response tokens only)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memrl.config import ConfigError, load_config
+    from memrl.train.sft import SFTError, SFTOptions, run_sft
+    from memrl.train.sft_data import load_demonstrations
+
+    try:
+        cfg = load_config(recipe, list(set_ or []))
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        demos = load_demonstrations(data, tokenizer, cfg.rollout.enable_thinking)
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype="float32")
+        history = run_sft(policy, tokenizer, cfg, demos, SFTOptions(epochs=epochs, batch_size=batch_size, lr=lr), out)
+    except (ConfigError, SFTError, OSError) as e:
+        _fail(str(e))
+    nll = [h["nll"] for h in history if "nll" in h]
+    typer.echo(f"wrote {out / 'model'}: {len(history)} steps" + (f", NLL {nll[0]:.3f} -> {nll[-1]:.3f}" if nll else ""))
+
+
 @app.command("make-tiny-model")
 def make_tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write.")],

@@ -14,7 +14,7 @@ def test_help_lists_the_real_commands():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
     for command in ["demo", "train", "serve", "convert-to-hf", "report", "make-tiny-model", "prepare-data", "eval",
-                    "compare", "pass-at-k"]:
+                    "compare", "pass-at-k", "sft"]:
         assert command in result.output
 
 

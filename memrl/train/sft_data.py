@@ -1,0 +1,44 @@
+"""Demonstrations for `memrl sft` from a JSONL file, tokenized with the model's chat template.
+
+One line = one demonstration (a trajectory): `{"turns": [{"prompt": P, "response": R}, ...]}` where P is
+the user message text (or a list of chat messages) and R the target text. Each turn's prompt goes through
+the chat template with the generation prompt (thinking off, as the rollout does) and the response gets
+the end-of-turn token appended, so the warm start teaches the model to stop as the rollout expects.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from memrl.train.sft import Demonstration, SFTError
+
+
+def _prompt_ids(tokenizer: Any, prompt: Any, enable_thinking: bool) -> list[int]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                              return_dict=False, enable_thinking=enable_thinking))
+
+
+def load_demonstrations(path: str | Path, tokenizer: Any, enable_thinking: bool = False) -> list[Demonstration]:
+    """Token-id demonstrations from the JSONL at `path`; a malformed line is an error naming it."""
+    demos: list[Demonstration] = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            turns = record["turns"]
+            demo = []
+            for turn in turns:
+                response = tokenizer(turn["response"], add_special_tokens=False)["input_ids"]
+                demo.append((_prompt_ids(tokenizer, turn["prompt"], enable_thinking),
+                             [*response, tokenizer.eos_token_id]))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise SFTError(f"{path}, line {n}: expected {{\"turns\": [{{\"prompt\": ..., \"response\": ...}}]}} "
+                           f"({type(e).__name__}: {e})") from e
+        if not demo:
+            raise SFTError(f"{path}, line {n}: a demonstration needs at least one turn")
+        demos.append(demo)
+    return demos
