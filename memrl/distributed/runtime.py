@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from memrl.config import Config, ConfigError, import_object
+from memrl.config import Config, ConfigError
 from memrl.distributed.queue_actor import RemoteQueue
 from memrl.distributed.settings import RaySettings
 from memrl.distributed.workers import (
@@ -210,10 +210,7 @@ class RayTrainer(Trainer):
             self.start_rollout_id = int(state.get("next_rollout_id", state["rollout_id"] + 1))
         if options.start_rollout_id is not None:
             self.start_rollout_id = options.start_rollout_id
-        self.generate_fn = import_object(cfg.plugins.generate_function)
-        self.convert_fn = import_object(cfg.plugins.convert_function)
-        self.reward_fn = import_object(cfg.plugins.reward_function)
-        self.expanded = cfg.queue.train_sample_expansion_factor > 1
+        self._load_plugins()
         self.queue = RemoteQueue(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples,
                                  settings.sync_timeout_s)
         handles.append(self.queue.actor)

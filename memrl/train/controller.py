@@ -213,13 +213,18 @@ class Trainer:
             self.start_rollout_id = int(state.get("next_rollout_id", state["rollout_id"] + 1))
         if options.start_rollout_id is not None:
             self.start_rollout_id = options.start_rollout_id
-        self.generate_fn = import_object(cfg.plugins.generate_function)
-        self.convert_fn = import_object(cfg.plugins.convert_function)
-        self.reward_fn = import_object(cfg.plugins.reward_function)
+        self._load_plugins()
         self.queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples)
         self.engine = None if options.replay_rollouts else build_engine(cfg, self.actor.model, self.tokenizer,
                                                                       options.progress)
-        self.expanded = cfg.queue.train_sample_expansion_factor > 1
+
+    def _load_plugins(self) -> None:
+        """The extension points by import path (MemAgent's by default); expanded = 1:N rows per trajectory."""
+        plugins = self.cfg.plugins
+        self.generate_fn = import_object(plugins.generate_function)
+        self.convert_fn = import_object(plugins.convert_function)
+        self.reward_fn = import_object(plugins.reward_function)
+        self.expanded = self.cfg.queue.train_sample_expansion_factor > 1
 
     def _rollout(self, loop: asyncio.AbstractEventLoop, rollout_id: int) -> RolloutOutput:
         if self.opt.replay_rollouts is not None:
