@@ -4,8 +4,10 @@ Margin: base and trained answer the same held-out questions with the same per-qu
 comparison is paired. Under the null hypothesis "training did not help", a question that flips is as
 likely to flip wrong->right as right->wrong; the exact McNemar test turns the observed flips into the
 probability of a gain at least this lopsided by chance. We require p < 0.01 (chance explains it in
-fewer than 1 run in 100) and a gain of at least 4 points of held-out EM (one measured --quick run on a
-shared 2-core machine: 17.0 -> 25.0, +8.0 pp, 79 wrong->right vs 47 right->wrong, p = 0.0055).
+fewer than 1 run in 100) and a gain of at least 8 points of held-out EM, under half of the measured
+--quick run on a shared 2-core machine (7.5 -> 26.8, +19.2 pp, 95 wrong->right vs 18 right->wrong,
+p = 8e-14; 3.8 min). The --quick reward windows (first/last 10 of 20 rollouts) overlap the rise, so
+only a positive reward gain is required here; the +0.15 target is the full run's (docs/demo.md).
 """
 
 from __future__ import annotations
@@ -13,17 +15,20 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from memrl.demo import QUICK, demo_command, format_summary, run_demo
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~4 min alone on 2 cores; generous for a loaded machine
 def test_quick_demo_trains_the_memory(tmp_path):
     root = tmp_path / "demo"
+    torch.set_num_threads(1)  # as `memrl demo` runs it
     summary = run_demo(root, QUICK, progress=False)
     print(format_summary(summary, root))
     assert summary["flips"]["mcnemar_p"] < 0.01, summary["flips"]
-    assert summary["em_gain_pp"] >= 4.0, (summary["base"], summary["trained"])
+    assert summary["em_gain_pp"] >= 8.0, (summary["base"], summary["trained"])
     assert summary["reward"]["gain"] > 0.0, summary["reward"]
     # Everything the README promises is in the run root.
     for path in ("eval_base/summary.json", "eval_trained/summary.json", "compare/report.md",

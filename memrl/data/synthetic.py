@@ -162,8 +162,8 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, rollout_cfg: Any,
-                        keep_prob: float, rng: random.Random, miss: str = "forget"
-                        ) -> list[tuple[list[int], list[int]]]:
+                        keep_prob: float, rng: random.Random, miss: str = "forget",
+                        unknown_answer: str = "guess") -> list[tuple[list[int], list[int]]]:
     """(prompt_ids, response_ids) of every turn of one demonstrated trajectory, memory turns then final.
 
     Prompts are built by the rollout's own `PromptBuilder` from the rollout's own chunks, so the warm
@@ -171,10 +171,14 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ro
     token the engine stops on. At the answer chunk the memory keeps the answer fact with probability
     `keep_prob`; else (`miss`) it overlooks it and stays "unknown" (`forget`; the final answer is then a
     guess among the attribute's values) or keeps a distractor of that chunk (`distractor`).
-    The final answer boxes the value held in memory.
+    The final answer boxes the value held in memory; when the memory holds none, `unknown_answer`
+    decides: `guess` boxes a random value of the attribute (right 1 time in 6), `abstain` boxes
+    "unknown" (never right: a reader that answers only from its memory).
     """
     if miss not in ("forget", "distractor"):
         raise SyntheticTaskError(f"miss must be 'forget' or 'distractor', got {miss!r}")
+    if unknown_answer not in ("guess", "abstain"):
+        raise SyntheticTaskError(f"unknown_answer must be 'guess' or 'abstain', got {unknown_answer!r}")
     from memrl.memagent.rollout import document_chunks
 
     meta = record.metadata
@@ -208,7 +212,10 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ro
         response = _encode(tokenizer, text)[: rollout_cfg.memory_tokens - 1] + [eos]
         turns.append((prompt, response))
         memory_ids, _ = builder.cap_memory(response)
-    value = memory_fact[2] if memory_fact else rng.choice(ATTRIBUTES[meta["attribute"]])  # a guess
+    if memory_fact:
+        value = memory_fact[2]
+    else:
+        value = rng.choice(ATTRIBUTES[meta["attribute"]]) if unknown_answer == "guess" else UNKNOWN
     final = _encode(tokenizer, answer_text(value))
     turns.append((builder.final_prompt_ids(record.question, memory_ids), final[: rollout_cfg.final_tokens - 1] + [eos]))
     return turns

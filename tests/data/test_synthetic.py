@@ -90,6 +90,24 @@ def test_demonstrations_keep_the_fact_at_the_rate_asked(tokenizer, rollout_cfg):
         assert low <= correct / len(train) <= high, (keep_prob, correct / len(train))
 
 
+def test_an_abstaining_reader_answers_only_from_its_memory(tokenizer, rollout_cfg):
+    builder = PromptBuilder(tokenizer, rollout_cfg)
+    train, _ = make_splits(300, 0, SPEC, seed=6)
+    rng, kept = random.Random(0), 0
+    for r in train:
+        turns = demonstration_turns(r, tokenizer, builder, rollout_cfg, 0.5, rng, unknown_answer="abstain")
+        memory = tokenizer.decode(turns[-2][1], skip_special_tokens=True)
+        answer = tokenizer.decode(turns[-1][1], skip_special_tokens=True)
+        # Right exactly when the memory kept the fact; otherwise the boxed answer is "unknown".
+        has_fact = memory.endswith(f"is {r.answers[0]}.")
+        assert reward_from_text(answer, r.answers) == float(has_fact)
+        assert has_fact or "unknown" in answer
+        kept += has_fact
+    assert 0.4 <= kept / len(train) <= 0.6
+    with pytest.raises(SyntheticTaskError, match="unknown_answer"):
+        demonstration_turns(train[0], tokenizer, builder, rollout_cfg, 0.5, rng, unknown_answer="maybe")
+
+
 def test_demonstration_prompts_are_the_rollout_prompts(tokenizer, rollout_cfg):
     builder = PromptBuilder(tokenizer, rollout_cfg)
     (r,), _ = make_splits(1, 0, TaskSpec(max_chunks=1), seed=0)
