@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import typer
+from fake_engine import FakeEngine
 from typer.testing import CliRunner
 
 from memrl.config import Config
@@ -57,25 +58,17 @@ def small_config(**rollout) -> Config:
                                   "eval": {"concurrency": 4}})
 
 
-class AnswerEngine:
+class AnswerEngine(FakeEngine):
     """Memory turns answer "ok"; the final turn boxes `alpha{i}` when question i is in `correct`,
     else `wrong`. Questions in `fail` get an error result; after `interrupt_after` final answers the
-    engine raises KeyboardInterrupt (a Ctrl-C in the middle of a run)."""
+    engine raises KeyboardInterrupt (a Ctrl-C in the middle of a run). Concurrency is counted by
+    FakeEngine.generate."""
 
     def __init__(self, tokenizer, correct=(), fail=(), unboxed=(), interrupt_after=None, delay_s=0.0):
+        super().__init__([], tokenizer.eos_token_id, delay_s=delay_s)
         self.tok, self.correct, self.fail, self.unboxed = tokenizer, set(correct), set(fail), set(unboxed)
-        self.interrupt_after, self.delay_s = interrupt_after, delay_s
-        self.requests, self.finals, self.in_flight, self.max_in_flight = [], 0, 0, 0
+        self.interrupt_after, self.finals = interrupt_after, 0
         self.interrupt = None  # set by `interrupted_eval`: cancels the run's main task
-
-    async def generate(self, requests):
-        self.in_flight += len(requests)
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(self.delay_s)
-            return [self._one(r) for r in requests]
-        finally:
-            self.in_flight -= len(requests)
 
     def _one(self, request):
         self.requests.append(request)
@@ -93,10 +86,6 @@ class AnswerEngine:
             reply = "no idea" if i in self.unboxed else f"\\boxed{{{'alpha' + str(i) if i in self.correct else 'wrong'}}}"
         ids = self.tok.encode(reply, add_special_tokens=False)[: request.max_tokens - 1] + [self.tok.eos_token_id]
         return GenerationResult(ids, [-0.5] * len(ids), "stop")
-
-    async def close(self):
-        pass
-
 
 def run_eval(tokenizer, engine, out: Path, records=None, cfg=None, sha="sha-a", **kwargs):
     return evaluate(engine, tokenizer, cfg or small_config(),
@@ -189,7 +178,7 @@ def test_sigkilled_process_resumes_exactly_once(tiny_tokenizer, tmp_path):
     tiny_tokenizer.save_pretrained(str(tmp_path / "tok"))  # loading is much faster than building
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
-        import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
         from pathlib import Path
         from transformers import AutoTokenizer
         from test_runner import AnswerEngine, run_eval, make_records
