@@ -33,12 +33,8 @@ def sharp_model(seed: int = 0) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """A 100k-parameter model gains nothing from intra-op threads; on a busy 2-core machine they only wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test here runs on one torch thread (the fixture is in tests/engines/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,8 @@ from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test here runs on one torch thread (the fixture is in tests/engines/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
