@@ -455,27 +455,12 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
-def serve_command(
-    model: str,
-    port: int = 8000,
-    host: str = "127.0.0.1",
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
-    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
-    engine: str | None = None,
-    log_level: str = "info",
-) -> None:
-    """`memrl serve --model DIR [--port 8000] [--host 127.0.0.1] [--api-key KEY]`: typed parameters for
-    the CLI. The API key may also come from the MEMRL_API_KEY environment variable (keeps it out of `ps`)."""
+def serve_command(model: str, log_level: str = "info", engine: str | None = None, **options: Any) -> None:
+    """`memrl serve --model DIR [--port 8000] [--host 127.0.0.1] [--api-key KEY]`: `serve` with logging
+    set up; `options` are `serve`'s. The API key may also come from the MEMRL_API_KEY environment
+    variable (keeps it out of `ps`)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(
-        model, host=host, port=port, api_key=api_key, served_model_name=served_model_name, device=device,
-        dtype=dtype, max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
-        engine_factory=engine, log_level=log_level,
-    )  # fmt: skip
+    serve(model, engine_factory=engine, log_level=log_level, **options)
 
 
 def main(argv: list[str] | None = None) -> None:
