@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -102,11 +102,14 @@ async def run_trajectory(
         traj.metadata.update(memory_lengths=memory_lengths, memory_truncations=memory_truncations)
         return traj
 
+    def ask(prompt: list[int], max_tokens: int, turn: int) -> Awaitable[GenerationResult]:
+        seed = request_seed(cfg.seed, seed_key, sample_index, turn)  # same (question, sample, turn): same draw
+        return _generate_one(engine, GenerationRequest(prompt, max_tokens, cfg.temperature, cfg.top_p, stop_ids,
+                                                       seed=seed))
+
     for i, chunk in enumerate(chunks.chunks):
         prompt = builder.memory_prompt_ids(question, memory_ids, chunk)
-        request = GenerationRequest(prompt, cfg.memory_tokens, cfg.temperature, cfg.top_p, stop_ids,
-                                    seed=request_seed(cfg.seed, seed_key, sample_index, i))
-        result = await _generate_one(engine, request)
+        result = await ask(prompt, cfg.memory_tokens, i)
         if result.finish_reason == "error" or not result.output_ids:
             return fail(f"memory turn {i}: {result.error or 'engine returned no tokens'}")
         turns.append(_turn(i, "memory", prompt, result, cfg.memory_tokens))
@@ -118,9 +121,7 @@ async def run_trajectory(
 
     final_index = len(turns)
     prompt = builder.final_prompt_ids(question, memory_ids)
-    request = GenerationRequest(prompt, cfg.final_tokens, cfg.temperature, cfg.top_p, stop_ids,
-                                seed=request_seed(cfg.seed, seed_key, sample_index, final_index))
-    result = await _generate_one(engine, request)
+    result = await ask(prompt, cfg.final_tokens, final_index)
     if result.finish_reason == "error" or not result.output_ids:
         return fail(f"final turn: {result.error or 'engine returned no tokens'}")
     turns.append(_turn(final_index, "final", prompt, result, cfg.final_tokens))
