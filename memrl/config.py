@@ -133,6 +133,11 @@ class TrainConfig(Section):
     seed: int = Field(1234, description="Seed of data order and trainer RNG.")
     runtime: Literal["local", "ray"] = Field("local", description="One process (`local`) or Ray workers.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="How data-parallel trainer workers (runtime ray) hold the model: `ddp` keeps a full "
+        "replica per rank; `fsdp` shards weights, gradients and optimizer state (FSDP2) for models that do not "
+        "fit one device."
+    )
 
 
 class QueueConfig(Section):
@@ -167,6 +172,20 @@ class RayConfig(Section):
     train_timeout_s: float = Field(3600.0, gt=0, description="One step's training on the trainer workers.")
     sync_timeout_s: float = Field(600.0, gt=0, description="Weight sync and checkpoint save.")
 
+    @model_validator(mode="after")
+    def _one_url_per_worker(self) -> RayConfig:
+        if self.rollout_server_urls and len(self.rollout_server_urls) != self.num_rollout_workers:
+            raise ValueError(f"ray.rollout_server_urls has {len(self.rollout_server_urls)} URLs for "
+                             f"{self.num_rollout_workers} rollout workers; give one per worker")
+        return self
+
+    def gpus(self, cluster_gpus: float) -> tuple[float, float]:
+        """(trainer, rollout) GPUs per worker, resolving unset values by the cluster and the placement."""
+        auto = 0.0 if cluster_gpus <= 0 else (0.5 if self.placement == "colocated" else 1.0)
+        trainer = auto if self.trainer_num_gpus is None else self.trainer_num_gpus
+        rollout = auto if self.rollout_num_gpus is None else self.rollout_num_gpus
+        return trainer, rollout
+
 
 class PluginConfig(Section):
     generate_function: str = Field(
@@ -200,6 +219,13 @@ class Config(Section):
                 f"rollout.max_chunks + 1 = {needed}, the most rows one MemAgent trajectory expands to; "
                 f"set it to at least {needed}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_needs_workers(self) -> Config:
+        if self.train.strategy == "fsdp" and self.train.runtime != "ray":
+            raise ValueError("train.strategy = 'fsdp' shards the model across Ray trainer workers; set "
+                             "train.runtime = 'ray' (or pass --runtime ray), or use train.strategy = 'ddp'")
         return self
 
     def to_yaml(self) -> str:

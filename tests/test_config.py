@@ -101,3 +101,22 @@ def test_import_object_errors_are_clear():
         import_object("memrl.nope:thing")
     with pytest.raises(ConfigError, match="has no 'Nope'"):
         import_object("memrl.config:Nope")
+
+
+def test_ray_section_wants_one_server_url_per_rollout_worker():
+    with pytest.raises(ConfigError, match="2 URLs for 3 rollout workers"):
+        load_config(None, ["ray.num_rollout_workers=3", "ray.rollout_server_urls=[http://a,http://b]"])
+
+
+def test_ray_gpus_resolve_by_cluster_and_placement():
+    ray = load_config(None, []).ray
+    assert ray.gpus(0) == (0.0, 0.0)
+    assert ray.gpus(8) == (1.0, 1.0)
+    colocated = load_config(None, ["ray.placement=colocated", "ray.rollout_num_gpus=0.25"]).ray
+    assert colocated.gpus(8) == (0.5, 0.25)
+
+
+def test_fsdp_needs_the_ray_runtime():
+    with pytest.raises(ConfigError, match="train.runtime = 'ray'"):
+        load_config(None, ["train.strategy=fsdp"])
+    assert load_config(None, ["train.strategy=fsdp", "train.runtime=ray"]).train.strategy == "fsdp"

@@ -5,15 +5,17 @@ loop talks to changes:
 
     trainer.engine  -> RolloutPool    rollout workers; the step's questions are split across them
     trainer.queue   -> RemoteQueue    the TransferQueue in a Ray actor
-    trainer.actor   -> TrainerGroup   trainer workers (one torch.distributed group, DDP); the driver plans
-                                      each optimizer step (`plan_rollout`) and sends every rank its share
-    trainer.save    -> rank 0 writes the checkpoint (same files as the one-process run)
+    trainer.actor   -> TrainerGroup   trainer workers (one torch.distributed group, DDP or FSDP2); the
+                                      driver plans each optimizer step (`plan_rollout`) and sends every
+                                      rank its share
+    trainer.save    -> every rank gathers, rank 0 writes the checkpoint (same files as the one-process run)
 
 After every step the loop's `sync_weights` calls `RolloutPool.update_weights_from_model(TrainerGroup)`:
-rank 0's weights go to every rollout worker through the object store (or, for served engines, through a
-Hugging Face folder that each server reloads).
+the whole weights (gathered from the shards under FSDP) go from rank 0 to every rollout worker through the
+object store, never through the driver (or, for served engines, through a Hugging Face folder that each
+server reloads).
 
-Faults: every remote wait has a timeout (`RaySettings.*_timeout_s`); a worker that dies, raises or does
+Faults: every remote wait has a timeout (`ray.*_timeout_s`); a worker that dies, raises or does
 not answer fails the step with an error naming it (`WorkerError`). Checkpoints are written atomically
 by rank 0, so the last complete one stays loadable; resume with `--load` as in the one-process run.
 """
@@ -29,9 +31,8 @@ from typing import Any
 
 import torch
 
-from memrl.config import Config, ConfigError
+from memrl.config import Config, ConfigError, RayConfig
 from memrl.distributed.queue_actor import RemoteQueue
-from memrl.distributed.settings import RaySettings
 from memrl.distributed.workers import (
     RolloutWorker,
     TrainerWorker,
@@ -66,7 +67,7 @@ def _import_ray() -> Any:
     return ray
 
 
-def _scheduling(ray: Any, settings: RaySettings, n_trainers: int, handles: list[Any]) -> tuple[list[dict], list[dict]]:
+def _scheduling(ray: Any, settings: RayConfig, n_trainers: int, handles: list[Any]) -> tuple[list[dict], list[dict]]:
     """Ray options for each trainer and rollout worker: own resources (`separate`), or trainer i and
     rollout worker i in bundle i of one placement group (`colocated`, e.g. half a GPU each)."""
     tg, rg = settings.gpus(ray.cluster_resources().get("GPU", 0.0))
@@ -99,9 +100,10 @@ def _scheduling(ray: Any, settings: RaySettings, n_trainers: int, handles: list[
 class TrainerGroup:
     """The `Actor` interface the loop uses (`train_rollout`, `global_step`, `model`) over the trainer workers."""
 
-    def __init__(self, ray: Any, cfg: Config, settings: RaySettings, options: list[dict], pad_token_id: int,
-                 model_ref: Any, load: Path | None, handles: list[Any]) -> None:
-        self.ray, self.cfg, self.settings, self.pad_token_id = ray, cfg, settings, pad_token_id
+    def __init__(self, ray: Any, cfg: Config, options: list[dict], pad_token_id: int, model_ref: Any,
+                 load: Path | None, handles: list[Any]) -> None:
+        self.ray, self.cfg, self.settings, self.pad_token_id = ray, cfg, cfg.ray, pad_token_id
+        settings = cfg.ray
         world = len(options)
         self.workers = [ray.remote(TrainerWorker).options(**opt).remote(cfg, rank, world)
                         for rank, opt in enumerate(options)]
@@ -135,17 +137,19 @@ class TrainerGroup:
         self.global_step = int(metrics.pop("global_step"))
         return metrics
 
-    def call_rank0(self, method: str, *args: Any, what: str) -> Any:
-        ref = getattr(self.workers[0], method).remote(*args)
-        return wait_named({self.names[0]: ref}, self.settings.sync_timeout_s, what)[self.names[0]]
+    def call_all(self, method: str, *args: Any, what: str) -> Any:
+        """`method` on every rank at once (a collective under FSDP); rank 0's result."""
+        refs = {name: getattr(w, method).remote(*args) for name, w in zip(self.names, self.workers, strict=True)}
+        return wait_named(refs, self.settings.sync_timeout_s, what)[self.names[0]]
 
 
 class RolloutPool:
     """The engine the loop sees: rollout workers generating slices of each step's batch."""
 
-    def __init__(self, ray: Any, cfg: Config, settings: RaySettings, options: list[dict], tokenizer: Any,
-                 model_ref: Any, run_root: Path, handles: list[Any]) -> None:
-        self.ray, self.cfg, self.settings, self.run_root = ray, cfg, settings, run_root
+    def __init__(self, ray: Any, cfg: Config, options: list[dict], tokenizer: Any, model_ref: Any,
+                 run_root: Path, handles: list[Any]) -> None:
+        self.ray, self.cfg, self.settings, self.run_root = ray, cfg, cfg.ray, run_root
+        settings = cfg.ray
         urls = settings.rollout_server_urls or (None,) * len(options)
         self.workers = [ray.remote(RolloutWorker).options(**opt).remote(cfg, i, tokenizer, model_ref, url)
                         for i, (opt, url) in enumerate(zip(options, urls, strict=True))]
@@ -171,10 +175,10 @@ class RolloutPool:
         if self.cfg.rollout.engine == "openai":
             # A served engine reloads from disk (as SGLang's update_weights_from_disk does): shared storage.
             path = str(self.run_root / "weights_sync")
-            group.call_rank0("save_pretrained", path, what="weight sync (save)")
+            group.call_all("save_pretrained", path, what="weight sync (save)")
             refs = {n: w.reload_weights.remote(path) for n, w in zip(self.names, self.workers, strict=True)}
         else:
-            state = self.ray.put(group.call_rank0("state_dict", what="weight sync (fetch)"))
+            state = group.call_all("publish_weights", what="weight sync (gather)")  # an object ref
             refs = {n: w.load_weights.remote(state) for n, w in zip(self.names, self.workers, strict=True)}
         wait_named(refs, timeout, "weight sync")
 
@@ -191,7 +195,7 @@ class RayTrainer(Trainer):
     and rollout workers load `model.path` themselves.
     """
 
-    def __init__(self, cfg: Config, options: TrainOptions, settings: RaySettings, handles: list[Any],
+    def __init__(self, cfg: Config, options: TrainOptions, handles: list[Any],
                  model: torch.nn.Module | None = None, tokenizer: Any = None,
                  records: Sequence[Any] | None = None) -> None:
         ray = _import_ray()
@@ -212,14 +216,14 @@ class RayTrainer(Trainer):
             self.start_rollout_id = options.start_rollout_id
         self._load_plugins()
         self.queue = RemoteQueue(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples,
-                                 settings.sync_timeout_s)
+                                 cfg.ray.sync_timeout_s)
         handles.append(self.queue.actor)
         model_ref = ray.put(model) if model is not None else None
-        trainer_opts, rollout_opts = _scheduling(ray, settings, cfg.train.dp_size, handles)
-        self.actor = TrainerGroup(ray, cfg, settings, trainer_opts, pad_id, model_ref, load, handles)
+        trainer_opts, rollout_opts = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)
+        self.actor = TrainerGroup(ray, cfg, trainer_opts, pad_id, model_ref, load, handles)
         self.engine = None
         if not options.replay_rollouts:
-            self.engine = RolloutPool(ray, cfg, settings, rollout_opts, tokenizer, model_ref, options.run_root, handles)
+            self.engine = RolloutPool(ray, cfg, rollout_opts, tokenizer, model_ref, options.run_root, handles)
             # Start from the trainer's weights (a loaded checkpoint's), as the one-process engine does.
             self.engine.update_weights_from_model(self.actor)
 
@@ -231,11 +235,11 @@ class RayTrainer(Trainer):
     def save(self, rollout_id: int) -> Path:
         # global_step is filled in by rank 0, whose actor counts the optimizer steps
         state = checkpoint_state(self.cfg, rollout_id, global_step=0)
-        return Path(self.actor.call_rank0("save", str(self.opt.run_root), rollout_id, state, self.tokenizer,
-                                          what=f"checkpoint {rollout_id}"))
+        return Path(self.actor.call_all("save", str(self.opt.run_root), rollout_id, state, self.tokenizer,
+                                        what=f"checkpoint {rollout_id}"))
 
 
-def start_ray(ray_address: str | None, settings: RaySettings, dp_size: int) -> bool:
+def start_ray(ray_address: str | None, settings: RayConfig, dp_size: int) -> bool:
     """Join the cluster at `ray_address`, or start a local one sized for the workers (logical CPUs may
     exceed the machine's: Ray only counts them). Returns True when this call started Ray."""
     ray = _import_ray()
@@ -252,21 +256,21 @@ def start_ray(ray_address: str | None, settings: RaySettings, dp_size: int) -> b
     return True
 
 
-def run_ray_training(cfg: Config, options: TrainOptions, ray_address: str | None = None, *,
-                     settings: RaySettings | None = None, **kwargs: Any) -> list[dict[str, float]]:
+def run_ray_training(cfg: Config, options: TrainOptions, ray_address: str | None = None,
+                     **kwargs: Any) -> list[dict[str, float]]:
     """`memrl train --runtime ray [--ray-address ADDR]`: the training loop on Ray.
 
     Joins the cluster at `ray_address` (or uses a Ray already initialised in this process), else starts a
     local one and shuts it down at the end. Every actor this run created is killed at the end, also on
-    failure. `settings` defaults to the config's `ray` section; `kwargs` (model, tokenizer, records) are
-    as for `Trainer`. Returns the per-step metrics, as `memrl.train.controller.train` does.
+    failure. Workers, resources and timeouts come from the config's `ray` section; `kwargs` (model,
+    tokenizer, records) are as for `Trainer`. Returns the per-step metrics, as `memrl.train.controller.train`
+    does.
     """
-    settings = settings or RaySettings.from_config(cfg)
-    started = start_ray(ray_address, settings, cfg.train.dp_size)
+    started = start_ray(ray_address, cfg.ray, cfg.train.dp_size)
     ray = _import_ray()
     handles: list[Any] = []
     try:
-        return RayTrainer(cfg, options, settings, handles, **kwargs).run()
+        return RayTrainer(cfg, options, handles, **kwargs).run()
     finally:
         for handle in reversed(handles):
             try:

@@ -2,7 +2,8 @@
 
 - `TrainerWorker`: one data-parallel rank. Joins a torch.distributed group (gloo on CPU, NCCL on GPU),
   builds the same `Actor` as the one-process trainer with `rank`/`world_size`, and runs its own share of
-  each optimizer step (DDP all-reduces gradients). Rank 0 also hands out weights and saves checkpoints.
+  each optimizer step (DDP all-reduces gradients; FSDP reduce-scatters them). Weight hand-out and
+  checkpoints run on every rank (FSDP gathers the shards); rank 0 returns the weights and writes files.
 - `RolloutWorker`: one engine (a local copy of the policy, or a client of its own server) and the
   configured `generate_function`; generates the trajectories of its slice of a rollout step.
 - `wait_named`: every remote wait of the runtime goes through it: a timeout, and an error that names
@@ -46,7 +47,7 @@ def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool 
     in `WorkerError`; a dead actor or a timeout is always a `WorkerError` naming the worker.
     """
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
     by_ref = {ref: name for name, ref in refs.items()}
     results: dict[str, Any] = {}
@@ -70,6 +71,8 @@ def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool 
                 raise
             cause = error.cause if getattr(error, "cause", None) is not None else error
             raise WorkerError(f"{what}: {name} raised {type(cause).__name__}: {cause}") from error
+        except RayError as error:  # e.g. an argument lost with the worker that owned it
+            raise WorkerError(f"{what}: {name} failed ({type(error).__name__}: {error})") from error
     return results
 
 
@@ -131,7 +134,6 @@ class TrainerWorker:
         import torch.distributed as dist
 
         from memrl.train.actor import Actor
-        from memrl.train.checkpoint import load_checkpoint
         from memrl.train.controller import seed_everything
 
         use_cuda = backend == "nccl"
@@ -141,13 +143,9 @@ class TrainerWorker:
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
         seed_everything(self.cfg.train.seed)
         device = torch.device("cuda" if use_cuda else "cpu")
+        # Every rank loads the same files (`load`), so replicas, shards and optimizer states agree.
         self.actor = Actor(_load_model(self.cfg, model), self.cfg, pad_token_id=pad_token_id, device=device,
-                           rank=self.rank, world_size=self.world_size)
-        state: dict[str, Any] = {}
-        if load is not None:
-            # Every rank loads the same files, so the replicas (and optimizer states) stay identical.
-            state = load_checkpoint(load, self.actor.model, self.actor.optimizer, self.actor.scheduler)
-            self.actor.global_step = int(state.get("global_step") or 0)
+                           rank=self.rank, world_size=self.world_size, load=load)
         return {"rank": self.rank, "pid": os.getpid(), "global_step": self.actor.global_step}
 
     def train(self, steps: list[Any], rollout_id: int, num_rows: int, num_tokens: int) -> dict[str, float]:
@@ -156,24 +154,30 @@ class TrainerWorker:
         metrics["global_step"] = float(self.actor.global_step)
         return metrics
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    # The methods below are called on every rank at once (under FSDP they gather the shards); only rank 0
+    # returns or writes anything.
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
         """CPU copies of the policy weights (Hugging Face keys), for the rollout engines."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.actor.model.state_dict().items()}
+        return self.actor.full_state_dict()
 
-    def save_pretrained(self, path: str, tokenizer: Any = None) -> str:
+    def publish_weights(self) -> Any:
+        """`state_dict()` put into Ray's object store by rank 0; its object ref (None elsewhere). The driver
+        hands the ref to the rollout workers, so the weights never pass through the driver."""
+        import ray
+
+        weights = self.actor.full_state_dict()
+        return None if weights is None else ray.put(weights)
+
+    def save_pretrained(self, path: str, tokenizer: Any = None) -> str | None:
         """A Hugging Face folder of the current weights (for served engines that reload from disk)."""
-        self.actor.model.save_pretrained(path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
-        return path
+        saved = self.actor.save_pretrained(path, tokenizer)
+        return None if saved is None else str(saved)
 
-    def save(self, run_root: str, rollout_id: int, state: dict[str, Any], tokenizer: Any = None) -> str:
-        """Checkpoint (rank 0 only: DDP replicas and their optimizer states are identical)."""
-        from memrl.train.checkpoint import save_checkpoint
-
-        state = {**state, "global_step": self.actor.global_step}
-        return str(save_checkpoint(run_root, rollout_id, self.actor.model, self.actor.optimizer,
-                                   self.actor.scheduler, state, tokenizer=tokenizer))
+    def save(self, run_root: str, rollout_id: int, state: dict[str, Any], tokenizer: Any = None) -> str | None:
+        """The checkpoint of `rollout_id`, the same files as the one-process run's."""
+        saved = self.actor.save_checkpoint(run_root, rollout_id, state, tokenizer=tokenizer)
+        return None if saved is None else str(saved)
 
     def log_probs(self, rows: list[Any]) -> list[list[float]]:
         return self.actor.log_probs(rows)

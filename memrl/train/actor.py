@@ -13,6 +13,9 @@ Two ways to run the ranks of a plan:
   (no_sync on every micro-batch but the last; every rank has the same number of micro-batches, see
   `equalize_micro_batch_counts`). DDP *averages*, so each rank's loss is multiplied by the world size:
   the summed gradient then equals the one-process gradient. Metrics are summed across ranks.
+  `train.strategy = "fsdp"` shards the model instead of replicating it (FSDP2, `memrl.train.fsdp`): the
+  same plan, the same loss scale (FSDP's reduce-scatter also averages), gradients reduced on every
+  micro-batch (accumulating unsharded gradients would cost the memory sharding saves).
 
 Only response positions go through the LM head: prompt tokens carry no loss, and MemAgent prompts are
 most of every row (PITFALLS: the actor update dominated by prompt tokens).
@@ -27,10 +30,13 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from memrl.config import Config
 from memrl.rl.loss import (
@@ -41,6 +47,16 @@ from memrl.rl.loss import (
     truncated_importance_weights,
 )
 from memrl.rl.validate import validate_train_rows
+from memrl.train import fsdp
+from memrl.train.checkpoint import (
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    load_checkpoint,
+    read_checkpoint_file,
+    resolve_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from memrl.train.partition import (
     equalize_micro_batch_counts,
     micro_batches,
@@ -144,7 +160,8 @@ def _response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: 
 
 class ResponseLogits(torch.nn.Module):
     """`response_logits` as a module's forward, so DDP (whose gradient hooks are armed by its own
-    forward) can wrap it; `self.model` is the plain Hugging Face model, shared, never copied."""
+    forward) and FSDP (which gathers the root's parameters in a hook on it) can wrap it; `self.model` is the
+    plain Hugging Face model, shared, never copied."""
 
     def __init__(self, model: torch.nn.Module, temperature: float) -> None:
         super().__init__()
@@ -162,9 +179,11 @@ class Actor:
     """A causal LM policy with a frozen reference copy (for the KL term), AdamW and a warmup schedule."""
 
     def __init__(self, model: torch.nn.Module, config: Config, pad_token_id: int, device: torch.device | None = None,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, load: str | Path | None = None):
         """`world_size > 1`: this is rank `rank` of a torch.distributed group of `train.dp_size` processes
-        (initialised by the caller); the model is wrapped in DDP, which also broadcasts rank 0's weights."""
+        (initialised by the caller); the model is wrapped in DDP (which also broadcasts rank 0's weights) or,
+        with `train.strategy = "fsdp"`, sharded. `load`: a checkpoint to resume (weights, optimizer,
+        scheduler, RNG; its state.json is then `self.loaded_state`); the reference model stays `model`."""
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
                 raise ActorError(f"Actor(world_size={world_size}) needs torch.distributed initialised with that "
@@ -173,6 +192,7 @@ class Actor:
                 raise ActorError(f"train.dp_size = {config.train.dp_size} but {world_size} trainer processes run; "
                                  f"set train.dp_size to the number of trainer workers")
         self.rank, self.world_size = rank, world_size
+        self.strategy = config.train.strategy if world_size > 1 else "single"
         self.cfg = config
         self.device = device or next(model.parameters()).device
         self.model = model.to(self.device)
@@ -182,17 +202,16 @@ class Actor:
         self.ref_model = None
         if config.algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        checkpoint = resolve_checkpoint(load) if load is not None else None
+        self.loaded_state: dict | None = None
+        if checkpoint is not None:  # whole weights into the plain model, before any wrapping or sharding
+            self.loaded_state = load_checkpoint(checkpoint, self.model, restore_rng=False)
         self.pad_token_id = pad_token_id
-        t = config.train
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.adam_betas,
-                                           weight_decay=t.weight_decay)
-        warmup = t.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
-        self.global_step = 0
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
-        self.ddp = None
-        if world_size > 1:
+        temperature = config.rollout.temperature
+        # What the optimizer step calls: (input_ids, attention_mask, positions) -> response logits.
+        self.policy: torch.nn.Module = ResponseLogits(self.model, temperature)
+        self.reference = ResponseLogits(self.ref_model, temperature) if self.ref_model is not None else None
+        if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
@@ -200,14 +219,73 @@ class Actor:
             # Buffers (rotary tables) are identical on every rank: no per-forward sync. torch >= 2.13 renamed it.
             params = inspect.signature(DistributedDataParallel).parameters
             no_sync_buffers = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
-            self.ddp = DistributedDataParallel(ResponseLogits(self.model, config.rollout.temperature),
-                                               device_ids=ids, **no_sync_buffers)
+            self.policy = DistributedDataParallel(self.policy, device_ids=ids, **no_sync_buffers)
+        elif self.strategy == "fsdp":
+            # Every rank starts from the same weights (the same model path or checkpoint), as DDP would
+            # enforce by broadcasting; the reference model is sharded too: it is as large as the policy.
+            fsdp.shard(self.policy, self.model, self.device)
+            if self.reference is not None:
+                fsdp.shard(self.reference, self.ref_model, self.device)
+        t = config.train
+        # After sharding: FSDP replaces the parameters by sharded ones, which the optimizer must hold.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.adam_betas,
+                                           weight_decay=t.weight_decay)
+        warmup = t.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+        self.global_step = 0
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
+        if checkpoint is not None:
+            optimizer_state = read_checkpoint_file(checkpoint, OPTIMIZER_FILE)
+            if self.strategy == "fsdp":
+                fsdp.load_full_optimizer_state(self.model, self.optimizer, optimizer_state)
+            else:
+                self.optimizer.load_state_dict(optimizer_state)
+            self.scheduler.load_state_dict(read_checkpoint_file(checkpoint, SCHEDULER_FILE))
+            restore_rng(checkpoint)
+            self.global_step = int(self.loaded_state.get("global_step") or 0)
 
-    def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> Tensor:
+        """`module` is `self.policy` or `self.reference` (whatever wraps them: DDP, FSDP, nothing)."""
         with self.autocast if self.autocast is not None else contextlib.nullcontext():
-            if model is self.model and self.ddp is not None:
-                return self.ddp(mb.input_ids, mb.attention_mask, mb.positions)
-            return response_logits(model, mb, self.cfg.rollout.temperature)
+            return module(mb.input_ids, mb.attention_mask, mb.positions)
+
+    # ------------------------------------------------------------------ whole weights out, checkpoints
+    # Under FSDP these are collectives: every rank calls them; only rank 0 gets (or writes) anything.
+
+    def full_state_dict(self) -> dict[str, Tensor] | None:
+        """CPU copies of the policy weights (Hugging Face keys); None on ranks other than 0."""
+        if self.strategy == "fsdp":
+            return fsdp.full_weights(self.model, self.rank)
+        if self.rank != 0:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save_pretrained(self, path: str | Path, tokenizer: Any = None) -> Path | None:
+        """A Hugging Face folder of the current weights (rank 0 writes it; None elsewhere)."""
+        weights = fsdp.full_weights(self.model, self.rank) if self.strategy == "fsdp" else None
+        if self.rank != 0:
+            return None
+        self.model.save_pretrained(path, **({"state_dict": weights} if weights is not None else {}))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        return Path(path)
+
+    def save_checkpoint(self, run_root: str | Path, rollout_id: int, state: dict[str, Any],
+                        tokenizer: Any = None) -> Path | None:
+        """The checkpoint of `rollout_id` (same files under every strategy); rank 0 writes, None elsewhere."""
+        state = {**state, "global_step": self.global_step}
+        if self.strategy == "fsdp":
+            weights = fsdp.full_weights(self.model, self.rank)
+            optimizer_state = fsdp.full_optimizer_state(self.model, self.optimizer, self.rank)
+            if self.rank != 0:
+                return None
+            return save_checkpoint(run_root, rollout_id, self.model, optimizer_state, self.scheduler, state,
+                                   tokenizer=tokenizer, weights=weights)
+        if self.rank != 0:  # DDP replicas and their optimizer states are identical
+            return None
+        return save_checkpoint(run_root, rollout_id, self.model, self.optimizer, self.scheduler, state,
+                               tokenizer=tokenizer)
 
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
         """Run `train.num_optimizer_steps` optimizer steps over exactly these rows; return step metrics.
@@ -243,8 +321,7 @@ class Actor:
         for share in shares:
             for mb_rows, mb_weights in zip(share.micro_batches, share.weights, strict=True):
                 mb = MicroBatch.build(mb_rows, mb_weights, self.pad_token_id, self.device)
-                with self.autocast if self.autocast is not None else contextlib.nullcontext():
-                    logits = response_logits(self.model, mb, self.cfg.rollout.temperature)
+                logits = self._forward(self.policy, mb)
                 olds.append(mb.scatter(token_log_probs(logits, mb.targets)))
         return olds
 
@@ -260,14 +337,16 @@ class Actor:
         sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for k, (mb_rows, mb_weights) in enumerate(work):
-            # Gradients are all-reduced once, on the last micro-batch (every rank has as many).
-            sync = self.ddp is None or k == len(work) - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            # DDP all-reduces gradients once, on the last micro-batch (every rank has as many).
+            defer = self.strategy == "ddp" and k < len(work) - 1
+            with self.policy.no_sync() if defer else contextlib.nullcontext():
                 self._micro_batch(mb_rows, mb_weights, sums, loss_scale,
                                   None if old_log_probs is None else old_log_probs[k])
         if self.world_size > 1:
             self._all_reduce_metrics(sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
+            grad_norm = grad_norm.full_tensor()
         if not math.isfinite(float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at step {self.global_step}; "
@@ -297,7 +376,7 @@ class Actor:
             sums[key] = sums.get(key, 0.0) + float(value) * w
 
         mb = MicroBatch.build(mb_rows, mb_weights, self.pad_token_id, self.device)
-        logits = self._forward(self.model, mb)
+        logits = self._forward(self.policy, mb)
         logp = mb.scatter(token_log_probs(logits, mb.targets))
         entropy = mb.scatter(entropy_from_logits(logits.detach()))
         # `old`: the policy before this rollout's first update; with one optimizer step per rollout that
@@ -308,9 +387,9 @@ class Actor:
                             row_weights=mb.row_weights, importance_weights=iw)
         loss = pg
         w_tokens = (mb.loss_mask * mb.row_weights.unsqueeze(-1))
-        if self.ref_model is not None:
+        if self.reference is not None:
             with torch.no_grad():
-                ref = mb.scatter(token_log_probs(self._forward(self.ref_model, mb), mb.targets))
+                ref = mb.scatter(token_log_probs(self._forward(self.reference, mb), mb.targets))
             kl = kl_penalty(logp, ref, a.kl_estimator)
             kl_term = (kl * w_tokens).sum()
             loss = loss + a.kl_coef * kl_term
@@ -346,9 +425,10 @@ class Actor:
 
     @torch.no_grad()
     def log_probs(self, rows: list[TrainRow]) -> list[list[float]]:
-        """The trainer's log-probs of each row's response tokens (for gap checks and tests)."""
+        """The trainer's log-probs of each row's response tokens (for gap checks and tests; a collective
+        under FSDP)."""
         out = []
         for r in rows:
             mb = MicroBatch.build([r], [0.0], self.pad_token_id, self.device)
-            out.append(token_log_probs(self._forward(self.model, mb), mb.targets).tolist())
+            out.append(token_log_probs(self._forward(self.policy, mb), mb.targets).tolist())
         return out

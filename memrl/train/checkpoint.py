@@ -16,7 +16,9 @@ Invariants:
   it, and `latest` is replaced (write-then-rename) only after that, so a kill at any point leaves the
   previous checkpoint loadable and `latest` never names an incomplete directory.
 - `list_checkpoints` / `find_latest_checkpoint` only return directories named `iter_\\d{7}` holding COMPLETE.
-- Saving is a single-process operation: in data-parallel training only rank 0 calls `save_checkpoint`.
+- Saving is a single-process operation: in data-parallel training only rank 0 calls `save_checkpoint`
+  (under FSDP after every rank helped gather the full weights and optimizer state: `memrl.train.fsdp`).
+  The files are the same whichever strategy wrote them, so a run resumes under any strategy.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -184,14 +187,15 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Module, optimizer: Any,
-                            scheduler: Any, state: dict[str, Any], tokenizer: Any) -> None:
+                            scheduler: Any, state: dict[str, Any], tokenizer: Any,
+                            weights: Mapping[str, torch.Tensor] | None) -> None:
     """Everything of one checkpoint into `target`, COMPLETE last."""
     target.mkdir(parents=True)
-    _unwrap(model).save_pretrained(target / MODEL_DIR)
+    _unwrap(model).save_pretrained(target / MODEL_DIR, **({"state_dict": dict(weights)} if weights is not None else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(target / MODEL_DIR)
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), target / OPTIMIZER_FILE)
+        torch.save(optimizer if isinstance(optimizer, Mapping) else optimizer.state_dict(), target / OPTIMIZER_FILE)
     if scheduler is not None:
         torch.save(scheduler.state_dict(), target / SCHEDULER_FILE)
     torch.save(_rng_state(), target / RNG_FILE)
@@ -214,12 +218,14 @@ def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Modul
 
 def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Module, optimizer: Any,
                     scheduler: Any, state: dict[str, Any], tokenizer: Any = None,
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, weights: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Save `iter_{rollout_id:07d}` atomically, point `latest` at it, keep only `keep_last` newest.
 
     `rollout_id` is the last *completed* rollout step. `state` should hold `next_rollout_id`,
     `data_cursor`, `global_step` and `config` (dict or pydantic model); missing keys default to
     `rollout_id + 1` / None. `optimizer`/`scheduler` may be None (then their files are absent).
+    A sharded model (FSDP) passes its gathered `weights` (saved instead of `model.state_dict()`) and its
+    gathered optimizer state as `optimizer` (a `state_dict()`-form mapping instead of an optimizer).
     """
     if keep_last is not None and keep_last < 1:
         raise CheckpointError(f"keep_last = {keep_last}; use None to keep every checkpoint, or a number >= 1")
@@ -231,7 +237,7 @@ def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Modul
     if tmp.exists():  # left by an earlier crash of a process with our pid
         shutil.rmtree(tmp)
     try:
-        _write_checkpoint_files(tmp, rollout_id, model, optimizer, scheduler, state, tokenizer)
+        _write_checkpoint_files(tmp, rollout_id, model, optimizer, scheduler, state, tokenizer, weights)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -320,14 +326,23 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any = N
     ckpt = resolve_checkpoint(path)
     _load_model_weights(model, ckpt / MODEL_DIR)
     for obj, filename in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
-        if obj is None:
-            continue
-        if not (ckpt / filename).is_file():
-            raise CheckpointError(f"{ckpt} has no {filename} (saved without one); pass None to skip it")
-        obj.load_state_dict(torch.load(ckpt / filename, map_location="cpu", weights_only=True))
+        if obj is not None:
+            obj.load_state_dict(read_checkpoint_file(ckpt, filename))
     if restore_rng:
-        _restore_rng(torch.load(ckpt / RNG_FILE, map_location="cpu", weights_only=True))
+        _restore_rng(read_checkpoint_file(ckpt, RNG_FILE))
     return json.loads((ckpt / STATE_FILE).read_text())
+
+
+def read_checkpoint_file(ckpt: Path, filename: str) -> Any:
+    """One saved state of a complete checkpoint dir (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE), on the CPU."""
+    if not (ckpt / filename).is_file():
+        raise CheckpointError(f"{ckpt} has no {filename} (saved without one); pass None to skip it")
+    return torch.load(ckpt / filename, map_location="cpu", weights_only=True)
+
+
+def restore_rng(ckpt: Path) -> None:
+    """Restore the python, numpy, torch (and CUDA) generators saved in a complete checkpoint dir."""
+    _restore_rng(read_checkpoint_file(ckpt, RNG_FILE))
 
 
 # ------------------------------------------------------------------------------------------- exporting

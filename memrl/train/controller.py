@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 from memrl.config import Config, ConfigError, import_object
 from memrl.memagent.rollout import RolloutContext
 from memrl.train.actor import Actor
-from memrl.train.checkpoint import load_checkpoint, save_checkpoint
 from memrl.train.logging import RunLogger, StageTimer, device_stats
 from memrl.train.queue import TransferQueue
 from memrl.types import RolloutOutput, Trajectory
@@ -153,9 +152,7 @@ def sync_weights(engine: Any, actor: Actor, run_root: Path, tokenizer: Any,
         engine.update_weights_from_model(actor.model)
         return
     # A served engine reloads from disk (as SGLang's update_weights_from_disk does).
-    path = run_root / "weights_sync"
-    actor.model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    path = actor.save_pretrained(run_root / "weights_sync", tokenizer)
     loop.run_until_complete(engine.reload_weights(str(path)))
 
 
@@ -205,11 +202,9 @@ class Trainer:
                                cfg.train.rollout_batch_size, cfg.train.seed)
         device = torch.device("cuda" if torch.cuda.is_available() and cfg.model.device != "cpu" else "cpu")
         # The reference model is the starting policy, also on resume: the actor copies it before any load.
-        self.actor = Actor(model, cfg, pad_token_id=pad_token_id(self.tokenizer), device=device)
+        self.actor = Actor(model, cfg, pad_token_id=pad_token_id(self.tokenizer), device=device, load=options.load)
         self.start_rollout_id = 0
-        if options.load is not None:
-            state = load_checkpoint(options.load, self.actor.model, self.actor.optimizer, self.actor.scheduler)
-            self.actor.global_step = int(state.get("global_step") or 0)
+        if (state := self.actor.loaded_state) is not None:
             self.start_rollout_id = int(state.get("next_rollout_id", state["rollout_id"] + 1))
         if options.start_rollout_id is not None:
             self.start_rollout_id = options.start_rollout_id
@@ -277,8 +272,7 @@ class Trainer:
 
     def save(self, rollout_id: int) -> Path:
         state = checkpoint_state(self.cfg, rollout_id, self.actor.global_step)
-        return save_checkpoint(self.opt.run_root, rollout_id, self.actor.model, self.actor.optimizer,
-                               self.actor.scheduler, state, tokenizer=self.tokenizer)
+        return self.actor.save_checkpoint(self.opt.run_root, rollout_id, state, tokenizer=self.tokenizer)
 
     def run(self) -> list[dict[str, float]]:
         cfg = self.cfg

@@ -3,7 +3,6 @@
 One Ray instance for the module (starting Ray costs ~10 s); every test kills the actors it made.
 """
 
-import dataclasses
 import json
 import os
 import random
@@ -18,7 +17,6 @@ ray = pytest.importorskip("ray")
 from memrl.config import Config  # noqa: E402
 from memrl.data.records import QuestionRecord  # noqa: E402
 from memrl.distributed.runtime import RolloutPool, TrainerGroup, _scheduling, run_ray_training  # noqa: E402
-from memrl.distributed.settings import RaySettings  # noqa: E402
 from memrl.distributed.workers import WorkerDiedError, WorkerError, WorkerTimeoutError, wait_named  # noqa: E402
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from memrl.train.actor import Actor  # noqa: E402
@@ -28,7 +26,7 @@ from memrl.types import TrainRow  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 HERE = Path(__file__).resolve().parent
-SETTINGS = RaySettings(startup_timeout_s=120, rollout_timeout_s=120, train_timeout_s=120, sync_timeout_s=60)
+TIMEOUTS = {"startup_timeout_s": 120, "rollout_timeout_s": 120, "train_timeout_s": 120, "sync_timeout_s": 60}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +64,9 @@ def records(n=6):
     return out
 
 
-def config(plugins=None, **train):
+def config(plugins=None, ray_section=None, **train):
     return Config.model_validate({
+        "ray": {**TIMEOUTS, **(ray_section or {})},
         "plugins": {"reward_function": "ray_test_plugins:parity_reward", **(plugins or {})},
         "rollout": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3, "n_samples": 8,
                     "temperature": 1.0, "max_batch_size": 1},
@@ -92,19 +91,25 @@ def random_rows(vocab, n_groups=3, seed=0):
 
 
 def trainer_group(cfg, tokenizer, handles, model):
-    trainer_opts, _ = _scheduling(ray, SETTINGS, cfg.train.dp_size, handles)
-    return TrainerGroup(ray, cfg, SETTINGS, trainer_opts, 0, ray.put(model), None, handles)
+    trainer_opts, _ = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)
+    return TrainerGroup(ray, cfg, trainer_opts, 0, ray.put(model), None, handles)
 
 
-def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_named(tokenizer, handles):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_named(tokenizer, handles, strategy):
     # an odd row count: padding rows (all-zero loss mask) on one rank; 40 tokens: several micro-batches per rank
-    cfg = config(dp_size=2, pad_to_dp=True, num_optimizer_steps=2, micro_batch_tokens=40)
+    cfg = config(dp_size=2, pad_to_dp=True, num_optimizer_steps=2, micro_batch_tokens=40, strategy=strategy,
+                 runtime="ray")
     rows = random_rows(len(tokenizer))
     rows = rows if len(rows) % 2 else rows[:-1]
     group = trainer_group(cfg, tokenizer, handles, tiny(tokenizer))
     for rollout_id in (0, 1):
         metrics = group.train_rollout(rows, rollout_id)
-    ranks = wait_named({f"rank {k}": w.state_dict.remote() for k, w in enumerate(group.workers)}, 60, "fetch")
+    trained = group.call_all("state_dict", what="fetch")  # gathered from the shards under FSDP
+    # both ranks compute with the same weights (a collective under FSDP: asked of both at once)
+    per_rank = wait_named({f"rank {k}": w.log_probs.remote(rows[:3]) for k, w in enumerate(group.workers)}, 60,
+                          "log-probs")
+    assert per_rank["rank 0"] == per_rank["rank 1"]
 
     one = Actor(tiny(tokenizer), config(pad_to_dp=True, num_optimizer_steps=2, micro_batch_tokens=40), pad_token_id=0)
     for rollout_id in (0, 1):
@@ -112,13 +117,14 @@ def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_
     assert metrics["rows/consumed"] == expected["rows/consumed"] == len(rows)
     assert metrics["loss/total"] == pytest.approx(expected["loss/total"], abs=1e-6)
     assert metrics["kl/mean"] == pytest.approx(expected["kl/mean"], abs=1e-7) and metrics["kl/mean"] > 0
+    assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)  # the global norm, also sharded
     assert metrics["micro_batches"] > 2  # summed over ranks: every rank ran several
     assert group.global_step == one.global_step == 4
     moved = False
     initial = tiny(tokenizer).state_dict()
+    assert sorted(trained) == sorted(one.model.state_dict())
     for name, value in one.model.state_dict().items():
-        torch.testing.assert_close(ranks["rank 0"][name], value, atol=1e-5, rtol=0, msg=name)
-        torch.testing.assert_close(ranks["rank 1"][name], ranks["rank 0"][name], atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0, msg=name)
         moved |= not torch.equal(value, initial[name])
     assert moved  # the comparison is about trained weights, not two untouched copies
 
@@ -126,14 +132,15 @@ def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"rollout 2: train: trainer rank 1 \(pid \d+\) died"):
         group.train_rollout(rows, 2)
-    assert time.monotonic() - start < SETTINGS.train_timeout_s / 2
+    assert time.monotonic() - start < cfg.ray.train_timeout_s / 2
 
 
 def test_rollout_workers_dead_or_hung_fail_the_step_within_their_timeout(tokenizer, handles):
-    cfg = config(plugins={"generate_function": "ray_test_plugins:generate_or_hang"})
-    settings = RaySettings(num_rollout_workers=2, startup_timeout_s=120, rollout_timeout_s=60)
+    cfg = config(plugins={"generate_function": "ray_test_plugins:generate_or_hang"},
+                 ray_section={"num_rollout_workers": 2, "rollout_timeout_s": 60})
+    settings = cfg.ray
     _, opts = _scheduling(ray, settings, 1, handles)
-    pool = RolloutPool(ray, cfg, settings, opts, tokenizer, ray.put(tiny(tokenizer)), Path("unused"), handles)
+    pool = RolloutPool(ray, cfg, opts, tokenizer, ray.put(tiny(tokenizer)), Path("unused"), handles)
     out = pool.generate(0, records(2))  # both workers serve: one question each, merged in batch order
     assert len(out.trajectories) == 16 and out.train_row_count == 64
     assert [t.metadata["question_id"] for t in out.trajectories] == ["q0"] * 8 + ["q1"] * 8
@@ -143,7 +150,7 @@ def test_rollout_workers_dead_or_hung_fail_the_step_within_their_timeout(tokeniz
         pool.generate(1, records(2))
     assert time.monotonic() - start < settings.rollout_timeout_s
     # a worker that never answers (its generate function hangs) is named once its timeout passes
-    pool.settings = dataclasses.replace(settings, rollout_timeout_s=2)
+    pool.settings = settings.model_copy(update={"rollout_timeout_s": 2})
     hang = QuestionRecord(id="hang", question="?", answers=["x"], context="", metadata={})
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError, match=r"rollout 2: generate: rollout worker 0 \(pid \d+\) did not answer"):
@@ -172,12 +179,13 @@ def files_of(path):
 
 
 @pytest.mark.slow
-def test_two_step_ray_run_matches_the_single_process_run_and_resumes(cluster, tokenizer, tmp_path):
-    cfg = config(dp_size=2)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_step_ray_run_matches_the_single_process_run_and_resumes(cluster, tokenizer, tmp_path, strategy):
+    cfg = config(dp_size=2, runtime="ray", strategy=strategy)
     local_root, ray_root = tmp_path / "local", tmp_path / "ray"
-    local = Trainer(cfg, TrainOptions(run_root=local_root, progress=False), model=tiny(tokenizer),
+    local = Trainer(config(dp_size=2), TrainOptions(run_root=local_root, progress=False), model=tiny(tokenizer),
                     tokenizer=tokenizer, records=records()).run()
-    history = run_ray_training(cfg, TrainOptions(run_root=ray_root, progress=False), settings=SETTINGS,
+    history = run_ray_training(cfg, TrainOptions(run_root=ray_root, progress=False),
                                model=tiny(tokenizer), tokenizer=tokenizer, records=records())
     assert len(history) == len(local) == 2
     for got, want in zip(history, local, strict=True):
@@ -200,9 +208,19 @@ def test_two_step_ray_run_matches_the_single_process_run_and_resumes(cluster, to
     want = weights(local_root)
     for name, value in weights(ray_root).items():
         torch.testing.assert_close(value, want[name], atol=1e-5, rtol=0, msg=name)
+
+    def optimizer(root):
+        return torch.load(root / "checkpoints" / "iter_0000001" / "optimizer.pt", weights_only=True)
+
+    # the optimizer state in the same (torch.optim) form, gathered from the shards under FSDP
+    got, want = optimizer(ray_root), optimizer(local_root)
+    assert got["param_groups"] == want["param_groups"] and sorted(got["state"]) == sorted(want["state"])
+    for index, state in want["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][index][key], value, atol=1e-5, rtol=0, msg=f"{index} {key}")
     # resume the Ray run from its last complete checkpoint
-    resumed = run_ray_training(config(dp_size=2, num_rollout=3), TrainOptions(
-        run_root=ray_root, progress=False, load=ray_root / "checkpoints" / "iter_0000001"), settings=SETTINGS,
+    resumed = run_ray_training(config(dp_size=2, num_rollout=3, runtime="ray", strategy=strategy), TrainOptions(
+        run_root=ray_root, progress=False, load=ray_root / "checkpoints" / "iter_0000001"),
         model=tiny(tokenizer), tokenizer=tokenizer, records=records())
     assert len(resumed) == 1 and resumed[0]["rows/consumed"] == 32
     assert [m["rollout_id"] for m in read_metrics(ray_root)] == [0, 1, 2]

@@ -92,6 +92,10 @@ def test_resume_drops_steps_after_the_checkpoint(tmp_path):
     with RunLogger(tmp_path) as run:
         for i in range(4):
             run.log_metrics(i, {"reward/mean": float(i)})
+    # TensorBoard reads event files in name order: `...tfevents.<second>.<host>.<pid>.<counter>`. Within one
+    # second and one process the counter decides, compared as text (".10" < ".9"), so the resumed run's file
+    # could be read first. A real resume starts seconds later; here, wait for the next second.
+    time.sleep(1.01 - time.time() % 1)
     # Resumed from a checkpoint after rollout 1: rollouts 2 and 3 run again with new values.
     with RunLogger(tmp_path, start_rollout_id=2) as run:
         assert [r["rollout_id"] for r in read_metrics(tmp_path)] == [0, 1]

@@ -1,0 +1,96 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for the actor: shard, gather full weights, move optimizer state.
+
+`train.strategy = "fsdp"` shards every parameter, gradient and optimizer state over the trainer ranks, so a
+model that does not fit one device can still be trained. Each transformer block (the classes a Hugging Face
+model lists in `_no_split_modules`) is its own FSDP unit, gathered only while it runs; the root unit holds
+the rest (embeddings, final norm, and the tied LM head, which must share a unit with the embeddings).
+
+What leaves the ranks is always whole, so nothing downstream knows about sharding:
+- `full_weights`: the full weights with Hugging Face keys (rank 0 only), for weight sync and checkpoints;
+- `full_optimizer_state` / `load_full_optimizer_state`: the optimizer state in plain `torch.optim` form
+  (parameters numbered in `model.parameters()` order), the same `optimizer.pt` a DDP or one-process run
+  writes, so a checkpoint resumes under any strategy.
+
+Every function here is a collective: all ranks must call it, in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks, by the class names Hugging Face lists in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def shard(root: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> None:
+    """Shard `root` (a module whose forward runs `model`) over the whole process group, block by block.
+
+    `root` is the module whose forward the caller calls: FSDP2 gathers the root unit's parameters in a hook
+    on that forward, so the root must be the wrapper, not `model` (whose forward the actor bypasses to run
+    the LM head on response positions only).
+    """
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+
+
+def full_weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+    """CPU copies of every weight of a sharded `model` with its own (Hugging Face) keys; None off rank 0.
+
+    Gathered one tensor at a time and moved to the CPU, so no device ever holds more than one full tensor
+    beyond its shard. Tied weights (the LM head and the embeddings) stay one tensor under both keys, as
+    `save_pretrained` expects.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    gathered: dict[int, torch.Tensor] = {}  # by parameter identity: tied keys name one parameter
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        param = params.get(key)
+        if param is not None and id(param) in gathered:
+            out[key] = gathered[id(param)]
+            continue
+        full = (value.full_tensor() if isinstance(value, DTensor) else value).detach().to("cpu", copy=True)
+        if param is not None:
+            gathered[id(param)] = full
+        out[key] = full
+    return out if rank == 0 else None
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict | None:
+    """The sharded optimizer's whole state in `optimizer.state_dict()` form; None off rank 0."""
+    by_name = get_optimizer_state_dict(model, optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return {"state": {index[name]: state for name, state in by_name["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in by_name["param_groups"]]}
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+    """Load a whole `optimizer.state_dict()`-form state (as any strategy saves it) into a sharded optimizer."""
+    names = [name for name, _ in model.named_parameters()]
+    if len(names) != sum(len(g["params"]) for g in state["param_groups"]):
+        raise ValueError(f"the saved optimizer state covers {sum(len(g['params']) for g in state['param_groups'])} "
+                         f"parameters, this model has {len(names)}; is it the same architecture?")
+    by_name = {"state": {names[i]: value for i, value in state["state"].items()},
+               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
