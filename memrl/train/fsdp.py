@@ -57,17 +57,21 @@ def full_weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] |
     `save_pretrained` expects.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    gathered: dict[int, torch.Tensor] = {}  # by parameter identity: tied keys name one parameter
+    # By parameter identity: tied keys name one parameter, gathered once. Every rank takes the same path
+    # through this loop (the same gathers in the same order); only rank 0 keeps copies.
+    gathered: dict[int, torch.Tensor | None] = {}
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         param = params.get(key)
         if param is not None and id(param) in gathered:
-            out[key] = gathered[id(param)]
-            continue
-        full = (value.full_tensor() if isinstance(value, DTensor) else value).detach().to("cpu", copy=True)
-        if param is not None:
-            gathered[id(param)] = full
-        out[key] = full
+            full = gathered[id(param)]
+        else:
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = full.detach().to("cpu", copy=True) if rank == 0 else None
+            if param is not None:
+                gathered[id(param)] = full
+        if full is not None:
+            out[key] = full
     return out if rank == 0 else None
 
 
