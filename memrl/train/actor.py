@@ -390,6 +390,10 @@ class Actor:
         if self.reference is not None:
             with torch.no_grad():
                 ref = mb.scatter(token_log_probs(self._forward(self.reference, mb), mb.targets))
+            if self.strategy == "fsdp":
+                # FSDP keeps a root unit gathered after its forward, expecting a backward; the reference
+                # has none, so its embeddings and LM head would stay whole on every rank.
+                self.reference.reshard()
             kl = kl_penalty(logp, ref, a.kl_estimator)
             kl_term = (kl * w_tokens).sum()
             loss = loss + a.kl_coef * kl_term
