@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from test_actor import make_rows, tiny_model
 
 from memrl.config import Config
@@ -36,6 +37,9 @@ def _rank_main(rank: int, port: int, root: str) -> None:
         local = sum(p.to_local().numel() for p in first.model.parameters())
         assert local < sum(p.numel() for p in tiny_model().parameters())  # really sharded: each rank holds a part
         first.train_rollout(rows, 0)
+        # after a step nothing stays gathered: not the policy, nor the reference (which has no backward)
+        for model in (first.model, first.ref_model):
+            assert all(isinstance(p, DTensor) for p in model.parameters())
         saved = first.save_checkpoint(root, 0, {"config": None})
         assert (saved is None) == (rank != 0)
         dist.barrier()
