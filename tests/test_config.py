@@ -120,3 +120,12 @@ def test_fsdp_needs_the_ray_runtime():
     with pytest.raises(ConfigError, match="train.runtime = 'ray'"):
         load_config(None, ["train.strategy=fsdp"])
     assert load_config(None, ["train.strategy=fsdp", "train.runtime=ray"]).train.strategy == "fsdp"
+
+
+def test_training_and_eval_recipes_prompt_alike():
+    # One final prompt for training and evaluation (PITFALLS): a policy trained on one wording and
+    # evaluated on another measures the wording, not the policy.
+    train = load_config(TRAIN_RECIPE).rollout
+    evaluation = load_config(EVAL_RECIPE).rollout
+    for key in ("memory_template", "final_template", "no_memory_text", "enable_thinking", "temperature", "top_p"):
+        assert getattr(train, key) == getattr(evaluation, key), key

@@ -38,6 +38,7 @@ from memrl.data.records import QuestionRecord, check_unique_ids
 from memrl.engines.base import Engine
 from memrl.eval.stats import metric_summary
 from memrl.memagent.prompts import PromptBuilder
+from memrl.memagent.reward import score_trajectory
 from memrl.memagent.rollout import document_chunks, run_trajectory
 from memrl.scoring import score_answer
 
@@ -82,7 +83,8 @@ def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, erro
     """One results.jsonl line. `traj` None (with `error`) = the sample failed before generating."""
     failed = traj is None or traj.status == "failed"
     answer = "" if traj is None else traj.answer
-    score = score_answer(answer, record.answers)
+    # The training reward's scorer: a truncated answer (hit final_tokens) scores 0 here too (SPEC §2).
+    score = score_trajectory(traj, record.answers) if traj is not None else score_answer("", record.answers)
     meta = {} if traj is None else traj.metadata
     chunks = meta.get("chunks", {})
     return {

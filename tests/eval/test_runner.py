@@ -38,6 +38,7 @@ from memrl.eval.runner import (
     load_eval_data,
     read_results,
     register,
+    sample_line,
 )
 from memrl.eval.stats import bootstrap_interval, mcnemar_p, metric_summary, wilson_interval
 from memrl.memagent.rollout import request_seed
@@ -369,3 +370,24 @@ def test_served_model_gives_the_same_greedy_results_as_the_local_engine(tiny_set
     from memrl.eval.compare import compare_results
 
     assert compare_results([local, served], max_abs_diff={"sub_em": 0.0}).passed
+
+
+@pytest.mark.parametrize("status", ["complete", "truncated", "failed"])
+@pytest.mark.parametrize("answer", ["\\boxed{Paris}", "\\boxed{Paris} and then", "Paris", "\\boxed{Lyon}"])
+def test_a_results_line_scores_as_the_training_reward(status, answer):
+    # One scorer for training and evaluation (PITFALLS): a truncated answer that boxed the right thing is
+    # worth 0 as a reward, so it is worth 0 in evaluation too.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
+    from traj_factory import make_trajectory
+
+    from memrl.memagent.reward import score_trajectory, trajectory_reward
+
+    traj = make_trajectory("q/s0", "q", 2, reward=None, status=status, answer=answer)
+    record = QuestionRecord(id="q", question="Capital of France?", answers=["Paris"], context="", metadata={})
+    line = sample_line(record, traj, latency_s=0.1)
+    score = score_trajectory(traj, ["Paris"])
+    assert (line["em"], line["sub_em"], line["f1"]) == (score.em, score.sub_em, score.f1)
+    assert line["em"] == trajectory_reward(traj, ["Paris"])
+    assert line["status"] == status
+    if status != "complete":
+        assert line["em"] == line["f1"] == 0.0
