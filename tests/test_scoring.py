@@ -251,6 +251,29 @@ def test_score_answer_paris():
     assert reward_from_text(r"so \boxed{The Paris.}", ["paris"]) == 1.0
 
 
+def _filler(n_chars: int) -> str:
+    """`n_chars` of ordinary prose with no box, no brace and no backslash in it."""
+    sentence = "I checked this against every document in memory and found nothing to contradict it. "
+    return (sentence * (n_chars // len(sentence) + 1))[:n_chars]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        r"\boxed{Paris}" + " " + _filler(1_000),  # the box, then 1,000 characters of explanation
+        r"\boxed{Paris}" + _filler(5_000 - len(r"\boxed{Paris}")),  # the box opens a 5,000-character answer
+        _filler(2_000) + r" \boxed{Paris} " + _filler(2_000),  # the box in the middle of a long answer
+    ],
+)
+def test_whole_answer_is_read_not_only_its_tail(text):
+    # PITFALLS "only the last 300 characters read" (MemAgent, VIME): a model that boxes its answer and
+    # then keeps explaining would score 0. The scorer reads the whole text, wherever the box sits.
+    assert len(text) >= 1_000 and r"\boxed" not in text[-300:]
+    assert extract_boxed(text) == "Paris"
+    assert score_answer(text, ["Paris"]) == AnswerScore(boxed="Paris", em=1.0, sub_em=1.0, f1=1.0, missing_box=False)
+    assert reward_from_text(text, "Paris") == 1.0
+
+
 def test_score_answer_is_frozen():
     score = score_answer(r"\boxed{x}", "x")
     with pytest.raises(dataclasses.FrozenInstanceError):

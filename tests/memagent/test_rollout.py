@@ -5,7 +5,15 @@ import pytest
 from fake_engine import FakeEngine
 
 from memrl.config import Config
-from memrl.memagent.rollout import RolloutContext, generate_group, generate_rollout, request_seed
+from memrl.engines.base import GenerationResult
+from memrl.memagent.rollout import (
+    RolloutContext,
+    document_chunks,
+    generate_group,
+    generate_rollout,
+    request_seed,
+    rollout_metrics,
+)
 from memrl.rl.validate import validate_groups, validate_trajectory
 
 
@@ -130,3 +138,136 @@ def test_same_question_twice_in_a_batch_gets_two_groups(tiny_tokenizer):
     out = run(generate_rollout(make_ctx(tiny_tokenizer, engine), [record("q1"), record("q1")]))
     assert sorted({t.group_id for t in out.trajectories}) == ["r3:0:q1", "r3:1:q1"]
     validate_groups(out.trajectories)
+
+
+# --- Scripted engine: each request answered by (question key, sample, turn) ---------------------------
+class ScriptedEngine:
+    """Answers every request from `respond(key, sample, turn)` and logs when each one starts and ends.
+
+    The (key, sample, turn) of a request is read back from its seed (`request_seed` is public and stable);
+    `key` is the rollout's seed key: "<rollout_id>:<record id>" for `generate_group`,
+    "<rollout_id>:<slot>:<record id>" for `generate_rollout`. `respond` may be a coroutine function.
+    Requests of one `generate` call are served concurrently, so a batch waits for its slowest request.
+    """
+
+    def __init__(self, ctx, keys, respond, n_samples=1, max_turns=8):
+        seed = ctx.config.rollout.seed
+        self.turn_of = {request_seed(seed, key, s, t): (key, s, t)
+                        for key in keys for s in range(n_samples) for t in range(max_turns)}
+        self.respond = respond
+        self.log = []  # ("start" | "end", key, turn), in the order they happened
+        self.requests = {}  # (key, sample, turn) -> GenerationRequest
+
+    async def generate(self, requests):
+        return list(await asyncio.gather(*(self._one(r) for r in requests)))
+
+    async def _one(self, req):
+        key, sample, turn = self.turn_of[req.seed]
+        self.requests[key, sample, turn] = req
+        self.log.append(("start", key, turn))
+        out = self.respond(key, sample, turn)
+        ids, reason = await out if asyncio.iscoroutine(out) else out
+        self.log.append(("end", key, turn))
+        return GenerationResult(list(ids), [-0.5] * len(ids), reason)
+
+    async def close(self):
+        pass
+
+
+def contains_run(seq, run):
+    return any(seq[k:k + len(run)] == run for k in range(len(seq) - len(run) + 1))
+
+
+def test_empty_memory_update_replaces_the_old_memory(tiny_tokenizer):
+    """PITFALLS "an empty update that silently keeps the old memory (VIME)": the new memory always wins."""
+    ctx = make_ctx(tiny_tokenizer, None, n_samples=1)
+    rec = record()
+    chunks = document_chunks(tiny_tokenizer, ctx.config.rollout, rec.context).chunks
+    assert len(chunks) == 3
+    eos = tiny_tokenizer.eos_token_id
+    # The prompts the test expects once the memory is empty; turn 0's memory uses ids that occur in
+    # neither, so finding any of them there can only mean the old memory leaked through.
+    want_turn2 = ctx.builder.memory_prompt_ids(rec.question, [], chunks[2])
+    unused = [i for i in word_ids(tiny_tokenizer)
+              if i not in set(want_turn2) | set(ctx.builder.final_prompt_ids(rec.question, []))]
+    memory0, memory2 = unused[:4], unused[4:5]
+    want_final = ctx.builder.final_prompt_ids(rec.question, memory2)
+
+    def respond(key, sample, turn):
+        if turn == 0:
+            return memory0 + [eos], "stop"
+        if turn == 1:
+            return [eos], "stop"  # only the end-of-turn token: the memory update is empty
+        return memory2 + [eos], "stop"  # turn 2 writes a memory again; the final turn answers
+
+    engine = ScriptedEngine(ctx, ["3:q1"], respond)
+    ctx.engine = engine
+    traj = run(generate_group(ctx, rec))[0]
+    assert traj.status == "complete" and [t.kind for t in traj.turns] == ["memory"] * 3 + ["final"]
+    assert contains_run(engine.requests["3:q1", 0, 1].prompt_ids, memory0)  # turn 1 did see turn 0's memory
+    no_memory = ctx.builder.tokenizer(ctx.config.rollout.no_memory_text, add_special_tokens=False)["input_ids"]
+    got = engine.requests["3:q1", 0, 2].prompt_ids
+    assert not set(memory0) & set(got), "turn 2 still carries turn 0's memory"
+    assert not contains_run(got, no_memory), "turn 2 shows the no-memory text for an empty memory"
+    assert got == want_turn2  # the empty memory renders as nothing (prompts.py: empty ids in the slot)
+    # ... and the turn after it writes a memory again, which the final turn carries, and nothing older.
+    assert engine.requests["3:q1", 0, 3].prompt_ids == want_final
+    assert traj.metadata["memory_lengths"] == [4, 0, 1] and traj.metadata["final_memory_length"] == 1
+
+
+def test_memory_truncations_are_counted(tiny_tokenizer):
+    """PITFALLS "truncations counted": a memory turn that ends by `length` is one truncation."""
+    ctx = make_ctx(tiny_tokenizer, None, n_samples=2)  # memory_tokens = 8
+    words, eos = word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id
+
+    def respond(key, sample, turn):
+        if turn == 0:
+            return words[:7] + [eos], "stop"  # exactly 8 tokens but stopped: not a truncation
+        if turn == 1:
+            return words[:8], "length"  # hit memory_tokens: truncated
+        if turn == 2:
+            return words[:3] + [eos], "stop"
+        return [words[0], eos], "stop"  # final turn
+
+    ctx.engine = ScriptedEngine(ctx, ["3:0:q1"], respond, n_samples=2)
+    out = run(generate_rollout(ctx, [record("q1")]))
+    assert len(out.trajectories) == 2
+    for traj in out.trajectories:
+        assert traj.status == "complete"
+        assert [t.finish_reason for t in traj.turns] == ["stop", "length", "stop", "stop"]
+        assert traj.metadata["memory_truncations"] == 1
+        assert traj.metadata["memory_lengths"] == [7, 8, 3]
+    # 1 of 3 memory turns truncated in each of 2 trajectories: 2 of 6.
+    assert out.metrics["truncation/memory_rate"] == pytest.approx(1 / 3)
+    assert rollout_metrics(out.trajectories)["truncation/memory_rate"] == pytest.approx(1 / 3)
+    assert out.metrics["truncation/final_rate"] == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_a_short_trajectory_does_not_wait_for_a_slow_turn_of_another(tiny_tokenizer):
+    """PITFALLS "Lockstep turns": question B (one chunk) reaches its final turn while question A's first
+    memory turn is still being generated. Under lockstep (every trajectory advances one turn per round,
+    or every final turn waits for the longest document) B's final request would come only after A's slow
+    turn ends. A's slow turn waits for B's final request, with a timeout so the test can never hang."""
+    ctx = make_ctx(tiny_tokenizer, None, n_samples=1)
+    rec_a, rec_b = record("qa"), record("qb", n_words=1)
+    assert len(document_chunks(tiny_tokenizer, ctx.config.rollout, rec_b.context).chunks) == 1
+    words, eos = word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id
+    b_final_arrived = asyncio.Event()
+
+    async def respond(key, sample, turn):
+        if key == "3:1:qb" and turn == 1:
+            b_final_arrived.set()
+        if key == "3:0:qa" and turn == 0:
+            try:  # a generous no-hang bound, not a timing assertion: lockstep ends here and then fails below
+                await asyncio.wait_for(b_final_arrived.wait(), timeout=5.0)
+            except TimeoutError:
+                pass
+        return [words[turn], eos], "stop"
+
+    engine = ScriptedEngine(ctx, ["3:0:qa", "3:1:qb"], respond)
+    ctx.engine = engine
+    out = run(generate_rollout(ctx, [rec_a, rec_b]))
+    assert [len(t.turns) for t in out.trajectories] == [4, 2] and not out.dropped
+    log = engine.log
+    assert log.index(("start", "3:1:qb", 1)) < log.index(("end", "3:0:qa", 0)), log
