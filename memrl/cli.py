@@ -122,11 +122,14 @@ def serve(
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     api_key: Annotated[str | None, typer.Option(help="Require this bearer key (or set MEMRL_API_KEY).")] = None,
     device: str = "auto", dtype: str = "auto",
+    gate_timeout_s: Annotated[float, typer.Option(
+        help="Longest wait of a generation for a weight reload (or of a reload for generations); then 503.")] = 600.0,
 ) -> None:
     """Serve a local model over an OpenAI-compatible completions API (token ids in and out, log-probs)."""
     from memrl.engines.server import serve_command
 
-    serve_command(model, port=port, host=host, api_key=api_key, device=device, dtype=dtype)
+    serve_command(model, port=port, host=host, api_key=api_key, device=device, dtype=dtype,
+                  gate_timeout_s=gate_timeout_s)
 
 
 @app.command("convert-to-hf")

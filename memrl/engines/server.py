@@ -13,7 +13,9 @@ Invariants:
 - Every malformed request gets a 4xx with an OpenAI-style body {"error": {"message", "type", "code"}};
   an engine failure gets a 500 with the engine's message. The server never drops a request silently.
 - A reload waits for in-flight generations to finish and holds new ones back until it is done, so no
-  response mixes two weight versions.
+  response mixes two weight versions. Every wait at that gate is bounded by `gate_timeout_s`: past it,
+  the waiting request gets a 503 (which clients retry) naming the setting, never a hang. The gate is
+  released when a reload ends, failed or not, and a failed reload answers 500 with the engine's error.
 - Bound to 127.0.0.1 unless told otherwise; with an API key, every /v1 route needs
   `Authorization: Bearer KEY`.
 """
@@ -47,6 +49,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_TOKENS_LIMIT = 8192
 DEFAULT_MAX_BATCH_PROMPTS = 256
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+DEFAULT_GATE_TIMEOUT_S = 600.0  # as rollout.request_timeout_s and ray.sync_timeout_s
 API_KEY_ENV = "MEMRL_API_KEY"
 
 TEXT_PROMPT_MESSAGE = (
@@ -133,19 +136,39 @@ class ReloadBody(BaseModel):
 class _ReloadGate:
     """Generations share the engine; a reload needs it alone (a small readers-writer lock).
 
-    Waiting reloads take precedence over new generations, so a busy server still reloads.
+    Waiting reloads take precedence over new generations, so a busy server still reloads. Each wait
+    to enter lasts at most `timeout_s`, then raises a 503 APIError; the condition's lock is only held
+    to read and change the counters, never across a generation or a reload.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
         self._cond = asyncio.Condition()
         self._active = 0
         self._reloading = False
         self._reloads_waiting = 0
+        self.timeout_s = timeout_s
+
+    async def _wait(self, predicate: Callable[[], bool], what: str) -> None:
+        """Wait (holding `_cond`) until `predicate()`; a 503 past `timeout_s`."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._cond.wait_for(predicate)
+        except TimeoutError:
+            logger.warning("gave up after %g s waiting for %s; answered 503", self.timeout_s, what)
+            raise APIError(
+                503,
+                f"waited {self.timeout_s:g} s for {what}; retry later, or start the server with a larger "
+                "gate_timeout_s (--gate-timeout-s) if reloads or generations here take that long",
+                "server_busy",
+            ) from None
 
     @asynccontextmanager
     async def generation(self):
         async with self._cond:
-            await self._cond.wait_for(lambda: not self._reloading and self._reloads_waiting == 0)
+            await self._wait(
+                lambda: not self._reloading and self._reloads_waiting == 0,
+                "a weight reload to finish before generating",
+            )
             self._active += 1
         try:
             yield
@@ -159,9 +182,16 @@ class _ReloadGate:
         async with self._cond:
             self._reloads_waiting += 1
             try:
-                await self._cond.wait_for(lambda: not self._reloading and self._active == 0)
-            finally:
+                await self._wait(
+                    lambda: not self._reloading and self._active == 0,
+                    "in-flight generations (or another reload) to finish before reloading",
+                )
+            except BaseException:
+                # This reload gives up: generations held back only for it may go ahead now.
                 self._reloads_waiting -= 1
+                self._cond.notify_all()
+                raise
+            self._reloads_waiting -= 1
             self._reloading = True
         try:
             yield
@@ -249,12 +279,18 @@ def create_app(
     tokenizer: Any = None,
     vocab_size: int | None = None,
     close_engine_on_shutdown: bool = True,
+    gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name`.
 
     `tokenizer` (optional) only decodes `text` and per-token strings for humans; `vocab_size`
-    (optional) makes out-of-range token ids a 400 instead of an engine error.
+    (optional) makes out-of-range token ids a 400 instead of an engine error. `gate_timeout_s` bounds
+    how long a generation waits for a reload to finish, and a reload for in-flight generations; past
+    it the request gets a 503. It does not cut a running reload short (a weight load in a thread cannot
+    be stopped halfway without serving half-loaded weights).
     """
+    if not gate_timeout_s > 0:
+        raise ValueError(f"gate_timeout_s must be > 0, got {gate_timeout_s}")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -264,7 +300,7 @@ def create_app(
 
     app = FastAPI(title="memrl serve", lifespan=lifespan)
     app.add_middleware(_BodySizeLimit, max_bytes=max_request_bytes)
-    gate = _ReloadGate()
+    gate = _ReloadGate(gate_timeout_s)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -430,9 +466,12 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     engine_factory: str | None = None,
     log_level: str = "info",
+    gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
 ) -> None:
     """Load the model (HFEngine, or `engine_factory` 'module:function(model_path) -> Engine') and serve it
-    until interrupted. The model is served under `served_model_name` (default: the folder's name)."""
+    until interrupted. The model is served under `served_model_name` (default: the folder's name).
+    `gate_timeout_s`: see `create_app` (longest wait of a generation for a reload, and of a reload for
+    in-flight generations, before a 503)."""
     import uvicorn
 
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
@@ -451,6 +490,7 @@ def serve(
         max_request_bytes=max_request_bytes,
         tokenizer=getattr(engine, "tokenizer", None),  # HFEngine loads the folder's tokenizer
         vocab_size=_vocab_size(engine),
+        gate_timeout_s=gate_timeout_s,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
@@ -476,6 +516,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS)
     parser.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT)
+    parser.add_argument(
+        "--gate-timeout-s",
+        type=float,
+        default=DEFAULT_GATE_TIMEOUT_S,
+        help="longest wait of a generation for a weight reload (or of a reload for generations); then 503",
+    )
     parser.add_argument(
         "--engine", default=None, help="'module:function' building the engine from the model path"
     )

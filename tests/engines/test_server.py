@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -377,6 +378,164 @@ def test_reload_waits_for_in_flight_generation(tmp_path):
         worker.join(timeout=10)
     assert r.status_code == 200
     assert engine.events == ["generate_start", "generate_end", "reload"]
+
+
+HOLD_TOKEN = 97  # a prompt holding it keeps generate() running until the test releases it
+
+
+class HeldEngine(FakeEngine):
+    """FakeEngine whose reload (run in a server thread, as a real weight load is) and whose generations
+    of HOLD_TOKEN prompts block until the test sets `release`, so tests see a reload or a generation
+    mid-way by flags, not by timing. Every block ends by itself after 10 s, so nothing can hang."""
+
+    def __init__(self, reload_error: str | None = None) -> None:
+        super().__init__()
+        self.reload_error = reload_error
+        self.release = threading.Event()
+        self.reload_started = threading.Event()
+        self.reload_finished = threading.Event()
+
+    def reload_from_path(self, path: str) -> None:
+        self.events.append("reload_start")
+        self.reload_started.set()
+        self.release.wait(timeout=10)
+        self.events.append("reload_end")
+        self.reload_finished.set()
+        if self.reload_error:
+            raise OSError(self.reload_error)
+        self.reloads.append(path)
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if any(HOLD_TOKEN in r.prompt_ids for r in requests):
+            self.events.append("held_generate_start")
+            await asyncio.to_thread(self.release.wait, 10)
+        return await super().generate(requests)
+
+
+def post_reload(url: str, path, timeout: float = 15) -> httpx.Response:
+    return httpx.post(url + "/v1/reload_weights", json={"path": str(path)}, timeout=timeout)
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached within the no-hang bound"
+        time.sleep(0.01)
+
+
+def test_health_and_models_answer_while_a_slow_reload_runs(tmp_path):
+    # A trainer's weight sync must not make the server look dead to health checks (open-instruct
+    # PR #1454): /health and /v1/models answer while the reload is provably still running.
+    engine = HeldEngine()
+    with serve_in_thread(create_app(engine, "fake")) as url, ThreadPoolExecutor(1) as pool:
+        try:
+            reload = pool.submit(post_reload, url, tmp_path)
+            assert engine.reload_started.wait(timeout=5)
+            health = httpx.get(url + "/health", timeout=5)
+            models = httpx.get(url + "/v1/models", timeout=5)
+            still_reloading = not engine.reload_finished.is_set()
+        finally:
+            engine.release.set()
+        assert reload.result(timeout=15).status_code == 200
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert models.status_code == 200
+    assert still_reloading, "/health only answered after the reload had finished"
+
+
+def test_generation_arriving_during_a_reload_waits_for_it_then_succeeds(tmp_path):
+    engine = HeldEngine()
+    body = {"prompt": [1, 2], "max_tokens": 3}
+    with serve_in_thread(create_app(engine, "fake")) as url, ThreadPoolExecutor(2) as pool:
+        try:
+            reload = pool.submit(post_reload, url, tmp_path)
+            assert engine.reload_started.wait(timeout=5)
+            generation = pool.submit(post, url, body)
+            time.sleep(0.3)  # time for it to reach the gate; the order check below holds either way
+            held_back = not generation.done()
+        finally:
+            engine.release.set()
+        assert reload.result(timeout=15).status_code == 200
+        r = generation.result(timeout=15)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == FakeEngine.expected(GenerationRequest([1, 2], 3)).output_ids
+    assert held_back
+    # No response may mix two weight versions: the generation ran entirely after the reload.
+    assert engine.events == ["reload_start", "reload_end", "generate_start", "generate_end"]
+
+
+def test_generation_held_past_the_gate_timeout_gets_a_503_not_a_hang(tmp_path):
+    engine = HeldEngine()
+    app = create_app(engine, "fake", gate_timeout_s=0.2)
+    with serve_in_thread(app) as url, ThreadPoolExecutor(1) as pool:
+        try:
+            reload = pool.submit(post_reload, url, tmp_path)
+            assert engine.reload_started.wait(timeout=5)
+            # The client timeout (5 s) is only a no-hang bound, far above the 0.2 s gate timeout.
+            busy = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=5)
+            still_reloading = not engine.reload_finished.is_set()
+        finally:
+            engine.release.set()
+        # The gate timeout bounds waits at the gate, not the reload itself: it still completes.
+        assert reload.result(timeout=15).status_code == 200
+        after = post(url, {"prompt": [1], "max_tokens": 2})
+    assert busy.status_code == 503, busy.text
+    message = busy.json()["error"]["message"]
+    assert "0.2 s" in message and "reload" in message and "gate_timeout_s" in message
+    assert still_reloading
+    assert after.status_code == 200, after.text
+    assert engine.events == ["reload_start", "reload_end", "generate_start", "generate_end"]
+
+
+def test_failed_reload_answers_500_and_releases_the_gate_for_waiting_and_new_generations(tmp_path):
+    engine = HeldEngine(reload_error="torn checkpoint")
+    # A gate timeout well under the no-hang bounds: a gate left shut shows up as a 503, not a hang.
+    app = create_app(engine, "fake", gate_timeout_s=3)
+    body = {"prompt": [4], "max_tokens": 2}
+    with serve_in_thread(app) as url, ThreadPoolExecutor(2) as pool:
+        try:
+            reload = pool.submit(post_reload, url, tmp_path)
+            assert engine.reload_started.wait(timeout=5)
+            waiting = pool.submit(post, url, body)
+            time.sleep(0.3)  # time for it to reach the gate and wait on the failing reload
+        finally:
+            engine.release.set()
+        failed = reload.result(timeout=15)
+        waited = waiting.result(timeout=15)
+        after = post(url, body)
+    assert failed.status_code == 500
+    assert "torn checkpoint" in failed.json()["error"]["message"]
+    assert waited.status_code == 200, waited.text  # woken by the failure, not left to time out
+    assert after.status_code == 200, after.text
+    assert engine.reloads == []
+
+
+def test_reload_that_gives_up_waiting_lets_generations_held_behind_it_run(tmp_path):
+    # A waiting reload holds new generations back (so a busy server still reloads); when it gives up
+    # at its gate timeout, those generations must be woken then, not left waiting for their own timeout.
+    engine = HeldEngine()
+    app = create_app(engine, "fake", gate_timeout_s=1.0)
+    with serve_in_thread(app) as url, ThreadPoolExecutor(2) as pool:
+        try:
+            slow = pool.submit(post, url, {"prompt": [HOLD_TOKEN], "max_tokens": 1})
+            wait_until(lambda: "held_generate_start" in engine.events)
+            reload = pool.submit(post_reload, url, tmp_path)
+            time.sleep(0.2)  # time for the reload to reach the gate, so the next request queues behind it
+            quick = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=5)
+            slow_still_running = not slow.done()
+        finally:
+            engine.release.set()
+        gave_up = reload.result(timeout=15)
+        assert slow.result(timeout=15).status_code == 200
+    assert gave_up.status_code == 503
+    assert "in-flight generations" in gave_up.json()["error"]["message"]
+    assert quick.status_code == 200, quick.text
+    assert slow_still_running
+    assert "reload_start" not in engine.events
+
+
+def test_gate_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="gate_timeout_s"):
+        create_app(FakeEngine(), "fake", gate_timeout_s=0)
 
 
 def test_engine_is_closed_when_the_server_stops():

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor
 from test_actor import make_rows, tiny_model
+from torch.distributed.tensor import DTensor
 
 from memrl.config import Config
 from memrl.train import fsdp
