@@ -215,6 +215,7 @@ class RayTrainer(Trainer):
         if options.start_rollout_id is not None:
             self.start_rollout_id = options.start_rollout_id
         self._load_plugins()
+        self._warn_about_top_p()
         self.queue = RemoteQueue(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples,
                                  cfg.ray.sync_timeout_s)
         handles.append(self.queue.actor)

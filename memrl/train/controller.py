@@ -209,9 +209,18 @@ class Trainer:
         if options.start_rollout_id is not None:
             self.start_rollout_id = options.start_rollout_id
         self._load_plugins()
+        self._warn_about_top_p()
         self.queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples)
         self.engine = None if options.replay_rollouts else build_engine(cfg, self.actor.model, self.tokenizer,
                                                                       options.progress)
+
+    def _warn_about_top_p(self) -> None:
+        if self.cfg.rollout.top_p < 1.0:
+            # Renormalizing over the nucleus in the trainer would make a token at the nucleus edge -inf
+            # (bf16 engine vs fp32 trainer can disagree on the edge), and the k3 KL of it infinite.
+            log.warning("rollout.top_p = %g < 1: the engine's log-probs are under the nucleus, the trainer's "
+                        "under the full softmax (temperature applied); logprob_gap and the PPO ratio include "
+                        "that difference. Set rollout.top_p = 1 for matching log-probs.", self.cfg.rollout.top_p)
 
     def _load_plugins(self) -> None:
         """The extension points by import path (MemAgent's by default); expanded = 1:N rows per trajectory."""

@@ -1,3 +1,5 @@
+import dataclasses
+import math
 import random
 
 import pytest
@@ -5,7 +7,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from memrl.config import Config
-from memrl.train.actor import Actor
+from memrl.train.actor import Actor, plan_rollout
 from memrl.train.partition import PartitionError
 from memrl.types import TrainRow
 
@@ -48,8 +50,11 @@ def grads_of(actor, rows):
     return {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
 
 
-def reference_grads(model, rows, temperature=1.0):
-    """Plain per-row loop: on-policy PPO (ratio = 1) token_mean loss = -sum(mask * A * logp) / sum(mask)."""
+def reference_grads(model, rows, temperature=1.0, tis_cap=None):
+    """Plain per-row loop: on-policy PPO (ratio = 1) token_mean loss = -sum(mask * A * logp) / sum(mask).
+
+    With `tis_cap`, every token's term is multiplied by the detached truncated importance weight
+    w = min(exp(old_logp - rollout_logp), cap), old_logp being this very forward (one optimizer step)."""
     model.zero_grad()
     total_tokens = sum(sum(r.loss_mask) for r in rows)
     loss = 0.0
@@ -59,8 +64,9 @@ def reference_grads(model, rows, temperature=1.0):
         p = r.prompt_length
         for k in range(r.response_length):
             lp = logp[p + k - 1, r.tokens[p + k]]
+            w = 1.0 if tis_cap is None else min(math.exp(lp.item() - r.rollout_log_probs[k]), tis_cap)
             # -A * ratio with ratio = exp(lp - lp.detach()) (value 1, gradient of lp)
-            loss = loss + r.loss_mask[k] * (-r.advantage * torch.exp(lp - lp.detach()))
+            loss = loss + r.loss_mask[k] * w * (-r.advantage * torch.exp(lp - lp.detach()))
     (loss / total_tokens).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -129,3 +135,99 @@ def test_later_optimizer_steps_use_the_pre_update_policy_as_old():
     one_step = Actor(tiny_model(), Config.model_validate({"train": {"lr": 0.05, "grad_clip": 1e9},
                                                           "algorithm": {"kl_coef": 0.0}}), pad_token_id=0)
     assert one_step.train_rollout(rows, 0)["clip_fraction"] == 0
+
+
+def with_rollout_log_probs(rows, log_probs):
+    """The same rows with other rollout (engine) log-probs."""
+    return [dataclasses.replace(r, rollout_log_probs=[float(x) for x in lp]) for r, lp in zip(rows, log_probs, strict=True)]
+
+
+@pytest.mark.parametrize("budget", [10_000, 40])
+def test_logprob_gap_metric_is_the_exact_gap(budget):
+    """PITFALLS (train/inference log-prob mismatch, "log the gap every step"): the logged gap must be the
+    real |trainer - rollout| log-prob difference over loss tokens, not just some positive number; with a
+    small budget the mean and max are taken across several micro-batches."""
+    rows = make_rows()
+    own = Actor(tiny_model(), make_cfg(), pad_token_id=0).log_probs(rows)  # the initial policy's log-probs
+    same = Actor(tiny_model(), make_cfg(micro_batch_tokens=budget), pad_token_id=0).train_rollout(
+        with_rollout_log_probs(rows, own), 0)
+    assert same["logprob_gap/mean_abs"] <= 1e-5 and same["logprob_gap/max_abs"] <= 1e-5
+    # Every loss token off by 0.3, with alternating signs (a signed mean would be ~0); tokens outside the
+    # loss mask are off by far more and must not count.
+    delta = 0.3
+    shifted = [[x + (delta * (-1) ** k if r.loss_mask[k] else 2.0) for k, x in enumerate(lp)]
+               for r, lp in zip(rows, own, strict=True)]
+    assert any(0 in r.loss_mask for r in rows)
+    off = Actor(tiny_model(), make_cfg(micro_batch_tokens=budget), pad_token_id=0).train_rollout(
+        with_rollout_log_probs(rows, shifted), 0)
+    assert off["logprob_gap/mean_abs"] == pytest.approx(delta, abs=1e-5)
+    assert off["logprob_gap/max_abs"] == pytest.approx(delta, abs=1e-5)
+    if budget == 40:
+        assert off["micro_batches"] > 1
+
+
+def flat(grads):
+    return torch.cat([grads[n].flatten() for n in sorted(grads)])
+
+
+def test_truncated_importance_weights_reach_the_gradient():
+    """PITFALLS ("offer truncated importance weights"): with rollout log-probs off the trainer's, the
+    gradient with `algorithm.tis_cap` is the PPO gradient with each token weighted by the detached
+    w = min(exp(old_logp - rollout_logp), cap) (token_mean), unlike the gradient without it."""
+    rows = make_rows()
+    own = Actor(tiny_model(), make_cfg(), pad_token_id=0).log_probs(rows)
+    rng = random.Random(7)
+    # Off by up to +-1 nat: weights exp(-shift) span [0.37, 2.7], so a cap of 1.5 truncates some of them.
+    off = with_rollout_log_probs(rows, [[x + rng.uniform(-1, 1) for x in lp] for lp in own])
+    cap = 1.5
+
+    def cfg(tis_cap):
+        return Config.model_validate({"train": {"lr": 1e-3, "grad_clip": 1e9},
+                                      "algorithm": {"kl_coef": 0.0, "tis_cap": tis_cap}})
+
+    with_tis = grads_of(Actor(tiny_model(), cfg(cap), pad_token_id=0), off)
+    without = grads_of(Actor(tiny_model(), cfg(None), pad_token_id=0), off)
+    ref = reference_grads(tiny_model(), off, tis_cap=cap)
+    assert ref.keys() == with_tis.keys()
+    for name in ref:
+        torch.testing.assert_close(with_tis[name], ref[name], atol=1e-6, rtol=1e-4, msg=name)
+    scale = flat(with_tis).norm()
+    assert (flat(with_tis) - flat(without)).norm() > 0.05 * scale  # the weights reach the gradient
+    uncapped = reference_grads(tiny_model(), off, tis_cap=math.inf)
+    assert (flat(with_tis) - flat(uncapped)).norm() > 0.01 * scale  # and so does the cap
+
+
+# Padding rows may change these, by design: padding_fraction is the share of processed tokens that are
+# padding (padding rows and the split into ranks are exactly what it reports), micro_batches counts units
+# of work (two ranks run at least one each); time/train_s and perf/train_tokens_per_s are wall-clock.
+PADDING_DEPENDENT = {"padding_fraction", "micro_batches", "time/train_s", "perf/train_tokens_per_s"}
+
+
+def test_padding_rows_change_no_metric():
+    """PITFALLS (padding to a DP multiple pollutes metrics): dp_size=2 with pad_to_dp on an odd number of
+    rows reports the same metrics as dp_size=1 without padding, from the same weights."""
+    rows = make_rows(n_groups=2, per_group=3, seed=2)
+    cfgs = {dp: Config.model_validate({
+        "train": {"lr": 0.05, "grad_clip": 1e9, "num_optimizer_steps": 2, "dp_size": dp, "pad_to_dp": dp > 1},
+        # two optimizer steps at a high lr with tight clips: the second step clips some tokens
+        "algorithm": {"kl_coef": 0.1, "clip_low": 0.01, "clip_high": 0.01}}) for dp in (1, 2)}
+    # 13 rows: groups of 6 and 7, one per optimizer step; the step of 7 gets a padding row.
+    assert len(rows) % 2 == 1
+    plan = plan_rollout(rows, cfgs[2], pad_token_id=0, rollout_id=0)
+    assert any(r.is_padding for step in plan for share in step for mb in share.micro_batches for r in mb)
+    metrics = {}
+    for dp, cfg in cfgs.items():
+        actor = Actor(tiny_model(), cfg, pad_token_id=0)
+        # A reference model away from the policy, so kl/mean is not 0 from the first step on.
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in actor.ref_model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        metrics[dp] = actor.train_rollout(rows, 0)
+    one, two = metrics[1], metrics[2]
+    required = {"loss/policy", "loss/total", "kl/mean", "entropy/mean", "logprob_gap/mean_abs",
+                "logprob_gap/max_abs", "clip_fraction", "grad_norm", "tokens/loss", "rows/consumed"}
+    assert required <= one.keys() and one.keys() == two.keys()
+    assert one["kl/mean"] > 0 and one["clip_fraction"] > 0 and one["logprob_gap/max_abs"] > 0
+    for key in sorted(one.keys() - PADDING_DEPENDENT):
+        assert two[key] == pytest.approx(one[key], abs=1e-6), key

@@ -58,6 +58,17 @@ def read_metrics(run_root):
     return [json.loads(line) for line in (run_root / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+# StageTimer ("time/" + stage + "_s") around each stage of Trainer.step.
+STAGE_TIMES = ("time/rollout_s", "time/convert_s", "time/train_s", "time/sync_s")
+
+
+def assert_stage_times(metrics):
+    """PITFALLS ("measure where step time goes"): every step says how long each of its stages took."""
+    for key in STAGE_TIMES:
+        assert isinstance(metrics.get(key), float) and metrics[key] >= 0, (key, metrics.get(key))
+    assert metrics["time/rollout_s"] > 0  # generating 32 turns with a model takes measurable time
+
+
 def test_two_step_smoke_run_counts_rows_and_resumes(tokenizer, tmp_path):
     run_root = tmp_path / "run"
     history = make_trainer(tokenizer, run_root, config()).run()
@@ -66,6 +77,12 @@ def test_two_step_smoke_run_counts_rows_and_resumes(tokenizer, tmp_path):
         # 1 question x 8 samples x (3 memory turns + 1 final) = 32 rows saved = transferred = consumed
         assert m["rows/saved"] == m["rows/transferred"] == m["rows/consumed"] == 32
         assert m["turns/mean"] == 4
+        assert_stage_times(m)
+    logged = read_metrics(run_root)
+    assert len(logged) == 2
+    for m, line in zip(history, logged, strict=True):  # the same numbers reach metrics.jsonl
+        assert_stage_times(line)
+        assert {k: line[k] for k in STAGE_TIMES} == {k: m[k] for k in STAGE_TIMES}
     assert history[1]["grad_norm"] > 0 and history[1]["loss/total"] != 0
     assert [p.name for p in list_checkpoints(run_root)] == ["iter_0000000", "iter_0000001"]
     assert list((run_root / "tensorboard").glob("events.out.tfevents.*"))
@@ -74,6 +91,7 @@ def test_two_step_smoke_run_counts_rows_and_resumes(tokenizer, tmp_path):
     resumed = make_trainer(tokenizer, run_root, config(num_rollout=3),
                            load=run_root / "checkpoints" / "iter_0000001").run()
     assert len(resumed) == 1 and resumed[0]["rows/consumed"] == 32
+    assert_stage_times(resumed[0])
     assert [m["rollout_id"] for m in read_metrics(run_root)] == [0, 1, 2]
 
 
@@ -110,17 +128,20 @@ def test_replay_trains_on_identical_rows(tokenizer, tmp_path):
                                                  convert_trajectories(saved.trajectories, cfg.algorithm, 1)]
 
 
-def test_engine_uses_actor_weights_after_sync(tokenizer, tmp_path):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_uses_actor_weights_after_sync(tokenizer, tmp_path, temperature):
     from memrl.train.logging import RunLogger
     from memrl.types import TrainRow
 
-    trainer = make_trainer(tokenizer, tmp_path / "run", config(num_rollout=1))
+    cfg = config(num_rollout=1)
+    cfg.rollout.temperature = temperature  # the trainer's log-probs must be under the same temperature
+    trainer = make_trainer(tokenizer, tmp_path / "run", cfg)
     loop = asyncio.new_event_loop()
     with RunLogger(tmp_path / "run", use_tensorboard=False) as logger:
         metrics = trainer.step(loop, 0, logger)  # the actor's weights change, then are synced into the engine
     assert metrics["grad_norm"] > 0
     prompt = tokenizer("Document 1: hello", add_special_tokens=False)["input_ids"]
-    request = GenerationRequest(prompt, 6, temperature=1.0, seed=7)
+    request = GenerationRequest(prompt, 6, temperature=temperature, seed=7)
     (result,) = loop.run_until_complete(trainer.engine.generate([request]))
     loop.run_until_complete(trainer.engine.close())
     loop.close()
@@ -147,3 +168,16 @@ def test_expanded_rollout_without_row_count_is_an_error(tokenizer, tmp_path, mon
     trainer.generate_fn = no_count
     with pytest.raises(TrainingError, match="no train_row_count"):
         trainer.run()
+
+
+def test_top_p_below_one_is_warned_about(tokenizer, tmp_path, caplog):
+    # The engine samples from the nucleus, the trainer scores under the full softmax: say so at start.
+    cfg = config(num_rollout=1)
+    cfg.rollout.top_p = 0.9
+    with caplog.at_level("WARNING", logger="memrl.train"):
+        make_trainer(tokenizer, tmp_path / "run", cfg)
+    assert any("rollout.top_p = 0.9 < 1" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="memrl.train"):
+        make_trainer(tokenizer, tmp_path / "run1", config(num_rollout=1))
+    assert not any("top_p" in r.getMessage() for r in caplog.records)
