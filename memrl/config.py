@@ -222,6 +222,18 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _row_groups_fit_every_rollout(self) -> Config:
+        # A MemAgent prompt group is n_samples trajectories of equal turn count, so a rollout's row count
+        # is n_samples x (sum of turns): a multiple of the group size for any data only if it divides n_samples.
+        size, n = self.queue.train_data_group_size, self.rollout.n_samples
+        if self.plugins.convert_function.startswith("memrl.memagent") and n % size:
+            raise ValueError(
+                f"queue.train_data_group_size = {size} does not divide rollout.n_samples = {n}; a rollout's row "
+                f"count (n_samples x turns) would then not split into groups of {size}; use a divisor of {n}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _fsdp_needs_workers(self) -> Config:
         if self.train.strategy == "fsdp" and self.train.runtime != "ray":
             raise ValueError("train.strategy = 'fsdp' shards the model across Ray trainer workers; set "

@@ -129,3 +129,10 @@ def test_training_and_eval_recipes_prompt_alike():
     evaluation = load_config(EVAL_RECIPE).rollout
     for key in ("memory_template", "final_template", "no_memory_text", "enable_thinking", "temperature", "top_p"):
         assert getattr(train, key) == getattr(evaluation, key), key
+
+
+def test_row_group_size_must_divide_the_grpo_group():
+    # rows per rollout = n_samples x turns: only a divisor of n_samples splits every rollout evenly
+    with pytest.raises(ConfigError, match="does not divide rollout.n_samples = 8"):
+        load_config(None, ["queue.train_data_group_size=3"])
+    assert load_config(None, ["queue.train_data_group_size=4"]).queue.train_data_group_size == 4
