@@ -108,6 +108,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _quiet_transformers() -> None:
+    """No per-file progress bars from Hugging Face loads and saves in workers: Ray prefixes and repeats
+    every worker's output in the driver's log, where a bar per checkpoint is noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _load_model(cfg: Config, model: torch.nn.Module | None) -> torch.nn.Module:
     return model if model is not None else load_policy(cfg)
 
@@ -121,6 +129,7 @@ class TrainerWorker:
     once (init_process_group waits for all of them), then `train` on every rank for each rollout step."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
+        _quiet_transformers()
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.actor = None
 
@@ -196,6 +205,7 @@ class RolloutWorker:
                  server_url: str | None = None) -> None:
         from memrl.train.controller import build_engine
 
+        _quiet_transformers()
         if server_url is not None:
             cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"server_url": server_url})})
         self.cfg, self.index = cfg, index
