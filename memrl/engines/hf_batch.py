@@ -11,6 +11,10 @@ the running rows by left-padding the shorter side's keys/values with zeros (atte
 the sequence; position ids are per row, so the padding changes no logit. When rows leave, the columns
 every remaining row masks are trimmed, so the cache never outgrows its longest row. Caches that cannot
 be merged (sliding-window, quantized or shared-KV layers, see `_mergeable`) only ever start a batch.
+
+Spare capacity. A mergeable cache's layers become `SpareLayer`s (memrl/engines/kv_cache.py) with room
+for the tokens its rows may still generate, so a decode step writes its keys/values in place instead
+of copying the whole cache (transformers' `DynamicLayer` concatenates); trimming only moves an offset.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from memrl.engines.base import GenerationRequest, GenerationResult
+from memrl.engines.kv_cache import SpareLayer
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 
 if TYPE_CHECKING:  # only for annotations: hf.py imports this module
@@ -122,11 +127,15 @@ class _RunningBatch:
             self.rows, self.cache, self.attention_mask, self.next_position = list(rows), cache, mask, next_position
             self.temperatures, self.top_ps, self.logits = temperatures, top_ps, logits
             self.mergeable = _mergeable(cache)
+            if self.mergeable:
+                spare = self.remaining()
+                cache.layers[:] = [SpareLayer.from_tensors(layer.keys, layer.values, spare) for layer in cache.layers]
             return
         width = max(self.width, mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width, -2), _left_pad(theirs.keys, width, -2)])
-            mine.values = torch.cat([_left_pad(mine.values, width, -2), _left_pad(theirs.values, width, -2)])
+        spare = max(self.remaining(), max(r.request.max_tokens for r in rows))
+        self.cache.layers[:] = [
+            SpareLayer.merged([(mine.keys, mine.values), (theirs.keys, theirs.values)], width, spare)
+            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True)]
         self.attention_mask = torch.cat([_left_pad(self.attention_mask, width, -1), _left_pad(mask, width, -1)])
         self.next_position = torch.cat([self.next_position, next_position])
         self.temperatures = torch.cat([self.temperatures, temperatures])
@@ -170,7 +179,7 @@ class _RunningBatch:
         if unused > 0 and self.mergeable:
             self.attention_mask = self.attention_mask[:, unused:]
             for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+                layer.trim_left(unused)
 
     def advance(self) -> None:
         """Feed every row its sampled token (one forward pass); no-op when no row is left."""
