@@ -424,7 +424,14 @@ def create_app(
                 if inspect.iscoroutinefunction(reload):
                     await reload(body.path)
                 else:  # in a thread, so /health keeps answering during a long reload
-                    await asyncio.to_thread(reload, body.path)
+                    thread = asyncio.ensure_future(asyncio.to_thread(reload, body.path))
+                    try:
+                        await asyncio.shield(thread)
+                    finally:
+                        # Cancelled (shutdown, client gone): the thread still writes weights, so the
+                        # gate stays closed until it is done; no generation may see half the weights.
+                        if not thread.done():
+                            await asyncio.wait([thread])
             except Exception as exc:
                 logger.exception("reload_from_path failed")
                 raise APIError(

@@ -6,6 +6,7 @@ Also home of `FakeEngine` and `serve_in_thread`, which tests/engines/test_openai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -543,3 +544,29 @@ def test_engine_is_closed_when_the_server_stops():
     with serve_in_thread(create_app(engine, "fake")):
         assert not engine.closed
     assert engine.closed
+
+
+def test_a_cancelled_reload_keeps_the_gate_closed_until_its_thread_ends(tmp_path):
+    # The reload handler may be cancelled (shutdown, client gone) while its thread still writes weights:
+    # generations must keep waiting for the thread, not start on half-loaded weights.
+    engine = HeldEngine()
+    app = create_app(engine, "fake")
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server") as client:
+            reload = asyncio.ensure_future(client.post("/v1/reload_weights", json={"path": str(tmp_path)}))
+            assert await asyncio.to_thread(engine.reload_started.wait, 5)
+            reload.cancel()  # cancels the handler mid-reload (the ASGI app runs in this task)
+            generation = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}))
+            await asyncio.sleep(0.3)  # time to reach the gate; the event order below is the real check
+            held_back = not generation.done()
+            engine.release.set()
+            response = await asyncio.wait_for(generation, 15)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(reload, 15)
+        return held_back, response
+
+    held_back, response = asyncio.run(scenario())
+    assert response.status_code == 200, response.text
+    assert held_back
+    assert engine.events.index("reload_end") < engine.events.index("generate_start"), engine.events
