@@ -43,6 +43,17 @@ def _rank_main(rank: int, port: int, root: str) -> None:
         saved = first.save_checkpoint(root, 0, {"config": None})
         assert (saved is None) == (rank != 0)
         dist.barrier()
+        # gradient checkpointing under FSDP (recomputed blocks re-gather their shards): the same step
+        recomputing = Actor(tiny_model(), fsdp_cfg().model_copy(update={"train": cfg.train.model_copy(
+            update={"gradient_checkpointing": True})}), pad_token_id=0, rank=rank, world_size=WORLD)
+        recomputing.train_rollout(rows, 0)
+        same_step = recomputing.full_state_dict()
+        if rank == 0:
+            from safetensors.torch import load_file
+
+            after_first = load_file(f"{root}/checkpoints/iter_0000000/model/model.safetensors")
+            for name, value in after_first.items():
+                torch.testing.assert_close(same_step[name], value, atol=1e-6, rtol=0, msg=name)
         # the same base model (the reference of the KL term); the trained weights come from the checkpoint
         resumed = Actor(tiny_model(), cfg, pad_token_id=0, rank=rank, world_size=WORLD,
                         load=f"{root}/checkpoints/iter_0000000")
