@@ -225,3 +225,37 @@ def test_two_step_ray_run_matches_the_single_process_run_and_resumes(cluster, to
     assert len(resumed) == 1 and resumed[0]["rows/consumed"] == 32
     assert [m["rollout_id"] for m in read_metrics(ray_root)] == [0, 1, 2]
     assert [p.name for p in list_checkpoints(ray_root)][-1] == "iter_0000002"
+
+
+@pytest.mark.slow
+def test_fsdp_trainers_feed_a_served_engine_through_a_weights_folder(cluster, tmp_path):
+    # rollout.engine=openai under FSDP: every rank helps gather, rank 0 writes RUN_ROOT/weights_sync, the
+    # server reloads it; after the run the served weights are the trained (checkpointed) ones.
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from memrl.engines.hf import HFEngine
+    from memrl.engines.server import create_app
+    from memrl.tiny import save_tiny_model
+
+    sys.path.insert(0, str(HERE.parent / "engines"))
+    from test_server import serve_in_thread
+
+    model_dir = save_tiny_model(tmp_path / "model", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    served = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
+    with serve_in_thread(create_app(served, "tiny", tokenizer=tok)) as url:
+        cfg = config(dp_size=2, runtime="ray", strategy="fsdp", num_rollout=1, ray_section={"rollout_server_urls": [url]})
+        cfg.model.path = str(model_dir)
+        cfg.rollout.engine = "openai"
+        history = run_ray_training(cfg, TrainOptions(run_root=tmp_path / "run", progress=False), tokenizer=tok,
+                                   records=records())
+    assert history[0]["rows/saved"] == history[0]["rows/consumed"] > 0 and history[0]["grad_norm"] > 0
+    trained = load_file(str(tmp_path / "run" / "checkpoints" / "iter_0000000" / "model" / "model.safetensors"))
+    initial = load_file(str(model_dir / "model.safetensors"))
+    assert any(not torch.equal(initial[name], value) for name, value in trained.items())
+    reloaded = served.model.state_dict()
+    for name, value in trained.items():
+        torch.testing.assert_close(reloaded[name], value, atol=0, rtol=0, msg=name)
