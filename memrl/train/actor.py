@@ -195,7 +195,9 @@ class Actor:
         self.strategy = config.train.strategy if world_size > 1 else "single"
         self.cfg = config
         self.device = device or next(model.parameters()).device
-        self.model = model.to(self.device)
+        # FSDP moves each unit to the device as it shards it: building the reference copy and loading a
+        # checkpoint first on the device would put two whole models on every GPU before any sharding.
+        self.model = model if self.strategy == "fsdp" else model.to(self.device)
         self.model.train()
         if config.train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -236,11 +238,11 @@ class Actor:
         self.global_step = 0
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
         if checkpoint is not None:
-            optimizer_state = read_checkpoint_file(checkpoint, OPTIMIZER_FILE)
-            if self.strategy == "fsdp":
-                fsdp.load_full_optimizer_state(self.model, self.optimizer, optimizer_state)
+            if self.strategy == "fsdp":  # rank 0 reads the whole state and broadcasts it
+                fsdp.load_full_optimizer_state(self.model, self.optimizer, read_checkpoint_file(
+                    checkpoint, OPTIMIZER_FILE) if self.rank == 0 else None)
             else:
-                self.optimizer.load_state_dict(optimizer_state)
+                self.optimizer.load_state_dict(read_checkpoint_file(checkpoint, OPTIMIZER_FILE))
             self.scheduler.load_state_dict(read_checkpoint_file(checkpoint, SCHEDULER_FILE))
             restore_rng(checkpoint)
             self.global_step = int(self.loaded_state.get("global_step") or 0)
@@ -323,7 +325,14 @@ class Actor:
                 mb = MicroBatch.build(mb_rows, mb_weights, self.pad_token_id, self.device)
                 logits = self._forward(self.policy, mb)
                 olds.append(mb.scatter(token_log_probs(logits, mb.targets)))
+        self._reshard_after_inference(self.policy)
         return olds
+
+    def _reshard_after_inference(self, module: torch.nn.Module) -> None:
+        """FSDP keeps a root unit gathered after its forward, expecting a backward; after forwards with no
+        backward (reference, old log-probs) the embeddings and LM head would stay whole on every rank."""
+        if self.strategy == "fsdp":
+            module.reshard()
 
     def _optimizer_step(self, shares: list[RankShare], rollout_id: int,
                         old_log_probs: list[Tensor] | None = None) -> dict[str, float]:
@@ -390,10 +399,7 @@ class Actor:
         if self.reference is not None:
             with torch.no_grad():
                 ref = mb.scatter(token_log_probs(self._forward(self.reference, mb), mb.targets))
-            if self.strategy == "fsdp":
-                # FSDP keeps a root unit gathered after its forward, expecting a backward; the reference
-                # has none, so its embeddings and LM head would stay whole on every rank.
-                self.reference.reshard()
+            self._reshard_after_inference(self.reference)
             kl = kl_penalty(logp, ref, a.kl_estimator)
             kl_term = (kl * w_tokens).sum()
             loss = loss + a.kl_coef * kl_term
@@ -435,4 +441,5 @@ class Actor:
         for r in rows:
             mb = MicroBatch.build([r], [0.0], self.pad_token_id, self.device)
             out.append(token_log_probs(self._forward(self.policy, mb), mb.targets).tolist())
+        self._reshard_after_inference(self.policy)
         return out

@@ -88,13 +88,22 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                              state: dict[str, Any]) -> None:
-    """Load a whole `optimizer.state_dict()`-form state (as any strategy saves it) into a sharded optimizer."""
+                              state: dict[str, Any] | None) -> None:
+    """Load a whole `optimizer.state_dict()`-form state (as any strategy saves it) into a sharded optimizer.
+
+    Only rank 0 passes the state (others None): it is broadcast tensor by tensor, so no other rank ever
+    holds the whole optimizer state in host memory.
+    """
     names = [name for name, _ in model.named_parameters()]
-    if len(names) != sum(len(g["params"]) for g in state["param_groups"]):
-        raise ValueError(f"the saved optimizer state covers {sum(len(g['params']) for g in state['param_groups'])} "
-                         f"parameters, this model has {len(names)}; is it the same architecture?")
-    by_name = {"state": {names[i]: value for i, value in state["state"].items()},
-               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                                for group in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    by_name: dict[str, Any] = {}
+    if state is not None:
+        saved = sum(len(g["params"]) for g in state["param_groups"])
+        if saved != len(names):
+            # Rank 0 raises; the others fail in the broadcast they were waiting in (named by the runtime).
+            raise ValueError(f"the saved optimizer state covers {saved} parameters, this model has "
+                             f"{len(names)}; is it the same architecture?")
+        by_name = {"state": {names[i]: value for i, value in state["state"].items()},
+                   "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                    for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
