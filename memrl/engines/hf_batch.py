@@ -129,13 +129,16 @@ class _RunningBatch:
             self.mergeable = _mergeable(cache)
             if self.mergeable:
                 spare = self.remaining()
-                cache.layers[:] = [SpareLayer.from_tensors(layer.keys, layer.values, spare) for layer in cache.layers]
+                # Layer by layer, so each old layer is freed before the next new one exists (peak: one layer).
+                for i, layer in enumerate(cache.layers):
+                    cache.layers[i] = SpareLayer.from_tensors(layer.keys, layer.values, spare)
             return
         width = max(self.width, mask.shape[1])
         spare = max(self.remaining(), max(r.request.max_tokens for r in rows))
-        self.cache.layers[:] = [
-            SpareLayer.merged([(mine.keys, mine.values), (theirs.keys, theirs.values)], width, spare)
-            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True)]
+        for i, (mine, theirs) in enumerate(zip(self.cache.layers, cache.layers, strict=True)):
+            # in place, layer by layer: the merged cache never coexists with the whole old one
+            self.cache.layers[i] = SpareLayer.merged([(mine.keys, mine.values), (theirs.keys, theirs.values)],
+                                                     width, spare)
         self.attention_mask = torch.cat([_left_pad(self.attention_mask, width, -1), _left_pad(mask, width, -1)])
         self.next_position = torch.cat([self.next_position, next_position])
         self.temperatures = torch.cat([self.temperatures, temperatures])

@@ -108,9 +108,10 @@ class SpareLayer(DynamicLayer):
         if not self._owns_views():
             return super().batch_select_indices(indices)
         width = self.keys.shape[2]
-        self._key_buffer = self._key_buffer.index_select(0, indices.to(self._key_buffer.device))
-        self._value_buffer = self._value_buffer.index_select(0, indices.to(self._value_buffer.device))
-        self._set_views(self._start, width)
+        # From `_start` on: the trimmed columns before it are dead, and copying them would only waste.
+        self._key_buffer = self._key_buffer[:, :, self._start:].index_select(0, indices.to(self._key_buffer.device))
+        self._value_buffer = self._value_buffer[:, :, self._start:].index_select(0, indices.to(self._value_buffer.device))
+        self._set_views(0, width)
 
     def trim_left(self, columns: int) -> None:
         """Drop the first `columns` filled columns (no copy: the views start later in the buffers)."""
