@@ -425,13 +425,18 @@ def create_app(
                     await reload(body.path)
                 else:  # in a thread, so /health keeps answering during a long reload
                     thread = asyncio.ensure_future(asyncio.to_thread(reload, body.path))
-                    try:
-                        await asyncio.shield(thread)
-                    finally:
-                        # Cancelled (shutdown, client gone): the thread still writes weights, so the
-                        # gate stays closed until it is done; no generation may see half the weights.
-                        if not thread.done():
-                            await asyncio.wait([thread])
+                    cancelled = False
+                    while not thread.done():
+                        try:
+                            await asyncio.shield(thread)  # raises the thread's own error, if any
+                        except asyncio.CancelledError:
+                            # Cancelled (shutdown, client gone), maybe again and again: the thread still
+                            # writes weights, so the gate stays closed until it is done; no generation
+                            # may see half the weights.
+                            cancelled = True
+                    if cancelled:
+                        thread.result()  # its error (logged below as a failed reload), else the cancel
+                        raise asyncio.CancelledError
             except Exception as exc:
                 logger.exception("reload_from_path failed")
                 raise APIError(
