@@ -40,6 +40,8 @@ def _rank_main(rank: int, port: int, root: str) -> None:
         # after a step nothing stays gathered: not the policy, nor the reference (which has no backward)
         for model in (first.model, first.ref_model):
             assert all(isinstance(p, DTensor) for p in model.parameters())
+        first.log_probs(rows[:2])  # a forward with no backward, as the old log-probs of several steps
+        assert all(isinstance(p, DTensor) for p in first.model.parameters())
         saved = first.save_checkpoint(root, 0, {"config": None})
         assert (saved is None) == (rank != 0)
         dist.barrier()
