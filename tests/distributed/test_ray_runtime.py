@@ -155,7 +155,9 @@ def test_rollout_workers_dead_or_hung_fail_the_step_within_their_timeout(tokeniz
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError, match=r"rollout 2: generate: rollout worker 0 \(pid \d+\) did not answer"):
         pool.generate(2, [hang])
-    assert 2 <= time.monotonic() - start < 60  # not a speed check: it must end, named, not hang
+    # not a speed check: it must end, named, not hang; it waited about its 2 s (Ray's clock may end a
+    # hair before ours: 1.99997 s was seen), not failed at once
+    assert 1.5 <= time.monotonic() - start < 60
 
 
 def test_a_raising_worker_is_named(cluster, handles):
