@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+from train import MODEL_SHAPES  # bench/train.py: run as `python bench/fsdp.py`, bench/ is on the path
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from memrl.config import Config
@@ -41,9 +42,7 @@ SHAPES: dict[str, dict[str, int]] = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64),
     "small": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64),
-    # Qwen3-0.6B's architecture (config.json of Qwen/Qwen3-0.6B), random init: no download.
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "qwen3-0.6b": MODEL_SHAPES["qwen3-0.6b"],  # Qwen3-0.6B's architecture, random init (bench/train.py)
 }
 
 
