@@ -67,8 +67,10 @@ class RolloutConfig(Section):
     memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn (and of the memory passed on).")
     final_tokens: int = Field(64, gt=0, description="Token limit of the final answer turn.")
     max_chunks: int = Field(4, gt=0, description="At most this many chunks are read; longer documents are truncated.")
-    truncation: Literal["head", "tail", "center"] = Field(
-        "center", description="Which chunks a too-long document keeps: first, last, or first and last halves."
+    truncation: Literal["head", "tail", "center", "center_chunks"] = Field(
+        "center", description="What a document longer than max_chunks x chunk_tokens keeps: `head` the first "
+        "max_chunks chunks, `tail` the last, `center` the first and last half of the token budget (MemAgent's), "
+        "`center_chunks` the first and last whole chunks (memrl's first center policy)."
     )
     n_samples: int = Field(8, gt=0, description="Trajectories per question (the GRPO group size).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
@@ -104,6 +106,10 @@ class AlgorithmConfig(Section):
         "split", description="`split`: each of T turns gets advantage/T; `share`: each gets the full advantage."
     )
     std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (+eps).")
+    std_ddof: Literal[0, 1] = Field(
+        0, description="The group std's delta degrees of freedom: 0 = population std, 1 = sample std (verl's and "
+        "slime's GRPO; advantages smaller by sqrt((n-1)/n) for groups of n)."
+    )
     eps: float = Field(1e-6, gt=0, description="Added to the std before dividing.")
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1.")
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (clip-higher when > clip_low).")

@@ -51,7 +51,7 @@ def test_misspelt_key_is_named_with_a_suggestion(tmp_path):
 
 
 def test_bad_choice_lists_allowed_values():
-    with pytest.raises(ConfigError, match=r"rollout\.truncation = 'middle'.*'head', 'tail' or 'center'"):
+    with pytest.raises(ConfigError, match=r"rollout\.truncation = 'middle'.*'head', 'tail', 'center' or 'center_chunks'"):
         load_config(None, ["rollout.truncation=middle"])
 
 

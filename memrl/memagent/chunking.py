@@ -3,32 +3,41 @@
 The document is tokenized **once** (`tokenize_document`) and chunked on token ids, so chunk boundaries
 are exact and no chunk is ever re-tokenized from text (PITFALLS "Text round trips").
 
+A document of N = `len(ids)` tokens is read within a budget of L = `max_chunks * chunk_tokens` tokens.
+Truncation first chooses which document tokens are read (`kept_spans`, half-open token ranges in
+document order), then the tokens read are cut into consecutive chunks of `chunk_tokens`.
+
 Invariants of `chunk_context(ids, chunk_tokens, max_chunks, truncation)` (asserted by the tests):
-- the document splits into `num_chunks_total = ceil(len(ids) / chunk_tokens)` consecutive chunks; chunk
-  `k` is `ids[k * chunk_tokens : (k + 1) * chunk_tokens]`, every one full except possibly the last;
-- at most `max_chunks` are kept, in document order; `kept_indices` names them, and
-  `chunks[j] == ids[kept_indices[j] * chunk_tokens : ...]`, so the kept chunks concatenated equal the
-  corresponding slices of `ids`;
-- `len(chunks) + dropped_chunks == num_chunks_total` and
-  `sum(map(len, chunks)) + dropped_tokens == total_tokens == len(ids)`;
+- `kept_spans` are disjoint, increasing, non-empty ranges of `[0, N)`; the chunks concatenated equal
+  `ids[s:e]` of every span concatenated, and every chunk is full except possibly the last;
+- at most `max_chunks` chunks; a document that fits (N <= L) is read whole: one span `(0, N)`;
+- `num_chunks_total = ceil(N / chunk_tokens)` (the chunks of the whole document),
+  `dropped_chunks = num_chunks_total - len(chunks)`, `dropped_tokens = N - tokens read`, and
+  `truncated == (dropped_tokens > 0) == (dropped_chunks > 0)`;
 - an empty document gives zero chunks (the rollout goes straight to the final turn).
 
-Truncation policies, when `num_chunks_total > max_chunks` (N = num_chunks_total, M = max_chunks):
-- `head`:   keep chunks 0 .. M-1 (the beginning of the document);
-- `tail`:   keep chunks N-M .. N-1 (the end);
-- `center`: keep the first ceil(M/2) chunks and the last floor(M/2) chunks, dropping the middle of the
-  document; e.g. N=10, M=5 keeps 0, 1, 2, 8, 9. The short last chunk, if any, is among the kept ones
-  whenever floor(M/2) >= 1.
+Truncation policies, when N > L (M = max_chunks, C = chunk_tokens):
+- `head`:   read tokens [0, L): the first M chunks;
+- `tail`:   read the last M chunks of the document's chunking, [(ceil(N/C) - M) * C, N) (the last chunk
+  may be short, so fewer than L tokens can be read);
+- `center`: MemAgent's (and verl's) token-level policy: read the first and the last floor(L/2) tokens,
+  then cut full chunks across the join; on range(10), C=4, M=2 that is [[0,1,2,3],[6,7,8,9]]. The
+  budget is used in full (L tokens, or L-1 when L is odd), and a chunk may straddle the join;
+- `center_chunks`: memrl's first policy, by whole chunks of the document's chunking: the first
+  ceil(M/2) and the last floor(M/2) chunks (N=10 chunks, M=5 keeps chunks 0, 1, 2, 8, 9). The short
+  last chunk, when kept, leaves the budget part-used; kept for reproducing runs made with it.
 """
 
 from __future__ import annotations
 
+import json
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-TruncationPolicy = Literal["head", "tail", "center"]
-TRUNCATION_POLICIES: tuple[str, ...] = ("head", "tail", "center")
+TruncationPolicy = Literal["head", "tail", "center", "center_chunks"]
+TRUNCATION_POLICIES: tuple[str, ...] = ("head", "tail", "center", "center_chunks")
 
 
 @dataclass(frozen=True)
@@ -41,11 +50,11 @@ class Chunks:
     dropped_chunks: int
     dropped_tokens: int
     truncation: str
-    kept_indices: list[int]
+    kept_spans: list[tuple[int, int]]
 
     @property
     def truncated(self) -> bool:
-        return self.dropped_chunks > 0
+        return self.dropped_tokens > 0
 
     @property
     def num_chunks(self) -> int:
@@ -62,18 +71,46 @@ class Chunks:
             "dropped_tokens": self.dropped_tokens,
             "truncation": self.truncation,
             "truncated": self.truncated,
-            "kept_indices": list(self.kept_indices),
+            "kept_spans": [list(span) for span in self.kept_spans],
         }
 
 
-def tokenize_document(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a document: no BOS/EOS added, and special-token strings read as plain text.
+# One added-token-free copy of each tokenizer's backend, built on first use (copying the vocabulary
+# takes ~1 s for Qwen3's 151k tokens; a rollout tokenizes thousands of documents).
+_PLAIN_BACKENDS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
-    `split_special_tokens=True` matters for untrusted text: a document that literally contains
-    "<|im_end|>" must not inject the real end-of-turn id into a prompt.
+
+def _plain_backend(tokenizer: Any) -> Any | None:
+    """The tokenizer's Rust backend with its added vocabulary removed, or None for a slow tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    plain = _PLAIN_BACKENDS.get(tokenizer)
+    if plain is None:
+        from tokenizers import Tokenizer
+
+        spec = json.loads(backend.to_str())
+        spec["added_tokens"] = []
+        spec["truncation"] = spec["padding"] = None
+        plain = _PLAIN_BACKENDS[tokenizer] = Tokenizer.from_str(json.dumps(spec))
+    return plain
+
+
+def tokenize_document(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a document: no BOS/EOS added, and every added-token string read as plain text.
+
+    Documents are untrusted: one that literally contains "<|im_end|>", "</think>" or "<tool_call>" must
+    not inject those tokens' real ids into a prompt. `split_special_tokens=True` covers only the tokens
+    marked special; Qwen3's `<think>`, `<tool_call>` and `<|fim_*|>` are added but not special, so the
+    text is encoded by the tokenizer's model alone (normalizer, pre-tokenizer, BPE) with its added
+    vocabulary removed: exactly the ids of ordinary text. Slow (Python) tokenizers fall back to
+    `split_special_tokens=True`.
     """
     if not isinstance(text, str):
         raise TypeError(f"tokenize_document: text must be a str, got {type(text).__name__}")
+    plain = _plain_backend(tokenizer)
+    if plain is not None:
+        return list(plain.encode(text, add_special_tokens=False).ids)
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
@@ -83,17 +120,25 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def kept_chunk_indices(num_chunks_total: int, max_chunks: int, truncation: str) -> list[int]:
-    """Indices (in document order) of the chunks a policy keeps out of `num_chunks_total`."""
-    if num_chunks_total <= max_chunks:
-        return list(range(num_chunks_total))
+def kept_token_spans(total_tokens: int, chunk_tokens: int, max_chunks: int, truncation: str) -> list[tuple[int, int]]:
+    """The document token ranges a policy reads, in order (see the module docstring)."""
+    budget = max_chunks * chunk_tokens
+    if total_tokens <= budget:
+        return [(0, total_tokens)] if total_tokens else []
     if truncation == "head":
-        return list(range(max_chunks))
+        return [(0, budget)]
+    num_total = -(-total_tokens // chunk_tokens)
     if truncation == "tail":
-        return list(range(num_chunks_total - max_chunks, num_chunks_total))
-    first = (max_chunks + 1) // 2  # ceil(M/2) from the beginning
-    last = max_chunks // 2  # floor(M/2) from the end
-    return list(range(first)) + list(range(num_chunks_total - last, num_chunks_total))
+        return [((num_total - max_chunks) * chunk_tokens, total_tokens)]
+    if truncation == "center":
+        half = budget // 2  # a budget of 1 token has no halves: read it from the head
+        return [(0, half), (total_tokens - half, total_tokens)] if half else [(0, budget)]
+    first = (max_chunks + 1) // 2  # center_chunks: ceil(M/2) whole chunks from the beginning ...
+    last = max_chunks // 2  # ... and floor(M/2) from the end
+    spans = [(0, first * chunk_tokens)]
+    if last:
+        spans.append(((num_total - last) * chunk_tokens, total_tokens))
+    return spans
 
 
 def chunk_context(
@@ -116,16 +161,16 @@ def chunk_context(
     ids = [int(i) for i in ids]
 
     total = len(ids)
+    spans = kept_token_spans(total, chunk_tokens, max_chunks, truncation)
+    read = [t for start, end in spans for t in ids[start:end]]
+    chunks = [read[k : k + chunk_tokens] for k in range(0, len(read), chunk_tokens)]
     num_total = -(-total // chunk_tokens)  # ceil division; 0 for an empty document
-    kept = kept_chunk_indices(num_total, max_chunks, truncation)
-    chunks = [ids[k * chunk_tokens : (k + 1) * chunk_tokens] for k in kept]
-    kept_tokens = sum(len(c) for c in chunks)
     return Chunks(
         chunks=chunks,
         total_tokens=total,
         num_chunks_total=num_total,
-        dropped_chunks=num_total - len(kept),
-        dropped_tokens=total - kept_tokens,
+        dropped_chunks=num_total - len(chunks),
+        dropped_tokens=total - len(read),
         truncation=truncation,
-        kept_indices=kept,
+        kept_spans=spans,
     )

@@ -41,5 +41,5 @@ def convert_trajectories(trajectories: Sequence[Trajectory], algorithm_cfg: Algo
     trajectories = list(trajectories)
     validate_groups(trajectories)
     advantages = trajectory_advantages(trajectories, std_normalize=algorithm_cfg.std_normalize,
-                                       eps=algorithm_cfg.eps)
+                                       eps=algorithm_cfg.eps, std_ddof=algorithm_cfg.std_ddof)
     return expand_rows(trajectories, advantages, algorithm_cfg.credit, rollout_id)

@@ -28,19 +28,23 @@ class AdvantageError(ValueError):
 
 
 def grpo_advantages(rewards_by_group: Mapping[str, Sequence[float]], std_normalize: bool = True,
-                    eps: float = 1e-6) -> dict[str, list[float]]:
+                    eps: float = 1e-6, std_ddof: int = 0) -> dict[str, list[float]]:
     """Group-relative advantages: `r - mean(group)`, divided by `std(group) + eps` if `std_normalize`.
 
-    The std is the *population* std (ddof=0): it is defined for every group size, and a normalized
-    group has unit population variance (up to eps). verl and TRL use the sample std (ddof=1), whose
-    values are smaller by sqrt((n-1)/n), e.g. +-0.707 instead of +-1 for a group of two.
+    `std_ddof` picks the std: 0 = population std (a normalized group has unit population variance, up
+    to eps), 1 = sample std, as verl's `compute_grpo_outcome_advantage` (torch.std) and slime use; the
+    sample std is larger by sqrt(n/(n-1)), so its advantages are smaller by sqrt((n-1)/n): for 1 right
+    of 8, +2.4749/-0.3536 with ddof=1 against +2.6457/-0.3780 with ddof=0.
 
     Invariants: output lists align with the input lists; a group whose rewards are all equal
     (including a group of one) gets exactly 0.0 everywhere, not a rounding residue; an empty group
-    gives an empty list. Non-finite rewards raise `AdvantageError`.
+    gives an empty list (verl instead passes a lone sample's raw reward through: memrl does not, a
+    group of one carries no relative signal). Non-finite rewards raise `AdvantageError`.
     """
     if eps <= 0:
         raise AdvantageError(f"eps = {eps} must be > 0 (it keeps the std division finite)")
+    if std_ddof not in (0, 1):
+        raise AdvantageError(f"std_ddof = {std_ddof!r} must be 0 (population std) or 1 (sample std)")
     advantages: dict[str, list[float]] = {}
     for group_id, rewards in rewards_by_group.items():
         values = np.asarray(list(rewards), dtype=np.float64)
@@ -52,7 +56,7 @@ def grpo_advantages(rewards_by_group: Mapping[str, Sequence[float]], std_normali
             continue
         centred = values - values.mean()
         if std_normalize:
-            centred = centred / (values.std(ddof=0) + eps)
+            centred = centred / (values.std(ddof=std_ddof) + eps)
         advantages[group_id] = [float(a) for a in centred]
     return advantages
 
@@ -70,7 +74,7 @@ def assign_credit(advantage: float, num_turns: int, mode: CreditMode) -> list[fl
 
 
 def trajectory_advantages(trajectories: Iterable[Trajectory], std_normalize: bool = True,
-                          eps: float = 1e-6) -> dict[str, float]:
+                          eps: float = 1e-6, std_ddof: int = 0) -> dict[str, float]:
     """GRPO advantage of each trajectory, grouped by `group_id`; each trajectory counts once.
 
     Needs `reward` on every trajectory (TrajectoryError `reward_present` otherwise) and unique
@@ -89,7 +93,7 @@ def trajectory_advantages(trajectories: Iterable[Trajectory], std_normalize: boo
         seen.add(traj.trajectory_id)
         ids_by_group.setdefault(traj.group_id, []).append(traj.trajectory_id)
         rewards_by_group.setdefault(traj.group_id, []).append(float(traj.reward))
-    by_group = grpo_advantages(rewards_by_group, std_normalize=std_normalize, eps=eps)
+    by_group = grpo_advantages(rewards_by_group, std_normalize=std_normalize, eps=eps, std_ddof=std_ddof)
     return {tid: adv for group_id, ids in ids_by_group.items() for tid, adv in zip(ids, by_group[group_id], strict=True)}
 
 

@@ -29,5 +29,5 @@ def convert_one_row_per_trajectory(trajectories: Sequence[Trajectory], algorithm
                                   "(use memrl.memagent.convert:convert_trajectories for multi-turn ones)")
     validate_groups(trajectories)
     advantages = trajectory_advantages(trajectories, std_normalize=algorithm_cfg.std_normalize,
-                                       eps=algorithm_cfg.eps)
+                                       eps=algorithm_cfg.eps, std_ddof=algorithm_cfg.std_ddof)
     return expand_rows(trajectories, advantages, "share", rollout_id)

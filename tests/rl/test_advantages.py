@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +35,24 @@ def test_std_normalized_values_by_hand():
     std = math.sqrt(3) / 4
     assert got == pytest.approx([0.75 / (std + EPS)] + [-0.25 / (std + EPS)] * 3, rel=1e-12)
     assert got == pytest.approx([1.7320508, -0.5773503, -0.5773503, -0.5773503], abs=1e-5)
+
+
+def test_sample_std_matches_verl_on_one_right_of_eight():
+    # verl's compute_grpo_outcome_advantage: (r - mean) / (torch.std(r) + eps), torch.std unbiased (ddof=1).
+    rewards = [1.0] + [0.0] * 7
+    sample = grpo_advantages({"q": rewards}, eps=EPS, std_ddof=1)["q"]
+    population = grpo_advantages({"q": rewards}, eps=EPS, std_ddof=0)["q"]
+    assert sample[0] == pytest.approx(2.4749, abs=1e-4) and sample[1] == pytest.approx(-0.3536, abs=1e-4)
+    assert population[0] == pytest.approx(2.6457, abs=1e-4) and population[1] == pytest.approx(-0.3780, abs=1e-4)
+    t = torch.tensor(rewards, dtype=torch.float64)
+    assert sample == pytest.approx(((t - t.mean()) / (t.std() + EPS)).tolist(), rel=1e-12)
+    # The ratio is sqrt((n-1)/n) up to eps.
+    assert sample[0] / population[0] == pytest.approx(math.sqrt(7 / 8), rel=1e-5)
+
+
+def test_std_ddof_must_be_zero_or_one():
+    with pytest.raises(AdvantageError, match="std_ddof"):
+        grpo_advantages({"q": [1.0, 0.0]}, std_ddof=2)
 
 
 def test_mean_centred_only_when_std_normalize_is_off():
