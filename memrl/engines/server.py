@@ -6,7 +6,9 @@ Endpoints (shapes follow vLLM's OpenAI server, so one client speaks to both):
     POST /v1/completions         `prompt` = list of ints, or list of lists of ints (a batch); returns per
                                  choice `text` (decoded, for humans), `token_ids`, `logprobs`
                                  {tokens, token_logprobs} when `logprobs` is set, `finish_reason`, usage
-    POST /v1/reload_weights      {"path": DIR}: the engine reloads its weights from DIR (trainer sync)
+    POST /v1/reload_weights      {"path": DIR}: the engine reloads its weights from DIR (trainer sync);
+                                 DIR must lie under a --reload-root and hold the served model's
+                                 architecture and vocabulary
 
 Invariants:
 - Text prompts are refused (400): memrl serves token ids only, so nothing is re-tokenized.
@@ -16,6 +18,11 @@ Invariants:
   response mixes two weight versions. Every wait at that gate is bounded by `gate_timeout_s`: past it,
   the waiting request gets a 503 (which clients retry) naming the setting, never a hang. The gate is
   released when a reload ends, failed or not, and a failed reload answers 500 with the engine's error.
+- Numeric request fields are finite and in range (400 otherwise), so no request reaches the engine with
+  a value it would overflow on (a seed past int64) or sample nonsense from (an infinite temperature).
+- Reloads are disabled unless the operator names folders (`reload_roots`, `--reload-root`). A path
+  outside them gets one 403 whether or not it exists (`..` and symlinks are resolved first); a folder
+  whose config or tokenizer differs from the served model's gets a 409, never a silent swap.
 - Bound to 127.0.0.1 unless told otherwise; with an API key, every /v1 route needs
   `Authorization: Bearer KEY`.
 """
@@ -31,7 +38,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -39,9 +46,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
 
 from memrl.engines.base import Engine, GenerationRequest
+from memrl.engines.reload_policy import (
+    ReloadPolicy,
+    ReloadRefused,
+    read_model_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +63,20 @@ DEFAULT_MAX_BATCH_PROMPTS = 256
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 DEFAULT_GATE_TIMEOUT_S = 600.0  # as rollout.request_timeout_s and ray.sync_timeout_s
 API_KEY_ENV = "MEMRL_API_KEY"
+# Seeds and token ids travel as int64 (torch tensors, SGLang, vLLM); torch.Generator takes < 2**64, but
+# int64 is what every engine behind this API accepts. HFEngine draws its own random seeds below 2**63.
+MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**63 - 1
+# A positive temperature below this makes logits / T overflow float32 (NaN log-probs); 0 means greedy.
+# Above the maximum the distribution is uniform to float precision: no sampling setting needs more.
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 100.0
 
+RELOAD_ROOT_HELP = (
+    "folder POST /v1/reload_weights may load weights from (repeatable; symlinks and .. resolved). "
+    "Default: none, reloads disabled. To train against this server, give the run root (or a folder above "
+    "it): training writes RUN_ROOT/weights_sync and asks for a reload of it after every step"
+)
 TEXT_PROMPT_MESSAGE = (
     "memrl serve takes token-id prompts only: send `prompt` as a list of ints (or a list of lists of "
     "ints for a batch), tokenized on the client with the model's tokenizer and chat template"
@@ -96,14 +121,15 @@ class CompletionBody(BaseModel):
 
     model: str | None = None
     prompt: Any
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    # Strict types: a JSON `true` or "0.7" in a numeric field is a client bug, not 1 or 0.7.
+    max_tokens: StrictInt = Field(16, ge=1)
+    temperature: StrictFloat = Field(1.0, allow_inf_nan=False)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
     skip_special_tokens: bool = True
-    n: int = Field(1, ge=1, le=1, description="one sample per prompt; send the prompt again for more")
+    n: StrictInt = Field(1, ge=1, le=1, description="one sample per prompt; send the prompt again for more")
     stream: bool = Field(False, description="streaming is not supported")
     stop: str | list[str] | None = Field(None, description="text stops are not supported; use stop_token_ids")
     echo: bool = Field(False, description="echo is not supported")
@@ -112,6 +138,22 @@ class CompletionBody(BaseModel):
     @classmethod
     def _prompt_is_token_ids(cls, value: Any) -> list[list[int]]:
         return _parse_prompt(value)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_in_range(cls, value: float) -> float:
+        if value != 0 and not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, got {value!r}"
+            )
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise ValueError(f"must be in [0, 2**63 - 1] (an int64 seed), got {value}")
+        return value
 
     @field_validator("stream", "echo")
     @classmethod
@@ -131,6 +173,14 @@ class CompletionBody(BaseModel):
 class ReloadBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str = Field(min_length=1)
+
+    @field_validator("path")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        # The OS refuses such paths with an error; refusing them here keeps every refusal a 4xx.
+        if "\x00" in value:
+            raise ValueError("a path cannot contain a NUL character")
+        return value
 
 
 class _ReloadGate:
@@ -262,6 +312,16 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+def _check_token_ids(id_lists: list[list[int]], vocab_size: int | None) -> None:
+    """400 for an id outside the vocabulary; with no known vocabulary, outside int64 (what engines take)."""
+    limit = vocab_size if vocab_size is not None else MAX_TOKEN_ID + 1
+    for ids in id_lists:
+        bad = next((t for t in ids if not 0 <= t < limit), None)
+        if bad is not None:
+            where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, 2**63)"
+            raise APIError(400, f"token id {bad} is outside {where}")
+
+
 def _token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
     if tokenizer is not None and hasattr(tokenizer, "convert_ids_to_tokens"):
         return [str(t) for t in tokenizer.convert_ids_to_tokens(ids)]
@@ -280,6 +340,8 @@ def create_app(
     vocab_size: int | None = None,
     close_engine_on_shutdown: bool = True,
     gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+    reload_roots: Sequence[str | os.PathLike] | None = None,
+    model_config: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name`.
 
@@ -288,9 +350,17 @@ def create_app(
     how long a generation waits for a reload to finish, and a reload for in-flight generations; past
     it the request gets a 503. It does not cut a running reload short (a weight load in a thread cannot
     be stopped halfway without serving half-loaded weights).
+
+    `reload_roots`: the folders /v1/reload_weights may load from (none: reloads are disabled, 403).
+    `model_config` (default: the engine's `model.config`) is the served model's config as a dict; a
+    reload folder's config.json must match its architecture fields, and, when the folder carries a
+    tokenizer and `tokenizer` has `get_vocab`, its vocabulary must be the served one (409 otherwise).
     """
     if not gate_timeout_s > 0:
         raise ValueError(f"gate_timeout_s must be > 0, got {gate_timeout_s}")
+    policy = ReloadPolicy(
+        reload_roots, model_config if model_config is not None else _engine_config(engine), tokenizer
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -347,10 +417,13 @@ def create_app(
                 raise APIError(
                     400, f"prompt {i} has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}"
                 )
-        for ids in (*prompts, body.stop_token_ids):
-            bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
-            if bad is not None:
-                raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size or 'inf'})")
+        _check_token_ids([*prompts, body.stop_token_ids], vocab_size)
+        if body.seed is not None and body.seed + len(prompts) - 1 > MAX_SEED:
+            # Prompt i samples with seed + i (below): the last of them must still be an int64.
+            raise APIError(
+                400,
+                f"seed {body.seed} + {len(prompts) - 1} (one per prompt) passes 2**63 - 1; send a smaller seed",
+            )
         requests = [
             GenerationRequest(
                 prompt_ids=ids,
@@ -416,15 +489,21 @@ def create_app(
         reload = getattr(engine, "reload_from_path", None)
         if reload is None:
             raise APIError(501, f"{type(engine).__name__} cannot reload weights (no reload_from_path)")
-        if not Path(body.path).is_dir():
-            raise APIError(400, f"reload path {body.path!r} is not a folder on the server's machine")
+        try:
+            folder = policy.resolve(body.path)
+            # In a thread: loading a tokenizer to compare vocabularies must not stall /health.
+            await asyncio.to_thread(policy.check_folder, folder, body.path)
+        except ReloadRefused as refused:
+            raise APIError(refused.status, refused.message, refused.kind) from None
         start = time.perf_counter()
         async with gate.reload():
             try:
+                # The resolved folder that was checked, not the path as sent: its symlinks are not followed
+                # a second time, so the load reads what the root and architecture checks saw.
                 if inspect.iscoroutinefunction(reload):
-                    await reload(body.path)
+                    await reload(str(folder))
                 else:  # in a thread, so /health keeps answering during a long reload
-                    thread = asyncio.ensure_future(asyncio.to_thread(reload, body.path))
+                    thread = asyncio.ensure_future(asyncio.to_thread(reload, str(folder)))
                     cancelled = False
                     while not thread.done():
                         try:
@@ -464,6 +543,25 @@ def _vocab_size(engine: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
+def _engine_config(engine: Any) -> dict[str, Any] | None:
+    """The engine's transformers config as a dict (HFEngine has one; other engines may not)."""
+    to_dict = getattr(getattr(getattr(engine, "model", None), "config", None), "to_dict", None)
+    return to_dict() if callable(to_dict) else None
+
+
+def _served_config(engine: Any, model_path: str) -> dict[str, Any] | None:
+    """The served model's config: the engine's, else (an --engine without one) the model folder's."""
+    config = _engine_config(engine)
+    if config is None and (Path(model_path) / "config.json").is_file():
+        try:
+            config = read_model_config(Path(model_path))
+        except Exception as exc:  # noqa: BLE001 - then reloads go unchecked, which the log says
+            logger.warning(
+                "cannot read %s/config.json (%s): reloads are not checked against it", model_path, exc
+            )
+    return config
+
+
 def serve(
     model_path: str,
     host: str = "127.0.0.1",
@@ -479,11 +577,14 @@ def serve(
     engine_factory: str | None = None,
     log_level: str = "info",
     gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+    reload_roots: Sequence[str | os.PathLike] | None = None,
 ) -> None:
     """Load the model (HFEngine, or `engine_factory` 'module:function(model_path) -> Engine') and serve it
     until interrupted. The model is served under `served_model_name` (default: the folder's name).
     `gate_timeout_s`: see `create_app` (longest wait of a generation for a reload, and of a reload for
-    in-flight generations, before a 503)."""
+    in-flight generations, before a 503). `reload_roots`: the folders weights may be reloaded from;
+    none (the default) disables reloads, since a served model has no business loading arbitrary folders
+    unless the operator says where training writes them."""
     import uvicorn
 
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
@@ -491,6 +592,10 @@ def serve(
         logger.warning(
             "serving on %s without an API key: anyone who reaches this port can generate and reload", host
         )
+    if reload_roots:
+        logger.info("weight reloads allowed from: %s", ", ".join(str(r) for r in reload_roots))
+    else:
+        logger.info("weight reloads disabled (no --reload-root)")
     engine = _load_engine(model_path, engine_factory, device, dtype)
     app = create_app(
         engine,
@@ -503,6 +608,8 @@ def serve(
         tokenizer=getattr(engine, "tokenizer", None),  # HFEngine loads the folder's tokenizer
         vocab_size=_vocab_size(engine),
         gate_timeout_s=gate_timeout_s,
+        reload_roots=reload_roots,
+        model_config=_served_config(engine, model_path),
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
@@ -533,6 +640,14 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=DEFAULT_GATE_TIMEOUT_S,
         help="longest wait of a generation for a weight reload (or of a reload for generations); then 503",
+    )
+    parser.add_argument(
+        "--reload-root",
+        action="append",
+        dest="reload_roots",
+        default=None,
+        metavar="DIR",
+        help=RELOAD_ROOT_HELP,
     )
     parser.add_argument(
         "--engine", default=None, help="'module:function' building the engine from the model path"

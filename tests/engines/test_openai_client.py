@@ -206,7 +206,7 @@ def test_4xx_from_the_server_is_reported_not_retried():
 
 def test_reload_weights_on_memrl_serve(tmp_path):
     fake = FakeEngine()
-    with serve_in_thread(create_app(fake, "fake")) as url:
+    with serve_in_thread(create_app(fake, "fake", reload_roots=[tmp_path])) as url:
         engine = OpenAIEngine(url)
         run(engine.reload_weights(str(tmp_path)))
         with pytest.raises(EngineError, match="not a folder"):
@@ -324,10 +324,9 @@ def test_client_against_a_server_subprocess(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO_ROOT)]),
         "MEMRL_API_KEY": "from-env",
     }
-    proc, url = start_server_process(
-        ["--model", str(tmp_path), "--engine", "test_server:make_fake_engine", "--served-model-name", "sub"],
-        env,
-    )
+    engine_args = ["--engine", "test_server:make_fake_engine", "--served-model-name", "sub"]
+    folders = ["--model", str(tmp_path), "--reload-root", str(tmp_path)]
+    proc, url = start_server_process([*folders, *engine_args], env)
     try:
         engine = OpenAIEngine(url, api_key="from-env", max_concurrency=2)
         results = run(generate_and_close(engine, requests_for_test()))

@@ -13,13 +13,16 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from memrl.engines.base import GenerationRequest, GenerationResult
-from memrl.engines.server import TEXT_PROMPT_MESSAGE, create_app
+from memrl.engines.sampling import sampling_log_probs
+from memrl.engines.server import MAX_TEMPERATURE, MIN_TEMPERATURE, TEXT_PROMPT_MESSAGE, create_app
 
 FAIL_TOKEN = 99  # a prompt holding it gets an `error` result
 RAISE_TOKEN = 98  # a prompt holding it makes generate() raise
@@ -119,7 +122,13 @@ def serve_in_thread(app, sock: socket.socket | None = None, start_delay_s: float
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[str, FakeEngine]]:
+def reload_root(tmp_path_factory) -> Path:
+    """The folder `served` may reload from."""
+    return tmp_path_factory.mktemp("reload_root")
+
+
+@pytest.fixture(scope="module")
+def served(reload_root) -> Iterator[tuple[str, FakeEngine]]:
     engine = FakeEngine()
     app = create_app(
         engine,
@@ -129,6 +138,7 @@ def served() -> Iterator[tuple[str, FakeEngine]]:
         max_batch_prompts=4,
         max_request_bytes=2000,
         vocab_size=FakeEngine.vocab_size,
+        reload_roots=[reload_root],
     )
     with serve_in_thread(app) as url:
         yield url, engine
@@ -248,6 +258,103 @@ def test_server_limits_give_400(served, body, words):
     assert words in r.json()["error"]["message"]
 
 
+def post_json_text(url: str, text: str) -> httpx.Response:
+    """POST a body as written: JSON with Infinity/NaN, which httpx's `json=` refuses to encode."""
+    headers = {"content-type": "application/json"}
+    return httpx.post(url + "/v1/completions", content=text.encode(), headers=headers, timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ('"temperature": Infinity', "temperature: Input should be a finite number"),
+        ('"temperature": -Infinity', "temperature: Input should be a finite number"),
+        ('"temperature": NaN', "temperature: Input should be a finite number"),
+        ('"temperature": 1e-300', "temperature: must be 0 (greedy) or between 1e-06 and 100"),
+        ('"temperature": 1e9', "temperature: must be 0 (greedy) or between"),
+        ('"temperature": true', "temperature"),
+        ('"temperature": "0.7"', "temperature"),
+        ('"top_p": NaN', "top_p"),
+        ('"top_p": Infinity', "top_p"),
+        ('"top_p": true', "top_p"),
+        (f'"seed": {2**70}', "seed: must be in [0, 2**63 - 1]"),
+        (f'"seed": {2**63}', "seed: must be in [0, 2**63 - 1]"),
+        ('"seed": -1', "seed: must be in [0, 2**63 - 1]"),
+        ('"seed": 1.5', "seed"),
+        ('"seed": true', "seed"),
+        ('"max_tokens": true', "max_tokens"),
+        ('"max_tokens": Infinity', "max_tokens"),
+        ('"logprobs": true', "logprobs"),
+        ('"n": true', "n"),
+        ('"stop_token_ids": [true]', "stop_token_ids"),
+    ],
+)
+def test_numeric_fields_must_be_finite_in_range_numbers(served, fields, words):
+    # Before: temperature=Infinity was sampled (200) and seed=2**70 reached torch.Generator (a 500).
+    r = post_json_text(served[0], '{"prompt": [1], "max_tokens": 2, ' + fields + "}")
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_batch_seeds_must_all_fit_int64(served):
+    # Prompt i samples with seed + i: the last prompt's seed must be an int64 too.
+    edge = 2**63 - 1
+    one = post(served[0], {"prompt": [1], "max_tokens": 1, "seed": edge})
+    two = post(served[0], {"prompt": [[1], [2]], "max_tokens": 1, "seed": edge})
+    assert one.status_code == 200, one.text
+    assert two.status_code == 400
+    assert "passes 2**63 - 1; send a smaller seed" in two.json()["error"]["message"]
+
+
+class TorchSeededEngine(FakeEngine):
+    """Seeds a torch.Generator per request as HFEngine does, so a seed torch refuses fails here too."""
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        for r in requests:
+            if r.seed is not None:
+                torch.Generator().manual_seed(r.seed)
+        return await super().generate(requests)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 0},
+        {"temperature": 1e-6},
+        {"temperature": 100},
+        {"temperature": 1, "top_p": 1e-9},
+        {"seed": 0},
+        {"seed": 2**63 - 1},
+    ],
+)
+def test_numeric_range_edges_are_accepted_and_sample(fields):
+    with serve_in_thread(create_app(TorchSeededEngine(), "fake")) as url:
+        r = post(url, {"prompt": [1], "max_tokens": 2, **fields})
+    assert r.status_code == 200, r.text
+
+
+def test_temperature_bounds_keep_sampling_log_probs_finite():
+    # Why the bounds: below MIN_TEMPERATURE logits / T overflows float32 and log-probs turn NaN.
+    logits = torch.linspace(-30, 30, 50)[None, :]
+    for temperature in (MIN_TEMPERATURE, MAX_TEMPERATURE):
+        for top_p in (1.0, 0.9):
+            log_probs = sampling_log_probs(logits, torch.tensor([temperature]), torch.tensor([top_p]))
+            assert not torch.isnan(log_probs).any(), (temperature, top_p)
+    tiny = sampling_log_probs(logits, torch.tensor([1e-40]), torch.tensor([1.0]))
+    assert torch.isnan(tiny).any()  # what a 1e-40 temperature would have sampled from
+
+
+def test_token_ids_beyond_int64_are_a_400_without_a_known_vocabulary():
+    # With no vocab_size, ids still go into int64 tensors: past 2**63 - 1 the engine would overflow.
+    with serve_in_thread(create_app(FakeEngine(), "fake")) as url:
+        prompt = post(url, {"prompt": [1, 2**70], "max_tokens": 1})
+        stop = post(url, {"prompt": [1], "max_tokens": 1, "stop_token_ids": [2**64]})
+        fine = post(url, {"prompt": [1, 2**63 - 1], "max_tokens": 1})
+    assert prompt.status_code == 400 and f"token id {2**70} is outside [0, 2**63)" in prompt.text
+    assert stop.status_code == 400 and f"token id {2**64}" in stop.text
+    assert fine.status_code == 200, fine.text
+
+
 def test_unknown_model_name_is_a_404(served):
     r = post(served[0], {"model": "other", "prompt": [1]})
     assert r.status_code == 404
@@ -329,12 +436,15 @@ def test_text_is_decoded_with_the_tokenizer_honouring_skip_special_tokens():
     assert kept["logprobs"]["tokens"] == tokenizer.convert_ids_to_tokens(want)
 
 
-def test_reload_calls_the_engine_and_checks_the_folder(served, tmp_path):
+def test_reload_calls_the_engine_and_checks_the_folder(served, reload_root):
     url, engine = served
-    r = httpx.post(url + "/v1/reload_weights", json={"path": str(tmp_path)}, timeout=10)
+    folder = reload_root / "step-1"
+    folder.mkdir()
+    r = httpx.post(url + "/v1/reload_weights", json={"path": str(folder)}, timeout=10)
     assert r.status_code == 200, r.text
-    assert engine.reloads[-1] == str(tmp_path)
-    missing = httpx.post(url + "/v1/reload_weights", json={"path": str(tmp_path / "nope")}, timeout=10)
+    assert engine.reloads[-1] == str(folder)
+    # Inside the allowed root the caller may learn that a folder is missing (outside it: a plain 403).
+    missing = httpx.post(url + "/v1/reload_weights", json={"path": str(reload_root / "nope")}, timeout=10)
     assert missing.status_code == 400
     assert "not a folder" in missing.json()["error"]["message"]
     assert httpx.post(url + "/v1/reload_weights", json={}, timeout=10).status_code == 400
@@ -356,7 +466,7 @@ def test_reload_of_an_async_engine_and_of_one_that_cannot(tmp_path):
     async_engine = AsyncReloading()
     replies = {}
     for engine in (async_engine, Broken(), NoReload()):
-        with serve_in_thread(create_app(engine, "fake")) as url:
+        with serve_in_thread(create_app(engine, "fake", reload_roots=[tmp_path])) as url:
             replies[type(engine).__name__] = httpx.post(
                 url + "/v1/reload_weights", json={"path": str(tmp_path)}, timeout=10
             )
@@ -369,7 +479,7 @@ def test_reload_of_an_async_engine_and_of_one_that_cannot(tmp_path):
 
 def test_reload_waits_for_in_flight_generation(tmp_path):
     engine = FakeEngine(delay_s=0.4)
-    with serve_in_thread(create_app(engine, "fake")) as url:
+    with serve_in_thread(create_app(engine, "fake", reload_roots=[tmp_path])) as url:
         worker = threading.Thread(target=post, args=(url, {"prompt": [1], "max_tokens": 2}))
         worker.start()
         deadline = time.monotonic() + 5
@@ -428,7 +538,8 @@ def test_health_and_models_answer_while_a_slow_reload_runs(tmp_path):
     # A trainer's weight sync must not make the server look dead to health checks (open-instruct
     # PR #1454): /health and /v1/models answer while the reload is provably still running.
     engine = HeldEngine()
-    with serve_in_thread(create_app(engine, "fake")) as url, ThreadPoolExecutor(1) as pool:
+    app = create_app(engine, "fake", reload_roots=[tmp_path])
+    with serve_in_thread(app) as url, ThreadPoolExecutor(1) as pool:
         try:
             reload = pool.submit(post_reload, url, tmp_path)
             assert engine.reload_started.wait(timeout=5)
@@ -446,7 +557,8 @@ def test_health_and_models_answer_while_a_slow_reload_runs(tmp_path):
 def test_generation_arriving_during_a_reload_waits_for_it_then_succeeds(tmp_path):
     engine = HeldEngine()
     body = {"prompt": [1, 2], "max_tokens": 3}
-    with serve_in_thread(create_app(engine, "fake")) as url, ThreadPoolExecutor(2) as pool:
+    app = create_app(engine, "fake", reload_roots=[tmp_path])
+    with serve_in_thread(app) as url, ThreadPoolExecutor(2) as pool:
         try:
             reload = pool.submit(post_reload, url, tmp_path)
             assert engine.reload_started.wait(timeout=5)
@@ -466,7 +578,7 @@ def test_generation_arriving_during_a_reload_waits_for_it_then_succeeds(tmp_path
 
 def test_generation_held_past_the_gate_timeout_gets_a_503_not_a_hang(tmp_path):
     engine = HeldEngine()
-    app = create_app(engine, "fake", gate_timeout_s=0.2)
+    app = create_app(engine, "fake", gate_timeout_s=0.2, reload_roots=[tmp_path])
     with serve_in_thread(app) as url, ThreadPoolExecutor(1) as pool:
         try:
             reload = pool.submit(post_reload, url, tmp_path)
@@ -490,7 +602,7 @@ def test_generation_held_past_the_gate_timeout_gets_a_503_not_a_hang(tmp_path):
 def test_failed_reload_answers_500_and_releases_the_gate_for_waiting_and_new_generations(tmp_path):
     engine = HeldEngine(reload_error="torn checkpoint")
     # A gate timeout well under the no-hang bounds: a gate left shut shows up as a 503, not a hang.
-    app = create_app(engine, "fake", gate_timeout_s=3)
+    app = create_app(engine, "fake", gate_timeout_s=3, reload_roots=[tmp_path])
     body = {"prompt": [4], "max_tokens": 2}
     with serve_in_thread(app) as url, ThreadPoolExecutor(2) as pool:
         try:
@@ -514,7 +626,7 @@ def test_reload_that_gives_up_waiting_lets_generations_held_behind_it_run(tmp_pa
     # A waiting reload holds new generations back (so a busy server still reloads); when it gives up
     # at its gate timeout, those generations must be woken then, not left waiting for their own timeout.
     engine = HeldEngine()
-    app = create_app(engine, "fake", gate_timeout_s=1.0)
+    app = create_app(engine, "fake", gate_timeout_s=1.0, reload_roots=[tmp_path])
     with serve_in_thread(app) as url, ThreadPoolExecutor(2) as pool:
         try:
             slow = pool.submit(post, url, {"prompt": [HOLD_TOKEN], "max_tokens": 1})
@@ -550,7 +662,7 @@ def test_a_cancelled_reload_keeps_the_gate_closed_until_its_thread_ends(tmp_path
     # The reload handler may be cancelled (shutdown, client gone) while its thread still writes weights:
     # generations must keep waiting for the thread, not start on half-loaded weights.
     engine = HeldEngine()
-    app = create_app(engine, "fake")
+    app = create_app(engine, "fake", reload_roots=[tmp_path])
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server") as client:

@@ -30,14 +30,17 @@ def test_served_engine_is_reloaded_with_the_trained_weights(tmp_path):
     served = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
     records = [QuestionRecord(id="q0", question="Which city?", answers=["Paris"],
                               context="Document 1: Paris is the capital of France. " * 3, metadata={})]
-    with serve_in_thread(create_app(served, "tiny", tokenizer=tok)) as url:
+    # As documented for training against memrl serve: the run root is the reload root (it does not
+    # exist yet), and the served engine's config and tokenizer check every synced folder.
+    run_root = tmp_path / "run"
+    with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[run_root])) as url:
         cfg = Config.model_validate({
             "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
                         "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
             "train": {"num_rollout": 1, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
             "plugins": {"reward_function": f"{__name__}:parity_reward"},
         })
-        trainer = Trainer(cfg, TrainOptions(run_root=tmp_path / "run", progress=False),
+        trainer = Trainer(cfg, TrainOptions(run_root=run_root, progress=False),
                           model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, records=records)
         history = trainer.run()
         assert history[0]["rows/consumed"] == history[0]["rows/saved"] > 0

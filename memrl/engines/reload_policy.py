@@ -1,0 +1,227 @@
+"""Which folders `memrl serve` may reload weights from, and what they must hold (POST /v1/reload_weights).
+
+Reloads are disabled unless the operator names folders (`--reload-root`). A path outside them gets one
+refusal (403) whether or not it exists (`..` collapsed as text, then symlinks resolved and checked
+again); a folder whose config or tokenizer differs from the served model's gets a 409, never a silent
+swap (token ids are checked against, and decoded with, the served tokenizer). Kept apart from the HTTP
+app so the rules read on their own; the server turns `ReloadRefused` into its error response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+logger = logging.getLogger("memrl.engines.server")  # the server's log, where refusals are explained
+
+
+class ReloadRefused(Exception):
+    """A reload request refused with an HTTP `status` (400, 403, 409) and an OpenAI-style error `kind`."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+RELOAD_DISABLED_MESSAGE = (
+    "weight reloads are disabled on this server: start memrl serve with --reload-root DIR (repeatable) "
+    "naming the folders it may reload from, e.g. the training run root that holds weights_sync"
+)
+RELOAD_FORBIDDEN_MESSAGE = (
+    "reload path is outside the folders this server may reload from; write the weights under one of "
+    "them, or restart memrl serve with a --reload-root that covers this path"
+)
+# Config fields that decide the shapes of a model's weights (or, model_type/architectures, which module
+# holds them). Names differ between model families, so each is compared only where a config has it.
+ARCHITECTURE_FIELDS = (
+    "model_type",
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "n_positions",
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# Every file a tokenizer's vocabulary is read from: equal bytes, equal vocabulary, no reload needed.
+TOKENIZER_INPUTS = (
+    *TOKENIZER_FILES,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "merges.txt",
+    "vocab.txt",
+)
+
+
+def _tokenizer_digest(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for name in TOKENIZER_INPUTS:
+        if (folder / name).is_file():
+            digest.update(f"{name}\0{(folder / name).stat().st_size}\0".encode())
+            digest.update((folder / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _architecture_differences(
+    served: Mapping[str, Any], other: Mapping[str, Any], prefix: str = ""
+) -> list[str]:
+    """'field: other (served: value)' for each architecture field that differs, nested text_config too."""
+    diffs = []
+    for key in ARCHITECTURE_FIELDS:
+        mine, theirs = served.get(key), other.get(key)
+        if key == "architectures" and not (mine and theirs):
+            continue  # a config loaded without it only gains it on save; model_type still decides
+        if mine != theirs:
+            diffs.append(f"{prefix}{key}: {theirs!r} (served: {mine!r})")
+    sub_served, sub_other = served.get("text_config"), other.get("text_config")
+    if isinstance(sub_served, Mapping) and isinstance(sub_other, Mapping):
+        diffs += _architecture_differences(sub_served, sub_other, prefix + "text_config.")
+    return diffs
+
+
+def read_model_config(folder: Path) -> dict[str, Any]:
+    """The folder's config with transformers' defaults filled in (as the served model's own config)."""
+    from transformers import AutoConfig
+
+    # Never trust_remote_code: a reload request must not run code from the folder it names.
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False).to_dict()
+
+
+def _first_vocab_difference(served: Mapping[str, int], other: Mapping[str, int]) -> str:
+    for token, token_id in served.items():
+        if other.get(token) != token_id:
+            return f"{token!r} is id {token_id} in the served tokenizer, {other.get(token)!r} there"
+    extra = next(iter(set(other) - set(served)))
+    return f"{extra!r} (id {other[extra]}) is not in the served tokenizer"
+
+
+class ReloadPolicy:
+    """Which folders /v1/reload_weights may load, and what they must hold to fit the served model.
+
+    `roots` are kept in two forms: as given (made absolute) and with symlinks resolved at startup, so
+    a root reached through a symlink is recognised either way, while a path's own symlinks (resolved per
+    request) cannot lead out of them.
+    """
+
+    def __init__(
+        self, roots: Sequence[str | os.PathLike] | None, config: Mapping[str, Any] | None, tokenizer: Any
+    ) -> None:
+        self.roots: list[tuple[Path, Path]] = []
+        for root in roots or ():
+            real = Path(os.path.realpath(root))
+            if real.exists() and not real.is_dir():
+                raise ValueError(
+                    f"reload root {str(root)!r} is not a folder; pass the folder that holds the weights"
+                )
+            self.roots.append((Path(os.path.abspath(root)), real))
+        self.config = dict(config) if config is not None else None
+        get_vocab = getattr(tokenizer, "get_vocab", None)
+        self.vocab = dict(get_vocab()) if callable(get_vocab) else None
+        self._matching_tokenizers: set[str] = set()  # digests of tokenizer files found to match
+
+    def resolve(self, path: str) -> Path:
+        """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not.
+
+        `..` is collapsed as text first, so nothing outside the roots is even looked at; only then are
+        symlinks resolved, and the result is checked again (a link inside a root may point out of it).
+        """
+        if not self.roots:
+            raise ReloadRefused(403, RELOAD_DISABLED_MESSAGE, "permission_denied")
+        lexical = Path(os.path.abspath(path))
+        if not any(
+            lexical.is_relative_to(given) or lexical.is_relative_to(real) for given, real in self.roots
+        ):
+            self._forbid(path)
+        try:
+            real = Path(os.path.realpath(lexical))
+        except (OSError, ValueError):
+            self._forbid(path)
+        if not any(real.is_relative_to(root) for _, root in self.roots):
+            self._forbid(path)
+        return real
+
+    def _forbid(self, path: str) -> NoReturn:
+        # The caller learns nothing about the path; the operator finds what was asked in the log.
+        logger.warning(
+            "refused a reload from %r: outside --reload-root %s", path, [str(r) for r, _ in self.roots]
+        )
+        raise ReloadRefused(403, RELOAD_FORBIDDEN_MESSAGE, "permission_denied")
+
+    def check_folder(self, folder: Path, given: str) -> None:
+        """400 unless `folder` is a model folder; 409 unless it matches the served model (blocking I/O)."""
+        if not folder.is_dir():
+            raise ReloadRefused(400, f"reload path {given!r} is not a folder on the server's machine")
+        if self.config is not None:
+            self._check_config(folder, given)
+        if self.vocab is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
+            self._check_vocab(folder, given)
+
+    def _check_config(self, folder: Path, given: str) -> None:
+        if not (folder / "config.json").is_file():
+            raise ReloadRefused(
+                400, f"reload folder {given!r} has no config.json; reload from a Hugging Face model folder"
+            )
+        try:
+            config = read_model_config(folder)
+        except Exception as exc:  # unknown model_type, broken JSON: not the served architecture either way
+            raise ReloadRefused(
+                409,
+                f"the config.json in {given!r} does not load as the served model's config ({exc}); "
+                "reload only checkpoints of the served model, or restart memrl serve on the new model",
+                "conflict",
+            ) from exc
+        diffs = _architecture_differences(self.config, config)
+        if diffs:
+            raise ReloadRefused(
+                409,
+                f"reload folder {given!r} holds a different model than the one served: {'; '.join(diffs)}. "
+                "Reload only checkpoints of the served model (same architecture and vocabulary), or restart "
+                "memrl serve on the new model",
+                "conflict",
+            )
+
+    def _check_vocab(self, folder: Path, given: str) -> None:
+        from transformers import AutoTokenizer
+
+        # Training writes the same tokenizer with every step's weights; loading a 150k-token tokenizer
+        # costs seconds, hashing its files milliseconds, so each distinct set of files is loaded once.
+        digest = _tokenizer_digest(folder)
+        if digest in self._matching_tokenizers:
+            return
+        try:
+            vocab = AutoTokenizer.from_pretrained(
+                str(folder), local_files_only=True, trust_remote_code=False
+            ).get_vocab()
+        except Exception as exc:
+            raise ReloadRefused(
+                409,
+                f"the tokenizer files in {given!r} do not load ({type(exc).__name__}: {exc}); the served "
+                "tokenizer decodes every reply, so a reload folder may only carry that same tokenizer",
+                "conflict",
+            ) from exc
+        if vocab != self.vocab:
+            raise ReloadRefused(
+                409,
+                f"the tokenizer in {given!r} has a different vocabulary ({len(vocab)} tokens, served: "
+                f"{len(self.vocab)}; {_first_vocab_difference(self.vocab, vocab)}). Token ids are checked and "
+                "decoded with the served tokenizer: reload only folders with that tokenizer (or none)",
+                "conflict",
+            )
+        self._matching_tokenizers.add(digest)
