@@ -1,19 +1,31 @@
-"""One scorer for the training reward and for evaluation (SPEC §2).
+"""One scorer for the training reward and for evaluation (docs/design.md §2).
 
-Answer extraction (`extract_boxed`):
-- The answer is the content of the last *closed* `\\boxed{...}` anywhere in the text (the whole text is
-  read, not a tail). "Last" means the last opening `\\boxed{` that has a matching `}`; so in
-  `\\boxed{a \\boxed{b}}` the answer is `b`, and an unclosed trailing `\\boxed{` is ignored in favour of an
-  earlier closed box. `\\fbox{...}` (LaTeX's text-mode box) counts as a box too; `\\boxed X` without
-  braces does not.
-- Braces are matched with LaTeX escapes respected: `\\{` and `\\}` are literal characters, not groups.
-- Wrappers that enclose the whole content are stripped, repeatedly: `\\boxed{\\text{\\textbf{X}}}` -> `X`.
+Answer extraction is a choice (`rollout.answer_extractor`), the same for reward and evaluation:
+- `boxed` (default, `extract_boxed`): the content of the last *closed* `\\boxed{...}` anywhere in the
+  text (the whole text is read, not a tail). "Last" means the last opening `\\boxed{` that has a
+  matching `}`; so in `\\boxed{a \\boxed{b}}` the answer is `b`, and an unclosed trailing `\\boxed{` is
+  ignored in favour of an earlier closed box. `\\fbox{...}` (LaTeX's text-mode box) counts as a box too;
+  `\\boxed X` without braces does not. Braces are matched with LaTeX escapes respected: `\\{` and `\\}`
+  are literal characters, not groups.
+- `therefore` (`extract_therefore`): for the official MemAgent "recurrent" final prompt, which asks for
+  "Therefore, the answer is (insert answer here)": the rest of the line after the last "the answer is"
+  (case-insensitive, whole words; markdown `*` removed first, a closed box there is unboxed, trailing
+  periods dropped). No such phrase -> no answer. The official evaluator (`extract_answer` in
+  taskutils/memory_eval/utils/__init__.py) matches the phrase case-sensitively and keeps everything after
+  it, explanation included; reading one line and any case keeps a correct answer from scoring 0.
+Either way `\\text{...}`-like wrappers (`\\text`, `\\textbf`, `\\emph`, `\\textsc`, `\\mathrm`, ...) are
+unwrapped wherever they stand: `\\boxed{\\text{Paris}, France}` -> `Paris, France`.
+
+Gold answers: one string, or any non-string sequence of strings (list, tuple, set, a numpy array read
+from a parquet column, ...); items that are not strings are skipped. Any other type is a
+`GoldAnswerError` from `gold_list`; `score_answer` logs that error and scores 0.
 
 Metrics: `normalize_answer`, `exact_match`, `f1_score` are exactly the official HotpotQA evaluator's
 (hotpot_evaluate_v1.py), yes/no/noanswer rule included. `sub_exact_match` is MemAgent's two-way
 substring test, except that an empty normalized string never matches a non-empty one.
 
-Invariant: `score_answer` and `reward_from_text` never raise, whatever they are given.
+Invariant: `score_answer` and `reward_from_text` never raise, whatever text and golds they are given
+(only an unknown extractor name, a configuration error, raises `ScoringError`).
 """
 
 from __future__ import annotations
@@ -22,12 +34,18 @@ import logging
 import re
 import string
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_WRAPPER_OPEN = re.compile(r"\\(?:text|textbf|textit|textrm|textsf|texttt|mathrm|mathbf|mathit|mbox)\s*\{")
+_WRAPPER_OPEN = re.compile(
+    r"\\(?:text|textbf|textit|textrm|textsf|texttt|textsc|textup|textnormal|emph"
+    r"|mathrm|mathbf|mathit|mathsf|mathtt|mbox)\s*\{"
+)
+# "Therefore, the answer is X" (the official recurrent final prompt); whole words, so "isn't" is no answer.
+_ANSWER_IS = re.compile(r"\bthe\s+answer\s+is\b", re.IGNORECASE)
 # A backslash and the character after it form one LaTeX token, so `\{`, `\}` and `\\` never open or
 # close a group; matching them as pairs in one left-to-right pass keeps the scan linear.
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
@@ -50,14 +68,23 @@ def _matching_braces(text: str) -> dict[int, int]:
 
 
 def _strip_wrappers(content: str) -> str:
-    """Remove `\\text{...}`-like wrappers that enclose the whole (whitespace-stripped) content."""
-    content = content.strip()
-    while (wrapper := _WRAPPER_OPEN.match(content)) is not None:
-        close = _matching_braces(content).get(wrapper.end() - 1)
-        if close != len(content) - 1:
-            break  # the wrapper covers only part of the content: keep it all
-        content = content[wrapper.end() : close].strip()
-    return content
+    """Unwrap every balanced `\\text{...}`-like wrapper wherever it stands, then strip whitespace.
+
+    `\\text{Paris}, France` -> `Paris, France`; nested wrappers all go. One brace matching and one cut
+    list keep it linear; a wrapper whose brace never closes is left as it is.
+    """
+    matches = _matching_braces(content)
+    cuts: list[tuple[int, int]] = []  # [start, end) ranges to drop: each `\\name{` and its closing `}`
+    for wrapper in _WRAPPER_OPEN.finditer(content):
+        close = matches.get(wrapper.end() - 1)
+        if close is not None:
+            cuts += [(wrapper.start(), wrapper.end()), (close, close + 1)]
+    pieces, pos = [], 0
+    for start, end in sorted(cuts):
+        pieces.append(content[pos:start])
+        pos = end
+    pieces.append(content[pos:])
+    return "".join(pieces).strip()
 
 
 def extract_boxed(text: str) -> str | None:
@@ -71,6 +98,46 @@ def extract_boxed(text: str) -> str | None:
         if close is not None:
             return _strip_wrappers(text[brace + 1 : close])
     return None
+
+
+def extract_therefore(text: str) -> str | None:
+    """The answer after the last "the answer is" (any case), to the end of its line; None if absent.
+
+    Markdown `*` is removed first ("**the answer is** Paris"); a closed box in that line is unboxed;
+    surrounding whitespace, a leading colon and trailing periods are dropped.
+    """
+    text = text.replace("*", "")
+    phrases = list(_ANSWER_IS.finditer(text))
+    if not phrases:
+        return None
+    # The answer may start on the next line ("the answer is:\n\nParis"); its explanation may follow.
+    rest = text[phrases[-1].end():].lstrip(" \t:").strip()
+    line = rest.split("\n", 1)[0]
+    boxed = extract_boxed(line)
+    return (boxed if boxed is not None else _strip_wrappers(line)).strip(" \t.")
+
+
+# The `rollout.answer_extractor` choices: name -> function(text) -> answer or None (no answer).
+ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "boxed": extract_boxed,
+    "therefore": extract_therefore,
+}
+
+
+class ScoringError(ValueError):
+    """Scoring asked for in a way it cannot be done; the message says what to change."""
+
+
+class GoldAnswerError(ScoringError, TypeError):
+    """Gold answers of a type the scorer cannot read; the message says what to pass instead."""
+
+
+def _extractor(name: str) -> Callable[[str], str | None]:
+    try:
+        return ANSWER_EXTRACTORS[name]
+    except (KeyError, TypeError):
+        raise ScoringError(f"unknown answer extractor {name!r}; use one of {', '.join(ANSWER_EXTRACTORS)} "
+                           "(rollout.answer_extractor)") from None
 
 
 def normalize_answer(s: str) -> str:
@@ -119,30 +186,58 @@ class AnswerScore:
 
 
 _NO_ANSWER = AnswerScore(boxed=None, em=0.0, sub_em=0.0, f1=0.0, missing_box=True)
+_REPORTED_GOLD_TYPES: set[str] = set()
 
 
-def _as_gold_list(golds: object) -> list[str]:
-    """Accept one gold string or an iterable of them; anything that is not a string is skipped."""
+def gold_list(golds: object) -> list[str]:
+    """Gold answers as a list: one str, or the str items of any other sequence (list, tuple, set,
+    numpy array, pandas Series, ...); items that are not str are skipped.
+
+    A mapping, bytes or a non-iterable (None, a number) is a `GoldAnswerError`: such golds would
+    otherwise score every answer 0 without a word.
+    """
     if isinstance(golds, str):
         return [golds]
-    if isinstance(golds, list | tuple | set | frozenset):
+    if isinstance(golds, bytes | bytearray | Mapping) or not isinstance(golds, Iterable):
+        raise GoldAnswerError(_gold_type_message(golds))
+    try:
         return [g for g in golds if isinstance(g, str)]
-    return []
+    except TypeError:  # iterable in name only, e.g. a 0-d numpy array
+        raise GoldAnswerError(_gold_type_message(golds)) from None
 
 
-def score_answer(text: str, golds: list[str] | str) -> AnswerScore:
+def _gold_type_message(golds: object) -> str:
+    return (f"gold answers must be a str or a sequence of str (list, tuple, numpy array), got "
+            f"{type(golds).__name__}; pass the record's answers as a list of strings")
+
+
+def _golds_or_empty(golds: object) -> list[str]:
+    """`gold_list`, but a bad type is logged (once per type, with what to change) and scores 0."""
+    try:
+        return gold_list(golds)
+    except GoldAnswerError as e:
+        if type(golds).__name__ not in _REPORTED_GOLD_TYPES:
+            _REPORTED_GOLD_TYPES.add(type(golds).__name__)
+            logger.error("%s; every answer scores 0 against them", e)
+        return []
+
+
+def score_answer(text: str, golds: Iterable[str] | str, extractor: str = "boxed") -> AnswerScore:
     """Score a final answer. Never raises: bad input scores as a missing box or as a wrong answer.
 
+    `extractor` names how the answer is read (`ANSWER_EXTRACTORS`; an unknown name is a
+    `ScoringError`). `boxed` in the result is the extracted answer, `missing_box` says none was found.
     Non-string `text` is no answer (missing_box True). No usable gold leaves the metrics at 0 but
-    still reports what was boxed.
+    still reports what was extracted.
     """
+    extract = _extractor(extractor)
     if not isinstance(text, str):
         return _NO_ANSWER
     try:
-        boxed = extract_boxed(text)
+        boxed = extract(text)
         if boxed is None:
             return _NO_ANSWER
-        gold_list = _as_gold_list(golds)
+        gold_list = _golds_or_empty(golds)
         return AnswerScore(
             boxed=boxed,
             em=max((exact_match(boxed, g) for g in gold_list), default=0.0),
@@ -155,6 +250,6 @@ def score_answer(text: str, golds: list[str] | str) -> AnswerScore:
         return _NO_ANSWER
 
 
-def reward_from_text(text: str, golds: list[str] | str) -> float:
-    """The training reward: 1.0 if the boxed answer exactly matches a gold answer, else 0.0."""
-    return 1.0 if score_answer(text, golds).em == 1.0 else 0.0
+def reward_from_text(text: str, golds: Iterable[str] | str, extractor: str = "boxed") -> float:
+    """The training reward: 1.0 if the extracted answer exactly matches a gold answer, else 0.0."""
+    return 1.0 if score_answer(text, golds, extractor).em == 1.0 else 0.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,10 @@ from memrl.data.records import (
 RULER_REPO = "BytedTsinghua-SIA/hotpotqa"
 RULER_REVISION = "27275ff4fee67ac0acb6478e405e7ac07efbdc1a"
 RULER_LENGTHS = (50, 200, 800)
+# How `build_ruler_set` lays out a question's documents (see its docstring): memrl's own, or the official
+# builder's (MemAgent taskutils/memory_data/different_docs_eval.py), for reproducing the published files.
+RULER_LAYOUTS = ("memrl", "official")
+OFFICIAL_SHUFFLE_SEED = 4  # the official builder shuffles every question with a fresh random.Random(4)
 
 
 class RulerBuildError(ValueError):
@@ -164,7 +168,10 @@ def write_ruler_file(path: str | Path, records: Sequence[dict[str, Any]]) -> int
 
 # ---------------------------------------------------------------------------------------------- building
 
-def _distinct_paragraphs(examples: Sequence[HotpotExample]) -> list[tuple[str, tuple[str, ...]]]:
+Paragraph = tuple[str, tuple[str, ...]]  # (title, sentences)
+
+
+def _distinct_paragraphs(examples: Sequence[HotpotExample]) -> list[Paragraph]:
     """Every paragraph of the pool once, by title, in first-seen order (one Wikipedia article = one title)."""
     seen: dict[str, tuple[str, ...]] = {}
     for example in examples:
@@ -173,47 +180,113 @@ def _distinct_paragraphs(examples: Sequence[HotpotExample]) -> list[tuple[str, t
     return list(seen.items())
 
 
+def _distinct_texts(examples: Sequence[HotpotExample]) -> list[Paragraph]:
+    """Every paragraph once by its document text, sorted by that text (the official `sorted(set(...))`).
+
+    Unlike `_distinct_paragraphs`, two paragraphs with one title and different texts (an article
+    excerpted differently in two questions) are two documents.
+    """
+    seen: dict[str, Paragraph] = {}
+    for example in examples:
+        for title, sentences in example.paragraphs:
+            seen.setdefault(paragraph_document(title, sentences), (title, sentences))
+    return [seen[text] for text in sorted(seen)]
+
+
+def _kept_own(own: list[Paragraph], gold: list[Paragraph], num_docs: int, example: HotpotExample) -> list[Paragraph]:
+    """The question's own paragraphs that go in: all, or gold first when `num_docs` is below their count."""
+    if num_docs < len(gold):
+        raise RulerBuildError(f"num_docs = {num_docs} is below the {len(gold)} gold paragraphs of question "
+                              f"{example.id!r}; ask for more documents")
+    return own if len(own) <= num_docs else gold + [p for p in own if p not in gold][:num_docs - len(gold)]
+
+
+def _draw_fillers(paragraphs: list[Paragraph], excluded: set[str], key: Callable[[Paragraph], str], need: int,
+                  rng: random.Random,
+                  example: HotpotExample, num_docs: int) -> list[Paragraph]:
+    """`need` distinct paragraphs of the pool, in draw order, none whose `key` is in `excluded`.
+
+    `excluded` are keys of the question's own paragraphs, all of them in the pool (it holds every question).
+    """
+    available = len(paragraphs) - len(excluded)
+    if need > available:
+        raise RulerBuildError(f"the pool has only {available} distinct paragraphs outside question "
+                              f"{example.id!r}'s own, {need} are needed for num_docs = {num_docs}; "
+                              f"build from a larger pool (more questions) or ask for fewer documents")
+    # Draw a few extra indices so that, after dropping the question's own paragraphs, `need` remain.
+    drawn = rng.sample(range(len(paragraphs)), min(len(paragraphs), need + len(excluded)))
+    return [paragraphs[i] for i in drawn if key(paragraphs[i]) not in excluded][:need]
+
+
+def _memrl_documents(example: HotpotExample, paragraphs: list[Paragraph], num_docs: int,
+                     seed: int) -> tuple[list[Paragraph], list[int], int]:
+    """memrl's layout: (documents, gold positions, shuffle seed); one seeded draw and shuffle per question."""
+    own = _distinct_paragraphs([example])
+    own_titles = {t for t, _ in own}
+    kept = _kept_own(own, [p for p in own if p[0] in example.gold_titles], num_docs, example)
+    shuffle_seed = derived_seed(seed, example.id)
+    rng = random.Random(shuffle_seed)
+    documents = kept + _draw_fillers(paragraphs, own_titles, lambda p: p[0], num_docs - len(kept), rng,
+                                     example, num_docs)
+    rng.shuffle(documents)
+    positions = [pos for pos, (title, _) in enumerate(documents, start=1) if title in example.gold_titles]
+    return documents, positions, shuffle_seed
+
+
+def _official_documents(example: HotpotExample, paragraphs: list[Paragraph], num_docs: int,
+                        seed: int) -> tuple[list[Paragraph], list[int], int]:
+    """The official layout: (documents, gold positions, shuffle seed).
+
+    As different_docs_eval.py: own paragraphs (source order) + fillers of other texts, then a fresh
+    `random.Random(4).shuffle`, so every question of one length gets the same permutation and its own
+    paragraphs land on the same "Document N" slots. A pool of exactly `num_docs` documents is used whole,
+    in sorted order, as there. The official fillers come from the process-global RNG of a process pool
+    (not reproducible); here they are drawn with `random.Random(derived_seed(seed, id))`.
+    """
+    own = list(example.paragraphs)
+    gold = [p for p in own if p[0] in example.gold_titles]
+    if num_docs == len(paragraphs):
+        documents = list(paragraphs)
+    else:
+        kept = _kept_own(own, gold, num_docs, example)
+        own_texts = {paragraph_document(*p) for p in own}
+        rng = random.Random(derived_seed(seed, example.id))
+        documents = kept + _draw_fillers(paragraphs, own_texts, lambda p: paragraph_document(*p),
+                                         num_docs - len(kept), rng, example, num_docs)
+    random.Random(OFFICIAL_SHUFFLE_SEED).shuffle(documents)
+    # Gold by paragraph, not title: a filler may be another version of a gold title's article.
+    positions = [pos for pos, p in enumerate(documents, start=1) if p in gold]
+    return documents, positions, OFFICIAL_SHUFFLE_SEED
+
+
 def build_ruler_set(examples: Sequence[HotpotExample], num_docs: int, seed: int, *,
-                    pool: Sequence[HotpotExample] | None = None) -> list[dict[str, Any]]:
+                    pool: Sequence[HotpotExample] | None = None, layout: str = "memrl") -> list[dict[str, Any]]:
     """RULER-HQA-style records with `num_docs` documents per question, built from a HotpotQA pool.
 
     Each question of `examples` keeps its own paragraphs (gold first if `num_docs` is below their count)
-    and is filled up with paragraphs of the other questions of `pool` (default: `examples`; distinct
-    titles, none of its own), drawn and then shuffled with
-    `random.Random(derived_seed(seed, id))`. Records: {context, input, answers, num_docs, index, id,
-    gold_positions, seed, shuffle_seed}; gold_positions are 1-based document numbers.
+    and is filled up with paragraphs of the other questions of `pool` (default: `examples`).
+    `layout` "memrl" (default): distinct titles, none of its own, drawn and then shuffled with
+    `random.Random(derived_seed(seed, id))`, so gold positions vary per question (docs/design.md, pitfall "Fixed document shuffle").
+    `layout` "official": the official builder's layout (`_official_documents`): documents distinct
+    by text, one fixed shuffle for every question. Records: {context, input, answers, num_docs, index,
+    id, gold_positions, seed, shuffle_seed}; gold_positions are 1-based document numbers.
     """
+    if layout not in RULER_LAYOUTS:
+        raise RulerBuildError(f"layout = {layout!r}; use one of {', '.join(RULER_LAYOUTS)}")
     if num_docs < 1:
         raise RulerBuildError(f"num_docs = {num_docs}; ask for at least 1 document per question")
-    paragraphs = _distinct_paragraphs(examples if pool is None else [*pool, *examples])
+    source = [*examples] if pool is None else [*pool, *examples]
+    paragraphs = _distinct_paragraphs(source) if layout == "memrl" else _distinct_texts(source)
+    lay_out = _memrl_documents if layout == "memrl" else _official_documents
     out = []
     for index, example in enumerate(tqdm(examples, desc=f"build ruler {num_docs}", unit="q", leave=False,
                                          disable=len(examples) < 2000)):
-        own = _distinct_paragraphs([example])
-        own_titles = {t for t, _ in own}
-        gold = [p for p in own if p[0] in example.gold_titles]
-        if num_docs < len(gold):
-            raise RulerBuildError(f"num_docs = {num_docs} is below the {len(gold)} gold paragraphs of question "
-                                  f"{example.id!r}; ask for more documents")
-        kept = own if len(own) <= num_docs else gold + [p for p in own if p not in gold][:num_docs - len(gold)]
-        need = num_docs - len(kept)
-        available = len(paragraphs) - len(own_titles)
-        if need > available:
-            raise RulerBuildError(f"the pool has only {available} distinct paragraphs outside question "
-                                  f"{example.id!r}'s own, {need} are needed for num_docs = {num_docs}; "
-                                  f"build from a larger pool (more questions) or ask for fewer documents")
-        rng = random.Random(derived_seed(seed, example.id))
-        # Draw a few extra indices so that, after dropping the question's own titles, `need` remain.
-        drawn = rng.sample(range(len(paragraphs)), min(len(paragraphs), need + len(own_titles)))
-        fillers = [paragraphs[i] for i in drawn if paragraphs[i][0] not in own_titles][:need]
-        documents = kept + fillers
-        rng.shuffle(documents)
-        gold_titles = example.gold_titles
+        documents, gold_positions, shuffle_seed = lay_out(example, paragraphs, num_docs, seed)
         out.append({
             "context": format_documents([paragraph_document(t, s) for t, s in documents]),
             "input": example.question, "answers": [example.answer], "num_docs": num_docs, "index": index,
             "id": example.id,
-            "gold_positions": [pos for pos, (t, _) in enumerate(documents, start=1) if t in gold_titles],
-            "seed": seed, "shuffle_seed": derived_seed(seed, example.id),
+            "gold_positions": gold_positions,
+            "seed": seed, "shuffle_seed": shuffle_seed,
         })
     return out

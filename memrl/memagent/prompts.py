@@ -1,11 +1,11 @@
-"""Token-in prompt building for MemAgent turns (SPEC §1.2, 1.3, 1.5).
+"""Token-in prompt building for MemAgent turns (docs/design.md §1.2, 1.3, 1.5).
 
 A prompt is the tokenizer's chat template around one user message built from a configurable template:
 - memory turn: `memory_template` with {question}, {memory}, {chunk};
 - final turn:  `final_template`  with {question}, {memory} only (no chunk parameter exists at all).
 
 Chunk and memory are **token ids** and are spliced into the prompt as ids, never decoded and
-re-encoded (PITFALLS "Text round trips": re-encoding changes tokens at multi-byte characters and merge
+re-encoded (docs/design.md, pitfall "Text round trips": re-encoding changes tokens at multi-byte characters and merge
 boundaries, so stored log-probs would no longer match stored tokens). How:
 1. in the user template, {chunk} and {memory} become unique sentinel strings; then {question} is
    replaced by the question text (str.replace, not str.format: templates hold literal braces such as
@@ -19,6 +19,10 @@ Invariant (tested): decoding a prompt gives the rendered chat-template text with
 and memory in place of the placeholders, and the chunk / memory ids occur in it as contiguous runs.
 The question is tokenized together with the static text around it, so it reads naturally; questions
 are trusted data (a question that literally contains a special-token string becomes that token).
+
+`input_text` is where question and document text enter the prompt path: with `rollout.strip_inputs`
+both are `str.strip()`-ed (the official MemAgent evaluation strips them), for the question here in
+`PromptBuilder` and for the document in `memrl.memagent.rollout.document_chunks`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,15 @@ Segment = tuple[int, ...] | str
 
 class PromptError(ValueError):
     """A prompt that cannot be built as configured; the message says what to change."""
+
+
+def input_text(cfg: RolloutConfig, text: str) -> str:
+    """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on.
+
+    One function for both, so question and document can never be cleaned differently; off by
+    default, since a question's trailing space is part of what memrl's own runs were trained on.
+    """
+    return text.strip() if cfg.strip_inputs and isinstance(text, str) else text
 
 
 class PromptBuilder:
@@ -85,7 +98,7 @@ class PromptBuilder:
         """The memory passed on from a memory-turn response, and whether it had to be cut.
 
         Trailing stop tokens are stripped, then the rest is re-cut to `memory_tokens`. An empty
-        response gives an empty memory, which still replaces the old one (SPEC §1.2).
+        response gives an empty memory, which still replaces the old one (docs/design.md §1.2).
         """
         ids = [int(i) for i in response_ids]
         stops = set(self._stop_token_ids)
@@ -147,6 +160,7 @@ class PromptBuilder:
                   chunk_ids: Sequence[int] | None) -> list[int]:
         if not isinstance(question, str):
             raise PromptError(f"question must be a str, got {type(question).__name__}")
+        question = input_text(self.cfg, question)
         memory = self._no_memory_ids if memory_ids is None else memory_ids
         fill = {"memory": memory, "chunk": chunk_ids}
         out: list[int] = []

@@ -1,10 +1,10 @@
-"""The MemAgent memory loop (SPEC §1): one coroutine per trajectory, token ids end to end.
+"""The MemAgent memory loop (docs/design.md §1): one coroutine per trajectory, token ids end to end.
 
     chunk_context(document) -> for each chunk i: prompt(question, memory_{i-1}, chunk_i) -> memory_i
                             -> final prompt(question, memory_final) -> answer in \\boxed{}
 
 Why one coroutine per trajectory: trajectories never wait for each other (no lockstep across a batch,
-PITFALLS "Lockstep turns"); the engine batches whatever requests are waiting at the moment.
+docs/design.md, pitfall "Lockstep turns"); the engine batches whatever requests are waiting at the moment.
 Each turn stores exactly what was sampled (prompt ids, response ids, log-probs); the memory passed on is
 the response's token ids, stop tokens stripped and re-cut to `memory_tokens`, never re-tokenized text.
 A generation error marks the trajectory `failed` with its message; it never kills the batch.
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from memrl.config import Config, RolloutConfig
 from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
-from memrl.memagent.prompts import PromptBuilder
+from memrl.memagent.prompts import PromptBuilder, input_text
 from memrl.types import RolloutOutput, Trajectory, Turn
 
 
@@ -95,7 +95,7 @@ async def run_trajectory(
     memory_lengths: list[int] = []
     memory_truncations = 0
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, sample_index=sample_index, turns=turns,
-                      metadata={"chunks": chunks.to_metadata()})
+                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": cfg.answer_extractor})
 
     def fail(message: str) -> Trajectory:
         traj.status, traj.error = "failed", message
@@ -135,7 +135,8 @@ async def run_trajectory(
 
 def document_chunks(tokenizer: Any, cfg: RolloutConfig, context: str) -> Chunks:
     """Tokenize a document once and cut it into the chunks every sample of the group reads."""
-    return chunk_context(tokenize_document(tokenizer, context), cfg.chunk_tokens, cfg.max_chunks, cfg.truncation)
+    ids = tokenize_document(tokenizer, input_text(cfg, context))
+    return chunk_context(ids, cfg.chunk_tokens, cfg.max_chunks, cfg.truncation)
 
 
 async def generate_group(ctx: RolloutContext, record: QuestionLike, n_samples: int | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 import types
 
@@ -12,6 +13,7 @@ from memrl.data.hotpotqa import format_documents, parse_hotpot_records
 from memrl.data.manifest import ManifestError, write_manifest
 from memrl.data.records import DataError
 from memrl.data.ruler_hqa import (
+    OFFICIAL_SHUFFLE_SEED,
     RULER_REPO,
     RULER_REVISION,
     RulerBuildError,
@@ -161,3 +163,76 @@ def test_download_uses_the_pinned_dataset_revision(monkeypatch, tmp_path):
     assert download_ruler_file(200) == tmp_path / "eval_200.json"
     assert calls == {"repo_id": RULER_REPO, "filename": "eval_200.json", "repo_type": "dataset",
                      "revision": RULER_REVISION, "cache_dir": None}
+
+
+# --- The official layout (MemAgent's different_docs_eval.py) -------------------------------------------
+def official_permutation(num_docs: int) -> list[int]:
+    """Slot i (0-based) of the official files holds pre-shuffle document perm[i], for every question."""
+    perm = list(range(num_docs))
+    random.Random(4).shuffle(perm)
+    return perm
+
+
+def test_official_layout_puts_every_question_on_the_same_slots(dev_examples):
+    records = build_ruler_set(dev_examples, 50, seed=11, layout="official")
+    slot_of = {j: i + 1 for i, j in enumerate(official_permutation(50))}  # pre-shuffle index -> "Document N"
+    full = [(e, r) for e, r in zip(dev_examples, records, strict=True) if len(e.paragraphs) == 10]
+    assert len(full) == 199
+    for example, record in full:
+        docs = split_documents(record["context"])
+        assert len(docs) == 50 and record["shuffle_seed"] == OFFICIAL_SHUFFLE_SEED == 4
+        # Own paragraph j (HotpotQA source order) sits at the same "Document N" in every question.
+        for j, (title, sentences) in enumerate(example.paragraphs):
+            assert docs[slot_of[j] - 1] == (title, "".join(sentences))
+        gold_js = [j for j, (t, _) in enumerate(example.paragraphs) if t in example.gold_titles]
+        assert record["gold_positions"] == sorted(slot_of[j] for j in gold_js)
+    # So questions whose gold paragraphs have the same source indices share their gold slots; memrl's vary.
+    by_gold_indices: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+    for example, record in full:
+        key = tuple(j for j, (t, _) in enumerate(example.paragraphs) if t in example.gold_titles)
+        by_gold_indices.setdefault(key, set()).add(tuple(record["gold_positions"]))
+    assert len(by_gold_indices) < len(full) and all(len(v) == 1 for v in by_gold_indices.values())
+    memrl = build_ruler_set(dev_examples, 50, seed=11)
+    assert len({tuple(r["gold_positions"]) for r in memrl}) > 100
+    assert build_ruler_set(dev_examples, 50, seed=11, layout="official") == records  # deterministic
+
+
+def hotpot_row(qid: str, paragraphs: list[tuple[str, str]], gold: list[str]) -> dict:
+    return {"_id": qid, "question": f"{qid}?", "answer": "A", "type": "", "level": "",
+            "supporting_facts": [[t, 0] for t in gold], "context": [[t, [text]] for t, text in paragraphs]}
+
+
+def test_official_layout_deduplicates_by_text_memrl_by_title():
+    # Two questions quote the article "Shared" differently: one title, two texts.
+    examples = parse_hotpot_records([
+        hotpot_row("q0", [("Shared", "version a."), ("A1", "x.")], ["Shared", "A1"]),
+        hotpot_row("q1", [("Shared", "version b."), ("B1", "y.")], ["B1", "Shared"]),
+        hotpot_row("q2", [("C0", "z."), ("C1", "w.")], ["C0", "C1"]),
+    ], "synthetic")
+    official = build_ruler_set(examples, 6, seed=0, layout="official")  # 6 distinct texts, 5 distinct titles
+    q0 = split_documents(official[0]["context"])
+    assert ("Shared", "version a.") in q0 and ("Shared", "version b.") in q0
+    # Gold is the question's own paragraph, not every document with a gold title.
+    assert [q0[p - 1] for p in official[0]["gold_positions"]] == sorted(
+        [("Shared", "version a."), ("A1", "x.")], key=q0.index)
+    with pytest.raises(RulerBuildError, match="pool has only 3 distinct paragraphs"):
+        build_ruler_set(examples, 6, seed=0)  # by title, q0 has only 3 others
+    memrl = split_documents(build_ruler_set(examples, 5, seed=0)[0]["context"])
+    assert ("Shared", "version a.") in memrl and ("Shared", "version b.") not in memrl
+    with pytest.raises(RulerBuildError, match="pool has only 4 distinct paragraphs"):
+        build_ruler_set(examples, 7, seed=0, layout="official")
+
+
+def test_official_layout_with_the_whole_pool_uses_it_in_sorted_order():
+    # As the official builder: num_docs equal to the pool is the whole pool, sorted by text, then shuffled.
+    examples = parse_hotpot_records([hotpot_row("q0", [("B", "b."), ("A", "a.")], ["A"]),
+                                     hotpot_row("q1", [("C", "c.")], ["C"])], "synthetic")
+    records = build_ruler_set(examples, 3, seed=0, layout="official")
+    pre = [("A", "a."), ("B", "b."), ("C", "c.")]
+    expected = [pre[j] for j in official_permutation(3)]
+    assert [split_documents(r["context"]) for r in records] == [expected, expected]
+
+
+def test_unknown_layout_is_a_named_error(dev_examples):
+    with pytest.raises(RulerBuildError, match="layout = 'verl'; use one of memrl, official"):
+        build_ruler_set(dev_examples[:2], 20, seed=0, layout="verl")

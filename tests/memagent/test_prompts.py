@@ -238,3 +238,28 @@ def test_tokenizer_without_chat_template_is_rejected():
 def test_reserved_sentinel_in_question_is_rejected(tiny_tokenizer):
     with pytest.raises(PromptError, match="reserved"):
         PromptBuilder(tiny_tokenizer, RolloutConfig()).final_prompt_ids(f"x {prompts.CHUNK_SENTINEL}", None)
+
+
+# --- rollout.strip_inputs ----------------------------------------------------------------------------
+def test_strip_inputs_strips_the_question_of_every_prompt(tokenizer):
+    padded = "  \n" + QUESTION + " "  # 13 of the first 200 HotpotQA dev questions end in a space
+    memory = tokenize_document(tokenizer, MEMORY_TEXT)
+    on = PromptBuilder(tokenizer, RolloutConfig(strip_inputs=True))
+    off = PromptBuilder(tokenizer, RolloutConfig())
+    assert on.memory_prompt_ids(padded, memory, [70, 71]) == off.memory_prompt_ids(QUESTION, memory, [70, 71])
+    assert on.final_prompt_ids(padded, memory) == off.final_prompt_ids(QUESTION, memory)
+    # Off (the default) the question is sent as it is, trailing space included.
+    assert f"Question: {padded}\n" in tokenizer.decode(off.final_prompt_ids(padded, memory))
+
+
+def test_strip_inputs_strips_the_document_before_it_is_chunked(tiny_tokenizer):
+    from memrl.memagent.rollout import document_chunks
+
+    cfg = RolloutConfig(chunk_tokens=4, strip_inputs=True)
+    padded = "\n\n " + CHUNK_TEXT + " \n"
+    stripped = document_chunks(tiny_tokenizer, cfg, padded)
+    assert stripped.chunks == document_chunks(tiny_tokenizer, RolloutConfig(chunk_tokens=4), CHUNK_TEXT).chunks
+    # Off, leading whitespace shifts every chunk boundary: the chunks differ.
+    assert document_chunks(tiny_tokenizer, RolloutConfig(chunk_tokens=4), padded).chunks != stripped.chunks
+    assert prompts.input_text(cfg, padded) == CHUNK_TEXT
+    assert prompts.input_text(RolloutConfig(), padded) == padded

@@ -79,3 +79,46 @@ def test_real_hotpotqa_answers_score_one_when_boxed(hotpot_dev_records):
         gold = record["answer"]
         assert trajectory_reward(_traj(f"So the answer is \\boxed{{{gold}}}"), [gold]) == 1.0
         assert trajectory_reward(_traj(f"So the answer is {gold}"), [gold]) == 0.0
+
+
+# --- The answer extractor (rollout.answer_extractor) -------------------------------------------------
+def test_the_extractor_recorded_by_the_rollout_is_used():
+    traj = _traj("Therefore, the answer is Paris.")
+    assert trajectory_reward(traj, ["Paris"]) == 0.0  # no metadata: boxed, as before
+    traj.metadata["answer_extractor"] = "therefore"
+    assert trajectory_reward(traj, ["Paris"]) == 1.0
+    assert score_trajectory(traj, ["Paris"]).boxed == "Paris"
+    assert trajectory_reward(traj, ["Paris"], extractor="boxed") == 0.0  # an explicit choice wins
+    assert score_trajectory(traj, ["Paris"], extractor="boxed").missing_box
+
+
+def test_golds_as_a_numpy_array():
+    np = pytest.importorskip("numpy")
+    assert trajectory_reward(_traj("\\boxed{Paris}"), np.array(["Paris"])) == 1.0
+    assert score_trajectory(_traj("\\boxed{Paris}"), np.array(["Paris"])).f1 == 1.0
+
+
+@pytest.mark.parametrize("extractor, final, expected", [
+    ("therefore", "Therefore, the answer is alpha3.", 1.0),
+    ("therefore", "\\boxed{alpha3}", 0.0),
+    ("boxed", "\\boxed{alpha3}", 1.0),
+    ("boxed", "Therefore, the answer is alpha3.", 0.0),
+])
+def test_rollout_reward_reads_the_configured_extractor(tiny_tokenizer, extractor, final, expected):
+    import asyncio
+    from types import SimpleNamespace
+
+    from scripted_engine import ScriptedEngine
+
+    from memrl.memagent.rollout import RolloutContext, generate_group
+
+    cfg = Config.model_validate({"rollout": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 32,
+                                             "max_chunks": 2, "n_samples": 2, "answer_extractor": extractor}})
+    engine = ScriptedEngine(tiny_tokenizer, lambda prompt: final if "\\boxed{}" in prompt else "fact3 alpha3")
+    ctx = RolloutContext(engine=engine, tokenizer=tiny_tokenizer, config=cfg, reward_function=trajectory_reward,
+                         progress=False)
+    record = SimpleNamespace(id="q", question="What is fact3?", answers=["alpha3"], context="fact3 is alpha3.")
+    group = asyncio.run(generate_group(ctx, record))
+    assert [t.status for t in group] == ["complete"] * 2
+    assert [t.reward for t in group] == [expected] * 2
+    assert all(t.metadata["answer_extractor"] == extractor for t in group)
