@@ -8,6 +8,8 @@
 Invariants (checked by `memrl.rl.validate`, relied on everywhere else):
 - `Turn.tokens == prompt_ids + response_ids`; `rollout_log_probs` and `loss_mask` hold one value per
   response token; `response_length <= max_tokens` (the turn kind's own limit).
+- Values: every `loss_mask` entry is 0 or 1, every rollout log-prob a finite number <= 0, a reward or an
+  advantage a finite real number (never a bool).
 - A trajectory's turns are indexed 0..T-1: zero or more `memory` turns, then exactly one `final` turn.
 - `TrainRow.loss_mask` and `rollout_log_probs` align with the response, i.e. `tokens[-response_length:]`.
 """
@@ -23,7 +25,7 @@ FinishReason = Literal["stop", "length", "error"]
 TrajectoryStatus = Literal["complete", "truncated", "failed"]
 
 # `complete`: the final answer ended on a stop token. `truncated`: it hit its token limit (still a valid
-# sample to train on, with reward 0 as SPEC §2 says). `failed`: a generation error; such a trajectory
+# sample to train on, with reward 0 as docs/design.md §2 says). `failed`: a generation error; such a trajectory
 # carries no usable tokens and is never trained on (its whole group is left out of the step).
 TRAINABLE_STATUSES: tuple[str, ...] = ("complete", "truncated")
 

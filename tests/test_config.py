@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -123,7 +124,7 @@ def test_fsdp_needs_the_ray_runtime():
 
 
 def test_training_and_eval_recipes_prompt_alike():
-    # One final prompt for training and evaluation (PITFALLS): a policy trained on one wording and
+    # One final prompt for training and evaluation (docs/design.md, pitfall "Different scorer in evaluation"): a policy trained on one wording and
     # evaluated on another measures the wording, not the policy.
     train = load_config(TRAIN_RECIPE).rollout
     evaluation = load_config(EVAL_RECIPE).rollout
@@ -136,3 +137,86 @@ def test_row_group_size_must_divide_the_grpo_group():
     with pytest.raises(ConfigError, match="does not divide rollout.n_samples = 8"):
         load_config(None, ["queue.train_data_group_size=3"])
     assert load_config(None, ["queue.train_data_group_size=4"]).queue.train_data_group_size == 4
+
+
+def _fields_accepting(kind):
+    """(key, how many items: None for a scalar) of every section field whose values are of type `kind`."""
+    from typing import get_args, get_origin
+
+    from memrl.config import _accepted_scalars
+
+    out = []
+    for section, section_field in Config.model_fields.items():
+        for name, field in section_field.annotation.model_fields.items():
+            accepted = _accepted_scalars(field.annotation)
+            if kind in accepted and (kind is not int or float not in accepted):
+                origin = get_origin(field.annotation)
+                items = len(get_args(field.annotation)) if origin is tuple else 1 if origin is list else None
+                out.append((f"{section}.{name}", items))
+    return out
+
+
+def _override(key, items, value):
+    return f"{key}={value}" if items is None else f"{key}=[{', '.join([value] * items)}]"
+
+
+FLOAT_FIELDS = _fields_accepting(float)
+INT_FIELDS = _fields_accepting(int)
+BOOL_FIELDS = _fields_accepting(bool)
+
+
+def test_every_kind_of_field_is_found():
+    assert ("train.lr", None) in FLOAT_FIELDS and ("train.adam_betas", 2) in FLOAT_FIELDS
+    assert ("rollout.n_samples", None) in INT_FIELDS and ("eval.lengths", 1) in INT_FIELDS
+    assert ("train.pad_to_dp", None) in BOOL_FIELDS
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "'nan'"])
+@pytest.mark.parametrize("key, items", FLOAT_FIELDS, ids=[k for k, _ in FLOAT_FIELDS])
+def test_non_finite_floats_are_config_errors(key, items, value):
+    # train.lr=.inf turned every weight into NaN with exit 0; queue.timeout_s=.inf overflowed a later wait.
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}(\.\d)? = .*finite number"):
+        load_config(None, [_override(key, items, value)])
+
+
+@pytest.mark.parametrize("value", ["true", "false", "1.5", "8.0", "'8'"])
+@pytest.mark.parametrize("key, items", INT_FIELDS, ids=[k for k, _ in INT_FIELDS])
+def test_int_fields_take_only_integers(key, items, value):
+    # Lax mode made `rollout.n_samples=true` 1 and `8.0` 8.
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)} = .*(is a bool where a number|is not a whole number)"):
+        load_config(None, [_override(key, items, value)])
+
+
+@pytest.mark.parametrize("value", ["1", "0", "'yes'", "'true'", "1.0"])
+@pytest.mark.parametrize("key, items", BOOL_FIELDS, ids=[k for k, _ in BOOL_FIELDS])
+def test_bool_fields_take_only_true_or_false(key, items, value):
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)} = .*is not a bool; write true or false"):
+        load_config(None, [_override(key, items, value)])
+
+
+@pytest.mark.parametrize("key", ["train.lr", "rollout.temperature", "train.adam_betas"])
+def test_floats_take_true_or_false_never(key):
+    value = "[true, 0.9]" if key == "train.adam_betas" else "true"
+    with pytest.raises(ConfigError, match="is a bool where a number belongs"):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_floats_still_take_ints_and_exponents_without_a_dot():
+    # `lr: 1` is a float to a reader; YAML 1.1 reads `1e-6` (no dot) as a string, which pydantic parses.
+    cfg = load_config(None, ["train.lr=1", "train.weight_decay=1e-2", "train.adam_betas=[0, 1]", "train.pad_to_dp=yes"])
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.adam_betas) == (1.0, 0.01, (0.0, 1.0))
+    assert cfg.train.pad_to_dp is True  # YAML 1.1 itself reads yes as true; only the quoted text is refused
+    assert load_config(None, ["eval.limit=null", "algorithm.tis_cap=null"]).eval.limit is None
+
+
+def test_assignment_is_checked_too():
+    cfg = Config()
+    with pytest.raises(ValueError, match="finite number"):
+        cfg.train.lr = float("inf")
+    with pytest.raises(ValueError, match="not a whole number"):
+        cfg.rollout.n_samples = 4.0
+
+
+def test_every_recipe_validates():
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        load_config(recipe)

@@ -1,4 +1,4 @@
-"""Checks that trajectories (and the rows made from them) are fit for training (SPEC §3).
+"""Checks that trajectories (and the rows made from them) are fit for training (docs/design.md §3).
 
 A converter calls `validate_groups` on everything *before* it computes anything, so a bad trajectory
 stops the step with a `TrajectoryError` and no row is produced. Each rule has a short, stable id
@@ -7,7 +7,7 @@ stops the step with a `TrajectoryError` and no row is produced. Each rule has a 
 Per trajectory (`validate_trajectory`), checked in this order:
     status_trainable          status is one of `memrl.types.TRAINABLE_STATUSES` (`failed` is not)
     reward_present            reward is set (the reward function ran)
-    reward_finite             reward is a finite number
+    reward_finite             reward is a finite real number (not a bool, not text)
     group_id_present          group_id is a non-empty string (the GRPO group key)
     single_final_turn         exactly one `final` turn (none, or several, is an error)
     final_turn_last           the `final` turn is the last turn
@@ -18,11 +18,18 @@ Per trajectory (`validate_trajectory`), checked in this order:
     response_length_tokens    response_length < len(tokens), i.e. at least one prompt token
     loss_mask_length          len(loss_mask) == response_length
     log_probs_length          len(rollout_log_probs) == response_length
+    loss_mask_binary          every loss_mask value is the integer 0 or 1
+    log_probs_finite          every rollout log-prob is a finite real number
+    log_probs_nonpositive     every rollout log-prob is <= 0 (the log of a probability)
 Across trajectories (`validate_groups`):
     trajectory_id_unique      no two trajectories share a trajectory_id
     group_turn_count          all trajectories of one group_id have the same number of turns
 Per training row (`validate_train_rows`): row_response_length, row_loss_mask_length,
-row_log_probs_length, row_advantage_finite, padding_mask_zero.
+row_log_probs_length, row_loss_mask_binary, row_log_probs_finite, row_log_probs_nonpositive,
+row_advantage_finite, padding_mask_zero.
+
+Values are checked, not only lengths: a NaN log-prob or a mask value of 0.5 trains silently on NaN or on
+a half-weighted token, and `reward=True` is a bool where a score belongs (it would count as 1).
 
 `response_length_tokens` is stricter than `<=`: the trainer scores response token j from the logits
 at position j-1, so the first response token needs at least one token before it.
@@ -53,6 +60,30 @@ class TrajectoryError(ValueError):
         super().__init__(f"{where} breaks rule '{rule}': {found}")
 
 
+def _is_real(value: object) -> bool:
+    """A real number that is not a bool: Python counts True as 1, but a flag is never a score."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _value_problem(loss_mask: Sequence[object], log_probs: Sequence[object]) -> tuple[str, str] | None:
+    """(rule, what was found) for the first bad loss-mask or log-prob value, else None.
+
+    Lengths are checked before this; values matter as much: the trainer multiplies by the mask and
+    takes exp of log-prob differences, so one NaN, inf or 0.5 silently changes the whole step.
+    """
+    for k, value in enumerate(loss_mask):
+        if not (isinstance(value, numbers.Integral) and value in (0, 1)):
+            return "loss_mask_binary", f"loss_mask[{k}] = {value!r}; every value must be the integer 0 or 1"
+    for k, value in enumerate(log_probs):
+        if not (_is_real(value) and math.isfinite(value)):
+            return "log_probs_finite", (f"rollout_log_probs[{k}] = {value!r}; every value must be a finite number "
+                                        "(the engine returned no usable log-prob for this token)")
+        if value > 0:
+            return "log_probs_nonpositive", (f"rollout_log_probs[{k}] = {value!r} > 0; a log-probability is at most "
+                                             "0 (the engine returned something else, e.g. a probability or a logit)")
+    return None
+
+
 def _check_turn(trajectory_id: str, position: int, turn: Turn) -> None:
     def fail(rule: str, found: str) -> None:
         raise TrajectoryError(trajectory_id, position, rule, found)
@@ -71,6 +102,8 @@ def _check_turn(trajectory_id: str, position: int, turn: Turn) -> None:
         fail("loss_mask_length", f"len(loss_mask) = {len(turn.loss_mask)} but response_length = {length}")
     if len(turn.rollout_log_probs) != length:
         fail("log_probs_length", f"len(rollout_log_probs) = {len(turn.rollout_log_probs)} but response_length = {length}")
+    if (problem := _value_problem(turn.loss_mask, turn.rollout_log_probs)) is not None:
+        fail(*problem)
 
 
 def validate_trajectory(traj: Trajectory) -> None:
@@ -86,8 +119,8 @@ def validate_trajectory(traj: Trajectory) -> None:
              "(drop failed trajectories before converting)")
     if traj.reward is None:
         fail("reward_present", "reward is None; run the reward function before converting")
-    if not isinstance(traj.reward, numbers.Real) or not math.isfinite(traj.reward):
-        fail("reward_finite", f"reward is {traj.reward!r}; it must be a finite number")
+    if not _is_real(traj.reward) or not math.isfinite(traj.reward):
+        fail("reward_finite", f"reward is {traj.reward!r}; it must be a finite real number (not a bool or text)")
     if not isinstance(traj.group_id, str) or not traj.group_id:
         fail("group_id_present", f"group_id is {traj.group_id!r}; it must name the trajectory's prompt group")
 
@@ -131,7 +164,8 @@ def validate_groups(trajectories: Sequence[Trajectory]) -> None:
 
 
 def validate_train_rows(rows: Iterable[TrainRow]) -> None:
-    """Check rows just before training: shapes agree with response_length, advantages are finite.
+    """Check rows just before training: shapes agree with response_length; mask, log-prob and advantage
+    values are usable (the same value rules as for turns).
 
     Padding rows (`is_padding`) obey the same shape rules and must have an all-zero loss mask, so they
     can never contribute a gradient.
@@ -147,7 +181,9 @@ def validate_train_rows(rows: Iterable[TrainRow]) -> None:
             fail("row_loss_mask_length", f"len(loss_mask) = {len(row.loss_mask)} but response_length = {length}")
         if len(row.rollout_log_probs) != length:
             fail("row_log_probs_length", f"len(rollout_log_probs) = {len(row.rollout_log_probs)} but response_length = {length}")
-        if not math.isfinite(row.advantage):
-            fail("row_advantage_finite", f"advantage is {row.advantage!r}")
+        if (problem := _value_problem(row.loss_mask, row.rollout_log_probs)) is not None:
+            fail(f"row_{problem[0]}", problem[1])
+        if not _is_real(row.advantage) or not math.isfinite(row.advantage):
+            fail("row_advantage_finite", f"advantage is {row.advantage!r}; it must be a finite real number")
         if row.is_padding and any(row.loss_mask):
             fail("padding_mask_zero", "a padding row has non-zero loss_mask entries; padding must never train")

@@ -18,7 +18,7 @@ Two ways to run the ranks of a plan:
   micro-batch (accumulating unsharded gradients would cost the memory sharding saves).
 
 Only response positions go through the LM head: prompt tokens carry no loss, and MemAgent prompts are
-most of every row (PITFALLS: the actor update dominated by prompt tokens).
+most of every row (docs/design.md, pitfall "Prompt-heavy actor update").
 """
 
 from __future__ import annotations
@@ -68,6 +68,13 @@ from memrl.types import TrainRow
 
 class ActorError(RuntimeError):
     """An actor set up or driven inconsistently; the message says what to change."""
+
+
+class NonFiniteUpdateError(ActorError):
+    """An optimizer step's loss or gradient norm is NaN or infinite: the step was not applied.
+
+    Message only (no extra fields), so it pickles across Ray workers like the queue's errors.
+    """
 
 
 @dataclass
@@ -169,6 +176,21 @@ class ResponseLogits(torch.nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
         return _response_logits(self.model, input_ids, attention_mask, positions, self.temperature)
+
+
+def _nan_max(a: float, b: float) -> float:
+    """max() that keeps NaN: Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def _non_finite_message(rollout_id: int, step: int, loss: float, grad_norm: float) -> str:
+    # The rows were validated (finite 0/1 masks, log-probs, advantages) before planning, so the cause is
+    # the policy's own numbers; "lower the learning rate" is only right when training was diverging.
+    return (f"rollout {rollout_id}, optimizer step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
+            f"the update was not applied and training stops before any checkpoint of it. The rows passed "
+            f"validation, so the model's own outputs overflowed: if grad_norm or logprob_gap grew over the "
+            f"last steps, lower train.lr; otherwise check the starting weights "
+            f"(model.path / --load) and model.dtype")
 
 
 def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -356,10 +378,12 @@ class Actor:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
             grad_norm = grad_norm.full_tensor()
-        if not math.isfinite(float(grad_norm)):
+        # Every rank sees the same all-reduced loss and norm, so all of them stop here together; applying
+        # the step would write NaN into the weights (and into the next checkpoint).
+        if not (math.isfinite(float(grad_norm)) and math.isfinite(sums["loss/total"])):
             self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at step {self.global_step}; "
-                                     f"lower train.lr or check the rows of rollout {rollout_id}")
+            raise NonFiniteUpdateError(_non_finite_message(rollout_id, self.global_step, sums["loss/total"],
+                                                           float(grad_norm)))
         self.optimizer.step()
         self.scheduler.step()
         self.global_step += 1
@@ -409,13 +433,14 @@ class Actor:
             loss = loss - a.entropy_coef * (with_grad_entropy * w_tokens).sum()
         (loss * loss_scale).backward()
         n_tok = float(mb.loss_mask.sum())
-        gap = ((old - mb.rollout_log_probs).abs() * mb.loss_mask)
+        # where(), not a product: a masked-out token's gap must not count, not even as inf * 0 = NaN.
+        gap = torch.where(mb.loss_mask > 0, (old - mb.rollout_log_probs).abs(), 0.0)
         add("loss/policy", pg.detach())
         add("loss/total", loss.detach())
         add("entropy/mean", (entropy * w_tokens).sum())
         add("logprob_gap/sum_abs", gap.sum())
         add("logprob_gap/max_abs", 0.0)
-        sums["logprob_gap/max_abs"] = max(sums["logprob_gap/max_abs"], float(gap.max()) if gap.numel() else 0.0)
+        sums["logprob_gap/max_abs"] = _nan_max(sums["logprob_gap/max_abs"], float(gap.max()) if gap.numel() else 0.0)
         add("tokens/loss", n_tok)
         add("clip_fraction_tokens", m["clip_fraction"], n_tok)
         add("micro_batches", 1.0)

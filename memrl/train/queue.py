@@ -21,7 +21,11 @@ Invariants:
   with `RolloutFailedError` (its `__cause__` is `error`); `close()` wakes every waiter with
   `QueueClosedError`. A producer-side protocol error (bad or changed count, over-count, overflow, bad
   finish) both raises to the producer and fails the rollout, so the consumer wakes at once with it
-  instead of timing out. Puts after close, after fail or after finish only raise.
+  instead of timing out. Puts after close, after fail, after finish or after the rollout was consumed
+  only raise: a consumed rollout's stats never change (a late `fail` leaves it consumed too).
+- Arguments are checked, not coerced: rollout ids and counts are ints (not bools, not text), timeouts
+  finite numbers of seconds > 0 (a NaN timeout waited forever, an infinite one overflowed); a bad one
+  is a `QueueError`.
 
 Thread-safe (one `threading.Condition`); used in one process, and wrapped by a Ray actor for the
 distributed runtime (`get_group` is the non-generator form of `iter_groups` for that reason).
@@ -30,6 +34,8 @@ Exceptions carry only a message so they pickle across processes.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,10 +95,31 @@ class _Rollout:
         return "complete" if self.complete else "open"
 
 
+def _is_int(value: object) -> bool:
+    """An integer that is not a bool (Python counts True as 1, never a row count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _checked_int(value: object, name: str) -> int:
+    if not _is_int(value):
+        raise QueueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _checked_timeout(value: object, name: str) -> float:
+    """A wait's timeout: NaN made the deadline test never true (a wait forever), inf overflowed the wait."""
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise QueueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 class TransferQueue:
     """Rows per rollout id, with exact counts, capacity, groups, timeouts and failure wake-up."""
 
     def __init__(self, capacity_rows: int, data_group_size: int = 1, timeout_s: float = 1800.0) -> None:
+        capacity_rows = _checked_int(capacity_rows, "capacity_rows")
+        data_group_size = _checked_int(data_group_size, "data_group_size (queue.train_data_group_size)")
+        timeout_s = _checked_timeout(timeout_s, "timeout_s (queue.timeout_s)")
         if capacity_rows <= 0:
             raise QueueError(f"capacity_rows must be > 0, got {capacity_rows}")
         if data_group_size <= 0:
@@ -100,8 +127,6 @@ class TransferQueue:
         if capacity_rows < data_group_size:
             raise QueueError(f"capacity_rows = {capacity_rows} is below data_group_size = {data_group_size}: "
                              f"no group could ever be held; raise queue.train_sample_expansion_factor")
-        if timeout_s <= 0:
-            raise QueueError(f"timeout_s must be > 0 (queue.timeout_s), got {timeout_s}")
         self.capacity_rows = capacity_rows
         self.data_group_size = data_group_size
         self.timeout_s = timeout_s
@@ -130,6 +155,8 @@ class TransferQueue:
         """Add `rows` of `rollout_id` (all or nothing). `train_row_count` announces the exact total
         (see `announce`); `final=True` ends a rollout without a count (1:1 path, same as `finish`)."""
         rows = list(rows)
+        if not isinstance(final, bool):
+            raise QueueError(f"rollout {rollout_id}: final must be True or False, got {final!r}")
         with self._cond:
             state = self._producer_state(rollout_id)
             if train_row_count is not None:
@@ -161,8 +188,9 @@ class TransferQueue:
         """Mark `rollout_id` failed: its rows are dropped and every waiter on it raises
         `RolloutFailedError` from `error`. Later puts and gets of that id raise the same."""
         with self._cond:
-            state = self._rollouts.setdefault(rollout_id, _Rollout())
-            if state.error is None:
+            state = self._rollouts.setdefault(_checked_int(rollout_id, "rollout_id"), _Rollout())
+            # A consumed rollout has no waiter left, and its rows were trained on: it stays consumed.
+            if state.error is None and not self._consumed(state):
                 self._drop_rows_locked(state)
                 state.error = error
             self._cond.notify_all()
@@ -221,7 +249,7 @@ class TransferQueue:
         """Counts for one rollout id: rows_put (transferred in), rows_taken (consumed), expected (the
         announced or finished total, None while unknown), held, status (open|complete|consumed|failed)."""
         with self._cond:
-            state = self._rollouts.get(rollout_id, _Rollout())
+            state = self._rollouts.get(_checked_int(rollout_id, "rollout_id"), _Rollout())
             return {"rows_put": state.rows_put, "rows_taken": state.rows_taken, "expected": state.target,
                     "held": len(state.rows), "status": state.status}
 
@@ -233,14 +261,24 @@ class TransferQueue:
 
     # ---- internals (call with the lock held) ----------------------------------------------------
 
+    @staticmethod
+    def _consumed(state: _Rollout) -> bool:
+        """Every row was taken by a consumer (not merely finished with zero rows before anyone asked)."""
+        return state.mode is not None and state.status == "consumed"
+
     def _producer_state(self, rollout_id: int) -> _Rollout:
         if self._closed:
             raise QueueClosedError(f"rollout {rollout_id}: the queue is closed; nothing more can be put")
-        state = self._rollouts.setdefault(rollout_id, _Rollout())
+        state = self._rollouts.setdefault(_checked_int(rollout_id, "rollout_id"), _Rollout())
         self._raise_if_failed(rollout_id, state)
         if state.finished:
             raise QueueError(f"rollout {rollout_id} was already finished with {state.rows_put} rows; "
                              f"nothing more can be put for it")
+        # Raise to the late producer only: failing the rollout here would rewrite the stats of a step
+        # that was already trained on.
+        if self._consumed(state):
+            raise QueueError(f"rollout {rollout_id} was already consumed ({state.rows_taken} rows trained on); "
+                             f"nothing more can be put for it (is the producer using a stale rollout id?)")
         return state
 
     def _consumer_state(self, rollout_id: int, mode: str) -> _Rollout:
@@ -256,7 +294,7 @@ class TransferQueue:
         """The rollout's state, raising if the queue is closed or the rollout failed."""
         if self._closed:
             raise QueueClosedError(f"rollout {rollout_id}: the queue was closed")
-        state = self._rollouts.setdefault(rollout_id, _Rollout())
+        state = self._rollouts.setdefault(_checked_int(rollout_id, "rollout_id"), _Rollout())
         self._raise_if_failed(rollout_id, state)
         return state
 
@@ -266,7 +304,9 @@ class TransferQueue:
             raise RolloutFailedError(f"rollout {rollout_id} failed: {state.error!r}") from state.error
 
     def _announce_locked(self, rollout_id: int, state: _Rollout, count: int) -> None:
-        if state.expected is not None and count != state.expected:
+        if not _is_int(count):
+            problem = f"train_row_count must be an int, got {count!r} ({type(count).__name__})"
+        elif state.expected is not None and count != state.expected:
             problem = f"train_row_count = {count} differs from the {state.expected} announced before"
         elif state.expected is not None:
             return
@@ -282,7 +322,7 @@ class TransferQueue:
         elif count < state.rows_put:
             problem = f"train_row_count = {count} is below the {state.rows_put} rows already put"
         else:
-            state.expected = count
+            state.expected = int(count)
             return
         self._fail_locked(rollout_id, state, QueueError(f"rollout {rollout_id}: {problem}"))
 
@@ -308,7 +348,7 @@ class TransferQueue:
         state.rows = []
 
     def _wait_locked(self, rollout_id: int, ready: Callable[[], bool], timeout_s: float | None, what: str) -> None:
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self.timeout_s if timeout_s is None else _checked_timeout(timeout_s, f"rollout {rollout_id}: timeout_s")
         deadline = time.monotonic() + timeout
         while not ready():  # ready() raises on close/failure, which is how waiters are woken with errors
             remaining = deadline - time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memrl.config import AlgorithmConfig, Config, import_object
+from memrl.config import AlgorithmConfig, Config, import_object, load_config
 from memrl.memagent.convert import convert_trajectories, count_train_rows
 from memrl.rl.advantages import grpo_advantages, trajectory_advantages
 from memrl.rl.validate import TrajectoryError, validate_train_rows
@@ -119,6 +119,17 @@ def test_groups_keyed_by_group_id_are_normalized_separately():
     assert [rows_again[(t.trajectory_id, 0)].advantage for t in q2] == expected["q2"]
 
 
+def test_converter_reads_std_ddof_and_the_seed_recipe_uses_the_sample_std():
+    group = make_group("q1", [1.0] + [0.0] * 7)
+    rows = _rows_by_key(convert_trajectories(group, AlgorithmConfig(credit="share", std_ddof=1), rollout_id=0))
+    expected = grpo_advantages({"q1": [1.0] + [0.0] * 7}, std_ddof=1)["q1"]
+    assert [rows[(t.trajectory_id, 0)].advantage for t in group] == expected
+    assert expected[0] == pytest.approx(2.4749, abs=1e-4)  # verl's figure, not ddof=0's 2.6457
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen3-0.6b-hotpotqa.yaml"
+    assert load_config(recipe).algorithm.std_ddof == 1
+    assert AlgorithmConfig().std_ddof == 0
+
+
 def test_equal_rewards_give_zero_advantage_rows():
     rows = convert_trajectories(make_group("q1", [1.0, 1.0, 1.0]), AlgorithmConfig(), rollout_id=0)
     assert [r.advantage for r in rows] == [0.0] * 9
@@ -137,6 +148,22 @@ def test_failure_leaves_no_partial_output_and_the_input_untouched():
     assert (info.value.trajectory_id, info.value.turn, info.value.rule) == ("q3/s0", 2, "log_probs_length")
     assert len(trajs) == 5 and _snapshot(trajs) == before
     assert all(t.reward in (0.0, 1.0) for t in trajs)
+
+
+@pytest.mark.parametrize("mutate, rule", [
+    (lambda t: t.turns[1].rollout_log_probs.__setitem__(0, math.nan), "log_probs_finite"),
+    (lambda t: t.turns[1].rollout_log_probs.__setitem__(0, math.inf), "log_probs_finite"),
+    (lambda t: t.turns[1].rollout_log_probs.__setitem__(0, 0.5), "log_probs_nonpositive"),
+    (lambda t: t.turns[1].loss_mask.__setitem__(0, 2), "loss_mask_binary"),
+    (lambda t: setattr(t, "reward", True), "reward_finite"),
+])
+def test_bad_values_stop_the_converter_before_any_row(mutate, rule):
+    # A NaN log-prob or a mask value of 2 used to convert into rows and train the actor on NaN.
+    trajs = make_group("q1", [1.0, 0.0])
+    mutate(trajs[1])
+    with pytest.raises(TrajectoryError) as info:
+        convert_trajectories(trajs, SPLIT, rollout_id=0)
+    assert (info.value.trajectory_id, info.value.rule) == ("q1/s1", rule)
 
 
 def test_failed_trajectories_are_rejected_and_not_counted():

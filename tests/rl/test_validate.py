@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,10 @@ from traj_factory import FINAL_MAX_TOKENS, make_group, make_trajectory  # noqa: 
 def _set(obj, **values):
     for name, value in values.items():
         setattr(obj, name, value)
+
+
+def _set_at(values: list, position: int, value) -> None:
+    values[position] = value
 
 
 def _shift_indices(t: Trajectory) -> None:
@@ -65,6 +70,16 @@ BROKEN: list[tuple[str, Callable[[Trajectory], None], int | None, str]] = [
     ("no reward", lambda t: _set(t, reward=None), None, "reward_present"),
     ("nan reward", lambda t: _set(t, reward=math.nan), None, "reward_finite"),
     ("text reward", lambda t: _set(t, reward="1"), None, "reward_finite"),
+    ("bool reward", lambda t: _set(t, reward=True), None, "reward_finite"),
+    ("inf reward", lambda t: _set(t, reward=-math.inf), None, "reward_finite"),
+    ("loss mask value 2", lambda t: _set_at(t.turns[1].loss_mask, 0, 2), 1, "loss_mask_binary"),
+    ("loss mask value 0.5", lambda t: _set_at(t.turns[0].loss_mask, 1, 0.5), 0, "loss_mask_binary"),
+    ("loss mask value nan", lambda t: _set_at(t.turns[2].loss_mask, 2, math.nan), 2, "loss_mask_binary"),
+    ("nan log-prob", lambda t: _set_at(t.turns[1].rollout_log_probs, 2, math.nan), 1, "log_probs_finite"),
+    ("+inf log-prob", lambda t: _set_at(t.turns[0].rollout_log_probs, 0, math.inf), 0, "log_probs_finite"),
+    ("-inf log-prob", lambda t: _set_at(t.turns[2].rollout_log_probs, 1, -math.inf), 2, "log_probs_finite"),
+    ("bool log-prob", lambda t: _set_at(t.turns[2].rollout_log_probs, 1, False), 2, "log_probs_finite"),
+    ("positive log-prob", lambda t: _set_at(t.turns[1].rollout_log_probs, 0, 0.25), 1, "log_probs_nonpositive"),
     ("empty group id", lambda t: _set(t, group_id=""), None, "group_id_present"),
 ]
 
@@ -156,6 +171,12 @@ def _row(**overrides) -> TrainRow:
     (dict(rollout_log_probs=[-0.5, -1.0, -2.0]), "row_log_probs_length"),
     (dict(advantage=math.inf), "row_advantage_finite"),
     (dict(advantage=math.nan), "row_advantage_finite"),
+    (dict(advantage=True), "row_advantage_finite"),
+    (dict(loss_mask=[1, 3]), "row_loss_mask_binary"),
+    (dict(loss_mask=[0.5, 1]), "row_loss_mask_binary"),
+    (dict(rollout_log_probs=[-0.5, math.nan]), "row_log_probs_finite"),
+    (dict(rollout_log_probs=[math.inf, -1.0]), "row_log_probs_finite"),
+    (dict(rollout_log_probs=[-0.5, 0.1]), "row_log_probs_nonpositive"),
     (dict(is_padding=True), "padding_mask_zero"),
 ])
 def test_train_row_rules(overrides, rule):
@@ -167,3 +188,13 @@ def test_train_row_rules(overrides, rule):
 
 def test_padding_row_with_zero_mask_passes():
     validate_train_rows([_row(is_padding=True, loss_mask=[0, 0], advantage=0.0)])
+
+
+def test_usual_value_types_pass():
+    # Bool masks are 0/1 flags, numpy scalars are real numbers, and a log-prob of exactly 0 is a sure token.
+    traj = make_trajectory("t")
+    traj.reward = np.float32(0.5)
+    traj.turns[0].loss_mask = [True, False, True]
+    traj.turns[1].rollout_log_probs = [0.0, np.float64(-1.5), -1e-30]
+    validate_trajectory(traj)
+    validate_train_rows([_row(loss_mask=[np.int64(1), 0], rollout_log_probs=[0.0, -2.0], advantage=np.float32(1))])

@@ -7,7 +7,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from memrl.config import Config
-from memrl.train.actor import Actor, plan_rollout
+from memrl.rl.validate import TrajectoryError
+from memrl.train.actor import Actor, NonFiniteUpdateError, plan_rollout
 from memrl.train.partition import PartitionError
 from memrl.types import TrainRow
 
@@ -144,7 +145,7 @@ def with_rollout_log_probs(rows, log_probs):
 
 @pytest.mark.parametrize("budget", [10_000, 40])
 def test_logprob_gap_metric_is_the_exact_gap(budget):
-    """PITFALLS (train/inference log-prob mismatch, "log the gap every step"): the logged gap must be the
+    """Pitfall "Silent log-prob drift" (docs/design.md: "log the gap every step"): the logged gap must be the
     real |trainer - rollout| log-prob difference over loss tokens, not just some positive number; with a
     small budget the mean and max are taken across several micro-batches."""
     rows = make_rows()
@@ -171,7 +172,7 @@ def flat(grads):
 
 
 def test_truncated_importance_weights_reach_the_gradient():
-    """PITFALLS ("offer truncated importance weights"): with rollout log-probs off the trainer's, the
+    """Pitfall "Silent log-prob drift" (docs/design.md: "offer truncated importance weights"): with rollout log-probs off the trainer's, the
     gradient with `algorithm.tis_cap` is the PPO gradient with each token weighted by the detached
     w = min(exp(old_logp - rollout_logp), cap) (token_mean), unlike the gradient without it."""
     rows = make_rows()
@@ -204,7 +205,7 @@ PADDING_DEPENDENT = {"padding_fraction", "micro_batches", "time/train_s", "perf/
 
 
 def test_padding_rows_change_no_metric():
-    """PITFALLS (padding to a DP multiple pollutes metrics): dp_size=2 with pad_to_dp on an odd number of
+    """Pitfall "Padding by copying" (docs/design.md: padding to a DP multiple pollutes metrics): dp_size=2 with pad_to_dp on an odd number of
     rows reports the same metrics as dp_size=1 without padding, from the same weights."""
     rows = make_rows(n_groups=2, per_group=3, seed=2)
     cfgs = {dp: Config.model_validate({
@@ -231,3 +232,71 @@ def test_padding_rows_change_no_metric():
     assert one["kl/mean"] > 0 and one["clip_fraction"] > 0 and one["logprob_gap/max_abs"] > 0
     for key in sorted(one.keys() - PADDING_DEPENDENT):
         assert two[key] == pytest.approx(one[key], abs=1e-6), key
+
+
+def snapshot(actor):
+    return {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+
+
+def assert_unchanged(actor, before):
+    assert actor.global_step == 0 and not actor.optimizer.state  # AdamW never stepped
+    for name, p in actor.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert all(p.grad is None for p in actor.model.parameters())
+
+
+def test_non_finite_advantage_past_validation_stops_the_step_unapplied():
+    # train_planned skips validation (the Ray driver validates before planning): a NaN advantage there
+    # makes the loss NaN, and the step must stop with a named error instead of writing NaN weights.
+    rows = make_rows()
+    rows[1] = dataclasses.replace(rows[1], advantage=math.nan)
+    actor = Actor(tiny_model(), make_cfg(), pad_token_id=0)
+    before = snapshot(actor)
+    with pytest.raises(NonFiniteUpdateError, match=r"rollout 3, optimizer step 0: non-finite loss \(nan\)") as info:
+        actor.train_planned(plan_rollout(rows, actor.cfg, 0, 3), 3, len(rows), 0)
+    assert "passed validation" in str(info.value)
+    assert_unchanged(actor, before)
+
+
+@pytest.mark.parametrize("tis_cap", [None, 2.0])
+def test_infinite_logits_on_valid_rows_stop_the_step_unapplied(tis_cap):
+    # A hook makes the LM head overflow, as diverged weights would: the rows are valid, the loss is not.
+    cfg = Config.model_validate({"train": {"lr": 1e-3}, "algorithm": {"kl_coef": 0.0, "tis_cap": tis_cap}})
+    actor = Actor(tiny_model(), cfg, pad_token_id=0)
+    actor.model.get_output_embeddings().register_forward_hook(lambda module, args, out: out * math.inf)
+    before = snapshot(actor)
+    with pytest.raises(NonFiniteUpdateError, match="rollout 5, optimizer step 0") as info:
+        actor.train_rollout(make_rows(), 5)
+    assert "check the rows" not in str(info.value)  # the rows were validated: they are not the cause
+    assert_unchanged(actor, before)
+
+
+def test_actor_rejects_nan_rollout_log_probs_before_training():
+    rows = make_rows()
+    rows[2] = dataclasses.replace(rows[2], rollout_log_probs=[math.nan] * rows[2].response_length)
+    actor = Actor(tiny_model(), make_cfg(), pad_token_id=0)
+    before = snapshot(actor)
+    with pytest.raises(TrajectoryError) as info:
+        actor.train_rollout(rows, 0)
+    assert info.value.rule == "row_log_probs_finite"
+    assert_unchanged(actor, before)
+
+
+def test_logprob_gap_max_is_nan_whenever_the_mean_is():
+    # Python's max(0.0, nan) is 0.0: a NaN gap was reported as mean nan, max 0.0. Past validation (a
+    # debug path) a NaN rollout log-prob on a loss token makes both NaN; on a masked-out token, neither.
+    rows = make_rows()
+    k = next(i for i, r in enumerate(rows) if r.loss_mask[0] == 0)
+    actor = Actor(tiny_model(), make_cfg(), pad_token_id=0)
+
+    def gap_metrics(position):
+        lp = list(rows[k].rollout_log_probs)
+        lp[position] = math.nan
+        bad = rows[:k] + [dataclasses.replace(rows[k], rollout_log_probs=lp)] + rows[k + 1:]
+        m = actor.train_planned(plan_rollout(bad, actor.cfg, 0, 0), 0, len(bad), 0)
+        return m["logprob_gap/mean_abs"], m["logprob_gap/max_abs"]
+
+    mean, top = gap_metrics(position=1)  # a loss token
+    assert math.isnan(mean) and math.isnan(top)
+    mean, top = gap_metrics(position=0)  # masked out: it must not count at all
+    assert math.isfinite(mean) and math.isfinite(top) and top > 0

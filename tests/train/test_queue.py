@@ -242,3 +242,72 @@ def test_from_config_capacity_and_validation():
         TransferQueue(capacity_rows=4, data_group_size=0)
     with pytest.raises(QueueError, match="below data_group_size"):
         TransferQueue(capacity_rows=2, data_group_size=4)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0, 0, True, "5"])
+def test_non_finite_or_non_positive_timeouts_are_rejected_at_construction_and_per_call(timeout):
+    # A NaN timeout made get_rollout wait forever; an infinite one raised OverflowError from the wait.
+    with pytest.raises(QueueError, match=r"timeout_s \(queue.timeout_s\) must be a finite number of seconds > 0"):
+        TransferQueue(capacity_rows=4, timeout_s=timeout)
+    q = TransferQueue(capacity_rows=4, timeout_s=5)
+    for call in (lambda: q.get_rollout(0, timeout_s=timeout), lambda: q.get_group(1, timeout_s=timeout),
+                 lambda: list(q.iter_groups(2, timeout_s=timeout))):
+        w = start(call)
+        w.join(2)
+        assert not w.is_alive() and isinstance(w.error, QueueError), w.error
+        assert "must be a finite number of seconds > 0" in str(w.error)
+
+
+@pytest.mark.parametrize("count", ["4", 4.0, True, [4]])
+def test_a_count_that_is_not_an_int_is_a_queue_error_that_wakes_the_consumer(count):
+    q = TransferQueue(capacity_rows=8, timeout_s=5)
+    w = start(lambda: q.get_rollout(0))
+    time.sleep(0.05)
+    with pytest.raises(QueueError, match=r"train_row_count must be an int, got"):
+        q.put(0, ["a"], train_row_count=count)
+    w.join(2)
+    assert isinstance(w.error, RolloutFailedError) and "must be an int" in str(w.error)
+    with pytest.raises(QueueError, match="train_row_count must be an int"):
+        q.announce(1, count)
+
+
+@pytest.mark.parametrize("bad", [dict(capacity_rows="8"), dict(capacity_rows=8.0), dict(data_group_size=True)])
+def test_sizes_must_be_ints(bad):
+    with pytest.raises(QueueError, match="must be an int"):
+        TransferQueue(**{"capacity_rows": 8, **bad})
+
+
+def test_rollout_ids_and_final_are_checked_not_coerced():
+    q = TransferQueue(capacity_rows=8, timeout_s=5)
+    # "3" and 3 would be two rollouts: the consumer of 3 would time out while rows sit under "3".
+    for call in (lambda: q.put("3", ["a"]), lambda: q.announce(True, 2), lambda: q.get_rollout(1.0),
+                 lambda: q.fail("3", RuntimeError()), lambda: q.stats("3")):
+        with pytest.raises(QueueError, match="rollout_id must be an int"):
+            call()
+    with pytest.raises(QueueError, match="final must be True or False"):
+        q.put(3, ["a"], final="yes")
+    assert q.stats(3)["rows_put"] == 0 and q.rows_held == 0
+
+
+@pytest.mark.parametrize("mode", ["all", "groups"])
+def test_late_put_on_a_consumed_rollout_raises_and_leaves_its_stats(mode):
+    q = TransferQueue(capacity_rows=8, data_group_size=2, timeout_s=5)
+    q.put(0, [1, 2, 3, 4], train_row_count=4)
+    assert (q.get_rollout(0) if mode == "all" else sum(q.iter_groups(0), [])) == [1, 2, 3, 4]
+    consumed = q.stats(0)
+    assert consumed["status"] == "consumed"
+    for late in (lambda: q.put(0, [5, 6]), lambda: q.put(0, []), lambda: q.announce(0, 4),
+                 lambda: q.finish(0)):
+        with pytest.raises(QueueError, match="already consumed"):
+            late()
+    q.fail(0, RuntimeError("a late failure report"))  # must not rewrite a step that was trained on
+    assert q.stats(0) == consumed and q.rows_held == 0
+
+
+def test_rollout_finished_empty_before_any_consumer_still_rejects_puts_as_finished():
+    q = TransferQueue(capacity_rows=8, timeout_s=5)
+    q.finish(0)
+    with pytest.raises(QueueError, match="already finished"):
+        q.put(0, ["a"])
+    q.fail(1, RuntimeError("boom"))  # a rollout nobody consumed still fails as before
+    assert q.stats(1)["status"] == "failed"
