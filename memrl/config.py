@@ -1,6 +1,7 @@
 """Typed, validated configuration: one pydantic model per section, YAML recipes, `--set a.b=v` overrides.
 
-Every field has a description (shown by `memrl config --help-fields`). Unknown keys and bad values raise
+Every field has a description (`memrl config` lists them all, with types and defaults; `memrl config
+--recipe FILE` validates a recipe and shows its values). Unknown keys and bad values raise
 `ConfigError` naming the key, the value and what is allowed, so a typo never silently becomes a default.
 """
 
@@ -8,11 +9,22 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import numbers
+import re
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_MEMORY_TEMPLATE = (
     "You are reading a long document one part at a time to answer a question. "
@@ -36,8 +48,52 @@ class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message names the key and what to change."""
 
 
+_SCALARS = {bool, int, float, str}
+
+
+def _accepted_scalars(annotation: Any) -> set[type]:
+    """The scalar types a field, or the items of a list/tuple field, accepts: `int | None` -> {int},
+    `tuple[float, float]` -> {float}, `Literal[0, 1]` -> {int}; empty for sections and dicts."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _accepted_scalars(get_args(annotation)[0])
+    if origin is Literal:
+        return {type(arg) for arg in get_args(annotation)} & _SCALARS
+    if origin in (Union, types.UnionType, list, tuple):
+        return set().union(*(_accepted_scalars(arg) for arg in get_args(annotation) if arg is not Ellipsis))
+    return {annotation} & _SCALARS
+
+
+def _lax_coercion(value: Any, accepted: set[type]) -> str | None:
+    """Why pydantic's lax mode would silently change `value` (None if it would not): `true` would become
+    1, `1.5` an int 1 or an error far from the cause, `"yes"` a bool. Floats still take ints (`lr: 1`) and
+    numeric text (YAML 1.1 reads `1e-6` as a string); NaN and infinities are refused by allow_inf_nan."""
+    if isinstance(value, (list, tuple)):
+        return next(filter(None, (_lax_coercion(item, accepted) for item in value)), None)
+    numeric = accepted & {int, float}
+    if isinstance(value, bool):
+        return None if bool in accepted or not numeric else f"{value!r} is a bool where a number belongs; write the number"
+    if type(value) in accepted or value is None:
+        return None
+    if bool in accepted and not numeric:
+        return f"{value!r} is not a bool; write true or false"
+    if numeric == {int} and not isinstance(value, numbers.Integral):
+        return f"{value!r} is not a whole number; write an integer such as 4 (not 4.0, 1.5 or '4')"
+    return None
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `train.lr=.inf` turned every weight into NaN, `queue.timeout_s=.inf` overflowed
+    # a later wait. Strict ints and bools (see `_lax_coercion`) for every field, also of plugin sections.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lax_coercion(cls, value: Any, info: ValidationInfo) -> Any:
+        problem = _lax_coercion(value, _accepted_scalars(cls.model_fields[info.field_name].annotation))
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 class ModelConfig(Section):
@@ -80,11 +136,20 @@ class RolloutConfig(Section):
     memory_template: str = Field(DEFAULT_MEMORY_TEMPLATE, description="Memory-turn user message; {question} {memory} {chunk}.")
     final_template: str = Field(DEFAULT_FINAL_TEMPLATE, description="Final-turn user message; {question} {memory}.")
     no_memory_text: str = Field(DEFAULT_NO_MEMORY_TEXT, description="Memory shown before the first chunk.")
+    strip_inputs: bool = Field(
+        False, description="Strip whitespace around each question and document before prompting (str.strip(), as "
+        "the official MemAgent evaluation does; some HotpotQA questions end in a space)."
+    )
+    answer_extractor: Literal["boxed", "therefore"] = Field(
+        "boxed", description="How the final answer is read for reward and evaluation: `boxed` the last \\boxed{}; "
+        "`therefore` the line after the last \"the answer is\" (the official MemAgent non-boxed final prompt)."
+    )
     engine: Literal["hf", "openai"] = Field("hf", description="`hf`: local transformers model; `openai`: a server.")
     server_url: str | None = Field(None, description="Base URL of an OpenAI-compatible server (engine=openai).")
     api_key: str | None = Field(None, description="API key for the server, if it needs one.")
     max_concurrency: int = Field(64, gt=0, description="Requests in flight at once (client engine).")
-    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generation request.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generation request, queueing "
+                                     "included (server client and local engine); a request past it fails.")
     max_batch_size: int = Field(32, gt=0, description="Local engine: most requests decoded together.")
     max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in one batch.")
 
@@ -345,3 +410,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"recipe '{p}' must be a mapping of sections, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides or [])
     return config_from_dict(raw, config_class)
+
+
+# A hub id is `name` or `namespace/name` of word characters, '-' and '.'; anything else (a leading
+# / . ~, a second slash, a space) can only be a local path.
+_HUB_ID = re.compile(r"^[\w-][\w.-]*(/[\w.-]+)?$")
+
+
+def check_model_path(path: str | Path, what: str = "model path") -> None:
+    """Refuse a local-looking path that does not exist, before Hugging Face reads it as a hub id and
+    answers "Repo id must be in the form ...", which hides that the folder is missing."""
+    text = str(path)
+    if not _HUB_ID.match(text) and not Path(text).exists():
+        raise ConfigError(f"{what} {text} does not exist; pass an existing folder "
+                          f"(or a hub id such as Qwen/Qwen3-0.6B)")
+
+
+def load_pretrained(loader: Any, path: str | Path, what: str = "model", **kwargs: Any) -> Any:
+    """`loader.from_pretrained(path, **kwargs)` (a transformers Auto class) whose failures are a
+    `ConfigError` naming the path: a missing local folder says so, an unreadable folder or hub id
+    gives the loader's reason."""
+    check_model_path(path, f"{what} path")
+    try:
+        return loader.from_pretrained(str(path), **kwargs)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load the {what} from {path}: {e}") from e

@@ -1,10 +1,16 @@
 """The command line as a user meets it: help, config errors with the key named, exit codes."""
 
+import importlib
+import re
+import shutil
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
-from memrl.cli import app
+from memrl.cli import EXPECTED_ERRORS, app
+from memrl.data.manifest import write_manifest
+from memrl.data.records import QuestionRecord, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -36,3 +42,140 @@ def test_make_tiny_model_then_convert_errors_clearly(tmp_path):
     assert result.exit_code == 0 and (tmp_path / "tiny" / "config.json").is_file()
     result = runner.invoke(app, ["convert-to-hf", str(tmp_path / "nothing"), str(tmp_path / "out")])
     assert result.exit_code == 2 and "error:" in result.output
+
+
+# ------------------------------------------------------------------------------------------ expected errors
+# Every command: an error the user fixes is one line naming it, exit 2; never a traceback.
+
+TRAIN_SETS = ["rollout.chunk_tokens=16", "rollout.memory_tokens=8", "rollout.final_tokens=8", "rollout.n_samples=2",
+              "train.rollout_batch_size=2", "train.num_rollout=1"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_weight_loading():
+    # transformers draws a "Loading weights" bar on stderr, which CliRunner mixes into the output.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    yield
+    hf_logging.enable_progress_bar()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny model folder, one of another architecture, and a prepared data folder with a manifest."""
+    from memrl.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("cli")
+    model = save_tiny_model(root / "model", layers=1, hidden=32)
+    other = save_tiny_model(root / "other", layers=1, hidden=64)
+    records = [QuestionRecord(f"q{i}", "What?", ["a"], "word " * 20) for i in range(4)]
+    write_jsonl(root / "data" / "hotpotqa_train.jsonl", records)
+    write_manifest(root / "data", {"hotpotqa_train.jsonl": len(records)}, "test", {})
+    return root, model, other
+
+
+def one_error_line(result) -> str:
+    """The single output line of a refused command (exit 2, no traceback)."""
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "Traceback" not in result.output and len(lines) == 1, result.output
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def train(root, model, *extra):
+    sets = [x for s in [*TRAIN_SETS, f"model.path={model}"] for x in ("--set", s)]
+    return runner.invoke(app, ["train", "--run-root", str(root / "run"), "--no-progress", *sets, *extra])
+
+
+def test_every_expected_error_class_exists():
+    for spec in EXPECTED_ERRORS:
+        module, _, name = spec.partition(":")
+        assert issubclass(getattr(importlib.import_module(module), name), Exception), spec
+
+
+def test_train_missing_data_dir_is_one_line(tiny, tmp_path):
+    root, model, _ = tiny
+    line = one_error_line(train(tmp_path, model, "--set", f"data.dir={tmp_path / 'nodata'}"))
+    assert f"{tmp_path / 'nodata' / 'hotpotqa_train.jsonl'}: file does not exist" in line
+
+
+def test_train_tampered_data_file_is_one_line(tiny, tmp_path):
+    root, model, _ = tiny
+    shutil.copytree(root / "data", tmp_path / "data")
+    with open(tmp_path / "data" / "hotpotqa_train.jsonl", "a") as f:
+        f.write("\n")
+    line = one_error_line(train(tmp_path, model, "--set", f"data.dir={tmp_path / 'data'}"))
+    assert "hotpotqa_train.jsonl' changed since it was prepared" in line
+
+
+def test_train_bad_load_is_one_line(tiny, tmp_path):
+    root, model, _ = tiny
+    line = one_error_line(train(tmp_path, model, "--set", f"data.dir={root / 'data'}", "--load", str(tmp_path / "x")))
+    assert f"checkpoint path {tmp_path / 'x'} does not exist" in line
+
+
+def test_train_missing_model_path_says_it_does_not_exist(tiny, tmp_path):
+    root, _, _ = tiny
+    line = one_error_line(train(tmp_path, tmp_path / "nomodel", "--set", f"data.dir={root / 'data'}"))
+    assert f"model path {tmp_path / 'nomodel'} does not exist" in line and "Repo id" not in line
+
+
+def test_train_checkpoint_of_another_architecture_names_the_mismatch(tiny, tmp_path):
+    root, model, other = tiny
+    from transformers import AutoModelForCausalLM
+
+    from memrl.train.checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(tmp_path / "old", 0, AutoModelForCausalLM.from_pretrained(str(other)), None, None, {})
+    line = one_error_line(train(tmp_path, model, "--set", f"data.dir={root / 'data'}", "--load", str(ckpt)))
+    assert "another architecture" in line and "model.embed_tokens.weight" in line and "64) vs" in line
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["sft", "--model", "{tmp}/nomodel", "--data", "{data}", "--out", "{tmp}/o"], "model path {tmp}/nomodel does not"),
+    (["sft", "--model", "{model}", "--data", "{tmp}/none.jsonl", "--out", "{tmp}/o"], "none.jsonl does not exist"),
+    (["eval", "--model", "{tmp}/nomodel", "--data", "{data}", "--out", "{tmp}/o"], "model path {tmp}/nomodel does not"),
+    (["eval", "--server-url", "http://127.0.0.1:1", "--tokenizer", "{tmp}/notok", "--data", "{data}", "--out",
+      "{tmp}/o"], "tokenizer path {tmp}/notok does not exist"),
+    (["compare", "{tmp}", "{tmp}", "--max-abs-diff", "bogus"], "write METRIC=POINTS"),
+    (["pass-at-k", "--model", "{model}", "--data", "{tmp}/none.jsonl", "--out", "{tmp}/c.json"], "does not exist"),
+    (["prepare-data", "hotpotqa", "--from-file", "{tmp}/none.json", "--out", "{tmp}/d"], "none.json: file does not"),
+    (["convert-to-hf", "{tmp}/nothing", "{tmp}/out"], "checkpoint path {tmp}/nothing does not exist"),
+    (["report", "{tmp}"], "no metrics at"),
+    (["serve", "--model", "{tmp}/nomodel"], "model path {tmp}/nomodel does not exist"),
+    (["make-tiny-model", "{tmp}/t", "--tokenizer", "{tmp}/notok"], "tokenizer folder {tmp}/notok does not exist"),
+    (["demo", "--run-root", "{root}"], "is not empty"),
+])
+def test_every_command_refuses_in_one_line(tiny, tmp_path, args, words):
+    root, model, _ = tiny
+    fill = {"tmp": tmp_path, "root": root, "model": model, "data": root / "data" / "hotpotqa_train.jsonl"}
+    line = one_error_line(runner.invoke(app, [a.format(**fill) for a in args]))
+    assert words.format(**fill) in line
+
+
+@pytest.mark.parametrize(("path", "local"), [
+    ("Qwen/Qwen3-0.6B", False), ("gpt2", False), ("/no/such/model", True), ("./model", True), ("~/model", True),
+    ("runs/a/model", True), ("my model", True),
+])
+def test_a_missing_local_looking_path_is_named_and_a_hub_id_is_left_to_the_hub(path, local):
+    from memrl.config import ConfigError, check_model_path
+
+    if local:
+        with pytest.raises(ConfigError, match=f"^model path {re.escape(path)} does not exist"):
+            check_model_path(path)
+    else:
+        check_model_path(path)
+
+
+def test_an_unexpected_error_keeps_its_traceback(monkeypatch, tmp_path):
+    # Only the named errors are a user's to fix; anything else is a bug and must stay visible.
+    from memrl.train import report
+
+    def broken(run_root):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(report, "report_command", broken)
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 1 and isinstance(result.exception, KeyError)

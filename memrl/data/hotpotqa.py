@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from memrl.data.records import DataError, QuestionRecord, require_module
+from memrl.data.records import DataError, QuestionRecord, location, read_jsonl_lines, require_module
 
 HOTPOTQA_REPO = "hotpotqa/hotpot_qa"
 HOTPOTQA_CONFIG = "distractor"
@@ -144,16 +144,20 @@ def parse_hotpot_record(raw: Any, source: Any, index: int) -> HotpotExample:
     return parse_official_record(raw, source, index)
 
 
-def parse_hotpot_records(rows: Iterable[Any], source: Any, total: int | None = None) -> list[HotpotExample]:
-    """Parse rows of either format; duplicate ids are a `DataError` (id lists must be unambiguous)."""
+def parse_hotpot_records(rows: Iterable[Any], source: Any, total: int | None = None,
+                         positions: Sequence[int] | None = None) -> list[HotpotExample]:
+    """Parse rows of either format; duplicate ids are a `DataError` (id lists must be unambiguous).
+
+    Errors name a row by `positions[i]` (the `Line`s of a JSONL file), else by its index."""
     examples: list[HotpotExample] = []
     seen: dict[str, int] = {}
     for index, raw in enumerate(tqdm(rows, total=total, desc="parse hotpotqa", unit="q", leave=False,
                                      disable=total is not None and total < 5000)):
-        example = parse_hotpot_record(raw, source, index)
+        at = positions[index] if positions is not None else index
+        example = parse_hotpot_record(raw, source, at)
         if example.id in seen:
-            raise DataError(source, f"duplicate id, first seen at record {seen[example.id]}", index, example.id, "id")
-        seen[example.id] = index
+            raise DataError(source, f"duplicate id, first seen at {location(seen[example.id])}", at, example.id, "id")
+        seen[example.id] = at
         examples.append(example)
     return examples
 
@@ -163,17 +167,14 @@ def load_hotpotqa_file(path: str | Path) -> list[HotpotExample]:
     path = Path(path)
     if not path.is_file():
         raise DataError(path, "file does not exist; pass the official HotpotQA JSON (e.g. hotpot_train_v1.1.json)")
-    text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        try:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise DataError(path, f"not valid JSONL: {e}") from e
-    else:
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(path, f"not valid JSON: {e}") from e
+        numbered = read_jsonl_lines(path)
+        return parse_hotpot_records([raw for _, raw in numbered], path, total=len(numbered),
+                                    positions=[line for line, _ in numbered])
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(path, f"not valid JSON: {e}") from e
     if not isinstance(rows, list):
         raise DataError(path, f"expected a JSON list of question records, got {type(rows).__name__}")
     return parse_hotpot_records(rows, path, total=len(rows))

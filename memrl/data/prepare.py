@@ -15,6 +15,7 @@ it is drawn first, by seed, from all ids.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,13 @@ DEFAULT_SEED = 42
 TRAIN_FILE, HELDOUT_FILE = "hotpotqa_train.jsonl", "hotpotqa_heldout.jsonl"
 TRAIN_IDS, HELDOUT_IDS, PASS_COUNTS_FILE = "train_ids.txt", "heldout_ids.txt", "train_pass_counts.json"
 RULER_DIR, BUILT_RULER_DIR = "ruler_hqa", "ruler_built"
+
+
+class RulerLayout(StrEnum):
+    """`--layout` of build-ruler (memrl.data.ruler_hqa.RULER_LAYOUTS); an Enum, so every typer lists it."""
+
+    memrl = "memrl"
+    official = "official"
 
 
 def _created_by(command: str) -> str:
@@ -128,18 +136,20 @@ def prepare_ruler_hqa(out: str | Path, lengths: Sequence[int], *, from_dir: str 
 
 
 def build_ruler_files(examples: Sequence[HotpotExample], out: str | Path, num_docs: Sequence[int], *,
-                      seed: int = DEFAULT_SEED, limit: int | None = None,
+                      seed: int = DEFAULT_SEED, limit: int | None = None, layout: str = "memrl",
                       args: dict[str, Any] | None = None) -> dict[str, Path]:
     """RULER-style `eval_{N}.json` for each N, built offline from a HotpotQA pool, into `out/ruler_built/`.
 
-    With `limit`, only the first `limit` questions get records; fillers still come from all of them."""
+    With `limit`, only the first `limit` questions get records; fillers still come from all of them.
+    `layout` is `build_ruler_set`'s (memrl's, or the official builder's); the manifest records it."""
     folder = Path(out) / BUILT_RULER_DIR
     questions = examples[:limit] if limit is not None else examples
     written: dict[str, int | None] = {
         ruler_filename(n): write_ruler_file(folder / ruler_filename(n),
-                                            build_ruler_set(questions, n, seed, pool=examples))
+                                            build_ruler_set(questions, n, seed, pool=examples, layout=layout))
         for n in num_docs}
-    write_manifest(folder, written, _created_by("build-ruler"), args or {})
+    # The layout decides every document position, so the files' manifest must say which one made them.
+    write_manifest(folder, written, _created_by("build-ruler"), {**(args or {}), "layout": layout})
     return {name: folder / name for name in written}
 
 
@@ -170,9 +180,9 @@ def _int_list(values: list[str] | None, extra: list[str], name: str, default: Se
 def _run(fn, *a, **kw):
     try:
         return fn(*a, **kw)
-    except _USER_ERRORS as e:
+    except _USER_ERRORS as e:  # exit 2, as every memrl command for an error the user fixes (memrl.cli)
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
 
 
 def _report(paths: dict[str, Path]) -> None:
@@ -243,10 +253,17 @@ def register(app: typer.Typer) -> None:
         num_docs: list[str] | None = typer.Option(None, help="Documents per question, e.g. --num-docs 50 200."),
         seed: int = typer.Option(DEFAULT_SEED, help="Base seed of the per-question draws and shuffles."),
         limit: int | None = typer.Option(None, min=1, help="Build only for the first N questions (all stay in the pool)."),
+        layout: RulerLayout = typer.Option(
+            RulerLayout.memrl,
+            help="`memrl`: per-question shuffles, paragraphs distinct by title. `official`: the official MemAgent "
+                 "builder's layout: one fixed random.Random(4) shuffle for every question (own paragraphs at the "
+                 "same slots), paragraphs distinct by text.",
+        ),
     ) -> None:
         """RULER-style sets of N documents per question from a local HotpotQA pool → OUT/ruler_built/."""
         ns = _int_list(num_docs, ctx.args, "--num-docs", RULER_LENGTHS)
         examples = _run(load_hotpotqa_file, from_file)
         args = {"source": {"file": str(from_file), "sha256": sha256_file(from_file)}, "num_docs": ns,
                 "seed": seed, "limit": limit}
-        _report(_run(build_ruler_files, examples, out, ns, seed=seed, limit=limit, args=args))
+        _report(_run(build_ruler_files, examples, out, ns, seed=seed, limit=limit, layout=layout.value,
+                     args=args))

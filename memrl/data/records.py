@@ -5,7 +5,8 @@ whole document the reader sees ("Document 1:\\n{title}\\n{text}\\n\\nDocument 2:
 what the source adds (gold positions, seeds, type, level, ...).
 
 Invariants: ids are non-empty strings, unique within a file; `answers` is a non-empty list of strings.
-A record that breaks them is a `DataError` naming the file, the record (index and id) and the field.
+A record that breaks them is a `DataError` naming the file, the record (its 1-based line in a JSONL
+file, its 0-based index in a JSON list, and its id) and the field.
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ from typing import Any
 from memrl.data.manifest import MANIFEST_NAME, atomic_write_text, verify_manifest
 
 
+class Line(int):
+    """A record's 1-based line in a JSONL file, passed where a record index goes: errors then name the
+    line a user can jump to, not a position among non-blank lines."""
+
+
+def location(index: int) -> str:
+    """`line N` of a JSONL file (a `Line`) or `record N` (0-based) of a JSON list."""
+    return f"line {index}" if isinstance(index, Line) else f"record {index}"
+
+
 class DataError(ValueError):
     """A malformed data record; the message names the file, the record and the field."""
 
@@ -25,7 +36,7 @@ class DataError(ValueError):
                  record_id: Any = None, field: str | None = None):
         where = [str(source)]
         if index is not None:
-            where.append(f"record {index}" + (f" (id {record_id!r})" if record_id is not None else ""))
+            where.append(location(index) + (f" (id {record_id!r})" if record_id is not None else ""))
         if field is not None:
             where.append(f"field '{field}'")
         super().__init__(": ".join(where) + f": {problem}")
@@ -89,8 +100,8 @@ def write_jsonl(path: str | Path, records: list[QuestionRecord] | list[dict[str,
     return len(lines)
 
 
-def read_jsonl(path: str | Path) -> list[Any]:
-    """Parse a JSONL file (blank lines skipped); a bad line is a `DataError` naming its line number."""
+def read_jsonl_lines(path: str | Path) -> list[tuple[Line, Any]]:
+    """(line number, value) of each non-blank line of a JSONL file; a bad line is a `DataError` naming it."""
     path = Path(path)
     if not path.is_file():
         raise DataError(path, "file does not exist")
@@ -100,18 +111,25 @@ def read_jsonl(path: str | Path) -> list[Any]:
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                out.append((Line(line_no), json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DataError(path, f"line {line_no} is not valid JSON: {e}") from e
     return out
 
 
-def check_unique_ids(records: list[QuestionRecord], source: str | Path) -> None:
+def read_jsonl(path: str | Path) -> list[Any]:
+    """Parse a JSONL file (blank lines skipped); a bad line is a `DataError` naming its line number."""
+    return [value for _, value in read_jsonl_lines(path)]
+
+
+def check_unique_ids(records: list[QuestionRecord], source: str | Path, positions: list[int] | None = None) -> None:
+    """Ids must be unique; `positions` (e.g. `Line`s) name the records in the error, default their index."""
+    positions = positions if positions is not None else list(range(len(records)))
     seen: dict[str, int] = {}
-    for index, record in enumerate(records):
+    for at, record in zip(positions, records, strict=True):
         if record.id in seen:
-            raise DataError(source, f"duplicate id, first seen at record {seen[record.id]}", index, record.id, "id")
-        seen[record.id] = index
+            raise DataError(source, f"duplicate id, first seen at {location(seen[record.id])}", at, record.id, "id")
+        seen[record.id] = at
 
 
 def verify_if_manifest(path: str | Path) -> None:
@@ -130,6 +148,7 @@ def load_questions(path: str | Path, verify: bool = True) -> list[QuestionRecord
     path = Path(path)
     if verify:
         verify_if_manifest(path)
-    records = [question_record_from_dict(raw, path, i) for i, raw in enumerate(read_jsonl(path))]
-    check_unique_ids(records, path)
+    rows = read_jsonl_lines(path)
+    records = [question_record_from_dict(raw, path, line) for line, raw in rows]
+    check_unique_ids(records, path, [line for line, _ in rows])
     return records

@@ -1,4 +1,4 @@
-"""`memrl eval` (SPEC §7): the training memory loop, run once per question, scored, resumable.
+"""`memrl eval` (docs/design.md §7): the training memory loop, run once per question, scored, resumable.
 
 Output folder:
     eval_run.json   identity of the run (model, tokenizer, data SHA-256, format); written first
@@ -7,7 +7,7 @@ Output folder:
 
 Invariants:
 - Every question of the run has exactly one line once the run ends: a failed generation is a line
-  with status `failed` and its error, scores 0, and stays in every denominator (PITFALLS: failures
+  with status `failed` and its error, scores 0, and stays in every denominator (docs/design.md, pitfall "Dropped failures": failures
   never dropped).
 - A rerun in the same folder skips ids already written and runs the rest. A torn last line (a kill
   mid-write) is cut off and redone; any other unreadable line, a line of an id outside the run's
@@ -32,7 +32,7 @@ from typing import Annotated, Any
 import typer
 from tqdm.auto import tqdm
 
-from memrl.config import Config
+from memrl.config import Config, check_model_path, load_pretrained
 from memrl.data.manifest import atomic_write_json, atomic_write_text, sha256_file
 from memrl.data.records import QuestionRecord, check_unique_ids
 from memrl.engines.base import Engine
@@ -47,6 +47,9 @@ SUMMARY_FILE = "summary.json"
 RUN_FILE = "eval_run.json"
 METRICS = ("em", "sub_em", "f1")
 SCORER = "memrl.scoring.score_answer (HotpotQA normalization, last \\boxed{})"
+# The scorer named per `rollout.answer_extractor`; `boxed` keeps the name earlier runs recorded, so they resume.
+SCORERS = {"boxed": SCORER,
+           "therefore": "memrl.scoring.score_answer (HotpotQA normalization, line after the last 'the answer is')"}
 
 
 class EvalError(ValueError):
@@ -65,7 +68,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> dict[str, Any]:
     """The controlled variables two evaluations must share to be comparable (checked by `memrl compare`)."""
     r = cfg.rollout
-    return {
+    fmt = {
         "chunk_tokens": r.chunk_tokens, "memory_tokens": r.memory_tokens, "final_tokens": r.final_tokens,
         "max_chunks": r.max_chunks, "truncation": r.truncation, "n_samples": 1,
         "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed, "enable_thinking": r.enable_thinking,
@@ -75,15 +78,19 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
         "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "stop_token_ids": sorted(int(t) for t in stop_token_ids),
-        "scorer": SCORER,
+        "scorer": SCORERS[r.answer_extractor],
     }
+    # Only when on: stripping changes the prompts, and runs recorded before the option existed must resume.
+    if r.strip_inputs:
+        fmt["strip_inputs"] = True
+    return fmt
 
 
 def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, error: str | None = None) -> dict[str, Any]:
     """One results.jsonl line. `traj` None (with `error`) = the sample failed before generating."""
     failed = traj is None or traj.status == "failed"
     answer = "" if traj is None else traj.answer
-    # The training reward's scorer: a truncated answer (hit final_tokens) scores 0 here too (SPEC §2).
+    # The training reward's scorer: a truncated answer (hit final_tokens) scores 0 here too (docs/design.md §2).
     score = score_trajectory(traj, record.answers) if traj is not None else score_answer("", record.answers)
     meta = {} if traj is None else traj.metadata
     chunks = meta.get("chunks", {})
@@ -287,11 +294,20 @@ def evaluate(engine: Engine, tokenizer: Any, cfg: Config, records: Sequence[Ques
 # ------------------------------------------------------------------------------------------ command
 
 def load_eval_data(path: Path, verify: bool = True) -> list[QuestionRecord]:
-    """Questions of a prepared JSONL file (`memrl prepare-data`) or of a RULER-HQA `eval_N.json` list."""
+    """Questions of a prepared JSONL file (`memrl prepare-data`) or of a RULER-HQA `eval_N.json` list.
+
+    A file without questions is an `EvalError`: its "0 questions" summary would read as a finished run
+    (as `memrl compare` refuses empty results)."""
+    records = _read_eval_file(Path(path), verify)
+    if not records:
+        raise EvalError(f"data file {path} holds no questions; pass a prepared file (`memrl prepare-data`)")
+    return records
+
+
+def _read_eval_file(path: Path, verify: bool) -> list[QuestionRecord]:
     from memrl.data.records import load_questions
     from memrl.data.ruler_hqa import load_ruler_file
 
-    path = Path(path)
     if not path.is_file():
         raise EvalError(f"data file {path} does not exist; prepare it with `memrl prepare-data`")
     if path.suffix == ".jsonl":
@@ -324,12 +340,12 @@ def open_engine(cfg: Config, model: str | None, server_url: str | None,
     """(tokenizer, engine, engine info) for a model folder / hub id (local engine) or a server URL."""
     from transformers import AutoTokenizer
 
-    try:
-        # The recipe's pinned revision applies to the recipe's own hub ids, not to folders given on the CLI.
-        tok_revision = cfg.model.revision if str(tokenizer_path) in (cfg.model.path, cfg.model.tokenizer) else None
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_path), revision=tok_revision)
-    except (OSError, ValueError) as e:
-        raise EvalError(f"cannot load a tokenizer from {tokenizer_path}: {e}; pass --tokenizer") from e
+    if model is not None:  # first: the tokenizer path is often the model's, and the model is what is missing
+        check_model_path(model)
+    # The recipe's pinned revision applies to the recipe's own hub ids, not to folders given on the CLI.
+    tok_revision = cfg.model.revision if str(tokenizer_path) in (cfg.model.path, cfg.model.tokenizer) else None
+    tok = load_pretrained(AutoTokenizer, tokenizer_path, "model" if str(tokenizer_path) == str(model) else "tokenizer",
+                          revision=tok_revision)
 
     engine: Any
     if server_url is not None:
@@ -344,6 +360,7 @@ def open_engine(cfg: Config, model: str | None, server_url: str | None,
         engine = HFEngine.from_pretrained(model, device=cfg.model.device, dtype=cfg.model.dtype,
                                           tokenizer_path=tokenizer_path, max_batch_size=cfg.rollout.max_batch_size,
                                           max_batch_tokens=cfg.rollout.max_batch_tokens,
+                                          request_timeout_s=cfg.rollout.request_timeout_s,
                                           revision=cfg.model.revision if model == cfg.model.path else None)
         info = {"kind": "hf", "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
 

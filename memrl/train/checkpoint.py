@@ -12,9 +12,12 @@ Layout of one checkpoint (XXXXXXX = 7-digit rollout id of the last *completed* r
 `RUN_ROOT/checkpoints/latest` holds the name of the newest complete checkpoint.
 
 Invariants:
-- A checkpoint is written into `iter_XXXXXXX.tmp-<pid>` and renamed into place only once COMPLETE is in
-  it, and `latest` is replaced (write-then-rename) only after that, so a kill at any point leaves the
-  previous checkpoint loadable and `latest` never names an incomplete directory.
+- A checkpoint is written into `iter_XXXXXXX.tmp-<host>-<pid>`, every file and folder of it fsynced,
+  then COMPLETE written, and the folder renamed into place; `latest` is replaced (write-then-rename)
+  only after that, so a kill or a power loss at any point leaves the previous checkpoint loadable,
+  `latest` never names an incomplete directory, and COMPLETE never stands beside truncated weights.
+- The tmp folders of killed writers (same host, pid no longer running) are removed at the next save
+  and at a resume; those of live writers, and of other hosts (whose pids mean nothing here), are kept.
 - `list_checkpoints` / `find_latest_checkpoint` only return directories named `iter_\\d{7}` holding COMPLETE.
 - Saving is a single-process operation: in data-parallel training only rank 0 calls `save_checkpoint`
   (under FSDP after every rank helped gather the full weights and optimizer state: `memrl.train.fsdp`).
@@ -28,6 +31,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import time
 import warnings
 from collections.abc import Mapping
@@ -48,6 +52,7 @@ SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 STATE_FILE = "state.json"
 _CHECKPOINT_NAME = re.compile(r"^iter_(\d{7})$")
+_TMP_NAME = re.compile(r"^iter_\d{7}\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -177,6 +182,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every folder bottom-up (their entries), `root` last.
+
+    save_pretrained and torch.save only write: without this a power loss after COMPLETE could leave
+    COMPLETE beside empty or truncated weights, a checkpoint that is listed but does not load."""
+    folders = []
+    for folder, _, files in os.walk(root):
+        folders.append(Path(folder))
+        for name in files:
+            with open(Path(folder) / name, "rb") as f:
+                os.fsync(f.fileno())
+    for folder in reversed(folders):
+        _fsync_dir(folder)
+
+
+def _tmp_name(name: str) -> str:
+    # The host as well as the pid: a checkpoints folder on shared storage may hold tmp folders of
+    # writers on other machines, whose pids cannot be checked from here.
+    return f"{name}.tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, owned by another user
+    return True
+
+
+def remove_dead_writers_tmp(ckpt_dir: Path) -> list[Path]:
+    """Remove the `iter_XXXXXXX.tmp-<host>-<pid>` folders of killed saves (gigabytes each); returns them.
+
+    Only those of this host whose pid no longer runs: a live writer's folder (another run saving into
+    the same folder) and other hosts' folders are left alone."""
+    removed = []
+    host = socket.gethostname()
+    for path in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
+        match = _TMP_NAME.match(path.name)
+        if match and path.is_dir() and match["host"] == host and not _pid_alive(int(match["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
@@ -210,10 +261,12 @@ def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Modul
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     (target / STATE_FILE).write_text(json.dumps(full_state, indent=2, default=_jsonable) + "\n")
+    _fsync_tree(target)
     with open(target / COMPLETE_MARKER, "w") as f:
         f.write(f"{checkpoint_name(rollout_id)}\n")
         f.flush()
         os.fsync(f.fileno())
+    _fsync_dir(target)
 
 
 def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Module, optimizer: Any,
@@ -233,7 +286,8 @@ def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Modul
     ckpt_dir = _checkpoints_dir(run_root)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / name
-    tmp = ckpt_dir / f"{name}.tmp-{os.getpid()}"
+    remove_dead_writers_tmp(ckpt_dir)
+    tmp = ckpt_dir / _tmp_name(name)
     if tmp.exists():  # left by an earlier crash of a process with our pid
         shutil.rmtree(tmp)
     try:
@@ -289,6 +343,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
+def _check_shapes(weights: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], model_dir: Path) -> None:
+    """A checkpoint of another architecture (other sizes) is a CheckpointError naming the first tensors
+    that differ, not load_state_dict's RuntimeError listing every one of them."""
+    differ = [f"{k} {tuple(v.shape)} vs {tuple(params[k].shape)}" for k, v in weights.items()
+              if k in params and v.shape != params[k].shape]
+    if differ:
+        raise CheckpointError(
+            f"checkpoint weights in {model_dir} are of another architecture: {len(differ)} tensors differ in "
+            f"shape (checkpoint vs model), e.g. {'; '.join(differ[:3])}; set model.path to the model the "
+            f"checkpoint was trained from, or --load a checkpoint of this model")
+
+
 def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -297,6 +363,7 @@ def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     for file in files:
         weights.update(load_file(str(file)))
     model = _unwrap(model)
+    _check_shapes(weights, model.state_dict(), model_dir)
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
         raise CheckpointError(
@@ -324,6 +391,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any = N
     state tensors to the device of their parameters.
     """
     ckpt = resolve_checkpoint(path)
+    remove_dead_writers_tmp(ckpt.parent)  # a resume after a kill: the killed save's tmp folder goes now
     _load_model_weights(model, ckpt / MODEL_DIR)
     for obj, filename in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
         if obj is not None:
@@ -367,7 +435,9 @@ def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: An
             if isinstance(tokenizer, str | Path):
                 from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+                from memrl.config import load_pretrained
+
+                tokenizer = load_pretrained(AutoTokenizer, tokenizer, "tokenizer")
             tokenizer.save_pretrained(tmp)
         state = json.loads((ckpt / STATE_FILE).read_text())
         provenance = {"checkpoint": str(ckpt.resolve()), "rollout_id": state.get("rollout_id"),

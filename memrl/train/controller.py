@@ -1,4 +1,4 @@
-"""The training loop (DESIGN "Data flow"), one process by default:
+"""The training loop (docs/design.md, "One rollout step"), one process by default:
 
     for rollout_id in range(start, num_rollout):
         records = data.batch(rollout_id)                     # same ids after a resume
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from memrl.config import Config, ConfigError, import_object
+from memrl.config import Config, ConfigError, import_object, load_pretrained
 from memrl.memagent.rollout import RolloutContext
-from memrl.train.actor import Actor
+from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.logging import RunLogger, StageTimer, device_stats
 from memrl.train.queue import TransferQueue
 from memrl.types import RolloutOutput, Trajectory
@@ -142,7 +142,8 @@ def build_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any, progress: 
     if dtype is None and (device == "cuda"):
         dtype = "bfloat16"
     return HFEngine(copy.deepcopy(model), tokenizer, max_batch_size=r.max_batch_size,
-                    max_batch_tokens=r.max_batch_tokens, device=device, dtype=dtype, progress=False)
+                    max_batch_tokens=r.max_batch_tokens, device=device, dtype=dtype, progress=False,
+                    request_timeout_s=r.request_timeout_s)  # a stuck local batch fails its requests, no hang
 
 
 def sync_weights(engine: Any, actor: Actor, run_root: Path, tokenizer: Any,
@@ -161,7 +162,8 @@ def load_tokenizer(cfg: Config) -> Any:
 
     if not cfg.model.tokenizer_path:
         raise ConfigError("model.path (or model.tokenizer) is not set; pass --set model.path=DIR")
-    return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path, revision=cfg.model.revision)
+    what = "tokenizer" if cfg.model.tokenizer else "model"
+    return load_pretrained(AutoTokenizer, cfg.model.tokenizer_path, what, revision=cfg.model.revision)
 
 
 def load_policy(cfg: Config) -> torch.nn.Module:
@@ -170,7 +172,7 @@ def load_policy(cfg: Config) -> torch.nn.Module:
 
     if not cfg.model.path:
         raise ConfigError("model.path is not set; pass --set model.path=DIR")
-    return AutoModelForCausalLM.from_pretrained(cfg.model.path, revision=cfg.model.revision, dtype=torch.float32)
+    return load_pretrained(AutoModelForCausalLM, cfg.model.path, revision=cfg.model.revision, dtype=torch.float32)
 
 
 def load_train_records(cfg: Config) -> list[Any]:
@@ -261,7 +263,10 @@ class Trainer:
             save_raw_rollout(self.opt.run_root / "rollouts_raw", rollout_id, out)
         with timer("train"):
             consumed = self.queue.get_rollout(rollout_id, timeout_s=self.cfg.queue.timeout_s)
-            metrics = self.actor.train_rollout(consumed, rollout_id)
+            try:
+                metrics = self.actor.train_rollout(consumed, rollout_id)
+            except NonFiniteUpdateError as error:  # the step was not applied; stop before any checkpoint
+                raise TrainingError(str(error)) from error
         with timer("sync"):
             if self.engine is not None:
                 sync_weights(self.engine, self.actor, self.opt.run_root, self.tokenizer, loop)

@@ -149,6 +149,21 @@ def test_file_errors(tmp_path):
     assert load_hotpotqa_file(tmp_path / "rows.jsonl")[0].id == "q1"
 
 
+def test_jsonl_errors_name_the_line_of_the_file(tmp_path):
+    # Lines count from 1 and blank ones count too: the line an editor jumps to, not the row index.
+    bad = to_hub_row(SMALL) | {"id": "q2", "question": ""}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(to_hub_row(SMALL)) + "\n\n" + json.dumps(bad) + "\n")
+    with pytest.raises(DataError, match=r"rows\.jsonl: line 3 \(id 'q2'\): field 'question'"):
+        load_hotpotqa_file(path)
+    path.write_text(json.dumps(to_hub_row(SMALL)) + "\n\n" + json.dumps(to_hub_row(SMALL)) + "\n")
+    with pytest.raises(DataError, match=r"line 3 \(id 'q1'\): field 'id': duplicate id, first seen at line 1"):
+        load_hotpotqa_file(path)
+    path.write_text(json.dumps(to_hub_row(SMALL)) + "\n{broken\n")
+    with pytest.raises(DataError, match="line 2 is not valid JSON"):
+        load_hotpotqa_file(path)
+
+
 def test_hub_path_without_datasets_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
     with pytest.raises(MissingDependencyError, match=r"memrl\[hub\].*--from-file"):

@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 from memrl.data.hotpotqa import read_id_list
 from memrl.data.manifest import ManifestError, verify_manifest
-from memrl.data.prepare import register
+from memrl.data.prepare import RulerLayout, register
 from memrl.data.records import DataError, load_questions
-from memrl.data.ruler_hqa import load_ruler_file
+from memrl.data.ruler_hqa import RULER_LAYOUTS, load_ruler_file
 
 FILES = ["hotpotqa_train.jsonl", "hotpotqa_heldout.jsonl", "train_ids.txt", "heldout_ids.txt", "manifest.json"]
 
@@ -122,14 +122,14 @@ def test_pass_count_selection_keeps_heldout_and_records_counts(app, train_file, 
     verify_manifest(out, ["train_pass_counts.json"])
     result = invoke(app, "hotpotqa", "--from-file", train_file, "--num-train", 60, "--num-heldout", 40,
                     "--pass-counts", tmp_path / "counts.json", "--out", tmp_path / "too-many")
-    assert result.exit_code == 1 and "0 < passes < 8" in result.output and "lower --num-train" in result.output
+    assert result.exit_code == 2 and "0 < passes < 8" in result.output and "lower --num-train" in result.output
 
 
 def test_malformed_source_fails_with_the_file_record_and_field(app, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"_id": "x1", "question": "Q?", "supporting_facts": [], "context": [["T", ["s"]]]}]))
     result = invoke(app, "hotpotqa", "--from-file", bad, "--out", tmp_path / "out")
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "bad.json: record 0 (id 'x1'): field 'answer'" in result.output
     assert not (tmp_path / "out").exists(), "nothing is written when the source is malformed"
 
@@ -151,7 +151,7 @@ def test_build_ruler_and_ruler_hqa_commands(app, dev_file, tmp_path):
     assert [r.id for r in load_ruler_file(tmp_path / "data" / "ruler_hqa" / "eval_30.json")] == \
         [r.id for r in records]
     result = invoke(app, "ruler-hqa", "--from-dir", built, "--lengths", "50", "--out", tmp_path / "data")
-    assert result.exit_code == 1 and "eval_50.json" in result.output and "does not exist" in result.output
+    assert result.exit_code == 2 and "eval_50.json" in result.output and "does not exist" in result.output
     result = invoke(app, "ruler-hqa", "--from-dir", built, "--lengths", "x", "--out", tmp_path / "data")
     assert result.exit_code == 2
 
@@ -163,7 +163,7 @@ def test_ruler_hqa_index_list_with_pool(app, tmp_path):
     (src / "eval_2.json").write_text(json.dumps(rows))
     (tmp_path / "pool.json").write_text(json.dumps(["T0\nzero.", "T1\none."]))
     result = invoke(app, "ruler-hqa", "--from-dir", src, "--lengths", 2, "--out", tmp_path / "out")
-    assert result.exit_code == 1 and "--pool" in result.output
+    assert result.exit_code == 2 and "--pool" in result.output
     result = invoke(app, "ruler-hqa", "--from-dir", src, "--lengths", 2, "--pool", tmp_path / "pool.json",
                     "--out", tmp_path / "out")
     assert result.exit_code == 0, result.output
@@ -175,8 +175,34 @@ def test_load_questions_rejects_malformed_lines(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text('{"id": "a", "question": "Q", "answers": ["x"], "context": "c", "metadata": {}}\n'
                     '{"id": "b", "question": "Q", "answers": "x", "context": "c"}\n')
-    with pytest.raises(DataError, match=r"q\.jsonl: record 1 \(id 'b'\): field 'answers'"):
+    with pytest.raises(DataError, match=r"q\.jsonl: line 2 \(id 'b'\): field 'answers'"):
         load_questions(path)
     path.write_text("{broken\n")
     with pytest.raises(DataError, match="line 1 is not valid JSON"):
         load_questions(path)
+
+
+def test_build_ruler_layout_flag_is_recorded_in_the_manifest(app, dev_file, tmp_path):
+    runs = {"default": [], "official": ["--layout", "official"], "memrl": ["--layout", "memrl"]}
+    for name, flag in runs.items():
+        result = invoke(app, "build-ruler", "--from-file", dev_file, "--num-docs", 20, "--limit", 5,
+                        "--out", tmp_path / name, *flag)
+        assert result.exit_code == 0, result.output
+    manifests = {name: verify_manifest(tmp_path / name / "ruler_built") for name in runs}
+    assert {name: m["args"]["layout"] for name, m in manifests.items()} == \
+        {"default": "memrl", "official": "official", "memrl": "memrl"}
+    assert manifests["default"]["files"] == manifests["memrl"]["files"]  # memrl's layout stays the default
+    official = [r.metadata for r in load_ruler_file(tmp_path / "official" / "ruler_built" / "eval_20.json")]
+    assert {m["shuffle_seed"] for m in official} == {4}
+    result = invoke(app, "build-ruler", "--from-file", dev_file, "--num-docs", 20, "--layout", "verl",
+                    "--out", tmp_path / "bad")
+    assert result.exit_code == 2 and "verl" in result.output
+    assert tuple(RulerLayout) == RULER_LAYOUTS  # the CLI offers exactly the library's layouts
+
+
+def test_build_ruler_files_records_the_layout_without_args(dev_file, tmp_path):
+    from memrl.data.hotpotqa import load_hotpotqa_file
+    from memrl.data.prepare import build_ruler_files
+
+    build_ruler_files(load_hotpotqa_file(dev_file), tmp_path, [20], limit=3, layout="official")
+    assert verify_manifest(tmp_path / "ruler_built")["args"] == {"layout": "official"}

@@ -248,7 +248,7 @@ def test_fsdp_trainers_feed_a_served_engine_through_a_weights_folder(cluster, tm
     model_dir = save_tiny_model(tmp_path / "model", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
     tok = AutoTokenizer.from_pretrained(model_dir)
     served = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
-    with serve_in_thread(create_app(served, "tiny", tokenizer=tok)) as url:
+    with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[tmp_path / "run"])) as url:
         cfg = config(dp_size=2, runtime="ray", strategy="fsdp", num_rollout=1, ray_section={"rollout_server_urls": [url]})
         cfg.model.path = str(model_dir)
         cfg.rollout.engine = "openai"

@@ -253,6 +253,19 @@ def test_load_eval_data_reads_prepared_jsonl_and_ruler_lists(tmp_path):
 
 # ------------------------------------------------------------------------------------------ stats
 
+@pytest.mark.parametrize("text", ["", "\n\n", "[]"])
+def test_a_data_file_without_questions_is_refused_not_scored(tmp_path, text):
+    # A "0 questions" summary with exit 0 reads as a finished evaluation; `memrl compare` refuses it later.
+    data = tmp_path / ("empty.json" if text == "[]" else "empty.jsonl")
+    data.write_text(text)
+    with pytest.raises(EvalError, match=f"data file {re.escape(str(data))} holds no questions"):
+        load_eval_data(data)
+    result = CliRunner().invoke(_app(), ["eval", "--model", str(tmp_path), "--data", str(data),
+                                         "--out", str(tmp_path / "out"), "--no-progress"])
+    assert result.exit_code == 2 and "holds no questions" in result.output
+    assert not (tmp_path / "out" / SUMMARY_FILE).exists()
+
+
 def test_wilson_interval_known_values():
     low, high = wilson_interval(0, 16)
     assert low == 0 and high == pytest.approx(1.959964**2 / (16 + 1.959964**2), rel=1e-6)
@@ -375,7 +388,7 @@ def test_served_model_gives_the_same_greedy_results_as_the_local_engine(tiny_set
 @pytest.mark.parametrize("status", ["complete", "truncated", "failed"])
 @pytest.mark.parametrize("answer", ["\\boxed{Paris}", "\\boxed{Paris} and then", "Paris", "\\boxed{Lyon}"])
 def test_a_results_line_scores_as_the_training_reward(status, answer):
-    # One scorer for training and evaluation (PITFALLS): a truncated answer that boxed the right thing is
+    # One scorer for training and evaluation (docs/design.md, pitfall "Different scorer in evaluation"): a truncated answer that boxed the right thing is
     # worth 0 as a reward, so it is worth 0 in evaluation too.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
     from traj_factory import make_trajectory
@@ -391,3 +404,18 @@ def test_a_results_line_scores_as_the_training_reward(status, answer):
     assert line["status"] == status
     if status != "complete":
         assert line["em"] == line["f1"] == 0.0
+
+
+def test_the_local_engine_times_requests_out_as_the_recipe_says(tmp_path):
+    import asyncio
+
+    from memrl.eval.runner import open_engine
+    from memrl.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    cfg = small_config(request_timeout_s=4.0)
+    _, engine, info = open_engine(cfg, str(model_dir), None, model_dir)
+    try:
+        assert info["kind"] == "hf" and engine.request_timeout_s == 4.0
+    finally:
+        asyncio.run(engine.close())

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,6 +152,68 @@ def test_killed_save_leftovers_are_never_picked(tmp_path):
         load_checkpoint(half, tiny_model())
 
 
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process now
+    return child.pid
+
+
+@pytest.fixture
+def leftovers(tmp_path):
+    """Tmp folders of a killed writer on this host, of a live one, of another host, and an old-style one."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    host, dead = socket.gethostname(), _dead_pid()
+    ckpt_dir = tmp_path / "checkpoints"
+    names = {"dead": f"iter_0000003.tmp-{host}-{dead}", "live": f"iter_0000004.tmp-{host}-{live.pid}",
+             "other_host": f"iter_0000005.tmp-{host}x-{dead}", "no_host": f"iter_0000006.tmp-{dead}"}
+    for name in names.values():
+        (ckpt_dir / name / "model").mkdir(parents=True)
+        (ckpt_dir / name / "model" / "model.safetensors").write_bytes(b"half")
+    yield ckpt_dir, names
+    live.kill()
+    live.wait()
+
+
+def _remaining(ckpt_dir, names):
+    return sorted(k for k, name in names.items() if (ckpt_dir / name).exists())
+
+
+def test_next_save_removes_only_dead_writers_tmp_folders_of_this_host(tmp_path, leftovers):
+    ckpt_dir, names = leftovers
+    save_simple(tmp_path, 1)
+    assert _remaining(ckpt_dir, names) == ["live", "no_host", "other_host"]
+
+
+def test_resume_removes_dead_writers_tmp_folders(tmp_path, leftovers):
+    ckpt_dir, names = leftovers
+    (ckpt_dir / names["dead"]).rename(ckpt_dir / "keep")  # the save below would remove it already
+    save_simple(tmp_path, 1)
+    (ckpt_dir / "keep").rename(ckpt_dir / names["dead"])
+    load_checkpoint(tmp_path, tiny_model())
+    assert _remaining(ckpt_dir, names) == ["live", "no_host", "other_host"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads fsync's descriptors back via /proc")
+def test_every_file_and_folder_is_fsynced_before_complete(tmp_path, monkeypatch):
+    # fsync gets a descriptor: read back which path it is, and whether COMPLETE existed at that moment.
+    synced: list[tuple[str, bool]] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        tmp = next((p for p in [path, *path.parents] if ".tmp-" in p.name), None)
+        if tmp is not None:
+            synced.append((path.relative_to(tmp).as_posix(), (tmp / "COMPLETE").exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(ckpt_mod.os, "fsync", recording_fsync)
+    path, _ = save_simple(tmp_path, 1, tokenizer=build_tiny_tokenizer())
+    before_complete = {rel for rel, complete in synced if not complete}
+    written = {p.relative_to(path).as_posix() for p in path.rglob("*")} | {"."}
+    assert written - {"COMPLETE"} <= before_complete, written - before_complete
+    assert {"model", "model/model.safetensors", "optimizer.pt", "state.json", "."} <= before_complete
+
+
 def test_latest_falls_back_when_named_checkpoint_was_removed(tmp_path):
     first, _ = save_simple(tmp_path, 1)
     (tmp_path / "checkpoints" / "latest").write_text("iter_0000009\n")
@@ -180,6 +247,11 @@ def test_missing_or_mismatched_checkpoints_raise_clear_errors(tmp_path):
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     with pytest.raises(CheckpointError, match="miss keys"):
         load_checkpoint(path, other)
+    wider = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    with pytest.raises(CheckpointError, match=r"another architecture: \d+ tensors differ in shape .*"
+                                              r"model.embed_tokens.weight \(512, 32\) vs \(512, 64\)"):
+        load_checkpoint(path, wider)
 
 
 def test_export_to_hf_loads_with_auto_classes_and_gives_same_logits(tmp_path):

@@ -63,7 +63,7 @@ STAGE_TIMES = ("time/rollout_s", "time/convert_s", "time/train_s", "time/sync_s"
 
 
 def assert_stage_times(metrics):
-    """PITFALLS ("measure where step time goes"): every step says how long each of its stages took."""
+    """Pitfall "Prompt-heavy actor update" (docs/design.md: "measure where step time goes"): every step says how long each of its stages took."""
     for key in STAGE_TIMES:
         assert isinstance(metrics.get(key), float) and metrics[key] >= 0, (key, metrics.get(key))
     assert metrics["time/rollout_s"] > 0  # generating 32 turns with a model takes measurable time
@@ -181,3 +181,16 @@ def test_top_p_below_one_is_warned_about(tokenizer, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="memrl.train"):
         make_trainer(tokenizer, tmp_path / "run1", config(num_rollout=1))
     assert not any("top_p" in r.getMessage() for r in caplog.records)
+
+
+def test_the_local_engine_times_requests_out_as_the_config_says(tokenizer):
+    # Every wait has a timeout: the local engine's requests too (a stuck batch fails them, not the run's wait).
+    from memrl.train.controller import build_engine
+
+    cfg = config()
+    cfg.rollout.request_timeout_s = 7.5
+    engine = build_engine(cfg, build_tiny_model(len(tokenizer)), tokenizer, progress=False)
+    try:
+        assert engine.request_timeout_s == 7.5
+    finally:
+        asyncio.run(engine.close())
