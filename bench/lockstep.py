@@ -4,7 +4,7 @@
     turn i:  one engine call with turn i of every trajectory that still has a chunk i -> wait for all
     final:   one engine call with every final turn, after the last chunk of the longest document
 
-This is the official MemAgent sync path (PITFALLS "Lockstep turns"): every step waits for its slowest
+This is the official MemAgent sync path (docs/design.md, pitfall "Lockstep turns"): every step waits for its slowest
 request, and every final turn waits for the longest document. It uses the same `PromptBuilder`, caps,
 stop tokens and per-request seeds as `memrl.memagent.rollout.run_trajectory`, so only the schedule
 differs: with a seeded engine both schedules sample the same tokens (up to batch-dependent float

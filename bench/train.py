@@ -15,7 +15,7 @@ the same initial weights:
 By default the token budget is `--batch-size` x the longest row, so both hold at most the same number
 of padded tokens per forward.
 
-MemAgent-shaped rows (SPEC §1, one row per turn): for each question, documents of 1..max_chunks chunks,
+MemAgent-shaped rows (docs/design.md §1, one row per turn): for each question, documents of 1..max_chunks chunks,
 `--samples` trajectories; a memory turn's prompt is the template (~60 tokens) + previous memory +
 a chunk, its response 1..memory_tokens; the final turn's prompt is the template + memory, its response
 1..final_tokens. So prompts are most of every row, and rows arrive trajectory by trajectory (long

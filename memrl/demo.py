@@ -10,7 +10,7 @@ teaches a model to keep the right fact in its memory (docs/demo.md).
     eval_trained  the same held-out questions, the same sampling settings and seeds
     compare   memrl compare (flips, McNemar p); report: memrl report plots of the training run
 
-Why temperature 1.0 for both evaluations: it is the recipe's sampling (SPEC §6) and the distribution
+Why temperature 1.0 for both evaluations: it is the recipe's sampling (docs/design.md §6) and the distribution
 GRPO optimizes; seeds are per question and turn, independent of the model, so base and trained see
 identical randomness. Targets (issue): held-out EM trained >= base + 15 pp; training reward, mean of the
 last 10 rollouts >= mean of the first 10 + 0.15. Both are measured and printed, never assumed.

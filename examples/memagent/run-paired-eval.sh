@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Paired long-document evaluation of the base model, the other framework's (VIME) checkpoint and ours
-# (ReLax), under identical conditions (SPEC §6-7: recipes/ruler-hqa-eval.yaml, same data, tokenizer,
+# (ReLax), under identical conditions (docs/design.md §6-7: recipes/ruler-hqa-eval.yaml, same data, tokenizer,
 # prompts, sampling and seed), then `memrl compare` per length with the 3 pp sub_EM check.
 #
 #   BASE_MODEL_PATH=/data/models/Qwen3-0.6B \

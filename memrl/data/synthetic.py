@@ -8,7 +8,7 @@ Exactly one fact answers the question (same attribute *and* same entity). Every 
 distractor that shares the entity or the attribute with the question, so matching one of the two is
 never enough; no (attribute, entity) pair occurs twice in a document. The answer fact sits in a random
 chunk, so a reader must notice it when it passes and carry it through its memory to the final turn:
-the final turn sees only question + memory (SPEC §1.3), never the document.
+the final turn sees only question + memory (docs/design.md §1.3), never the document.
 
 With the word-level tokenizer of `task_tokenizer` every word is one token, so a fact is `FACT_TOKENS`
 tokens and `chunk_tokens = FACT_TOKENS * facts_per_chunk` puts whole facts in every chunk (checked).

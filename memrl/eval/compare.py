@@ -1,4 +1,4 @@
-"""`memrl compare` (SPEC §7): several `memrl eval` result folders, checked to be comparable, then compared.
+"""`memrl compare` (docs/design.md §7): several `memrl eval` result folders, checked to be comparable, then compared.
 
 Refusals (`CompareError`, CLI exit 2), all problems named at once:
 - a folder without summary.json or results.jsonl, with no results, with failed requests, or whose

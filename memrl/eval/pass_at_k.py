@@ -1,4 +1,4 @@
-"""Pass@k over candidate questions, for choosing a training set that carries a GRPO signal (SPEC §5).
+"""Pass@k over candidate questions, for choosing a training set that carries a GRPO signal (docs/design.md §5).
 
 The seed's recipe ran the base model 8 times on each of 4,000 candidates (32,000 trajectories) and kept
 questions solved sometimes but not always. `memrl pass-at-k` writes `{k, pass_counts: {id: passes}, ...}`,

@@ -1,4 +1,4 @@
-"""Intervals and paired tests for evaluation metrics (PITFALLS: "one sample per question at temperature
+"""Intervals and paired tests for evaluation metrics (docs/design.md, pitfall "One-sample noise": "one sample per question at temperature
 0.7 is ±3.5 points on 128 questions" -> every reported metric carries a 95% interval).
 
 - `wilson_interval`: for a proportion (EM, sub_EM: one 0/1 value per question). Unlike the normal

@@ -1,7 +1,7 @@
-"""Cut a tokenized document into the chunks a MemAgent reads, one per memory turn (SPEC §1.1).
+"""Cut a tokenized document into the chunks a MemAgent reads, one per memory turn (docs/design.md §1.1).
 
 The document is tokenized **once** (`tokenize_document`) and chunked on token ids, so chunk boundaries
-are exact and no chunk is ever re-tokenized from text (PITFALLS "Text round trips").
+are exact and no chunk is ever re-tokenized from text (docs/design.md, pitfall "Text round trips").
 
 A document of N = `len(ids)` tokens is read within a budget of L = `max_chunks * chunk_tokens` tokens.
 Truncation first chooses which document tokens are read (`kept_spans`, half-open token ranges in

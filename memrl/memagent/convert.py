@@ -2,7 +2,7 @@
 
     convert_trajectories(trajectories, algorithm_cfg, rollout_id) -> list[TrainRow]
 
-Three stages, in this order (SPEC §3):
+Three stages, in this order (docs/design.md §3):
 1. validate every trajectory and every group (`memrl.rl.validate`); the first violation raises
    `TrajectoryError` and nothing is returned, so no step is ever trained on part of its rows;
 2. GRPO advantages while each trajectory is still one record (`trajectory_advantages`);

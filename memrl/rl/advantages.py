@@ -1,4 +1,4 @@
-"""GRPO advantages per trajectory, credit assignment over turns, and expansion into rows (SPEC §3).
+"""GRPO advantages per trajectory, credit assignment over turns, and expansion into rows (docs/design.md §3).
 
 Order of operations (the point of this module): advantages are computed while each trajectory is
 still one record, so a trajectory with more turns does not weigh more in its group's mean and std

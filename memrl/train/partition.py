@@ -33,7 +33,7 @@ def split_optimizer_steps(rows: Sequence[TrainRow], num_steps: int) -> list[list
     """Cut rows into `num_steps` optimizer steps of whole prompt groups, balanced by group count.
 
     Steps are counted in prompt groups, never rows, so more turns never mean more optimizer steps
-    (PITFALLS: the learning-rate schedule must not speed up with longer documents).
+    (docs/design.md, pitfall "Turn-driven optimizer steps": the learning-rate schedule must not speed up with longer documents).
     """
     groups: dict[str, list[TrainRow]] = {}
     for row in rows:

@@ -165,7 +165,7 @@ def test_no_added_token_of_qwen3_can_be_injected_by_a_document(qwen3_tokenizer):
 
 
 def format_hotpot_context(record: dict) -> str:
-    """SPEC §5 layout (unshuffled here): `Document i:` + title + newline + text, joined by blank lines."""
+    """docs/design.md §5 layout (unshuffled here): `Document i:` + title + newline + text, joined by blank lines."""
     docs = [f"{title}\n{''.join(sentences)}" for title, sentences in record["context"]]
     return "\n\n".join(f"Document {i}:\n{doc}" for i, doc in enumerate(docs, start=1))
 

@@ -179,7 +179,7 @@ def contains_run(seq, run):
 
 
 def test_empty_memory_update_replaces_the_old_memory(tiny_tokenizer):
-    """PITFALLS "an empty update that silently keeps the old memory (VIME)": the new memory always wins."""
+    """Pitfall "Inconsistent memory updates" (docs/design.md): "an empty update that silently keeps the old memory (VIME)": the new memory always wins."""
     ctx = make_ctx(tiny_tokenizer, None, n_samples=1)
     rec = record()
     chunks = document_chunks(tiny_tokenizer, ctx.config.rollout, rec.context).chunks
@@ -216,7 +216,7 @@ def test_empty_memory_update_replaces_the_old_memory(tiny_tokenizer):
 
 
 def test_memory_truncations_are_counted(tiny_tokenizer):
-    """PITFALLS "truncations counted": a memory turn that ends by `length` is one truncation."""
+    """Pitfall "Inconsistent memory updates" (docs/design.md): "truncations counted": a memory turn that ends by `length` is one truncation."""
     ctx = make_ctx(tiny_tokenizer, None, n_samples=2)  # memory_tokens = 8
     words, eos = word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id
 
@@ -245,7 +245,7 @@ def test_memory_truncations_are_counted(tiny_tokenizer):
 
 @pytest.mark.timeout(60)
 def test_a_short_trajectory_does_not_wait_for_a_slow_turn_of_another(tiny_tokenizer):
-    """PITFALLS "Lockstep turns": question B (one chunk) reaches its final turn while question A's first
+    """docs/design.md, pitfall "Lockstep turns": question B (one chunk) reaches its final turn while question A's first
     memory turn is still being generated. Under lockstep (every trajectory advances one turn per round,
     or every final turn waits for the longest document) B's final request would come only after A's slow
     turn ends. A's slow turn waits for B's final request, with a timeout so the test can never hang."""
