@@ -37,18 +37,16 @@ from memrl.data.hotpotqa import (
     to_question_record,
 )
 from memrl.data.manifest import (
-    ManifestError,
     atomic_write_json,
     atomic_write_text,
     sha256_file,
     write_manifest,
 )
-from memrl.data.records import DataError, MissingDependencyError, write_jsonl
+from memrl.data.records import write_jsonl
 from memrl.data.ruler_hqa import (
     RULER_LENGTHS,
     RULER_REPO,
     RULER_REVISION,
-    RulerBuildError,
     build_ruler_set,
     download_ruler_file,
     read_ruler_file,
@@ -155,7 +153,6 @@ def build_ruler_files(examples: Sequence[HotpotExample], out: str | Path, num_do
 
 # ---------------------------------------------------------------------------------------------- CLI
 
-_USER_ERRORS = (DataError, ManifestError, SelectionError, RulerBuildError, MissingDependencyError)
 OutOption = typer.Option(..., "--out", envvar="DATA_DIR", help="Output data folder (default: $DATA_DIR).")
 _MULTI = {"allow_extra_args": True}
 
@@ -175,14 +172,6 @@ def _int_list(values: list[str] | None, extra: list[str], name: str, default: Se
     if any(n <= 0 for n in numbers):
         raise typer.BadParameter("must be positive", param_hint=name)
     return list(dict.fromkeys(numbers))
-
-
-def _run(fn, *a, **kw):
-    try:
-        return fn(*a, **kw)
-    except _USER_ERRORS as e:  # exit 2, as every memrl command for an error the user fixes (memrl.cli)
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
 
 
 def _report(paths: dict[str, Path]) -> None:
@@ -214,18 +203,18 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """HotpotQA distractor → training and held-out questions, id lists, manifest."""
         if from_file is not None:
-            examples = _run(load_hotpotqa_file, from_file)
+            examples = load_hotpotqa_file(from_file)
             source = {"file": str(from_file), "sha256": sha256_file(from_file)}
         else:
-            examples = _run(load_hotpotqa_hub, split, revision, cache_dir)
+            examples = load_hotpotqa_hub(split, revision, cache_dir)
             source = {"hub": HOTPOTQA_REPO, "config": "distractor", "revision": revision, "split": split}
         counts = None
         if pass_counts is not None:
-            counts, _ = _run(read_pass_counts, pass_counts, pass_k)
+            counts, _ = read_pass_counts(pass_counts, pass_k)
             source["pass_counts_sha256"] = sha256_file(pass_counts)
         args = {"source": source, "num_train": num_train, "num_heldout": num_heldout, "seed": seed,
                 "pass_counts": str(pass_counts) if pass_counts else None, "pass_k": pass_k}
-        _report(_run(prepare_hotpotqa, examples, out, num_train=num_train, num_heldout=num_heldout, seed=seed,
+        _report(prepare_hotpotqa(examples, out, num_train=num_train, num_heldout=num_heldout, seed=seed,
                      pass_counts=counts, pass_k=pass_k, args=args))
 
     @group.command("ruler-hqa", context_settings=_MULTI)
@@ -242,7 +231,7 @@ def register(app: typer.Typer) -> None:
         ns = _int_list(lengths, ctx.args, "--lengths", RULER_LENGTHS)
         args = {"source": str(from_dir) if from_dir else {"hub": RULER_REPO, "revision": revision},
                 "lengths": ns, "pool": str(pool) if pool else None}
-        _report(_run(prepare_ruler_hqa, out, ns, from_dir=from_dir, pool=pool, revision=revision,
+        _report(prepare_ruler_hqa(out, ns, from_dir=from_dir, pool=pool, revision=revision,
                      cache_dir=cache_dir, args=args))
 
     @group.command("build-ruler", context_settings=_MULTI)
@@ -262,8 +251,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """RULER-style sets of N documents per question from a local HotpotQA pool → OUT/ruler_built/."""
         ns = _int_list(num_docs, ctx.args, "--num-docs", RULER_LENGTHS)
-        examples = _run(load_hotpotqa_file, from_file)
+        examples = load_hotpotqa_file(from_file)
         args = {"source": {"file": str(from_file), "sha256": sha256_file(from_file)}, "num_docs": ns,
                 "seed": seed, "limit": limit}
-        _report(_run(build_ruler_files, examples, out, ns, seed=seed, limit=limit, layout=layout.value,
+        _report(build_ruler_files(examples, out, ns, seed=seed, limit=limit, layout=layout.value,
                      args=args))

@@ -257,11 +257,8 @@ def register_synthetic(prepare_app: Any) -> None:
         seed: int = typer.Option(0, help="Seed of both streams."),
     ) -> None:
         """Synthetic memory task (the CPU demo's data): facts scattered among distractors."""
-        try:
-            paths = prepare_synthetic(out, num_train=num_train, num_heldout=num_heldout, max_chunks=max_chunks,
-                                      facts_per_chunk=facts_per_chunk, seed=seed)
-        except SyntheticTaskError as e:
-            typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(2) from None
+        # A SyntheticTaskError becomes one line, exit 2, in memrl.cli's handler for expected errors.
+        paths = prepare_synthetic(out, num_train=num_train, num_heldout=num_heldout, max_chunks=max_chunks,
+                                  facts_per_chunk=facts_per_chunk, seed=seed)
         for p in paths.values():
             typer.echo(str(p))

@@ -296,11 +296,11 @@ def compare_results(dirs: list[Path], names: list[str] | None = None, max_abs_di
     loaded = [load_result_set(d, n) for d, n in zip(dirs, names, strict=True)]
     problems = [p for _, ps in loaded for p in ps]
     if problems:
-        raise CompareError("cannot compare:\n  " + "\n  ".join(problems))
+        raise CompareError("cannot compare: " + "; ".join(problems))
     sets = [s for s, _ in loaded if s is not None]
     problems, allowed = _cross_problems(sets, set(allow_diff or []))
     if problems:
-        raise CompareError("results are not comparable:\n  " + "\n  ".join(problems))
+        raise CompareError("results are not comparable: " + "; ".join(problems))
     by_name = {s.name: s for s in sets}
     checked = list(dict.fromkeys(pairs)) if pairs else list(itertools.combinations(names, 2))
     if max_abs_diff and not checked:
@@ -353,12 +353,9 @@ def compare_cli(
                                                   "(default: <common parent>/comparison).")] = None,
 ) -> None:
     """Compare evaluation results: refuses incomparable sets, prints tables and flips, checks thresholds."""
-    try:
-        report = compare_results(result_dirs, name, parse_thresholds(max_abs_diff or []),
-                                 parse_pairs(pair or []), allow_diff)
-    except CompareError as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+    # A CompareError reaches the user as one line, exit 2 (memrl.cli's handler for expected errors).
+    report = compare_results(result_dirs, name, parse_thresholds(max_abs_diff or []), parse_pairs(pair or []),
+                             allow_diff)
     out = out or Path(os.path.commonpath([str(Path(d).resolve()) for d in result_dirs])) / "comparison"
     typer.echo(report.to_text(max_ids=10))
     for path in report.write(out):

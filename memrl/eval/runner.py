@@ -420,10 +420,6 @@ def register(app: Any) -> None:
     """Add `eval` and `compare` to a typer app (called by memrl.cli)."""
     from memrl.eval.compare import compare_cli
 
-    def fail(message: str, code: int = 2) -> None:
-        typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(code)
-
     @app.command("eval")
     def eval_cmd(
         data: Annotated[Path, typer.Option(help="Prepared JSONL or RULER-HQA eval_N.json.")],
@@ -439,17 +435,9 @@ def register(app: Any) -> None:
         progress: Annotated[bool, typer.Option(help="Progress bar with the running score.")] = True,
     ) -> None:
         """Evaluate a model with the multi-turn memory loop: one JSONL line per question + summary.json."""
-        from memrl.config import ConfigError
-        from memrl.data.manifest import ManifestError
-        from memrl.data.records import DataError
-        from memrl.engines.base import EngineError
-        from memrl.memagent.prompts import PromptError
-
-        try:
+        try:  # expected errors (EvalError, DataError, ...) become one line, exit 2, in memrl.cli
             summary = eval_command(model, server_url, recipe, data, out, set_, limit, concurrency, tokenizer,
                                    progress, retry_failed=retry_failed)
-        except (EvalError, ConfigError, DataError, ManifestError, EngineError, PromptError) as e:
-            fail(str(e))
         except KeyboardInterrupt:
             typer.secho(f"interrupted: finished questions are saved in {out}; rerun the same command to finish",
                         err=True)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from memrl.data.hotpotqa import read_id_list
 from memrl.data.manifest import ManifestError, verify_manifest
-from memrl.data.prepare import RulerLayout, register
+from memrl.data.prepare import RulerLayout
 from memrl.data.records import DataError, load_questions
 from memrl.data.ruler_hqa import RULER_LAYOUTS, load_ruler_file
 
@@ -19,13 +18,9 @@ FILES = ["hotpotqa_train.jsonl", "hotpotqa_heldout.jsonl", "train_ids.txt", "hel
 
 @pytest.fixture(scope="module")
 def app():
-    app = typer.Typer()
+    """The `memrl` app itself: its handler turns expected errors into one line and exit 2."""
+    from memrl.cli import app
 
-    @app.callback()
-    def main() -> None:
-        """memrl (test app)."""
-
-    register(app)
     return app
 
 

@@ -11,12 +11,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import typer
 from test_runner import AnswerEngine, make_records, run_eval, small_config  # noqa: E402
 from typer.testing import CliRunner
 
 from memrl.eval.compare import CompareError, compare_results, parse_pairs, parse_thresholds
-from memrl.eval.runner import RESULTS_FILE, SUMMARY_FILE, register
+from memrl.eval.runner import RESULTS_FILE, SUMMARY_FILE
 
 BASE_RIGHT = {0, 1, 2, 3}  # EM 25 %
 OURS_RIGHT = {2, 3, 4, 5, 6, 7}  # EM 37.5 %: q4..q7 wrong->right, q0, q1 right->wrong
@@ -51,8 +50,8 @@ def edit_summary(folder: Path, **changes) -> None:
 
 
 def cli(*args: str):
-    app = typer.Typer()
-    register(app)
+    from memrl.cli import app  # the real app: its handler makes expected errors one line, exit 2
+
     return CliRunner().invoke(app, ["compare", *args])
 
 

@@ -37,7 +37,6 @@ from memrl.eval.runner import (
     evaluate_records,
     load_eval_data,
     read_results,
-    register,
     sample_line,
 )
 from memrl.eval.stats import bootstrap_interval, mcnemar_p, metric_summary, wilson_interval
@@ -295,8 +294,8 @@ def test_mcnemar_exact_p():
 # ------------------------------------------------------------------------------------------ CLI, tiny model
 
 def _app() -> typer.Typer:
-    app = typer.Typer()
-    register(app)
+    from memrl.cli import app  # the real app: its handler makes expected errors one line, exit 2
+
     return app
 
 
