@@ -92,11 +92,10 @@ def demo_config(settings: DemoSettings) -> Config:
 
 def _evaluate(model: torch.nn.Module, tokenizer: Any, cfg: Config, records: list, out_dir: Path,
               name: str, data_sha256: str, data_path: Path) -> dict[str, Any]:
-    from memrl.engines.hf import HFEngine
+    from memrl.engines.factory import build_engine
     from memrl.eval.runner import evaluate
 
-    engine = HFEngine(copy.deepcopy(model).eval(), tokenizer, max_batch_size=cfg.rollout.max_batch_size,
-                      max_batch_tokens=cfg.rollout.max_batch_tokens, device="cpu", dtype="float32")
+    engine = build_engine(cfg, model=model, tokenizer=tokenizer)  # the toy recipe: CPU, float32
     try:
         return evaluate(engine, tokenizer, cfg, records, out_dir, model_name=name, data_sha256=data_sha256,
                         data_path=str(data_path), tokenizer_name="memrl.data.synthetic:task_tokenizer")
@@ -119,8 +118,9 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     from memrl.eval.compare import compare_results
     from memrl.memagent.prompts import PromptBuilder
     from memrl.tiny import build_tiny_model
-    from memrl.train.controller import Trainer, TrainOptions, seed_everything
+    from memrl.train.controller import Trainer, TrainOptions
     from memrl.train.report import write_report
+    from memrl.train.setup import seed_everything
     from memrl.train.sft import SFTOptions, run_sft
 
     run_root = Path(run_root)
@@ -179,7 +179,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     trainer = Trainer(cfg, TrainOptions(run_root=run_root / "train", progress=progress),
                       model=copy.deepcopy(model), tokenizer=tokenizer, records=grpo_records)
     history = trainer.run()
-    trained_model = trainer.actor.model.eval()
+    trained_model = trainer.parts.policy.model.eval()
     trained_model.save_pretrained(run_root / "trained_model")
     tokenizer.save_pretrained(run_root / "trained_model")
     times["train_s"] = time.perf_counter() - t

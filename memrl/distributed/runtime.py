@@ -1,19 +1,17 @@
-"""`memrl train --runtime ray`: the controller's loop, with its pieces on Ray actors.
+"""`memrl train --runtime ray`: the one training loop (`memrl.train.controller.Trainer`), given parts
+that live on Ray actors (`ray_parts`):
 
-`RayTrainer` *is* the one-process `Trainer` (same `step`, `run`, logs, row-count checks); only what the
-loop talks to changes:
+    parts.rollout -> RolloutPool    rollout workers; the step's questions are split across them
+    parts.rows    -> RemoteQueue    the TransferQueue in a Ray actor
+    parts.policy  -> TrainerGroup   trainer workers (one torch.distributed group, DDP or FSDP2); the
+                                    driver plans each optimizer step (`plan_rollout`) and sends every
+                                    rank its share; checkpoints: every rank gathers, rank 0 writes (the
+                                    same files as the one-process run)
 
-    trainer.engine  -> RolloutPool    rollout workers; the step's questions are split across them
-    trainer.queue   -> RemoteQueue    the TransferQueue in a Ray actor
-    trainer.actor   -> TrainerGroup   trainer workers (one torch.distributed group, DDP or FSDP2); the
-                                      driver plans each optimizer step (`plan_rollout`) and sends every
-                                      rank its share
-    trainer.save    -> every rank gathers, rank 0 writes the checkpoint (same files as the one-process run)
-
-After every step the loop's `sync_weights` calls `RolloutPool.update_weights_from_model(TrainerGroup)`:
-the whole weights (gathered from the shards under FSDP) go from rank 0 to every rollout worker through the
-object store, never through the driver (or, for served engines, through a Hugging Face folder that each
-server reloads).
+Weight sync is the engines' contract (`sync_from(WeightSource)`, memrl/engines/base.py): the group's
+`weight_source` offers the whole weights as an object-store reference (gathered from the shards under
+FSDP by rank 0, fetched by each rollout worker: never through the driver) or, for served engines, a
+Hugging Face folder that rank 0 writes and each server reloads.
 
 Faults: every remote wait has a timeout (`ray.*_timeout_s`); a worker that dies, raises or does
 not answer fails the step with an error naming it (`WorkerError`). Checkpoints are written atomically
@@ -22,10 +20,9 @@ by rank 0, so the last complete one stays loadable; resume with `--load` as in t
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,25 +31,25 @@ import torch
 from memrl.config import Config, ConfigError, RayConfig
 from memrl.distributed.queue_actor import RemoteQueue
 from memrl.distributed.workers import (
+    ObjectStoreWeights,
     RolloutWorker,
     TrainerWorker,
     WorkerError,
     merge_rollout_outputs,
     wait_named,
 )
-from memrl.rl.validate import validate_train_rows
+from memrl.engines.base import WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.train.actor import plan_rollout
-from memrl.train.checkpoint import STATE_FILE, resolve_checkpoint
-from memrl.train.controller import (
+from memrl.train.checkpoint import read_state, resolve_checkpoint
+from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
+from memrl.train.setup import (
     DataSource,
-    Trainer,
-    TrainOptions,
-    checkpoint_state,
-    load_raw_rollout,
+    Plugins,
     load_tokenizer,
-    load_train_records,
     pad_token_id,
     seed_everything,
+    start_rollout_id,
+    warn_about_top_p,
 )
 from memrl.types import RolloutOutput, TrainRow
 
@@ -98,7 +95,8 @@ def _scheduling(ray: Any, settings: RayConfig, n_trainers: int, handles: list[An
 
 
 class TrainerGroup:
-    """The `Actor` interface the loop uses (`train_rollout`, `global_step`, `model`) over the trainer workers."""
+    """The policy trainer the loop sees (`train_rollout`, `save_checkpoint`, `weight_source`), over the
+    trainer workers: one torch.distributed group."""
 
     def __init__(self, ray: Any, cfg: Config, options: list[dict], pad_token_id: int, model_ref: Any,
                  load: Path | None, handles: list[Any]) -> None:
@@ -120,14 +118,8 @@ class TrainerGroup:
         self.global_step = int(setups[self.names[0]]["global_step"])
         self.names = [f"trainer rank {r} (pid {setups[n]['pid']})" for r, n in enumerate(self.names)]
 
-    @property
-    def model(self) -> TrainerGroup:
-        """What the loop's `sync_weights` hands to the engine: the group itself (weights live on rank 0)."""
-        return self
-
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
         """Plan the step once (same plan as one process with train.dp_size ranks); each rank trains its share."""
-        validate_train_rows(rows)
         plan = plan_rollout(rows, self.cfg, self.pad_token_id, rollout_id)
         tokens = sum(len(r.tokens) for r in rows)
         refs = {name: w.train.remote([shares[rank] for shares in plan], rollout_id, len(rows), tokens)
@@ -137,18 +129,51 @@ class TrainerGroup:
         self.global_step = int(metrics.pop("global_step"))
         return metrics
 
-    def call_all(self, method: str, *args: Any, what: str) -> Any:
-        """`method` on every rank at once (a collective under FSDP); rank 0's result."""
-        refs = {name: getattr(w, method).remote(*args) for name, w in zip(self.names, self.workers, strict=True)}
+    def _on_every_rank(self, call: Callable[[Any], Any], what: str) -> Any:
+        """`call(worker)` (a remote method call) on every rank at once, a collective under FSDP; rank 0's result."""
+        refs = {name: call(w) for name, w in zip(self.names, self.workers, strict=True)}
         return wait_named(refs, self.settings.sync_timeout_s, what)[self.names[0]]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole weights, fetched to the caller (tests and tools; the loop never fetches them)."""
+        return self._on_every_rank(lambda w: w.state_dict.remote(), "fetch weights")
+
+    def publish_weights(self) -> Any:
+        """An object ref of the whole weights, put into the object store by rank 0."""
+        return self._on_every_rank(lambda w: w.publish_weights.remote(), "weight sync (gather)")
+
+    def save_pretrained(self, folder: Path, tokenizer: Any = None) -> str:
+        return self._on_every_rank(lambda w: w.save_pretrained.remote(str(folder), tokenizer), "weight sync (save)")
+
+    def save_checkpoint(self, run_root: Path, rollout_id: int, state: dict[str, Any], tokenizer: Any = None) -> Path:
+        """Rank 0 writes the checkpoint (the one-process run's files); it fills in the optimizer step count."""
+        return Path(self._on_every_rank(lambda w: w.save.remote(str(run_root), rollout_id, state, tokenizer),
+                                        f"checkpoint {rollout_id}"))
+
+    def weight_source(self, folder: Path, tokenizer: Any = None) -> GroupWeights:
+        return GroupWeights(self, folder, tokenizer)
+
+
+class GroupWeights:
+    """The trainer group's current weights as an engine's `WeightSource`: an object-store reference
+    (fetched by whoever loads it, so never by the driver), or a folder rank 0 writes on demand."""
+
+    def __init__(self, group: TrainerGroup, folder: Path, tokenizer: Any) -> None:
+        self.group, self.folder, self.tokenizer = group, folder, tokenizer
+
+    def whole_weights(self) -> ObjectStoreWeights:
+        return ObjectStoreWeights(self.group.publish_weights(), self.group.settings.sync_timeout_s)
+
+    def saved_folder(self) -> str:
+        return self.group.save_pretrained(self.folder, self.tokenizer)
 
 
 class RolloutPool:
-    """The engine the loop sees: rollout workers generating slices of each step's batch."""
+    """The rollout source the loop sees: rollout workers generating slices of each step's batch."""
 
     def __init__(self, ray: Any, cfg: Config, options: list[dict], tokenizer: Any, model_ref: Any,
-                 run_root: Path, handles: list[Any]) -> None:
-        self.ray, self.cfg, self.settings, self.run_root = ray, cfg, cfg.ray, run_root
+                 handles: list[Any]) -> None:
+        self.ray, self.cfg, self.settings = ray, cfg, cfg.ray
         settings = cfg.ray
         urls = settings.rollout_server_urls or (None,) * len(options)
         self.workers = [ray.remote(RolloutWorker).options(**opt).remote(cfg, i, tokenizer, model_ref, url)
@@ -166,78 +191,51 @@ class RolloutPool:
         refs = {self.names[k]: self.workers[k].generate.remote(rollout_id, list(records[bounds[k]:bounds[k + 1]]),
                                                                 bounds[k]) for k in range(n)}
         results = wait_named(refs, self.settings.rollout_timeout_s, f"rollout {rollout_id}: generate")
-        out = merge_rollout_outputs([results[self.names[k]] for k in range(n)])
-        return out
+        return merge_rollout_outputs([results[self.names[k]] for k in range(n)])
 
-    def update_weights_from_model(self, group: TrainerGroup) -> None:
-        """Rank 0's weights into every rollout engine (the loop's `sync_weights` calls this every step)."""
-        timeout = self.settings.sync_timeout_s
+    def sync_from(self, source: WeightSource) -> None:
+        """Every rollout engine to `source`'s weights, in the one form its engines take (the pool built them
+        from `rollout.engine`): a folder for served engines (shared storage), whole weights otherwise."""
         if self.cfg.rollout.engine == "openai":
-            # A served engine reloads from disk (as SGLang's update_weights_from_disk does): shared storage.
-            path = str(self.run_root / "weights_sync")
-            group.call_all("save_pretrained", path, what="weight sync (save)")
-            refs = {n: w.reload_weights.remote(path) for n, w in zip(self.names, self.workers, strict=True)}
+            payload: WeightSource = WeightsOnDisk(source.saved_folder())
         else:
-            state = group.call_all("publish_weights", what="weight sync (gather)")  # an object ref
-            refs = {n: w.load_weights.remote(state) for n, w in zip(self.names, self.workers, strict=True)}
-        wait_named(refs, timeout, "weight sync")
+            payload = WeightsInMemory(source.whole_weights())  # an object-store reference travels, not tensors
+        refs = {n: w.sync_from.remote(payload) for n, w in zip(self.names, self.workers, strict=True)}
+        wait_named(refs, self.settings.sync_timeout_s, "weight sync")
 
-    async def close(self) -> None:
+    def close(self) -> None:
         # Killed, not asked: a worker stuck in a generation would make a polite close wait for it.
         for worker in self.workers:
             self.ray.kill(worker)
 
 
-class RayTrainer(Trainer):
-    """The controller's `Trainer` with its engine, queue, actor and checkpoint save on Ray actors.
-
-    The driver holds no policy weights (unless `model` is given, to be shipped to the workers): trainer
-    and rollout workers load `model.path` themselves.
-    """
-
-    def __init__(self, cfg: Config, options: TrainOptions, handles: list[Any],
-                 model: torch.nn.Module | None = None, tokenizer: Any = None,
-                 records: Sequence[Any] | None = None) -> None:
-        ray = _import_ray()
-        self.cfg, self.opt = cfg, options
-        seed_everything(cfg.train.seed)
-        if model is None and not cfg.model.path:
-            raise ConfigError("model.path is not set; pass --set model.path=DIR")
-        self.tokenizer = tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-        self.data = DataSource(records if records is not None else load_train_records(cfg),
-                               cfg.train.rollout_batch_size, cfg.train.seed)
-        pad_id = pad_token_id(tokenizer)
-        self.start_rollout_id = 0
-        load = resolve_checkpoint(options.load) if options.load is not None else None
-        if load is not None:
-            state = json.loads((load / STATE_FILE).read_text())
-            self.start_rollout_id = int(state.get("next_rollout_id", state["rollout_id"] + 1))
-        if options.start_rollout_id is not None:
-            self.start_rollout_id = options.start_rollout_id
-        self._load_plugins()
-        self._warn_about_top_p()
-        self.queue = RemoteQueue(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples,
-                                 cfg.ray.sync_timeout_s)
-        handles.append(self.queue.actor)
-        model_ref = ray.put(model) if model is not None else None
-        trainer_opts, rollout_opts = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)
-        self.actor = TrainerGroup(ray, cfg, trainer_opts, pad_id, model_ref, load, handles)
-        self.engine = None
-        if not options.replay_rollouts:
-            self.engine = RolloutPool(ray, cfg, rollout_opts, tokenizer, model_ref, options.run_root, handles)
-            # Start from the trainer's weights (a loaded checkpoint's), as the one-process engine does.
-            self.engine.update_weights_from_model(self.actor)
-
-    def _rollout(self, loop: Any, rollout_id: int) -> RolloutOutput:
-        if self.opt.replay_rollouts is not None:
-            return load_raw_rollout(self.opt.replay_rollouts, rollout_id)
-        return self.engine.generate(rollout_id, self.data.batch(rollout_id))
-
-    def save(self, rollout_id: int) -> Path:
-        # global_step is filled in by rank 0, whose actor counts the optimizer steps
-        state = checkpoint_state(self.cfg, rollout_id, global_step=0)
-        return Path(self.actor.call_all("save", str(self.opt.run_root), rollout_id, state, self.tokenizer,
-                                        what=f"checkpoint {rollout_id}"))
+def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
+              model: torch.nn.Module | None = None, tokenizer: Any = None,
+              records: Sequence[Any] | None = None) -> TrainingParts:
+    """The parts of a Ray run (every actor it starts is appended to `handles`). The driver holds no
+    policy weights (unless `model` is given, to be shipped to the workers): workers load `model.path`."""
+    seed_everything(cfg.train.seed)
+    if model is None and not cfg.model.path:
+        raise ConfigError("model.path is not set; pass --set model.path=DIR")
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    data = DataSource.from_config(cfg, records)
+    load = resolve_checkpoint(options.load) if options.load is not None else None
+    plugins = Plugins.from_config(cfg)
+    warn_about_top_p(cfg)
+    queue = RemoteQueue(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples, cfg.ray.sync_timeout_s)
+    handles.append(queue.actor)
+    model_ref = ray.put(model) if model is not None else None
+    trainer_opts, rollout_opts = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)
+    group = TrainerGroup(ray, cfg, trainer_opts, pad_token_id(tokenizer), model_ref, load, handles)
+    if options.replay_rollouts:
+        rollout: Any = ReplayRollout(options.replay_rollouts)
+    else:
+        rollout = RolloutPool(ray, cfg, rollout_opts, tokenizer, model_ref, handles)
+        # Start from the trainer's weights (a loaded checkpoint's), as the one-process engine does.
+        rollout.sync_from(group.weight_source(options.run_root / "weights_sync", tokenizer))
+    return TrainingParts(tokenizer=tokenizer, data=data, rollout=rollout, rows=queue, policy=group,
+                         convert=plugins.convert,
+                         start_rollout_id=start_rollout_id(read_state(load) if load else None, options.start_rollout_id))
 
 
 def start_ray(ray_address: str | None, settings: RayConfig, dp_size: int) -> bool:
@@ -271,7 +269,7 @@ def run_ray_training(cfg: Config, options: TrainOptions, ray_address: str | None
     ray = _import_ray()
     handles: list[Any] = []
     try:
-        return RayTrainer(cfg, options, handles, **kwargs).run()
+        return Trainer(cfg, options, ray_parts(ray, cfg, options, handles, **kwargs)).run()
     finally:
         for handle in reversed(handles):
             try:

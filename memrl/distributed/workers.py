@@ -17,14 +17,14 @@ import asyncio
 import os
 import socket
 import time
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from memrl.config import Config, import_object
-from memrl.train.controller import load_policy, load_tokenizer
+from memrl.config import Config
+from memrl.train.setup import Plugins, load_policy, load_tokenizer, seed_everything
 from memrl.types import RolloutOutput
 
 
@@ -102,6 +102,34 @@ def merge_rollout_outputs(outputs: list[RolloutOutput]) -> RolloutOutput:
                          dropped=[t for o in outputs for t in o.dropped])
 
 
+class ObjectStoreWeights(Mapping):
+    """Whole weights held in Ray's object store, fetched where they are read: pickling one sends only the
+    reference, so rank 0's weights reach each rollout worker without passing through the driver."""
+
+    def __init__(self, ref: Any, timeout_s: float) -> None:
+        self.ref, self.timeout_s = ref, timeout_s
+        self._weights: dict[str, torch.Tensor] | None = None
+
+    def _fetched(self) -> dict[str, torch.Tensor]:
+        if self._weights is None:
+            import ray
+
+            self._weights = ray.get(self.ref, timeout=self.timeout_s)
+        return self._weights
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._fetched()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fetched())
+
+    def __len__(self) -> int:
+        return len(self._fetched())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"ref": self.ref, "timeout_s": self.timeout_s, "_weights": None}
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -143,7 +171,6 @@ class TrainerWorker:
         import torch.distributed as dist
 
         from memrl.train.actor import Actor
-        from memrl.train.controller import seed_everything
 
         use_cuda = backend == "nccl"
         if use_cuda:
@@ -203,7 +230,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, index: int, tokenizer: Any = None, model: torch.nn.Module | None = None,
                  server_url: str | None = None) -> None:
-        from memrl.train.controller import build_engine
+        from memrl.engines.factory import training_engine
 
         _quiet_transformers()
         if server_url is not None:
@@ -211,9 +238,9 @@ class RolloutWorker:
         self.cfg, self.index = cfg, index
         self.tokenizer = _load_tokenizer(cfg, tokenizer)
         local = cfg.rollout.engine != "openai"
-        self.engine = build_engine(cfg, _load_model(cfg, model) if local else None, self.tokenizer, progress=False)
-        self.generate_fn = import_object(cfg.plugins.generate_function)
-        self.reward_fn = import_object(cfg.plugins.reward_function)
+        self.engine = training_engine(cfg, _load_model(cfg, model) if local else None, self.tokenizer)
+        plugins = Plugins.from_config(cfg)
+        self.generate_fn, self.reward_fn = plugins.generate, plugins.reward
         self.loop = asyncio.new_event_loop()
 
     def ping(self) -> int:
@@ -229,11 +256,9 @@ class RolloutWorker:
         ctx.slot_offset = slot_offset
         return self.loop.run_until_complete(self.generate_fn(ctx, records))
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.engine.load_weights(state_dict)
-
-    def reload_weights(self, path: str) -> None:
-        self.loop.run_until_complete(self.engine.reload_weights(str(Path(path))))
+    def sync_from(self, source: Any) -> None:
+        """The engine to `source`'s weights (a `WeightSource`: an object-store reference, or a folder)."""
+        self.loop.run_until_complete(self.engine.sync_from(source))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.engine.close())

@@ -5,12 +5,18 @@ when one was sampled), its log-prob under the distribution it was sampled from (
 applied), and a finish reason: `stop` (a stop token was sampled), `length` (max_tokens reached), or
 `error` (with a message; output may be empty). An engine never raises for one bad request when it can
 report `error` instead, so one failure never kills a batch.
+
+Weight sync is part of the contract: `sync_from(source)` makes an engine generate with the trainer's
+current weights. The source offers them two ways, and each engine takes the one it can use: an
+in-process engine copies `whole_weights()`, a served one asks its server to reload `saved_folder()`.
+The loop never asks which kind of engine it holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "error"]
 
@@ -47,10 +53,53 @@ class EngineError(RuntimeError):
     """An engine cannot serve at all (model missing, server unreachable after retries)."""
 
 
+class WeightSource(Protocol):
+    """The trainer's current weights, in the two forms engines take them."""
+
+    def whole_weights(self) -> Mapping[str, Any]:
+        """Every tensor of the policy under its Hugging Face name (the engine copies them into its model)."""
+        ...
+
+    def saved_folder(self) -> str:
+        """A Hugging Face folder holding these weights, on storage the engine's server can read (written
+        on the first call for a weight version)."""
+        ...
+
+
+@dataclass
+class WeightsInMemory:
+    """A `WeightSource` over a state dict already at hand (tests, tools); it has no folder."""
+
+    weights: Mapping[str, Any]
+
+    def whole_weights(self) -> Mapping[str, Any]:
+        return self.weights
+
+    def saved_folder(self) -> str:
+        raise EngineError("these weights exist only in memory; a served engine needs them saved to a folder")
+
+
+@dataclass
+class WeightsOnDisk:
+    """A `WeightSource` that is a saved Hugging Face folder (what a served engine's server reloads)."""
+
+    folder: str
+
+    def whole_weights(self) -> Mapping[str, Any]:
+        raise EngineError(f"these weights are the folder {self.folder}; an in-process engine needs them in memory")
+
+    def saved_folder(self) -> str:
+        return self.folder
+
+
 @runtime_checkable
 class Engine(Protocol):
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate for every request; results in request order. Concurrent calls are batched together."""
+        ...
+
+    async def sync_from(self, source: WeightSource) -> None:
+        """Generate with `source`'s weights from the next request on (called between rollout steps)."""
         ...
 
     async def close(self) -> None:

@@ -59,7 +59,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from memrl.engines.base import EngineError, GenerationRequest, GenerationResult
+from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, WeightSource
 from memrl.engines.hf_batch import EngineStats, _Pending, _Row, _RunningBatch
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 
@@ -81,13 +81,33 @@ def resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.d
     return device, dtype
 
 
+class _EngineRunner:
+    """An engine's model calls as its running batches see them (`hf_batch.ModelRunner`).
+
+    Looks the engine's `_prefill`, `_forward` and `stats` up at every call, so a method patched on the
+    engine (tests do) or a `reset_stats()` takes effect even in the middle of a batch."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self._engine = engine
+
+    def prefill(self, requests: list[GenerationRequest]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._engine._prefill(requests)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: DynamicCache) -> torch.Tensor:
+        return self._engine._forward(input_ids, attention_mask, position_ids, cache)
+
+    def count_decode_step(self, rows: int) -> None:
+        self._engine.stats.decode_steps += 1
+        self._engine.stats.decode_rows += rows
+
 
 class HFEngine:
     """Local transformers engine implementing the `Engine` protocol (async generate, close).
 
     The engine owns `model`: it is moved to `device`/`dtype` (None keeps the model's own; `auto` picks
     CUDA/bfloat16 when available, else CPU/float32) and put in eval mode. To serve a trainer's model,
-    give the engine its own copy and sync it with `load_weights` / `update_weights_from_model`; these
+    give the engine its own copy and sync it with `sync_from` (or `load_weights`); these
     wait for a running batch (in continuous mode: until no request is left), so call them between
     rollouts (they block the caller meanwhile). `max_batch_tokens` bounds batch size x (longest cache
     row + most tokens any row may still generate), i.e. the KV cache. `stats` counts the work done.
@@ -354,7 +374,7 @@ class HFEngine:
 
     def _decode(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         rows = [self._new_row(r) for r in requests]
-        batch = _RunningBatch(self)
+        batch = _RunningBatch(_EngineRunner(self))
         batch.admit(rows)
         while batch.rows:
             if self._closed:
@@ -365,7 +385,7 @@ class HFEngine:
         return [row.result() for row in rows]
 
     def _decode_continuously(self, first: list[_Pending]) -> None:
-        batch, newcomers, owner = _RunningBatch(self), first, self._loop
+        batch, newcomers, owner = _RunningBatch(_EngineRunner(self)), first, self._loop
         # Stops when nothing is running or waiting (the worker then takes over the queue again), or on
         # close(), whose waiters are already failed. Compute time is counted per step, since a session
         # can span a whole rollout.
@@ -394,9 +414,9 @@ class HFEngine:
             except RuntimeError as error:
                 raise EngineError(f"weights do not fit the engine's model ({type(self.model).__name__}): {error}") from error
 
-    def update_weights_from_model(self, model: torch.nn.Module) -> None:
-        """Copy a (training) model's weights in; the two models never share tensors."""
-        self.load_weights(model.state_dict())
+    async def sync_from(self, source: WeightSource) -> None:
+        """The engine contract's weight sync: copy the source's whole weights into the engine's model."""
+        self.load_weights(source.whole_weights())
 
     def reload_from_path(self, path: str | Path) -> None:
         """Replace the model with the Hugging Face folder at `path` (same device and dtype)."""

@@ -4,7 +4,9 @@ What lives here and why: the per-step tensor bookkeeping of a batch (`_RunningBa
 keep, advance), the per-request state it carries (`_Row`, `_Pending`), and the counters it and the
 engine update (`EngineStats`). The engine (memrl/engines/hf.py) keeps the async queue, the worker
 thread, batch admission limits and weight sync; the model calls (`_prefill`, `_forward`) stay on the
-engine so tests can patch them there, and this module reaches them through `_RunningBatch.engine`.
+engine so tests can patch them there. A batch reaches them only through the `ModelRunner` it is given
+(prefill, forward, count a decode step), never through the engine itself: this module does not import
+hf.py, so the two modules form no import cycle (tests/test_imports.py).
 
 Merging. A group of requests admitted together is prefilled left-padded among themselves, then joins
 the running rows by left-padding the shorter side's keys/values with zeros (attention mask 0) along
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +32,6 @@ from transformers import DynamicCache
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.engines.kv_cache import SpareLayer
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
-
-if TYPE_CHECKING:  # only for annotations: hf.py imports this module
-    from memrl.engines.hf import HFEngine
 
 try:  # transformers >= 4.56 keeps one layer object per decoder layer; older caches are never merged
     from transformers.cache_utils import DynamicLayer
@@ -87,6 +86,30 @@ class _Row:
         return self.pending is not None and self.pending.future.done()
 
 
+class ModelRunner(Protocol):
+    """All a `_RunningBatch` needs of the engine: its model calls and its decode-step counters.
+
+    HFEngine hands each batch one (`memrl.engines.hf._EngineRunner`) that forwards to the engine's
+    `_prefill` / `_forward` / `stats` at every call. The device and the sampling rules are not part of
+    it: the batch puts its tensors on the device of the prefill's attention mask and samples with the
+    pure functions of memrl/engines/sampling.py.
+    """
+
+    def prefill(self, requests: list[GenerationRequest]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits);
+        counts the prefill in the engine's stats."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: DynamicCache) -> torch.Tensor:
+        """One model call appending to `cache`; the fp32 logits of each row's last position, (rows, vocab)."""
+        ...
+
+    def count_decode_step(self, rows: int) -> None:
+        """Count one decode step of `rows` rows in the engine's stats."""
+        ...
+
+
 def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     """Zeros prepended along `dim` (counted from the end, -1 or -2) up to `width`."""
     missing = width - x.shape[dim]
@@ -104,8 +127,8 @@ class _RunningBatch:
     i's next token; after `sample`, `tokens[i]` is the token it just sampled.
     """
 
-    def __init__(self, engine: HFEngine) -> None:
-        self.engine = engine
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
         self.rows: list[_Row] = []
         self.cache: DynamicCache | None = None
         self.mergeable = False
@@ -119,7 +142,7 @@ class _RunningBatch:
 
     def admit(self, rows: list[_Row]) -> None:
         """Prefill `rows` and add them; their logits join the running rows' pending logits."""
-        cache, mask, next_position, logits = self.engine._prefill([r.request for r in rows])
+        cache, mask, next_position, logits = self.runner.prefill([r.request for r in rows])
         device = mask.device
         temperatures = torch.tensor([r.request.temperature for r in rows], dtype=torch.float32, device=device)
         top_ps = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32, device=device)
@@ -189,11 +212,10 @@ class _RunningBatch:
         if not self.rows:
             return
         self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((len(self.rows), 1))], 1)
-        self.logits = self.engine._forward(self.tokens[:, None], self.attention_mask, self.next_position[:, None],
-                                           self.cache)
+        self.logits = self.runner.forward(self.tokens[:, None], self.attention_mask, self.next_position[:, None],
+                                          self.cache)
         self.next_position = self.next_position + 1
-        self.engine.stats.decode_steps += 1
-        self.engine.stats.decode_rows += len(self.rows)
+        self.runner.count_decode_step(len(self.rows))
 
 
 def _mergeable(cache) -> bool:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import httpx
 
-from memrl.engines.base import EngineError, GenerationRequest, GenerationResult
+from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, WeightSource
 
 ServerKind = Literal["auto", "vllm", "sglang", "memrl"]
 _RETRY_STATUSES = (502, 503, 504)  # a server starting up or a proxy in front of one
@@ -251,6 +251,10 @@ class OpenAIEngine:
         if request.seed is not None:
             sampling["sampling_seed"] = request.seed  # honoured under --enable-deterministic-inference
         return {"input_ids": list(request.prompt_ids), "sampling_params": sampling, "return_logprob": True}
+
+    async def sync_from(self, source: WeightSource) -> None:
+        """The engine contract's weight sync: the server reloads the folder the source saved."""
+        await self.reload_weights(source.saved_folder())
 
     async def reload_weights(self, path: str) -> None:
         """Make the server load weights from the folder `path` (a path on the server's machine).

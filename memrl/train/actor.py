@@ -102,7 +102,9 @@ def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: 
 
 
 def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[list[RankShare]]:
-    """`[optimizer step][rank] -> RankShare` for one rollout step's rows (prompt groups kept in one step)."""
+    """`[optimizer step][rank] -> RankShare` for one rollout step's rows (prompt groups kept in one step),
+    after the rows are validated (`validate_train_rows`): whoever trains them plans them through here."""
+    validate_train_rows(rows)
     return [plan_optimizer_step(step, config, pad_token_id, rollout_id)
             for step in split_optimizer_steps(rows, config.train.num_optimizer_steps)]
 
@@ -295,6 +297,10 @@ class Actor:
             tokenizer.save_pretrained(path)
         return Path(path)
 
+    def weight_source(self, folder: str | Path, tokenizer: Any = None) -> ActorWeights:
+        """This (one-process) actor's current weights as an engine's `WeightSource`."""
+        return ActorWeights(self, Path(folder), tokenizer)
+
     def save_checkpoint(self, run_root: str | Path, rollout_id: int, state: dict[str, Any],
                         tokenizer: Any = None) -> Path | None:
         """The checkpoint of `rollout_id` (same files under every strategy); rank 0 writes, None elsewhere."""
@@ -314,7 +320,6 @@ class Actor:
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
         """Run `train.num_optimizer_steps` optimizer steps over exactly these rows; return step metrics.
         With `world_size > 1` every rank is given all the rows and runs its own share of the plan."""
-        validate_train_rows(rows)
         plan = plan_rollout(rows, self.cfg, self.pad_token_id, rollout_id)
         own = plan if self.world_size == 1 else [[shares[self.rank]] for shares in plan]
         return self.train_planned(own, rollout_id, len(rows), sum(len(r.tokens) for r in rows))
@@ -468,3 +473,18 @@ class Actor:
             out.append(token_log_probs(self._forward(self.policy, mb), mb.targets).tolist())
         self._reshard_after_inference(self.policy)
         return out
+
+
+class ActorWeights:
+    """A one-process actor's current weights as a `WeightSource` (memrl/engines/base.py): the policy's
+    own tensors for an in-process engine (which copies them), or a Hugging Face folder written on demand
+    for a served one (which reloads it)."""
+
+    def __init__(self, actor: Actor, folder: Path, tokenizer: Any = None) -> None:
+        self.actor, self.folder, self.tokenizer = actor, folder, tokenizer
+
+    def whole_weights(self) -> dict[str, Tensor]:
+        return self.actor.model.state_dict()
+
+    def saved_folder(self) -> str:
+        return str(self.actor.save_pretrained(self.folder, self.tokenizer))

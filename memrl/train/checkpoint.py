@@ -398,7 +398,12 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any = N
             obj.load_state_dict(read_checkpoint_file(ckpt, filename))
     if restore_rng:
         _restore_rng(read_checkpoint_file(ckpt, RNG_FILE))
-    return json.loads((ckpt / STATE_FILE).read_text())
+    return read_state(ckpt)
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's state.json (where to resume, the config); `path` as for `load_checkpoint`."""
+    return json.loads((resolve_checkpoint(path) / STATE_FILE).read_text())
 
 
 def read_checkpoint_file(ckpt: Path, filename: str) -> Any:

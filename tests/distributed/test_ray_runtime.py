@@ -105,7 +105,7 @@ def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_
     group = trainer_group(cfg, tokenizer, handles, tiny(tokenizer))
     for rollout_id in (0, 1):
         metrics = group.train_rollout(rows, rollout_id)
-    trained = group.call_all("state_dict", what="fetch")  # gathered from the shards under FSDP
+    trained = group.state_dict()  # gathered from the shards under FSDP
     # both ranks compute with the same weights (a collective under FSDP: asked of both at once)
     per_rank = wait_named({f"rank {k}": w.log_probs.remote(rows[:3]) for k, w in enumerate(group.workers)}, 60,
                           "log-probs")
@@ -140,7 +140,7 @@ def test_rollout_workers_dead_or_hung_fail_the_step_within_their_timeout(tokeniz
                  ray_section={"num_rollout_workers": 2, "rollout_timeout_s": 60})
     settings = cfg.ray
     _, opts = _scheduling(ray, settings, 1, handles)
-    pool = RolloutPool(ray, cfg, opts, tokenizer, ray.put(tiny(tokenizer)), Path("unused"), handles)
+    pool = RolloutPool(ray, cfg, opts, tokenizer, ray.put(tiny(tokenizer)), handles)
     out = pool.generate(0, records(2))  # both workers serve: one question each, merged in batch order
     assert len(out.trajectories) == 16 and out.train_row_count == 64
     assert [t.metadata["question_id"] for t in out.trajectories] == ["q0"] * 8 + ["q1"] * 8

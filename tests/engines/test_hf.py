@@ -13,7 +13,7 @@ import pytest
 import torch
 from numerics import logprob_atol
 
-from memrl.engines.base import Engine, EngineError, GenerationRequest, GenerationResult
+from memrl.engines.base import Engine, EngineError, GenerationRequest, GenerationResult, WeightsInMemory
 from memrl.engines.hf import HFEngine, sample_tokens, sampling_log_probs
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model
 
@@ -291,7 +291,7 @@ def test_weight_sync_copies_and_reload_from_path(tmp_path):
     reference = HFEngine(sharp_model(seed=1))
     request = GenerationRequest(prompt(4), max_tokens=6, temperature=0.0)
     before = run(engine.generate([request]))[0]
-    engine.update_weights_from_model(trainer_model)
+    run(engine.sync_from(WeightsInMemory(trainer_model.state_dict())))
     synced = run(engine.generate([request]))[0]
     expected = run(reference.generate([request]))[0]
     assert synced.output_ids == expected.output_ids != before.output_ids

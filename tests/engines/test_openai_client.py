@@ -275,6 +275,26 @@ def test_sglang_native_generate_and_reload():
     assert calls[-1] == {"model_path": "/models/step-7"}
 
 
+def test_sync_from_reloads_the_folder_the_weight_source_saved():
+    # The engine contract's weight sync: a served engine takes the source's folder, never its tensors.
+    class Source:
+        saved = 0
+
+        def whole_weights(self):
+            raise AssertionError("a served engine must not ask for the weights in memory")
+
+        def saved_folder(self):
+            Source.saved += 1
+            return "/runs/r/weights_sync"
+
+    calls: list[dict] = []
+    with serve_in_thread(sglang_like_app(calls)) as url:
+        engine = OpenAIEngine(url)
+        run(engine.sync_from(Source()))
+        run(engine.close())
+    assert Source.saved == 1 and calls[-1] == {"model_path": "/runs/r/weights_sync"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

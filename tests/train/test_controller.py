@@ -12,7 +12,7 @@ from memrl.engines.base import GenerationRequest
 from memrl.memagent.convert import convert_trajectories
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 from memrl.train.checkpoint import list_checkpoints
-from memrl.train.controller import Trainer, TrainingError, TrainOptions, load_raw_rollout
+from memrl.train.controller import ReplayRollout, Trainer, TrainingError, TrainOptions, load_raw_rollout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -102,13 +102,14 @@ def test_resume_is_exact(tokenizer, tmp_path):
     first.run()
     second = make_trainer(tokenizer, tmp_path / "b", config(num_rollout=4, save_interval=2),
                           load=tmp_path / "b" / "checkpoints" / "iter_0000001")
-    assert second.start_rollout_id == 2
+    assert second.parts.start_rollout_id == 2
     second.run()
-    assert [straight.data.batch(k)[0].id for k in range(4)] == [second.data.batch(k)[0].id for k in range(4)]
+    assert [straight.parts.data.batch(k)[0].id for k in range(4)] == [second.parts.data.batch(k)[0].id for k in range(4)]
     a = read_metrics(tmp_path / "a")
     b = read_metrics(tmp_path / "b")
     assert [m["reward/mean"] for m in a] == [m["reward/mean"] for m in b]
-    for (name, pa), pb in zip(straight.actor.model.named_parameters(), second.actor.model.parameters(), strict=True):
+    for (name, pa), pb in zip(straight.parts.policy.model.named_parameters(), second.parts.policy.model.parameters(),
+                              strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)
 
 
@@ -118,10 +119,10 @@ def test_replay_trains_on_identical_rows(tokenizer, tmp_path):
     cfg = config()
     saved = load_raw_rollout(run_root / "rollouts_raw", 1)
     replay = make_trainer(tokenizer, tmp_path / "replay", cfg, replay_rollouts=run_root / "rollouts_raw")
-    assert replay.engine is None  # no generation at all
+    assert isinstance(replay.parts.rollout, ReplayRollout)  # no engine, no generation at all
     captured = []
-    original = replay.actor.train_rollout
-    replay.actor.train_rollout = lambda rows, rid: (captured.append(rows), original(rows, rid))[1]
+    original = replay.parts.policy.train_rollout
+    replay.parts.policy.train_rollout = lambda rows, rid: (captured.append(rows), original(rows, rid))[1]
     history = replay.run()
     assert [m["rows/consumed"] for m in history] == [32, 32]
     assert [r.to_dict() for r in captured[1]] == [r.to_dict() for r in
@@ -136,36 +137,35 @@ def test_engine_uses_actor_weights_after_sync(tokenizer, tmp_path, temperature):
     cfg = config(num_rollout=1)
     cfg.rollout.temperature = temperature  # the trainer's log-probs must be under the same temperature
     trainer = make_trainer(tokenizer, tmp_path / "run", cfg)
-    loop = asyncio.new_event_loop()
     with RunLogger(tmp_path / "run", use_tensorboard=False) as logger:
-        metrics = trainer.step(loop, 0, logger)  # the actor's weights change, then are synced into the engine
+        metrics = trainer.step(0, logger)  # the actor's weights change, then are synced into the engine
     assert metrics["grad_norm"] > 0
     prompt = tokenizer("Document 1: hello", add_special_tokens=False)["input_ids"]
     request = GenerationRequest(prompt, 6, temperature=temperature, seed=7)
-    (result,) = loop.run_until_complete(trainer.engine.generate([request]))
-    loop.run_until_complete(trainer.engine.close())
-    loop.close()
+    rollout = trainer.parts.rollout
+    (result,) = rollout.loop.run_until_complete(rollout.engine.generate([request]))
+    rollout.close()
     assert result.output_ids
     row = TrainRow(tokens=prompt + result.output_ids, response_length=len(result.output_ids),
                    loss_mask=[1] * len(result.output_ids), rollout_log_probs=result.log_probs, advantage=0.0,
                    group_id="g", trajectory_id="t", turn_index=0, rollout_id=0)
-    (trainer_lp,) = trainer.actor.log_probs([row])
+    (trainer_lp,) = trainer.parts.policy.log_probs([row])
     assert max(abs(a - b) for a, b in zip(trainer_lp, result.log_probs, strict=True)) <= 1e-4
     # and the synced weights are not the initial ones: the step changed the policy the engine samples from
     initial = build_tiny_model(len(tokenizer), layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=0)
-    assert any(not torch.equal(a, b) for a, b in zip(initial.parameters(), trainer.engine.model.parameters(), strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(initial.parameters(), rollout.engine.model.parameters(), strict=True))
 
 
 def test_expanded_rollout_without_row_count_is_an_error(tokenizer, tmp_path, monkeypatch):
     trainer = make_trainer(tokenizer, tmp_path / "run", config())
-    real = trainer.generate_fn
+    real = trainer.parts.rollout.generate_fn
 
     async def no_count(ctx, recs):
         out = await real(ctx, recs)
         out.train_row_count = None
         return out
 
-    trainer.generate_fn = no_count
+    trainer.parts.rollout.generate_fn = no_count
     with pytest.raises(TrainingError, match="no train_row_count"):
         trainer.run()
 
@@ -185,12 +185,23 @@ def test_top_p_below_one_is_warned_about(tokenizer, tmp_path, caplog):
 
 def test_the_local_engine_times_requests_out_as_the_config_says(tokenizer):
     # Every wait has a timeout: the local engine's requests too (a stuck batch fails them, not the run's wait).
-    from memrl.train.controller import build_engine
+    from memrl.engines.factory import training_engine
 
     cfg = config()
     cfg.rollout.request_timeout_s = 7.5
-    engine = build_engine(cfg, build_tiny_model(len(tokenizer)), tokenizer, progress=False)
+    engine = training_engine(cfg, build_tiny_model(len(tokenizer)), tokenizer)
     try:
         assert engine.request_timeout_s == 7.5
     finally:
         asyncio.run(engine.close())
+
+
+def test_one_loop_the_ray_runtime_gives_it_parts():
+    # The Ray runtime builds parts (ray_parts) for the one Trainer; it neither subclasses nor copies the loop.
+    import inspect
+
+    import memrl.distributed.runtime as runtime
+
+    classes = [obj for _, obj in inspect.getmembers(runtime, inspect.isclass) if obj.__module__ == runtime.__name__]
+    assert classes and not any(issubclass(c, Trainer) for c in classes)
+    assert not any(hasattr(c, "step") or hasattr(c, "run") for c in classes)

@@ -45,7 +45,7 @@ def test_served_engine_is_reloaded_with_the_trained_weights(tmp_path):
         history = trainer.run()
         assert history[0]["rows/consumed"] == history[0]["rows/saved"] > 0
         assert history[0]["grad_norm"] > 0
-        trained = dict(trainer.actor.model.named_parameters())
+        trained = dict(trainer.parts.policy.model.named_parameters())
         reloaded = dict(served.model.named_parameters())
         initial = AutoModelForCausalLM.from_pretrained(model_dir)
         assert any(not torch.equal(p, trained[n]) for n, p in initial.named_parameters())

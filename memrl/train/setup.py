@@ -1,0 +1,142 @@
+"""What a training run starts from, the same in one process and on Ray: seeds, tokenizer, policy, the
+training questions in their deterministic order, the plugins, and where a resumed run starts.
+
+`memrl.train.controller.local_parts` and `memrl.distributed.runtime.ray_parts` both build their parts
+from these functions, so the two runtimes cannot drift apart in how a run is set up.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memrl.config import Config, ConfigError, import_object, load_pretrained
+
+log = logging.getLogger("memrl.train")
+
+
+class TrainingError(RuntimeError):
+    """The loop cannot go on; the message says which step and why."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def load_tokenizer(cfg: Config) -> Any:
+    from transformers import AutoTokenizer
+
+    if not cfg.model.tokenizer_path:
+        raise ConfigError("model.path (or model.tokenizer) is not set; pass --set model.path=DIR")
+    what = "tokenizer" if cfg.model.tokenizer else "model"
+    return load_pretrained(AutoTokenizer, cfg.model.tokenizer_path, what, revision=cfg.model.revision)
+
+
+def load_policy(cfg: Config) -> torch.nn.Module:
+    """The starting policy in fp32 (the actor trains fp32 master weights; autocast does bf16 on GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    if not cfg.model.path:
+        raise ConfigError("model.path is not set; pass --set model.path=DIR")
+    return load_pretrained(AutoModelForCausalLM, cfg.model.path, revision=cfg.model.revision, dtype=torch.float32)
+
+
+def load_train_records(cfg: Config) -> list[Any]:
+    from memrl.data.records import load_questions
+
+    if not cfg.data.dir:
+        raise ConfigError("data.dir is not set; pass --set data.dir=DIR (see `memrl prepare-data`)")
+    return load_questions(Path(cfg.data.dir) / cfg.data.train_file, verify=cfg.data.verify_manifest)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def trainer_device(cfg: Config) -> torch.device:
+    """Where the actor trains: `model.device`, `auto` resolved as the engines resolve it (one rule)."""
+    from memrl.engines.hf import resolve_device_dtype
+
+    return resolve_device_dtype(cfg.model.device, None)[0]
+
+
+class DataSource:
+    """Deterministic batches: rollout id -> the same questions on every run and after every resume.
+
+    Questions are taken in the file's frozen order; each pass over the set (an epoch) after the first is
+    shuffled with a seed derived from `seed` and the epoch number, so the cursor is a pure function of
+    the rollout id.
+    """
+
+    def __init__(self, records: Sequence[Any], batch_size: int, seed: int) -> None:
+        if not records:
+            raise TrainingError("the training set is empty; check data.dir and data.train_file")
+        self.records, self.batch_size, self.seed = list(records), batch_size, seed
+
+    @classmethod
+    def from_config(cls, cfg: Config, records: Sequence[Any] | None = None) -> DataSource:
+        return cls(records if records is not None else load_train_records(cfg), cfg.train.rollout_batch_size,
+                   cfg.train.seed)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if epoch > 0:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def batch(self, rollout_id: int) -> list[Any]:
+        start = rollout_id * self.batch_size
+        out = []
+        for k in range(start, start + self.batch_size):
+            epoch, pos = divmod(k, len(self.records))
+            out.append(self.records[self._epoch_order(epoch)[pos]])
+        return out
+
+
+@dataclass(frozen=True)
+class Plugins:
+    """The extension points, loaded by import path (MemAgent's by default)."""
+
+    generate: Callable[..., Any]
+    convert: Callable[..., Any]
+    reward: Callable[..., Any]
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Plugins:
+        p = cfg.plugins
+        return cls(import_object(p.generate_function), import_object(p.convert_function),
+                   import_object(p.reward_function))
+
+
+def start_rollout_id(loaded_state: dict[str, Any] | None, requested: int | None) -> int:
+    """The first rollout step to run: `--start-rollout-id`, else the one after a loaded checkpoint, else 0."""
+    if requested is not None:
+        return requested
+    if loaded_state is None:
+        return 0
+    return int(loaded_state.get("next_rollout_id", loaded_state["rollout_id"] + 1))
+
+
+def checkpoint_state(cfg: Config, rollout_id: int) -> dict[str, Any]:
+    """What a checkpoint records besides tensors: where to resume and with which config (the actor adds
+    its optimizer step count)."""
+    return {"rollout_id": rollout_id, "next_rollout_id": rollout_id + 1,
+            "data_cursor": (rollout_id + 1) * cfg.train.rollout_batch_size, "config": cfg.model_dump(mode="json")}
+
+
+def warn_about_top_p(cfg: Config) -> None:
+    if cfg.rollout.top_p < 1.0:
+        # Renormalizing over the nucleus in the trainer would make a token at the nucleus edge -inf
+        # (bf16 engine vs fp32 trainer can disagree on the edge), and the k3 KL of it infinite.
+        log.warning("rollout.top_p = %g < 1: the engine's log-probs are under the nucleus, the trainer's "
+                    "under the full softmax (temperature applied); logprob_gap and the PPO ratio include "
+                    "that difference. Set rollout.top_p = 1 for matching log-probs.", cfg.rollout.top_p)
