@@ -19,13 +19,8 @@ from dataclasses import dataclass
 
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks
-from memrl.memagent.rollout import (
-    QuestionLike,
-    RolloutContext,
-    document_chunks,
-    request_seed,
-    rollout_metrics,
-)
+from memrl.memagent.rollout import document_chunks, rollout_metrics
+from memrl.rollout import QuestionLike, RolloutContext, finish_rollout, request_seed
 from memrl.types import RolloutOutput, Trajectory, Turn
 
 
@@ -63,15 +58,14 @@ async def generate_rollout_lockstep(ctx: RolloutContext, records: Sequence[Quest
     cfg, builder = ctx.config.rollout, ctx.builder
     stop_ids = builder.stop_token_ids
     states: list[_State] = []
-    for slot, record in enumerate(records):
+    for group in ctx.groups(records):  # the framework's slots and keys: same ids and seeds as generate_rollout
+        record = group.record
         chunks = document_chunks(ctx.tokenizer, cfg, record.context)
-        key = f"{ctx.rollout_id}:{slot}:{record.id}"  # as generate_group(slot=...): same ids, same seeds
-        group_id = f"r{key}"
         for k in range(cfg.n_samples):
-            traj = Trajectory(trajectory_id=f"{group_id}:s{k}", group_id=group_id, sample_index=k, turns=[],
-                              metadata={"chunks": chunks.to_metadata(), "question_id": record.id,
-                                        "golds": list(record.answers)})
-            states.append(_State(traj, record.question, chunks, key))
+            traj = Trajectory(trajectory_id=group.trajectory_id(k), group_id=group.group_id, sample_index=k,
+                              turns=[], metadata={"chunks": chunks.to_metadata(), "question_id": record.id,
+                                                  "golds": list(record.answers)})
+            states.append(_State(traj, record.question, chunks, group.key))
 
     def fail(state: _State, message: str) -> None:
         state.trajectory.status, state.trajectory.error = "failed", message
@@ -113,10 +107,9 @@ async def generate_rollout_lockstep(ctx: RolloutContext, records: Sequence[Quest
 
     # As in generate_rollout: a group with a failed trajectory is left out whole (GRPO needs the group).
     trajectories = [s.trajectory for s in states]
-    failed_groups = {t.group_id for t in trajectories if t.status == "failed"}
-    kept = [t for t in trajectories if t.group_id not in failed_groups]
+    groups: dict[str, list[Trajectory]] = {}
+    for traj in trajectories:
+        groups.setdefault(traj.group_id, []).append(traj)
     metrics = rollout_metrics(trajectories)
-    metrics["groups/dropped"] = float(len(failed_groups))
     metrics["time/generate_s"] = time.perf_counter() - start
-    return RolloutOutput(trajectories=kept, metrics=metrics, train_row_count=sum(len(t.turns) for t in kept),
-                         dropped=[t for t in trajectories if t.group_id in failed_groups])
+    return finish_rollout(list(groups.values()), metrics)

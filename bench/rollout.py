@@ -45,7 +45,8 @@ from memrl.config import Config, RolloutConfig  # noqa: E402
 from memrl.engines.base import GenerationRequest, GenerationResult  # noqa: E402
 from memrl.engines.hf import HFEngine, resolve_device_dtype  # noqa: E402
 from memrl.memagent.chunking import tokenize_document  # noqa: E402
-from memrl.memagent.rollout import RolloutContext, document_chunks, generate_rollout  # noqa: E402
+from memrl.memagent.rollout import document_chunks, generate_rollout  # noqa: E402
+from memrl.rollout import RolloutContext  # noqa: E402
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from memrl.types import RolloutOutput  # noqa: E402
 

@@ -1,14 +1,25 @@
-"""`memrl`: the command line. Each command is a thin wrapper over a library function."""
+"""`memrl`: the command line. Each command is a thin wrapper over a library function.
+
+Every command is defined here (library modules hold no typer code), and this module imports nothing
+heavy: each command imports its library when it runs, so `memrl --help` starts fast.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 import click
 import typer
 from typer.core import TyperGroup
+
+# Defaults shown by `prepare-data --help`; these data modules are light (no torch, transformers or numpy).
+from memrl.data.hotpotqa import HOTPOTQA_REVISION
+from memrl.data.prepare import DEFAULT_SEED
+from memrl.data.ruler_hqa import RULER_LENGTHS, RULER_REPO, RULER_REVISION
 
 # Errors a user fixes by changing an argument, a file or a setting (each message says what): every
 # command prints them as one line and exits 2, as click does for a bad option. Any other exception is
@@ -18,9 +29,9 @@ EXPECTED_ERRORS = (
     "memrl.config:ConfigError", "memrl.data.records:DataError", "memrl.data.records:MissingDependencyError",
     "memrl.data.manifest:ManifestError", "memrl.data.hotpotqa:SelectionError",
     "memrl.data.ruler_hqa:RulerBuildError", "memrl.data.synthetic:SyntheticTaskError",
-    "memrl.train.checkpoint:CheckpointError", "memrl.train.controller:TrainingError", "memrl.train.sft:SFTError",
+    "memrl.train.checkpoint:CheckpointError", "memrl.train.setup:TrainingError", "memrl.train.sft:SFTError",
     "memrl.train.report:ReportError", "memrl.train.actor:ActorError", "memrl.train.partition:PartitionError",
-    "memrl.eval.runner:EvalError", "memrl.eval.compare:CompareError", "memrl.engines.base:EngineError",
+    "memrl.eval.results:EvalError", "memrl.eval.compare:CompareError", "memrl.engines.base:EngineError",
     "memrl.memagent.prompts:PromptError", "memrl.distributed.workers:WorkerError", "memrl.tiny:TinyModelError",
     "memrl.demo:DemoError",
 )
@@ -63,11 +74,13 @@ SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a c
 def demo(
     run_root: Annotated[Path, typer.Option(help="Output folder (new or empty).")] = Path("runs/demo"),
     quick: Annotated[bool, typer.Option(help="A smaller run (~4 min) instead of the full one.")] = False,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")] = None,
 ) -> None:
     """The CPU demo: warm start, held-out eval, GRPO through the MemAgent loop, eval, compare, plots."""
     from memrl.demo import demo_command
 
-    raise typer.Exit(demo_command(run_root, quick))
+    raise typer.Exit(demo_command(run_root, quick, list(set_ or [])))
 
 
 @app.command()
@@ -227,15 +240,178 @@ def config_cmd(
     typer.echo(cfg.to_yaml() if yaml_ else describe_config(cfg), nl=False)
 
 
-def _register_optional() -> None:
-    from memrl.data.prepare import register as register_prepare
-    from memrl.eval.runner import register as register_eval
+# ------------------------------------------------------------------------------------------ eval, compare
 
-    register_prepare(app)
-    register_eval(app)
+@app.command("eval")
+def eval_cmd(
+    data: Annotated[Path, typer.Option(help="Prepared JSONL or RULER-HQA eval_N.json.")],
+    out: Annotated[Path, typer.Option(help="Results folder (results.jsonl, summary.json); reruns resume.")],
+    model: Annotated[str | None, typer.Option(help="Model folder, run by the local engine.")] = None,
+    server_url: Annotated[str | None, typer.Option(help="OpenAI-compatible server (vLLM, SGLang, memrl serve).")] = None,
+    recipe: Annotated[Path | None, typer.Option(help="Evaluation recipe, e.g. recipes/ruler-hqa-eval.yaml.")] = None,
+    set_: SetOption = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N questions.")] = None,
+    concurrency: Annotated[int | None, typer.Option(min=1, help="Questions in flight at once.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (required with --server-url).")] = None,
+    retry_failed: Annotated[bool, typer.Option(help="Run failed questions of an earlier run again.")] = False,
+    progress: Annotated[bool, typer.Option(help="Progress bar with the running score.")] = True,
+) -> None:
+    """Evaluate a model with the multi-turn memory loop: one JSONL line per question + summary.json."""
+    from memrl.eval.results import RESULTS_FILE
+    from memrl.eval.runner import eval_command, format_summary
+
+    try:
+        summary = eval_command(model, server_url, recipe, data, out, set_, limit, concurrency, tokenizer,
+                               progress, retry_failed=retry_failed)
+    except KeyboardInterrupt:
+        typer.secho(f"interrupted: finished questions are saved in {out}; rerun the same command to finish", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(format_summary(summary))
+    if summary["failed"]:
+        typer.secho(f"{summary['failed']} questions failed (see 'error' in {out / RESULTS_FILE}); "
+                    f"rerun with --retry-failed", fg=typer.colors.YELLOW, err=True)
 
 
-_register_optional()
+@app.command("compare")
+def compare_cmd(
+    result_dirs: Annotated[list[Path], typer.Argument(help="Result folders of `memrl eval`.")],
+    name: Annotated[list[str] | None, typer.Option(help="Name of each folder, in order (default: folder names).")] = None,
+    max_abs_diff: Annotated[list[str] | None, typer.Option(help="METRIC=POINTS, e.g. sub_em=3: fail (exit 1) when "
+                                                          "abs(a - b) exceeds it for a pair.")] = None,
+    pair: Annotated[list[str] | None, typer.Option(help="NAME_A,NAME_B: a pair the thresholds apply to "
+                                                   "(default: every pair).")] = None,
+    allow_diff: Annotated[list[str] | None, typer.Option(help="A format key allowed to differ (named in the report).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for report.md, comparison.png, comparison.json "
+                                                  "(default: <common parent>/comparison).")] = None,
+) -> None:
+    """Compare evaluation results: refuses incomparable sets, prints tables and flips, checks thresholds."""
+    from memrl.eval.compare import compare_results, default_report_dir, parse_pairs, parse_thresholds
+
+    result = compare_results(result_dirs, name, parse_thresholds(max_abs_diff or []), parse_pairs(pair or []),
+                             allow_diff)
+    typer.echo(result.to_text(max_ids=10))
+    for path in result.write(out or default_report_dir(result_dirs)):
+        typer.echo(f"wrote {path}")
+    if not result.passed:
+        failed = [f"{c.metric} {c.a},{c.b}: {c.diff:.2f} > {c.limit:g} pp" for c in result.checks if not c.passed]
+        typer.secho("threshold failed: " + "; ".join(failed), fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+
+
+# ------------------------------------------------------------------------------------------ prepare-data
+
+prepare_data = typer.Typer(help="Download or convert data into a prepared folder with a SHA-256 manifest.",
+                           no_args_is_help=True)
+app.add_typer(prepare_data, name="prepare-data")
+
+OutOption = typer.Option(..., "--out", envvar="DATA_DIR", help="Output data folder (default: $DATA_DIR).")
+_MULTI = {"allow_extra_args": True}
+
+
+class RulerLayout(StrEnum):
+    """`--layout` of build-ruler (memrl.data.ruler_hqa.RULER_LAYOUTS); an Enum, so every typer lists it."""
+
+    memrl = "memrl"
+    official = "official"
+
+
+def _int_list(values: list[str] | None, extra: list[str], name: str, default: Sequence[int]) -> list[int]:
+    """`--lengths 50 200 800`, `--lengths 50,200` or repeated `--lengths`: click sees the trailing
+    numbers as extra arguments, so they are collected here."""
+    if not values:
+        if extra:
+            raise typer.BadParameter(f"unexpected arguments {' '.join(extra)}", param_hint=name)
+        return list(default)
+    items = [p for v in [*values, *extra] for p in v.replace(",", " ").split()]
+    try:
+        numbers = [int(p) for p in items]
+    except ValueError:
+        raise typer.BadParameter(f"expected whole numbers, got {' '.join(items)}", param_hint=name) from None
+    if any(n <= 0 for n in numbers):
+        raise typer.BadParameter("must be positive", param_hint=name)
+    return list(dict.fromkeys(numbers))
+
+
+def _wrote(paths: dict[str, Path]) -> None:
+    for path in paths.values():
+        typer.echo(f"wrote {path}")
+
+
+@prepare_data.command("synthetic")
+def prepare_synthetic_cmd(
+    out: Path = typer.Option(Path("data/synthetic"), help="Folder to write."),
+    num_train: int = typer.Option(2000, help="Training questions."),
+    num_heldout: int = typer.Option(200, help="Held-out questions (disjoint stream)."),
+    max_chunks: int = typer.Option(3, help="Documents have 1..max_chunks chunks."),
+    facts_per_chunk: int = typer.Option(3, help="Facts per chunk (chunk_tokens = 7 x this)."),
+    seed: int = typer.Option(0, help="Seed of both streams."),
+) -> None:
+    """Synthetic memory task (the CPU demo's data): facts scattered among distractors."""
+    from memrl.data.synthetic import prepare_synthetic
+
+    paths = prepare_synthetic(out, num_train=num_train, num_heldout=num_heldout, max_chunks=max_chunks,
+                              facts_per_chunk=facts_per_chunk, seed=seed)
+    for p in paths.values():
+        typer.echo(str(p))
+
+
+@prepare_data.command("hotpotqa")
+def prepare_hotpotqa_cmd(
+    out: Path = OutOption,
+    from_file: Path | None = typer.Option(None, help="Local official HotpotQA JSON instead of the hub."),
+    split: str = typer.Option("train", help="Hub split (ignored with --from-file)."),
+    num_train: int = typer.Option(1000, min=0, help="Training questions (frozen order)."),
+    num_heldout: int = typer.Option(500, min=0, help="Held-out questions, disjoint from training."),
+    seed: int = typer.Option(DEFAULT_SEED, help="Base seed of id choice and per-question shuffles."),
+    pass_counts: Path | None = typer.Option(None, help="JSON {id: passes} of a Pass@k run over candidates."),
+    pass_k: int = typer.Option(8, help="k of the Pass@k run (keeps 0 < passes < k)."),
+    revision: str = typer.Option(HOTPOTQA_REVISION, help="Hub revision of hotpotqa/hotpot_qa."),
+    cache_dir: str | None = typer.Option(None, help="Hub cache folder."),
+) -> None:
+    """HotpotQA distractor → training and held-out questions, id lists, manifest."""
+    from memrl.data.prepare import hotpotqa_command
+
+    _wrote(hotpotqa_command(out, from_file=from_file, split=split, num_train=num_train, num_heldout=num_heldout,
+                            seed=seed, pass_counts=pass_counts, pass_k=pass_k, revision=revision, cache_dir=cache_dir))
+
+
+@prepare_data.command("ruler-hqa", context_settings=_MULTI)
+def prepare_ruler_hqa_cmd(
+    ctx: typer.Context,
+    out: Path = OutOption,
+    from_dir: Path | None = typer.Option(None, help="Local folder with eval_{N}.json instead of the hub."),
+    lengths: list[str] | None = typer.Option(None, help="Document counts, e.g. --lengths 50 200 800."),
+    pool: Path | None = typer.Option(None, help="JSON list of documents for index-list contexts."),
+    revision: str = typer.Option(RULER_REVISION, help=f"Hub revision of {RULER_REPO}."),
+    cache_dir: str | None = typer.Option(None, help="Hub cache folder."),
+) -> None:
+    """RULER-HQA eval_{N}.json (hub or local) → OUT/ruler_hqa/, validated, with a manifest."""
+    from memrl.data.prepare import ruler_hqa_command
+
+    ns = _int_list(lengths, ctx.args, "--lengths", RULER_LENGTHS)
+    _wrote(ruler_hqa_command(out, ns, from_dir=from_dir, pool=pool, revision=revision, cache_dir=cache_dir))
+
+
+@prepare_data.command("build-ruler", context_settings=_MULTI)
+def prepare_build_ruler_cmd(
+    ctx: typer.Context,
+    from_file: Path = typer.Option(..., help="Official HotpotQA JSON used as the question and paragraph pool."),
+    out: Path = OutOption,
+    num_docs: list[str] | None = typer.Option(None, help="Documents per question, e.g. --num-docs 50 200."),
+    seed: int = typer.Option(DEFAULT_SEED, help="Base seed of the per-question draws and shuffles."),
+    limit: int | None = typer.Option(None, min=1, help="Build only for the first N questions (all stay in the pool)."),
+    layout: RulerLayout = typer.Option(
+        RulerLayout.memrl,
+        help="`memrl`: per-question shuffles, paragraphs distinct by title. `official`: the official MemAgent "
+             "builder's layout: one fixed random.Random(4) shuffle for every question (own paragraphs at the "
+             "same slots), paragraphs distinct by text.",
+    ),
+) -> None:
+    """RULER-style sets of N documents per question from a local HotpotQA pool → OUT/ruler_built/."""
+    from memrl.data.prepare import build_ruler_command
+
+    ns = _int_list(num_docs, ctx.args, "--num-docs", RULER_LENGTHS)
+    _wrote(build_ruler_command(from_file, out, ns, seed=seed, limit=limit, layout=layout.value))
 
 
 def main() -> None:

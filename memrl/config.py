@@ -212,8 +212,9 @@ class TrainConfig(Section):
 
 
 class QueueConfig(Section):
-    train_sample_expansion_factor: int = Field(
-        8, gt=0, description="Most rows one trajectory may expand to; sizes the queue's reserved capacity."
+    train_sample_expansion_factor: int | None = Field(
+        None, gt=0, description="Most rows one trajectory may expand to; sizes the queue's reserved capacity. "
+        "Unset: the task's own bound (MemAgent: rollout.max_chunks + 1; a 1:1 task: 1)."
     )
     train_data_group_size: int = Field(1, gt=0, description="Rows are handed to training in groups of this size.")
     timeout_s: float = Field(1800.0, gt=0, description="Longest any wait on the queue may take.")
@@ -222,7 +223,6 @@ class QueueConfig(Section):
 class EvalConfig(Section):
     limit: int | None = Field(None, gt=0, description="Evaluate only the first N questions.")
     concurrency: int = Field(64, gt=0, description="Questions evaluated at once.")
-    lengths: list[int] = Field(default_factory=lambda: [50, 200, 800], description="RULER-HQA document counts.")
 
 
 class RayConfig(Section):
@@ -281,27 +281,14 @@ class Config(Section):
     plugins: PluginConfig = Field(default_factory=PluginConfig)
 
     @model_validator(mode="after")
-    def _expansion_covers_turns(self) -> Config:
-        # A MemAgent trajectory has up to max_chunks memory turns + 1 final turn.
-        needed = self.rollout.max_chunks + 1
-        if self.plugins.convert_function.startswith("memrl.memagent") and self.queue.train_sample_expansion_factor < needed:
-            raise ValueError(
-                f"queue.train_sample_expansion_factor = {self.queue.train_sample_expansion_factor} is below "
-                f"rollout.max_chunks + 1 = {needed}, the most rows one MemAgent trajectory expands to; "
-                f"set it to at least {needed}"
-            )
-        return self
+    def _task_accepts_the_config(self) -> Config:
+        # The task validates its own settings (e.g. MemAgent: the queue holds max_chunks + 1 rows per
+        # trajectory): its generate function's module may define `validate_config` (memrl/rollout.py).
+        from memrl.rollout import task_hook
 
-    @model_validator(mode="after")
-    def _row_groups_fit_every_rollout(self) -> Config:
-        # A MemAgent prompt group is n_samples trajectories of equal turn count, so a rollout's row count
-        # is n_samples x (sum of turns): a multiple of the group size for any data only if it divides n_samples.
-        size, n = self.queue.train_data_group_size, self.rollout.n_samples
-        if self.plugins.convert_function.startswith("memrl.memagent") and n % size:
-            raise ValueError(
-                f"queue.train_data_group_size = {size} does not divide rollout.n_samples = {n}; a rollout's row "
-                f"count (n_samples x turns) would then not split into groups of {size}; use a divisor of {n}"
-            )
+        check = task_hook(self.plugins.generate_function, "validate_config")
+        if check is not None:
+            check(self)
         return self
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ import copy
 import json
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,6 @@ def demo_config(settings: DemoSettings) -> Config:
 
     overrides = [f"rollout.chunk_tokens={FACT_TOKENS * settings.facts_per_chunk}",
                  f"rollout.max_chunks={settings.max_chunks}",
-                 f"queue.train_sample_expansion_factor={settings.max_chunks + 1}",
                  f"rollout.n_samples={settings.n_samples}", f"train.num_rollout={settings.num_rollout}",
                  f"train.rollout_batch_size={settings.rollout_batch_size}", f"train.lr={settings.grpo_lr}",
                  f"train.seed={settings.seed + 1234}", *settings.overrides]
@@ -252,8 +252,10 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
     return "\n".join(lines)
 
 
-def demo_command(run_root: Path, quick: bool = False) -> int:
-    """`memrl demo [--run-root DIR] [--quick]`: 0 when both targets are met, 1 when not, 2 on an error."""
+def demo_command(run_root: Path, quick: bool = False, overrides: Sequence[str] = ()) -> int:
+    """`memrl demo [--run-root DIR] [--quick] [--set section.key=value ...]`: 0 when both targets are met,
+    1 when not; an error is a `DemoError` (or a `ConfigError` for a bad override), exit 2 in memrl.cli.
+    `overrides` apply to the GRPO training recipe (recipes/toy.yaml), after the demo's own sizes."""
     import logging
     import os
 
@@ -263,10 +265,8 @@ def demo_command(run_root: Path, quick: bool = False) -> int:
         # threads spin-wait for cores and slow every step (measured in bench/README.md). The timings in
         # docs/demo.md were taken this way.
         torch.set_num_threads(1)
-    try:
-        summary = run_demo(Path(run_root), QUICK if quick else FULL)
-    except DemoError as e:
-        print(f"error: {e}")
-        return 2
+    settings = replace(QUICK if quick else FULL, overrides=tuple(overrides))
+    demo_config(settings)  # a bad override fails here, before minutes of warm start
+    summary = run_demo(Path(run_root), settings)
     print(format_summary(summary, Path(run_root)))
     return 0 if all(t["met"] for t in summary["targets"].values()) else 1

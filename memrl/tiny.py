@@ -87,12 +87,6 @@ def build_tiny_tokenizer(words: list[str] | None = None, vocab_size: int = 512) 
     return fast
 
 
-def save_tiny_tokenizer(out: str | Path, **kwargs) -> PreTrainedTokenizerFast:
-    tok = build_tiny_tokenizer(**kwargs)
-    tok.save_pretrained(str(out))
-    return tok
-
-
 def build_tiny_model(
     vocab_size: int,
     *,

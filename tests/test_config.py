@@ -27,7 +27,7 @@ def test_eval_recipe_has_the_seed_values():
     r = cfg.rollout
     assert (r.chunk_tokens, r.memory_tokens, r.final_tokens, r.max_chunks) == (2048, 1024, 256, 64)
     assert (r.temperature, r.top_p, r.seed, r.enable_thinking) == (1.0, 1.0, 4242, False)
-    assert cfg.eval.lengths == [50, 200, 800]
+    assert cfg.eval.concurrency == 64
 
 
 def test_override_sets_nested_values_with_yaml_types():
@@ -167,7 +167,7 @@ BOOL_FIELDS = _fields_accepting(bool)
 
 def test_every_kind_of_field_is_found():
     assert ("train.lr", None) in FLOAT_FIELDS and ("train.adam_betas", 2) in FLOAT_FIELDS
-    assert ("rollout.n_samples", None) in INT_FIELDS and ("eval.lengths", 1) in INT_FIELDS
+    assert ("rollout.n_samples", None) in INT_FIELDS and ("eval.limit", None) in INT_FIELDS
     assert ("train.pad_to_dp", None) in BOOL_FIELDS
 
 

@@ -13,11 +13,12 @@ only a positive reward gain is required here; the +0.15 target is the full run's
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from memrl.demo import QUICK, demo_command, format_summary, run_demo
+from memrl.demo import QUICK, format_summary, run_demo
 
 
 @pytest.mark.slow
@@ -40,7 +41,20 @@ def test_quick_demo_trains_the_memory(tmp_path):
     assert saved["em_gain_pp"] == summary["em_gain_pp"]
 
 
-def test_demo_refuses_a_used_run_root(tmp_path, capsys):
+def test_demo_refuses_a_used_run_root_and_a_bad_override_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from memrl.cli import app
+
     (tmp_path / "old.txt").write_text("x")
-    assert demo_command(tmp_path, quick=True) == 2
-    assert "not empty" in capsys.readouterr().out
+    result = CliRunner().invoke(app, ["demo", "--quick", "--run-root", str(tmp_path)])
+    assert result.exit_code == 2 and "not empty" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["demo", "--run-root", str(tmp_path / "new"), "--set", "train.lr=-1"])
+    assert result.exit_code == 2 and "train.lr" in result.output and not (tmp_path / "new").exists()
+
+
+def test_demo_overrides_reach_its_training_recipe():
+    from memrl.demo import FULL, demo_config
+
+    cfg = demo_config(replace(FULL, overrides=("train.num_rollout=3", "algorithm.std_ddof=1")))
+    assert cfg.train.num_rollout == 3 and cfg.algorithm.std_ddof == 1

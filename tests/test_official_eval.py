@@ -19,7 +19,8 @@ from scripted_engine import ScriptedEngine
 from memrl.config import load_config
 from memrl.data.hotpotqa import format_documents, paragraph_document
 from memrl.data.records import QuestionRecord
-from memrl.eval.runner import evaluate, read_results
+from memrl.eval.results import read_results
+from memrl.eval.runner import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "memagent-official-eval.yaml"
@@ -178,7 +179,7 @@ def test_without_strip_inputs_the_prompts_differ(qwen3_tokenizer, official_recor
 
 def test_eval_format_records_the_extractor_and_stripping(tiny_tokenizer):
     from memrl.config import Config
-    from memrl.eval.runner import eval_format
+    from memrl.eval.results import eval_format
 
     default = eval_format(Config(), tiny_tokenizer, [0])
     # Unchanged for default runs, so evaluations recorded before these options still resume and compare.

@@ -15,12 +15,10 @@ it is drawn first, by seed, from all ids.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import typer
 from tqdm import tqdm
 
 from memrl.data.hotpotqa import (
@@ -44,7 +42,6 @@ from memrl.data.manifest import (
 )
 from memrl.data.records import write_jsonl
 from memrl.data.ruler_hqa import (
-    RULER_LENGTHS,
     RULER_REPO,
     RULER_REVISION,
     build_ruler_set,
@@ -58,13 +55,6 @@ DEFAULT_SEED = 42
 TRAIN_FILE, HELDOUT_FILE = "hotpotqa_train.jsonl", "hotpotqa_heldout.jsonl"
 TRAIN_IDS, HELDOUT_IDS, PASS_COUNTS_FILE = "train_ids.txt", "heldout_ids.txt", "train_pass_counts.json"
 RULER_DIR, BUILT_RULER_DIR = "ruler_hqa", "ruler_built"
-
-
-class RulerLayout(StrEnum):
-    """`--layout` of build-ruler (memrl.data.ruler_hqa.RULER_LAYOUTS); an Enum, so every typer lists it."""
-
-    memrl = "memrl"
-    official = "official"
 
 
 def _created_by(command: str) -> str:
@@ -151,108 +141,45 @@ def build_ruler_files(examples: Sequence[HotpotExample], out: str | Path, num_do
     return {name: folder / name for name in written}
 
 
-# ---------------------------------------------------------------------------------------------- CLI
+# ---------------------------------------------------------------------------------------------- commands
+# `memrl prepare-data ...` (memrl.cli): load the sources, record where they came from, write the folder.
 
-OutOption = typer.Option(..., "--out", envvar="DATA_DIR", help="Output data folder (default: $DATA_DIR).")
-_MULTI = {"allow_extra_args": True}
-
-
-def _int_list(values: list[str] | None, extra: list[str], name: str, default: Sequence[int]) -> list[int]:
-    """`--lengths 50 200 800`, `--lengths 50,200` or repeated `--lengths`: click sees the trailing
-    numbers as extra arguments, so they are collected here."""
-    if not values:
-        if extra:
-            raise typer.BadParameter(f"unexpected arguments {' '.join(extra)}", param_hint=name)
-        return list(default)
-    items = [p for v in [*values, *extra] for p in v.replace(",", " ").split()]
-    try:
-        numbers = [int(p) for p in items]
-    except ValueError:
-        raise typer.BadParameter(f"expected whole numbers, got {' '.join(items)}", param_hint=name) from None
-    if any(n <= 0 for n in numbers):
-        raise typer.BadParameter("must be positive", param_hint=name)
-    return list(dict.fromkeys(numbers))
-
-
-def _report(paths: dict[str, Path]) -> None:
-    for path in paths.values():
-        typer.echo(f"wrote {path}")
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `prepare-data` command group (hotpotqa, ruler-hqa, build-ruler) to `app`."""
-    group = typer.Typer(help="Download or convert data into a prepared folder with a SHA-256 manifest.",
-                        no_args_is_help=True)
-    app.add_typer(group, name="prepare-data")
-    from memrl.data.synthetic import register_synthetic
-
-    register_synthetic(group)
-
-    @group.command("hotpotqa")
-    def hotpotqa_cmd(
-        out: Path = OutOption,
-        from_file: Path | None = typer.Option(None, help="Local official HotpotQA JSON instead of the hub."),
-        split: str = typer.Option("train", help="Hub split (ignored with --from-file)."),
-        num_train: int = typer.Option(1000, min=0, help="Training questions (frozen order)."),
-        num_heldout: int = typer.Option(500, min=0, help="Held-out questions, disjoint from training."),
-        seed: int = typer.Option(DEFAULT_SEED, help="Base seed of id choice and per-question shuffles."),
-        pass_counts: Path | None = typer.Option(None, help="JSON {id: passes} of a Pass@k run over candidates."),
-        pass_k: int = typer.Option(8, help="k of the Pass@k run (keeps 0 < passes < k)."),
-        revision: str = typer.Option(HOTPOTQA_REVISION, help="Hub revision of hotpotqa/hotpot_qa."),
-        cache_dir: str | None = typer.Option(None, help="Hub cache folder."),
-    ) -> None:
-        """HotpotQA distractor → training and held-out questions, id lists, manifest."""
-        if from_file is not None:
-            examples = load_hotpotqa_file(from_file)
-            source = {"file": str(from_file), "sha256": sha256_file(from_file)}
-        else:
-            examples = load_hotpotqa_hub(split, revision, cache_dir)
-            source = {"hub": HOTPOTQA_REPO, "config": "distractor", "revision": revision, "split": split}
-        counts = None
-        if pass_counts is not None:
-            counts, _ = read_pass_counts(pass_counts, pass_k)
-            source["pass_counts_sha256"] = sha256_file(pass_counts)
-        args = {"source": source, "num_train": num_train, "num_heldout": num_heldout, "seed": seed,
-                "pass_counts": str(pass_counts) if pass_counts else None, "pass_k": pass_k}
-        _report(prepare_hotpotqa(examples, out, num_train=num_train, num_heldout=num_heldout, seed=seed,
-                     pass_counts=counts, pass_k=pass_k, args=args))
-
-    @group.command("ruler-hqa", context_settings=_MULTI)
-    def ruler_hqa_cmd(
-        ctx: typer.Context,
-        out: Path = OutOption,
-        from_dir: Path | None = typer.Option(None, help="Local folder with eval_{N}.json instead of the hub."),
-        lengths: list[str] | None = typer.Option(None, help="Document counts, e.g. --lengths 50 200 800."),
-        pool: Path | None = typer.Option(None, help="JSON list of documents for index-list contexts."),
-        revision: str = typer.Option(RULER_REVISION, help=f"Hub revision of {RULER_REPO}."),
-        cache_dir: str | None = typer.Option(None, help="Hub cache folder."),
-    ) -> None:
-        """RULER-HQA eval_{N}.json (hub or local) → OUT/ruler_hqa/, validated, with a manifest."""
-        ns = _int_list(lengths, ctx.args, "--lengths", RULER_LENGTHS)
-        args = {"source": str(from_dir) if from_dir else {"hub": RULER_REPO, "revision": revision},
-                "lengths": ns, "pool": str(pool) if pool else None}
-        _report(prepare_ruler_hqa(out, ns, from_dir=from_dir, pool=pool, revision=revision,
-                     cache_dir=cache_dir, args=args))
-
-    @group.command("build-ruler", context_settings=_MULTI)
-    def build_ruler_cmd(
-        ctx: typer.Context,
-        from_file: Path = typer.Option(..., help="Official HotpotQA JSON used as the question and paragraph pool."),
-        out: Path = OutOption,
-        num_docs: list[str] | None = typer.Option(None, help="Documents per question, e.g. --num-docs 50 200."),
-        seed: int = typer.Option(DEFAULT_SEED, help="Base seed of the per-question draws and shuffles."),
-        limit: int | None = typer.Option(None, min=1, help="Build only for the first N questions (all stay in the pool)."),
-        layout: RulerLayout = typer.Option(
-            RulerLayout.memrl,
-            help="`memrl`: per-question shuffles, paragraphs distinct by title. `official`: the official MemAgent "
-                 "builder's layout: one fixed random.Random(4) shuffle for every question (own paragraphs at the "
-                 "same slots), paragraphs distinct by text.",
-        ),
-    ) -> None:
-        """RULER-style sets of N documents per question from a local HotpotQA pool → OUT/ruler_built/."""
-        ns = _int_list(num_docs, ctx.args, "--num-docs", RULER_LENGTHS)
+def hotpotqa_command(out: str | Path, *, from_file: str | Path | None = None, split: str = "train",
+                     num_train: int = 1000, num_heldout: int = 500, seed: int = DEFAULT_SEED,
+                     pass_counts: str | Path | None = None, pass_k: int = 8, revision: str = HOTPOTQA_REVISION,
+                     cache_dir: str | None = None) -> dict[str, Path]:
+    """`prepare-data hotpotqa`: HotpotQA distractor (a local official JSON, else the hub) through
+    `prepare_hotpotqa`; the manifest records the source (its SHA-256 or hub revision) and the arguments."""
+    if from_file is not None:
         examples = load_hotpotqa_file(from_file)
-        args = {"source": {"file": str(from_file), "sha256": sha256_file(from_file)}, "num_docs": ns,
-                "seed": seed, "limit": limit}
-        _report(build_ruler_files(examples, out, ns, seed=seed, limit=limit, layout=layout.value,
-                     args=args))
+        source: dict[str, Any] = {"file": str(from_file), "sha256": sha256_file(from_file)}
+    else:
+        examples = load_hotpotqa_hub(split, revision, cache_dir)
+        source = {"hub": HOTPOTQA_REPO, "config": "distractor", "revision": revision, "split": split}
+    counts = None
+    if pass_counts is not None:
+        counts, _ = read_pass_counts(pass_counts, pass_k)
+        source["pass_counts_sha256"] = sha256_file(pass_counts)
+    args = {"source": source, "num_train": num_train, "num_heldout": num_heldout, "seed": seed,
+            "pass_counts": str(pass_counts) if pass_counts else None, "pass_k": pass_k}
+    return prepare_hotpotqa(examples, out, num_train=num_train, num_heldout=num_heldout, seed=seed,
+                            pass_counts=counts, pass_k=pass_k, args=args)
+
+
+def ruler_hqa_command(out: str | Path, lengths: Sequence[int], *, from_dir: str | Path | None = None,
+                      pool: str | Path | None = None, revision: str = RULER_REVISION,
+                      cache_dir: str | None = None) -> dict[str, Path]:
+    """`prepare-data ruler-hqa`: `prepare_ruler_hqa`, the source and arguments recorded in the manifest."""
+    args = {"source": str(from_dir) if from_dir else {"hub": RULER_REPO, "revision": revision},
+            "lengths": list(lengths), "pool": str(pool) if pool else None}
+    return prepare_ruler_hqa(out, lengths, from_dir=from_dir, pool=pool, revision=revision, cache_dir=cache_dir,
+                             args=args)
+
+
+def build_ruler_command(from_file: str | Path, out: str | Path, num_docs: Sequence[int], *, seed: int = DEFAULT_SEED,
+                        limit: int | None = None, layout: str = "memrl") -> dict[str, Path]:
+    """`prepare-data build-ruler`: `build_ruler_files` over a local HotpotQA pool, its SHA-256 recorded."""
+    examples = load_hotpotqa_file(from_file)
+    args = {"source": {"file": str(from_file), "sha256": sha256_file(from_file)}, "num_docs": list(num_docs),
+            "seed": seed, "limit": limit}
+    return build_ruler_files(examples, out, num_docs, seed=seed, limit=limit, layout=layout, args=args)

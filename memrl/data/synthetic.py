@@ -242,23 +242,3 @@ def prepare_synthetic(out: str | Path, *, num_train: int = 2000, num_heldout: in
                     "chunk_tokens": spec.chunk_tokens})
     return paths
 
-
-def register_synthetic(prepare_app: Any) -> None:
-    """Add `synthetic` to the `memrl prepare-data` command group (a typer.Typer)."""
-    import typer
-
-    @prepare_app.command("synthetic")
-    def synthetic_cmd(
-        out: Path = typer.Option(Path("data/synthetic"), help="Folder to write."),
-        num_train: int = typer.Option(2000, help="Training questions."),
-        num_heldout: int = typer.Option(200, help="Held-out questions (disjoint stream)."),
-        max_chunks: int = typer.Option(3, help="Documents have 1..max_chunks chunks."),
-        facts_per_chunk: int = typer.Option(3, help="Facts per chunk (chunk_tokens = 7 x this)."),
-        seed: int = typer.Option(0, help="Seed of both streams."),
-    ) -> None:
-        """Synthetic memory task (the CPU demo's data): facts scattered among distractors."""
-        # A SyntheticTaskError becomes one line, exit 2, in memrl.cli's handler for expected errors.
-        paths = prepare_synthetic(out, num_train=num_train, num_heldout=num_heldout, max_chunks=max_chunks,
-                                  facts_per_chunk=facts_per_chunk, seed=seed)
-        for p in paths.values():
-            typer.echo(str(p))

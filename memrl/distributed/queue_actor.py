@@ -32,10 +32,11 @@ class RemoteQueue:
     """The driver's view of the queue actor: put, fail, finish, announce, get_rollout, get_group, stats,
     close, each a blocking call bounded by a timeout."""
 
-    def __init__(self, queue_cfg: QueueConfig, rollout_batch_size: int, n_samples: int, call_timeout_s: float) -> None:
+    def __init__(self, queue_cfg: QueueConfig, rollout_batch_size: int, n_samples: int, rows_per_trajectory: int,
+                 call_timeout_s: float) -> None:
         import ray
 
-        local = TransferQueue.from_config(queue_cfg, rollout_batch_size, n_samples)  # validates the numbers
+        local = TransferQueue.from_config(queue_cfg, rollout_batch_size, n_samples, rows_per_trajectory)  # validates
         self.timeout_s = queue_cfg.timeout_s
         self.call_timeout_s = call_timeout_s
         self.actor = ray.remote(QueueActor).options(num_cpus=0, max_concurrency=16).remote(

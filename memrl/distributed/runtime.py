@@ -39,6 +39,7 @@ from memrl.distributed.workers import (
     wait_named,
 )
 from memrl.engines.base import WeightsInMemory, WeightsOnDisk, WeightSource
+from memrl.rollout import rows_per_trajectory
 from memrl.train.actor import plan_rollout
 from memrl.train.checkpoint import read_state, resolve_checkpoint
 from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
@@ -222,7 +223,8 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
     load = resolve_checkpoint(options.load) if options.load is not None else None
     plugins = Plugins.from_config(cfg)
     warn_about_top_p(cfg)
-    queue = RemoteQueue(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples, cfg.ray.sync_timeout_s)
+    queue = RemoteQueue(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples, rows_per_trajectory(cfg),
+                        cfg.ray.sync_timeout_s)
     handles.append(queue.actor)
     model_ref = ray.put(model) if model is not None else None
     trainer_opts, rollout_opts = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)

@@ -248,7 +248,7 @@ class RolloutWorker:
 
     def generate(self, rollout_id: int, records: list[Any], slot_offset: int = 0) -> RolloutOutput:
         """Trajectories (with rewards) of `records`, the slice of the step's batch starting at `slot_offset`."""
-        from memrl.memagent.rollout import RolloutContext
+        from memrl.rollout import RolloutContext
 
         ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
                              reward_function=self.reward_fn, progress=False)

@@ -19,12 +19,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from memrl.data.manifest import atomic_write_json, atomic_write_text
-from memrl.eval.runner import METRICS, RESULTS_FILE, SUMMARY_FILE, EvalError, read_results, summarize_lines
+from memrl.eval.results import METRICS, RESULTS_FILE, SUMMARY_FILE, EvalError, read_results, summarize_lines
 from memrl.eval.stats import mcnemar_p
 
 METRIC_LABELS = {"em": "EM", "sub_em": "sub_EM", "f1": "F1"}
@@ -313,7 +311,12 @@ def compare_results(dirs: list[Path], names: list[str] | None = None, max_abs_di
     return CompareReport(sets, list(pair_results.values()), checks, allowed)
 
 
-# ------------------------------------------------------------------------------------------ command
+def default_report_dir(dirs: list[Path]) -> Path:
+    """Where `memrl compare` writes its report without `--out`: `comparison/` in the folders' common parent."""
+    return Path(os.path.commonpath([str(Path(d).resolve()) for d in dirs])) / "comparison"
+
+
+# ------------------------------------------------------------------------------------------ command-line values
 
 def parse_thresholds(items: list[str]) -> dict[str, float]:
     """["sub_em=3", "em=2.5"] -> {"sub_em": 3.0, "em": 2.5} (percentage points)."""
@@ -340,27 +343,3 @@ def parse_pairs(items: list[str]) -> list[tuple[str, str]]:
         out.append((parts[0], parts[1]))
     return out
 
-
-def compare_cli(
-    result_dirs: Annotated[list[Path], typer.Argument(help="Result folders of `memrl eval`.")],
-    name: Annotated[list[str] | None, typer.Option(help="Name of each folder, in order (default: folder names).")] = None,
-    max_abs_diff: Annotated[list[str] | None, typer.Option(help="METRIC=POINTS, e.g. sub_em=3: fail (exit 1) when "
-                                                          "abs(a - b) exceeds it for a pair.")] = None,
-    pair: Annotated[list[str] | None, typer.Option(help="NAME_A,NAME_B: a pair the thresholds apply to "
-                                                   "(default: every pair).")] = None,
-    allow_diff: Annotated[list[str] | None, typer.Option(help="A format key allowed to differ (named in the report).")] = None,
-    out: Annotated[Path | None, typer.Option(help="Folder for report.md, comparison.png, comparison.json "
-                                                  "(default: <common parent>/comparison).")] = None,
-) -> None:
-    """Compare evaluation results: refuses incomparable sets, prints tables and flips, checks thresholds."""
-    # A CompareError reaches the user as one line, exit 2 (memrl.cli's handler for expected errors).
-    report = compare_results(result_dirs, name, parse_thresholds(max_abs_diff or []), parse_pairs(pair or []),
-                             allow_diff)
-    out = out or Path(os.path.commonpath([str(Path(d).resolve()) for d in result_dirs])) / "comparison"
-    typer.echo(report.to_text(max_ids=10))
-    for path in report.write(out):
-        typer.echo(f"wrote {path}")
-    if not report.passed:
-        failed = [f"{c.metric} {c.a},{c.b}: {c.diff:.2f} > {c.limit:g} pp" for c in report.checks if not c.passed]
-        typer.secho("threshold failed: " + "; ".join(failed), fg=typer.colors.RED, err=True)
-        raise typer.Exit(1)

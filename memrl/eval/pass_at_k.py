@@ -20,7 +20,8 @@ from memrl.config import Config
 from memrl.data.manifest import atomic_write_json, sha256_file
 from memrl.data.records import QuestionRecord
 from memrl.memagent.reward import trajectory_reward
-from memrl.memagent.rollout import RolloutContext, generate_group
+from memrl.memagent.rollout import generate_group
+from memrl.rollout import RolloutContext
 
 
 async def count_passes(engine: Any, tokenizer: Any, cfg: Config, records: Sequence[QuestionRecord], k: int,

@@ -1,6 +1,6 @@
 """`memrl eval` (docs/design.md §7): the training memory loop, run once per question, scored, resumable.
 
-Output folder:
+Output folder (its format: memrl.eval.results):
     eval_run.json   identity of the run (model, tokenizer, data SHA-256, format); written first
     results.jsonl   one line per finished question, appended, flushed and fsynced as it finishes
     summary.json    counts and metrics with 95% intervals (written atomically at the end)
@@ -21,125 +21,34 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
 from tqdm.auto import tqdm
 
 from memrl.config import Config, check_model_path, load_pretrained
 from memrl.data.manifest import atomic_write_json, atomic_write_text, sha256_file
 from memrl.data.records import QuestionRecord, check_unique_ids
 from memrl.engines.base import Engine
-from memrl.eval.stats import metric_summary
+from memrl.eval.results import (
+    METRICS,
+    RESULTS_FILE,
+    RUN_FILE,
+    SUMMARY_FILE,
+    EvalError,
+    eval_format,
+    read_results,
+    sample_line,
+    summarize_lines,
+)
 from memrl.memagent.prompts import PromptBuilder
-from memrl.memagent.reward import score_trajectory
 from memrl.memagent.rollout import document_chunks, run_trajectory
-from memrl.scoring import score_answer
 
-RESULTS_FILE = "results.jsonl"
-SUMMARY_FILE = "summary.json"
-RUN_FILE = "eval_run.json"
-METRICS = ("em", "sub_em", "f1")
-SCORER = "memrl.scoring.score_answer (HotpotQA normalization, last \\boxed{})"
-# The scorer named per `rollout.answer_extractor`; `boxed` keeps the name earlier runs recorded, so they resume.
-SCORERS = {"boxed": SCORER,
-           "therefore": "memrl.scoring.score_answer (HotpotQA normalization, line after the last 'the answer is')"}
-
-
-class EvalError(ValueError):
-    """An evaluation that cannot run or resume as asked; the message says what to change."""
-
-
-def _sha256_text(text: Any) -> str:
-    return hashlib.sha256(json.dumps(text, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """SHA-256 of the tokenizer's vocabulary (token -> id): equal for the same tokenizer wherever it is loaded."""
-    return _sha256_text(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]))
-
-
-def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> dict[str, Any]:
-    """The controlled variables two evaluations must share to be comparable (checked by `memrl compare`)."""
-    r = cfg.rollout
-    fmt = {
-        "chunk_tokens": r.chunk_tokens, "memory_tokens": r.memory_tokens, "final_tokens": r.final_tokens,
-        "max_chunks": r.max_chunks, "truncation": r.truncation, "n_samples": 1,
-        "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed, "enable_thinking": r.enable_thinking,
-        "memory_template_sha256": _sha256_text(r.memory_template),
-        "final_template_sha256": _sha256_text(r.final_template),
-        "no_memory_text_sha256": _sha256_text(r.no_memory_text),
-        "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
-        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
-        "stop_token_ids": sorted(int(t) for t in stop_token_ids),
-        "scorer": SCORERS[r.answer_extractor],
-    }
-    # Only when on: stripping changes the prompts, and runs recorded before the option existed must resume.
-    if r.strip_inputs:
-        fmt["strip_inputs"] = True
-    return fmt
-
-
-def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, error: str | None = None) -> dict[str, Any]:
-    """One results.jsonl line. `traj` None (with `error`) = the sample failed before generating."""
-    failed = traj is None or traj.status == "failed"
-    answer = "" if traj is None else traj.answer
-    # The training reward's scorer: a truncated answer (hit final_tokens) scores 0 here too (docs/design.md §2).
-    score = score_trajectory(traj, record.answers) if traj is not None else score_answer("", record.answers)
-    meta = {} if traj is None else traj.metadata
-    chunks = meta.get("chunks", {})
-    return {
-        "id": record.id, "question": record.question, "golds": list(record.answers),
-        "answer": answer, "boxed": None if failed else score.boxed,
-        "em": 0.0 if failed else score.em, "sub_em": 0.0 if failed else score.sub_em,
-        "f1": 0.0 if failed else score.f1,
-        "missing_box": (not failed) and score.missing_box,
-        "status": "failed" if traj is None else traj.status,
-        "error": error if traj is None else traj.error,
-        "num_chunks": chunks.get("num_chunks"), "document_tokens": chunks.get("total_tokens"),
-        "document_truncated": chunks.get("truncated"),
-        "memory_lengths": meta.get("memory_lengths", []), "memory_truncations": meta.get("memory_truncations", 0),
-        "final_tokens": (traj.turns[-1].response_length if traj is not None and traj.turns
-                         and traj.turns[-1].kind == "final" else None),
-        "turns": 0 if traj is None else traj.num_turns,
-        "latency_s": round(latency_s, 4),
-    }
-
-
-# ------------------------------------------------------------------------------------------ results file
-
-def read_results(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
-    """Lines of a results.jsonl. The last line without a newline is torn (a kill mid-write): it is
-    ignored, and with `repair` cut off the file. Any other bad line is an `EvalError`."""
-    if not path.is_file():
-        return []
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1  # everything after the last newline is a torn write
-    if repair and end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
-    lines = []
-    for number, raw in enumerate(data[:end].splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise EvalError(f"{path} line {number} is not valid JSON ({e}); it was not written by memrl eval "
-                            f"or was edited; move the file away to start over") from e
-        if not isinstance(line, dict) or not isinstance(line.get("id"), str):
-            raise EvalError(f"{path} line {number} has no string 'id'; move the file away to start over")
-        lines.append(line)
-    return lines
-
+# ------------------------------------------------------------------------------------------ resume
 
 def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_failed: bool) -> dict[str, dict]:
     """Check that `out_dir` belongs to this run and return its finished lines by id."""
@@ -177,20 +86,7 @@ def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_
     return done
 
 
-# ------------------------------------------------------------------------------------------ summary
-
-def summarize_lines(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Counts and metrics (percent, 95% intervals) over all lines; failed lines count as 0."""
-    failed = [line["id"] for line in lines if line.get("status") == "failed"]
-    return {
-        "total": len(lines), "succeeded": len(lines) - len(failed), "failed": len(failed),
-        "missing_boxes": sum(bool(line.get("missing_box")) for line in lines),
-        "truncated_answers": sum(line.get("status") == "truncated" for line in lines),
-        "metrics": {m: metric_summary([float(line.get(m) or 0.0) for line in lines], binary=m != "f1")
-                    for m in METRICS},
-        "failed_ids": failed,
-    }
-
+# ------------------------------------------------------------------------------------------ summary, progress
 
 def _config_record(cfg: Config) -> dict[str, Any]:
     rollout = cfg.rollout.model_dump(mode="json")
@@ -347,21 +243,13 @@ def open_engine(cfg: Config, model: str | None, server_url: str | None,
     tok = load_pretrained(AutoTokenizer, tokenizer_path, "model" if str(tokenizer_path) == str(model) else "tokenizer",
                           revision=tok_revision)
 
-    engine: Any
-    if server_url is not None:
-        from memrl.engines.openai import OpenAIEngine
+    from memrl.engines.factory import build_engine
 
-        engine = OpenAIEngine(server_url, api_key=cfg.rollout.api_key, max_concurrency=cfg.rollout.max_concurrency,
-                              timeout_s=cfg.rollout.request_timeout_s)
+    if server_url is not None:
+        engine: Any = build_engine(cfg, server_url=server_url)
         info: dict[str, Any] = {"kind": "openai", "url": server_url}
     else:
-        from memrl.engines.hf import HFEngine
-
-        engine = HFEngine.from_pretrained(model, device=cfg.model.device, dtype=cfg.model.dtype,
-                                          tokenizer_path=tokenizer_path, max_batch_size=cfg.rollout.max_batch_size,
-                                          max_batch_tokens=cfg.rollout.max_batch_tokens,
-                                          request_timeout_s=cfg.rollout.request_timeout_s,
-                                          revision=cfg.model.revision if model == cfg.model.path else None)
+        engine = build_engine(cfg, model_path=model, tokenizer_path=tokenizer_path)
         info = {"kind": "hf", "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
 
     return tok, engine, info
@@ -415,36 +303,3 @@ def format_summary(summary: dict[str, Any]) -> str:
                         for m, v in summary["metrics"].items())
     return f"{head}\n{metrics}"
 
-
-def register(app: Any) -> None:
-    """Add `eval` and `compare` to a typer app (called by memrl.cli)."""
-    from memrl.eval.compare import compare_cli
-
-    @app.command("eval")
-    def eval_cmd(
-        data: Annotated[Path, typer.Option(help="Prepared JSONL or RULER-HQA eval_N.json.")],
-        out: Annotated[Path, typer.Option(help="Results folder (results.jsonl, summary.json); reruns resume.")],
-        model: Annotated[str | None, typer.Option(help="Model folder, run by the local engine.")] = None,
-        server_url: Annotated[str | None, typer.Option(help="OpenAI-compatible server (vLLM, SGLang, memrl serve).")] = None,
-        recipe: Annotated[Path | None, typer.Option(help="Evaluation recipe, e.g. recipes/ruler-hqa-eval.yaml.")] = None,
-        set_: Annotated[list[str] | None, typer.Option("--set", help="Override a config value: section.key=value.")] = None,
-        limit: Annotated[int | None, typer.Option(min=1, help="Only the first N questions.")] = None,
-        concurrency: Annotated[int | None, typer.Option(min=1, help="Questions in flight at once.")] = None,
-        tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (required with --server-url).")] = None,
-        retry_failed: Annotated[bool, typer.Option(help="Run failed questions of an earlier run again.")] = False,
-        progress: Annotated[bool, typer.Option(help="Progress bar with the running score.")] = True,
-    ) -> None:
-        """Evaluate a model with the multi-turn memory loop: one JSONL line per question + summary.json."""
-        try:  # expected errors (EvalError, DataError, ...) become one line, exit 2, in memrl.cli
-            summary = eval_command(model, server_url, recipe, data, out, set_, limit, concurrency, tokenizer,
-                                   progress, retry_failed=retry_failed)
-        except KeyboardInterrupt:
-            typer.secho(f"interrupted: finished questions are saved in {out}; rerun the same command to finish",
-                        err=True)
-            raise typer.Exit(130) from None
-        typer.echo(format_summary(summary))
-        if summary["failed"]:
-            typer.secho(f"{summary['failed']} questions failed (see 'error' in {out / RESULTS_FILE}); "
-                        f"rerun with --retry-failed", fg=typer.colors.YELLOW, err=True)
-
-    app.command("compare")(compare_cli)

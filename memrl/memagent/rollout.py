@@ -13,11 +13,9 @@ A generation error marks the trajectory `failed` with its message; it never kill
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -25,39 +23,8 @@ from memrl.config import Config, RolloutConfig
 from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, input_text
+from memrl.rollout import QuestionLike, RolloutContext, finish_rollout, request_seed
 from memrl.types import RolloutOutput, Trajectory, Turn
-
-
-class QuestionLike(Protocol):
-    id: str
-    question: str
-    answers: list[str]
-    context: str
-
-
-def request_seed(base_seed: int, *parts: Any) -> int:
-    """A stable per-request seed: the same (question, sample, turn) samples the same way on every run."""
-    digest = hashlib.sha256(":".join(str(p) for p in (base_seed, *parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-@dataclass
-class RolloutContext:
-    """Everything a generate function needs besides the questions."""
-
-    engine: Engine
-    tokenizer: Any
-    config: Config
-    rollout_id: int = 0
-    reward_function: Callable[[Trajectory, list[str]], float] | None = None
-    progress: bool = True
-    # Position of this batch's first question in the step's whole batch: a rollout worker that serves a
-    # slice keeps the group ids and seeds the whole batch would have in one process.
-    slot_offset: int = 0
-    builder: PromptBuilder = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.builder = PromptBuilder(self.tokenizer, self.config.rollout)
 
 
 async def _generate_one(engine: Engine, request: GenerationRequest) -> GenerationResult:
@@ -157,8 +124,7 @@ async def generate_group(ctx: RolloutContext, record: QuestionLike, n_samples: i
                                     trajectory_id=f"{group_id}:s{k}", group_id=group_id, sample_index=k,
                                     seed_key=key)
         traj.metadata.update(question_id=record.id, golds=list(record.answers))
-        if ctx.reward_function is not None:
-            traj.reward = 0.0 if traj.status == "failed" else float(ctx.reward_function(traj, list(record.answers)))
+        traj.reward = ctx.reward(traj, record.answers)
         if on_done is not None:
             on_done(traj)
         return traj
@@ -167,18 +133,14 @@ async def generate_group(ctx: RolloutContext, record: QuestionLike, n_samples: i
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Reward, length and truncation statistics of one rollout step (failed trajectories counted apart)."""
+    """MemAgent's own statistics of a rollout step: memory and answer lengths, truncations (of memory
+    turns, answers and documents); the framework adds counts, reward and tokens (`finish_rollout`)."""
     ok = [t for t in trajectories if t.status != "failed"]
-    metrics: dict[str, float] = {"trajectories/total": float(len(trajectories)),
-                                 "trajectories/failed": float(len(trajectories) - len(ok))}
     if not ok:
-        return metrics
+        return {}
+    metrics: dict[str, float] = {}
     mem = [t for tr in ok for t in tr.turns if t.kind == "memory"]
     fin = [t for tr in ok for t in tr.turns if t.kind == "final"]
-    rewards = [t.reward for t in ok if t.reward is not None]
-    if rewards:
-        metrics["reward/mean"] = sum(rewards) / len(rewards)
-    metrics["turns/mean"] = sum(len(t.turns) for t in ok) / len(ok)
     if mem:
         metrics["response_length/memory_mean"] = sum(t.response_length for t in mem) / len(mem)
         metrics["truncation/memory_rate"] = sum(t.metadata.get("memory_truncations", 0) for t in ok) / len(mem)
@@ -186,7 +148,6 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         metrics["response_length/final_mean"] = sum(t.response_length for t in fin) / len(fin)
         metrics["truncation/final_rate"] = sum(t.status == "truncated" for t in ok) / len(ok)
     metrics["truncation/document_rate"] = sum(bool(t.metadata.get("chunks", {}).get("truncated")) for t in ok) / len(ok)
-    metrics["tokens/generated"] = float(sum(t.response_length for tr in ok for t in tr.turns))
     return metrics
 
 
@@ -194,24 +155,40 @@ async def generate_rollout(ctx: RolloutContext, records: Sequence[QuestionLike])
     """The built-in `generate_function`: every group of the step at once, no group waiting for another.
 
     A group with a failed trajectory is left out of training (GRPO needs the whole group) and reported
-    in `dropped`; `train_row_count` is the exact number of rows the kept trajectories expand to.
+    in `dropped`; `train_row_count` is the exact number of rows the kept trajectories expand to (one per
+    turn).
     """
     start = time.perf_counter()
     bar = tqdm(total=len(records) * ctx.config.rollout.n_samples, desc=f"rollout {ctx.rollout_id}",
                unit="traj", disable=not ctx.progress, leave=False)
     try:
-        groups = await asyncio.gather(*(generate_group(ctx, r, on_done=lambda _t: bar.update(), slot=ctx.slot_offset + k)
-                                        for k, r in enumerate(records)))
+        groups = await asyncio.gather(*(generate_group(ctx, g.record, on_done=lambda _t: bar.update(), slot=g.slot)
+                                        for g in ctx.groups(records)))
     finally:
         bar.close()
-    kept = [t for g in groups if all(t.status != "failed" for t in g) for t in g]
-    dropped = [t for g in groups if any(t.status == "failed" for t in g) for t in g]
     metrics = rollout_metrics([t for g in groups for t in g])
-    metrics["groups/dropped"] = float(sum(any(t.status == "failed" for t in g) for g in groups))
     metrics["time/generate_s"] = time.perf_counter() - start
-    return RolloutOutput(trajectories=kept, metrics=metrics,
-                         train_row_count=sum(len(t.turns) for t in kept), dropped=dropped)
+    return finish_rollout(groups, metrics)
 
 
-def generate_rollout_sync(ctx: RolloutContext, records: Sequence[QuestionLike]) -> RolloutOutput:
-    return asyncio.run(generate_rollout(ctx, records))
+# ---- hooks the framework calls by name (memrl.rollout) -------------------------------------------
+
+def max_rows_per_trajectory(cfg: Config) -> int:
+    """A MemAgent trajectory has up to max_chunks memory turns + 1 final turn, one row each."""
+    return cfg.rollout.max_chunks + 1
+
+
+def validate_config(cfg: Config) -> None:
+    """Settings the MemAgent rollout cannot train with (raised at config load, naming what to change)."""
+    factor, needed = cfg.queue.train_sample_expansion_factor, max_rows_per_trajectory(cfg)
+    if factor is not None and factor < needed:
+        raise ValueError(f"queue.train_sample_expansion_factor = {factor} is below rollout.max_chunks + 1 = "
+                         f"{needed}, the most rows one MemAgent trajectory expands to; set it to at least {needed} "
+                         f"(or leave it unset: it then follows max_chunks)")
+    # A prompt group is n_samples trajectories of equal turn count, so a rollout's row count is
+    # n_samples x (sum of turns): a multiple of the group size for any data only if it divides n_samples.
+    size, n = cfg.queue.train_data_group_size, cfg.rollout.n_samples
+    if n % size:
+        raise ValueError(f"queue.train_data_group_size = {size} does not divide rollout.n_samples = {n}; a rollout's "
+                         f"row count (n_samples x turns) would then not split into groups of {size}; use a divisor "
+                         f"of {n}")

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from memrl.config import Config
 from memrl.engines.base import Engine, WeightSource
 from memrl.engines.factory import training_engine
-from memrl.memagent.rollout import RolloutContext
+from memrl.rollout import RolloutContext, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.logging import RunLogger, StageTimer, device_stats
 from memrl.train.queue import TransferQueue
@@ -192,7 +192,8 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=trainer_device(cfg), load=options.load)
     plugins = Plugins.from_config(cfg)
     warn_about_top_p(cfg)
-    queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples)
+    queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples,
+                                      rows_per_trajectory(cfg))
     # The engine copies the actor's weights after any load, so it starts in sync.
     rollout: RolloutSource = (ReplayRollout(options.replay_rollouts) if options.replay_rollouts else
                               LocalRollout(cfg, training_engine(cfg, actor.model, tokenizer), tokenizer, plugins,
@@ -208,25 +209,21 @@ class Trainer:
     def __init__(self, cfg: Config, options: TrainOptions, parts: TrainingParts | None = None, **local: Any) -> None:
         self.cfg, self.opt = cfg, options
         self.parts = parts if parts is not None else local_parts(cfg, options, **local)
-        # 1:N rows per trajectory: the rollout must announce its row count (MemAgent's converter expands).
-        self.expanded = cfg.queue.train_sample_expansion_factor > 1
 
     def step(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
         parts, timer = self.parts, StageTimer()
         try:
             with timer("rollout"):
                 out = parts.rollout.generate(rollout_id, parts.data.batch(rollout_id))
-            if self.expanded and out.train_row_count is None:
-                raise TrainingError(
-                    f"rollout {rollout_id}: generate_function returned no train_row_count while "
-                    f"queue.train_sample_expansion_factor = {self.cfg.queue.train_sample_expansion_factor} (1:N "
-                    f"expansion); return RolloutOutput(train_row_count=...) or set the factor to 1 for a 1:1 rollout")
             with timer("convert"):
                 rows = parts.convert(out.trajectories, self.cfg.algorithm, rollout_id)
+            # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
             expected = out.train_row_count if out.train_row_count is not None else len(out.trajectories)
             if len(rows) != expected:
+                announced = "announced" if out.train_row_count is not None else "announced no train_row_count, so 1:1:"
                 raise TrainingError(f"rollout {rollout_id}: the converter produced {len(rows)} rows, the rollout "
-                                    f"announced {expected}")
+                                    f"{announced} {expected}; a 1:N generate function returns "
+                                    f"RolloutOutput(train_row_count=...)")
             parts.rows.put(rollout_id, rows, train_row_count=out.train_row_count, final=out.train_row_count is None)
         except BaseException as error:
             parts.rows.fail(rollout_id, error)  # wakes any waiter on this rollout with the error

@@ -136,10 +136,11 @@ class TransferQueue:
         self._closed = False
 
     @classmethod
-    def from_config(cls, queue_cfg: QueueConfig, rollout_batch_size: int, n_samples: int) -> TransferQueue:
-        """Capacity = rollout_batch_size × n_samples × train_sample_expansion_factor rows: room for one
-        whole rollout step at the largest expansion."""
-        capacity = rollout_batch_size * n_samples * queue_cfg.train_sample_expansion_factor
+    def from_config(cls, queue_cfg: QueueConfig, rollout_batch_size: int, n_samples: int,
+                    rows_per_trajectory: int) -> TransferQueue:
+        """Capacity = rollout_batch_size × n_samples × rows_per_trajectory rows: room for one whole rollout
+        step at the largest expansion (`memrl.rollout.rows_per_trajectory` resolves it from the config)."""
+        capacity = rollout_batch_size * n_samples * rows_per_trajectory
         return cls(capacity, queue_cfg.train_data_group_size, queue_cfg.timeout_s)
 
     # ---- producer -------------------------------------------------------------------------------
@@ -252,12 +253,6 @@ class TransferQueue:
             state = self._rollouts.get(_checked_int(rollout_id, "rollout_id"), _Rollout())
             return {"rows_put": state.rows_put, "rows_taken": state.rows_taken, "expected": state.target,
                     "held": len(state.rows), "status": state.status}
-
-    @property
-    def rows_held(self) -> int:
-        """Rows put and not yet taken, over all rollout ids."""
-        with self._cond:
-            return self._held
 
     # ---- internals (call with the lock held) ----------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""`memrl prepare-data` through a Typer app of our own: files, id lists, manifests, determinism, errors."""
+"""`memrl prepare-data` through the `memrl` app: files, id lists, manifests, determinism, errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typer.testing import CliRunner
 
 from memrl.data.hotpotqa import read_id_list
 from memrl.data.manifest import ManifestError, verify_manifest
-from memrl.data.prepare import RulerLayout
 from memrl.data.records import DataError, load_questions
 from memrl.data.ruler_hqa import RULER_LAYOUTS, load_ruler_file
 
@@ -192,6 +191,8 @@ def test_build_ruler_layout_flag_is_recorded_in_the_manifest(app, dev_file, tmp_
     result = invoke(app, "build-ruler", "--from-file", dev_file, "--num-docs", 20, "--layout", "verl",
                     "--out", tmp_path / "bad")
     assert result.exit_code == 2 and "verl" in result.output
+    from memrl.cli import RulerLayout
+
     assert tuple(RulerLayout) == RULER_LAYOUTS  # the CLI offers exactly the library's layouts
 
 

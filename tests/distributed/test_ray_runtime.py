@@ -6,6 +6,7 @@ One Ray instance for the module (starting Ray costs ~10 s); every test kills the
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -233,8 +234,6 @@ def test_two_step_ray_run_matches_the_single_process_run_and_resumes(cluster, to
 def test_fsdp_trainers_feed_a_served_engine_through_a_weights_folder(cluster, tmp_path):
     # rollout.engine=openai under FSDP: every rank helps gather, rank 0 writes RUN_ROOT/weights_sync, the
     # server reloads it; after the run the served weights are the trained (checkpointed) ones.
-    import sys
-
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -261,3 +260,38 @@ def test_fsdp_trainers_feed_a_served_engine_through_a_weights_folder(cluster, tm
     reloaded = served.model.state_dict()
     for name, value in trained.items():
         torch.testing.assert_close(reloaded[name], value, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_single_turn_task_on_two_rollout_workers_equals_one_process_row_for_row(cluster, tokenizer, tmp_path):
+    # The framework numbers slots (memrl.rollout): a worker serving the second half of a batch names groups and
+    # seeds requests as one process does, whatever the task plugin (the single-turn task once numbered from 0).
+    single_turn = {"generate_function": "memrl.tasks.single_turn:generate_single_turn",
+                   "convert_function": "memrl.rl.plain:convert_one_row_per_trajectory"}
+    runs = {}
+    for name, runtime in (("local", "local"), ("ray", "ray")):
+        cfg = config(plugins=single_turn, ray_section={"num_rollout_workers": 2}, rollout_batch_size=4,
+                     num_rollout=1, runtime=runtime)
+        options = TrainOptions(run_root=tmp_path / name, progress=False, save_rollouts=True)
+        train = run_ray_training if runtime == "ray" else (lambda c, o, **kw: Trainer(c, o, **kw).run())
+        runs[name] = train(cfg, options, model=tiny(tokenizer), tokenizer=tokenizer, records=records(4))
+
+    def trajectories(name):
+        lines = (tmp_path / name / "rollouts_raw" / "rollout_0000000.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines[1:]]
+
+    local, ray_run = trajectories("local"), trajectories("ray")
+    assert len(local) == len(ray_run) == 32
+    sys.path.insert(0, str(HERE.parent / "engines"))
+    from numerics import logprob_atol
+
+    atol = logprob_atol(tiny(tokenizer), [t["turns"][0]["prompt_ids"] for t in local])
+    for a, b in zip(local, ray_run, strict=True):  # ids, groups, seeds (so tokens) and rewards agree exactly
+        assert (a["trajectory_id"], a["group_id"], a["reward"]) == (b["trajectory_id"], b["group_id"], b["reward"])
+        (ta,), (tb,) = a["turns"], b["turns"]
+        assert (ta["prompt_ids"], ta["response_ids"]) == (tb["prompt_ids"], tb["response_ids"])
+        # another process, other torch threads: log-probs agree to float32 rounding, not bit for bit
+        assert ta["rollout_log_probs"] == pytest.approx(tb["rollout_log_probs"], abs=atol)
+    assert len({t["group_id"] for t in local}) == 4
+    assert runs["local"][0]["rows/consumed"] == runs["ray"][0]["rows/consumed"] == 32
+    assert runs["local"][0]["loss/total"] == pytest.approx(runs["ray"][0]["loss/total"], abs=1e-6)

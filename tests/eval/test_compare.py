@@ -15,7 +15,7 @@ from test_runner import AnswerEngine, make_records, run_eval, small_config  # no
 from typer.testing import CliRunner
 
 from memrl.eval.compare import CompareError, compare_results, parse_pairs, parse_thresholds
-from memrl.eval.runner import RESULTS_FILE, SUMMARY_FILE
+from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE
 
 BASE_RIGHT = {0, 1, 2, 3}  # EM 25 %
 OURS_RIGHT = {2, 3, 4, 5, 6, 7}  # EM 37.5 %: q4..q7 wrong->right, q0, q1 right->wrong

@@ -5,7 +5,7 @@ from memrl.data.hotpotqa import read_pass_counts, select_by_pass_counts
 from memrl.data.records import QuestionRecord
 from memrl.engines.base import GenerationResult
 from memrl.eval.pass_at_k import count_passes
-from memrl.memagent.rollout import request_seed
+from memrl.rollout import request_seed
 
 
 class SeedOracle:

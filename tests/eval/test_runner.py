@@ -1,4 +1,4 @@
-"""`memrl eval` (memrl.eval.runner) and its intervals (memrl.eval.stats).
+"""`memrl eval` (memrl.eval.runner, memrl.eval.results) and its intervals (memrl.eval.stats).
 
 Most tests use `AnswerEngine`, a scripted engine that reads the question back from the final prompt and
 answers `\\boxed{alphaN}` (right) or `\\boxed{wrong}`, so scores are known in advance. The CLI tests run
@@ -29,18 +29,10 @@ from typer.testing import CliRunner
 from memrl.config import Config
 from memrl.data.records import QuestionRecord, write_jsonl
 from memrl.engines.base import GenerationResult
-from memrl.eval.runner import (
-    RESULTS_FILE,
-    SUMMARY_FILE,
-    EvalError,
-    evaluate,
-    evaluate_records,
-    load_eval_data,
-    read_results,
-    sample_line,
-)
+from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE, EvalError, read_results, sample_line
+from memrl.eval.runner import evaluate, evaluate_records, load_eval_data
 from memrl.eval.stats import bootstrap_interval, mcnemar_p, metric_summary, wilson_interval
-from memrl.memagent.rollout import request_seed
+from memrl.rollout import request_seed
 
 N_QUESTIONS = 16
 SMALL = ["rollout.chunk_tokens=64", "rollout.memory_tokens=16", "rollout.final_tokens=8", "rollout.max_chunks=2"]

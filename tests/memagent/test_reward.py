@@ -110,7 +110,8 @@ def test_rollout_reward_reads_the_configured_extractor(tiny_tokenizer, extractor
 
     from scripted_engine import ScriptedEngine
 
-    from memrl.memagent.rollout import RolloutContext, generate_group
+    from memrl.memagent.rollout import generate_group
+    from memrl.rollout import RolloutContext
 
     cfg = Config.model_validate({"rollout": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 32,
                                              "max_chunks": 2, "n_samples": 2, "answer_extractor": extractor}})

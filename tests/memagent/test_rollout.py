@@ -6,15 +6,9 @@ from fake_engine import FakeEngine
 
 from memrl.config import Config
 from memrl.engines.base import GenerationResult
-from memrl.memagent.rollout import (
-    RolloutContext,
-    document_chunks,
-    generate_group,
-    generate_rollout,
-    request_seed,
-    rollout_metrics,
-)
+from memrl.memagent.rollout import document_chunks, generate_group, generate_rollout, rollout_metrics
 from memrl.rl.validate import validate_groups, validate_trajectory
+from memrl.rollout import RolloutContext, request_seed
 
 
 def make_ctx(tokenizer, engine, **rollout):

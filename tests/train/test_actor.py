@@ -8,8 +8,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from memrl.config import Config
 from memrl.rl.validate import TrajectoryError
-from memrl.train.actor import Actor, NonFiniteUpdateError, plan_rollout
-from memrl.train.partition import PartitionError
+from memrl.train.actor import Actor, NonFiniteUpdateError, plan_optimizer_step, plan_rollout
+from memrl.train.partition import PartitionError, split_optimizer_steps
 from memrl.types import TrainRow
 
 VOCAB = 64
@@ -245,15 +245,20 @@ def assert_unchanged(actor, before):
     assert all(p.grad is None for p in actor.model.parameters())
 
 
+def unvalidated_plan(rows, cfg, rollout_id):
+    """plan_rollout without its validation: how bad rows could reach train_planned past a broken check."""
+    return [plan_optimizer_step(step, cfg, 0, rollout_id) for step in split_optimizer_steps(rows, cfg.train.num_optimizer_steps)]
+
+
 def test_non_finite_advantage_past_validation_stops_the_step_unapplied():
-    # train_planned skips validation (the Ray driver validates before planning): a NaN advantage there
+    # train_planned trusts its plan (plan_rollout validates the rows it plans): a NaN advantage there
     # makes the loss NaN, and the step must stop with a named error instead of writing NaN weights.
     rows = make_rows()
     rows[1] = dataclasses.replace(rows[1], advantage=math.nan)
     actor = Actor(tiny_model(), make_cfg(), pad_token_id=0)
     before = snapshot(actor)
     with pytest.raises(NonFiniteUpdateError, match=r"rollout 3, optimizer step 0: non-finite loss \(nan\)") as info:
-        actor.train_planned(plan_rollout(rows, actor.cfg, 0, 3), 3, len(rows), 0)
+        actor.train_planned(unvalidated_plan(rows, actor.cfg, 3), 3, len(rows), 0)
     assert "passed validation" in str(info.value)
     assert_unchanged(actor, before)
 
@@ -293,7 +298,7 @@ def test_logprob_gap_max_is_nan_whenever_the_mean_is():
         lp = list(rows[k].rollout_log_probs)
         lp[position] = math.nan
         bad = rows[:k] + [dataclasses.replace(rows[k], rollout_log_probs=lp)] + rows[k + 1:]
-        m = actor.train_planned(plan_rollout(bad, actor.cfg, 0, 0), 0, len(bad), 0)
+        m = actor.train_planned(unvalidated_plan(bad, actor.cfg, 0), 0, len(bad), 0)
         return m["logprob_gap/mean_abs"], m["logprob_gap/max_abs"]
 
     mean, top = gap_metrics(position=1)  # a loss token

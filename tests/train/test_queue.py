@@ -18,6 +18,11 @@ from memrl.train.queue import (
 )
 
 
+def held(q: TransferQueue) -> int:
+    """Rows counted against the queue's capacity (put, not yet taken), over all rollout ids."""
+    return q._held
+
+
 class Waiter(threading.Thread):
     """Runs `fn` in a thread and records its result or exception and when it returned."""
 
@@ -82,7 +87,7 @@ def test_groups_are_handed_out_as_soon_as_complete():
     assert groups == [], "a group of 3 was handed out with 2 rows"
     q.put(1, [2, 3])
     assert got_first.wait(2) and groups == [[0, 1, 2]]
-    assert q.rows_held == 1  # the handed-out group's capacity is released at once
+    assert held(q) == 1  # the handed-out group's capacity is released at once
     q.put(1, [4, 5])
     w.join(2)
     assert w.error is None and groups == [[0, 1, 2], [3, 4, 5]]
@@ -120,7 +125,7 @@ def test_over_count_names_both_numbers_and_wakes_consumer():
         q.put(0, [3, 4])
     w.join(1)
     assert isinstance(w.error, RolloutFailedError) and "train_row_count = 3" in str(w.error)
-    assert q.rows_held == 0
+    assert held(q) == 0
     with pytest.raises(QueueError, match="differs"):
         q2 = TransferQueue(capacity_rows=10)
         q2.announce(0, 2)
@@ -185,7 +190,7 @@ def test_fail_wakes_waiter_with_original_error_in_under_a_second(how):
     assert isinstance(w.error, RolloutFailedError) and w.error.__cause__ is cause
     assert "converter broke" in str(w.error)
     assert w.done_at - failed_at < 1.0
-    assert q.rows_held == 0 and q.stats(4)["status"] == "failed"
+    assert held(q) == 0 and q.stats(4)["status"] == "failed"
     with pytest.raises(RolloutFailedError):
         q.put(4, [2])
 
@@ -217,9 +222,9 @@ def test_close_wakes_every_waiter():
 def test_capacity_released_after_get():
     q = TransferQueue(capacity_rows=4, timeout_s=5)
     q.put(0, [1, 2, 3, 4], train_row_count=4)
-    assert q.rows_held == 4
+    assert held(q) == 4
     assert q.get_rollout(0) == [1, 2, 3, 4]
-    assert q.rows_held == 0
+    assert held(q) == 0
     q.put(1, [5, 6, 7, 8], train_row_count=4)  # would overflow had capacity not been released
     assert q.get_rollout(1) == [5, 6, 7, 8]
     with pytest.raises(QueueError, match="already consumed"):
@@ -236,7 +241,7 @@ def test_one_way_of_taking_rows_per_rollout():
 
 def test_from_config_capacity_and_validation():
     cfg = QueueConfig(train_sample_expansion_factor=5, train_data_group_size=2, timeout_s=12.0)
-    q = TransferQueue.from_config(cfg, rollout_batch_size=4, n_samples=3)
+    q = TransferQueue.from_config(cfg, rollout_batch_size=4, n_samples=3, rows_per_trajectory=5)
     assert (q.capacity_rows, q.data_group_size, q.timeout_s) == (60, 2, 12.0)
     with pytest.raises(QueueError, match="data_group_size"):
         TransferQueue(capacity_rows=4, data_group_size=0)
@@ -286,7 +291,7 @@ def test_rollout_ids_and_final_are_checked_not_coerced():
             call()
     with pytest.raises(QueueError, match="final must be True or False"):
         q.put(3, ["a"], final="yes")
-    assert q.stats(3)["rows_put"] == 0 and q.rows_held == 0
+    assert q.stats(3)["rows_put"] == 0 and held(q) == 0
 
 
 @pytest.mark.parametrize("mode", ["all", "groups"])
@@ -301,7 +306,7 @@ def test_late_put_on_a_consumed_rollout_raises_and_leaves_its_stats(mode):
         with pytest.raises(QueueError, match="already consumed"):
             late()
     q.fail(0, RuntimeError("a late failure report"))  # must not rewrite a step that was trained on
-    assert q.stats(0) == consumed and q.rows_held == 0
+    assert q.stats(0) == consumed and held(q) == 0
 
 
 def test_rollout_finished_empty_before_any_consumer_still_rejects_puts_as_finished():

@@ -1,0 +1,142 @@
+"""The format of `memrl eval` results (docs/design.md §7), written by memrl.eval.runner, read by memrl.eval.compare.
+
+Output folder of one evaluation:
+    eval_run.json   RUN_FILE: identity of the run (model, data SHA-256, `eval_format`); written first
+    results.jsonl   RESULTS_FILE: one `sample_line` per finished question (`read_results` reads it back)
+    summary.json    SUMMARY_FILE: `summarize_lines` over all lines, plus the run's identity and config
+
+`eval_format` is the set of controlled variables (chunking, sampling, template and tokenizer hashes,
+scorer) that two evaluations must share to be compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from memrl.eval.stats import metric_summary
+from memrl.memagent.reward import score_trajectory
+from memrl.scoring import score_answer
+
+if TYPE_CHECKING:
+    from memrl.config import Config
+    from memrl.data.records import QuestionRecord
+
+RESULTS_FILE = "results.jsonl"
+SUMMARY_FILE = "summary.json"
+RUN_FILE = "eval_run.json"
+METRICS = ("em", "sub_em", "f1")
+SCORER = "memrl.scoring.score_answer (HotpotQA normalization, last \\boxed{})"
+# The scorer named per `rollout.answer_extractor`; `boxed` keeps the name earlier runs recorded, so they resume.
+SCORERS = {"boxed": SCORER,
+           "therefore": "memrl.scoring.score_answer (HotpotQA normalization, line after the last 'the answer is')"}
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run or resume as asked; the message says what to change."""
+
+
+# ------------------------------------------------------------------------------------------ format identity
+
+def _sha256_text(text: Any) -> str:
+    return hashlib.sha256(json.dumps(text, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """SHA-256 of the tokenizer's vocabulary (token -> id): equal for the same tokenizer wherever it is loaded."""
+    return _sha256_text(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]))
+
+
+def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> dict[str, Any]:
+    """The controlled variables two evaluations must share to be comparable (checked by `memrl compare`)."""
+    r = cfg.rollout
+    fmt = {
+        "chunk_tokens": r.chunk_tokens, "memory_tokens": r.memory_tokens, "final_tokens": r.final_tokens,
+        "max_chunks": r.max_chunks, "truncation": r.truncation, "n_samples": 1,
+        "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed, "enable_thinking": r.enable_thinking,
+        "memory_template_sha256": _sha256_text(r.memory_template),
+        "final_template_sha256": _sha256_text(r.final_template),
+        "no_memory_text_sha256": _sha256_text(r.no_memory_text),
+        "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "stop_token_ids": sorted(int(t) for t in stop_token_ids),
+        "scorer": SCORERS[r.answer_extractor],
+    }
+    # Only when on: stripping changes the prompts, and runs recorded before the option existed must resume.
+    if r.strip_inputs:
+        fmt["strip_inputs"] = True
+    return fmt
+
+
+# ------------------------------------------------------------------------------------------ results file
+
+def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, error: str | None = None) -> dict[str, Any]:
+    """One results.jsonl line. `traj` None (with `error`) = the sample failed before generating."""
+    failed = traj is None or traj.status == "failed"
+    answer = "" if traj is None else traj.answer
+    # The training reward's scorer: a truncated answer (hit final_tokens) scores 0 here too (docs/design.md §2).
+    score = score_trajectory(traj, record.answers) if traj is not None else score_answer("", record.answers)
+    meta = {} if traj is None else traj.metadata
+    chunks = meta.get("chunks", {})
+    return {
+        "id": record.id, "question": record.question, "golds": list(record.answers),
+        "answer": answer, "boxed": None if failed else score.boxed,
+        "em": 0.0 if failed else score.em, "sub_em": 0.0 if failed else score.sub_em,
+        "f1": 0.0 if failed else score.f1,
+        "missing_box": (not failed) and score.missing_box,
+        "status": "failed" if traj is None else traj.status,
+        "error": error if traj is None else traj.error,
+        "num_chunks": chunks.get("num_chunks"), "document_tokens": chunks.get("total_tokens"),
+        "document_truncated": chunks.get("truncated"),
+        "memory_lengths": meta.get("memory_lengths", []), "memory_truncations": meta.get("memory_truncations", 0),
+        "final_tokens": (traj.turns[-1].response_length if traj is not None and traj.turns
+                         and traj.turns[-1].kind == "final" else None),
+        "turns": 0 if traj is None else traj.num_turns,
+        "latency_s": round(latency_s, 4),
+    }
+
+
+def read_results(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
+    """Lines of a results.jsonl. The last line without a newline is torn (a kill mid-write): it is
+    ignored, and with `repair` cut off the file. Any other bad line is an `EvalError`."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # everything after the last newline is a torn write
+    if repair and end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    lines = []
+    for number, raw in enumerate(data[:end].splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{path} line {number} is not valid JSON ({e}); it was not written by memrl eval "
+                            f"or was edited; move the file away to start over") from e
+        if not isinstance(line, dict) or not isinstance(line.get("id"), str):
+            raise EvalError(f"{path} line {number} has no string 'id'; move the file away to start over")
+        lines.append(line)
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ summary
+
+def summarize_lines(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts and metrics (percent, 95% intervals) over all lines; failed lines count as 0."""
+    failed = [line["id"] for line in lines if line.get("status") == "failed"]
+    return {
+        "total": len(lines), "succeeded": len(lines) - len(failed), "failed": len(failed),
+        "missing_boxes": sum(bool(line.get("missing_box")) for line in lines),
+        "truncated_answers": sum(line.get("status") == "truncated" for line in lines),
+        "metrics": {m: metric_summary([float(line.get(m) or 0.0) for line in lines], binary=m != "f1")
+                    for m in METRICS},
+        "failed_ids": failed,
+    }

@@ -1,0 +1,146 @@
+"""What every task's rollout shares, owned by the framework so that no plugin can get it wrong.
+
+A task plugin (`plugins.generate_function`, e.g. `memrl.memagent.rollout:generate_rollout`) is an async
+function `(ctx: RolloutContext, records) -> RolloutOutput`. It gets from here:
+- `ctx.groups(records)`: each question with its **slot** (its position in the rollout step's whole
+  batch, also when a Ray rollout worker serves only a slice) and its **group key**, from which group
+  ids and request seeds derive. A batch that wraps around the data set holds a question twice: the slot
+  keeps their groups apart. Plugins never number slots themselves, so one process and Ray agree.
+- `request_seed(...)`: the per-request seed (same question, sample and turn: same draw on every run).
+- `finish_rollout(...)`: groups with a failed trajectory are dropped (GRPO needs the whole group) and
+  reported; the common metrics; the row count the rollout announces (`None` for a 1:1 task: then the
+  loop expects one row per trajectory).
+
+A task's module may also define hooks the framework calls by name:
+- `validate_config(cfg)`: raise ValueError for settings the task cannot run with (config load time);
+- `max_rows_per_trajectory(cfg) -> int`: the most training rows one trajectory expands to (sizes the
+  transfer queue when `queue.train_sample_expansion_factor` is unset).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Protocol
+
+from memrl.engines.base import Engine
+from memrl.types import RolloutOutput, Trajectory
+
+
+class QuestionLike(Protocol):
+    id: str
+    question: str
+    answers: list[str]
+    context: str
+
+
+def request_seed(base_seed: int, *parts: Any) -> int:
+    """A stable per-request seed: the same (question, sample, turn) samples the same way on every run."""
+    digest = hashlib.sha256(":".join(str(p) for p in (base_seed, *parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class GroupSlot:
+    """One question of a rollout step: its slot in the step's batch and the key its group is named by."""
+
+    slot: int
+    record: Any
+    key: str
+
+    @property
+    def group_id(self) -> str:
+        return f"r{self.key}"
+
+    def trajectory_id(self, sample_index: int) -> str:
+        return f"{self.group_id}:s{sample_index}"
+
+
+@dataclass
+class RolloutContext:
+    """Everything a generate function needs besides the questions."""
+
+    engine: Engine
+    tokenizer: Any
+    config: Any  # memrl.config.Config (or a plugin's subclass)
+    rollout_id: int = 0
+    reward_function: Callable[[Trajectory, list[str]], float] | None = None
+    progress: bool = True
+    # Position of this batch's first question in the step's whole batch: a rollout worker that serves a
+    # slice keeps the group ids and seeds the whole batch would have in one process.
+    slot_offset: int = 0
+
+    def groups(self, records: Sequence[Any]) -> list[GroupSlot]:
+        """Each record with its slot (offset applied) and group key `{rollout_id}:{slot}:{id}`."""
+        return [GroupSlot(self.slot_offset + k, record, f"{self.rollout_id}:{self.slot_offset + k}:{record.id}")
+                for k, record in enumerate(records)]
+
+    @cached_property
+    def builder(self) -> Any:
+        """The chat-template prompt builder for this tokenizer and rollout config (stop ids included)."""
+        from memrl.memagent.prompts import PromptBuilder
+
+        return PromptBuilder(self.tokenizer, self.config.rollout)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return self.builder.stop_token_ids
+
+    def reward(self, traj: Trajectory, golds: Sequence[str]) -> float | None:
+        """The configured reward of a finished trajectory; a failed one scores 0 (it is dropped anyway)."""
+        if self.reward_function is None:
+            return None
+        return 0.0 if traj.status == "failed" else float(self.reward_function(traj, list(golds)))
+
+
+def common_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Counts, reward, turns and generated tokens of a rollout step (failed trajectories counted apart)."""
+    ok = [t for t in trajectories if t.status != "failed"]
+    metrics: dict[str, float] = {"trajectories/total": float(len(trajectories)),
+                                 "trajectories/failed": float(len(trajectories) - len(ok))}
+    if not ok:
+        return metrics
+    rewards = [t.reward for t in ok if t.reward is not None]
+    if rewards:
+        metrics["reward/mean"] = sum(rewards) / len(rewards)
+    metrics["turns/mean"] = sum(len(t.turns) for t in ok) / len(ok)
+    metrics["tokens/generated"] = float(sum(t.response_length for tr in ok for t in tr.turns))
+    return metrics
+
+
+def finish_rollout(groups: Sequence[Sequence[Trajectory]], metrics: dict[str, float] | None = None,
+                   one_row_per_turn: bool = True) -> RolloutOutput:
+    """The step's output: whole groups kept, groups with a failure dropped (and counted), the common
+    metrics plus the task's `metrics`, and the exact row count of the kept trajectories, one row per turn
+    (`one_row_per_turn=False`: a 1:1 task, no count announced)."""
+    kept = [t for g in groups if all(t.status != "failed" for t in g) for t in g]
+    dropped = [t for g in groups if any(t.status == "failed" for t in g) for t in g]
+    out = common_metrics([t for g in groups for t in g])
+    out["groups/dropped"] = float(sum(any(t.status == "failed" for t in g) for g in groups))
+    out.update(metrics or {})
+    row_count = sum(len(t.turns) for t in kept) if one_row_per_turn else None
+    return RolloutOutput(trajectories=kept, metrics=out, train_row_count=row_count, dropped=dropped)
+
+
+def task_hook(generate_function: str, name: str) -> Callable[..., Any] | None:
+    """The hook `name` of the module that defines `generate_function` (`module:function`), if it has one."""
+    module_name = generate_function.partition(":")[0] if ":" in generate_function else \
+        generate_function.rpartition(".")[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None  # the plugin's own import error is reported where the plugin is loaded
+    hook = getattr(module, name, None)
+    return hook if callable(hook) else None
+
+
+def rows_per_trajectory(cfg: Any) -> int:
+    """The most rows one trajectory may expand to: `queue.train_sample_expansion_factor`, else the task's
+    `max_rows_per_trajectory(cfg)`, else 1 (a 1:1 task)."""
+    if cfg.queue.train_sample_expansion_factor is not None:
+        return cfg.queue.train_sample_expansion_factor
+    bound = task_hook(cfg.plugins.generate_function, "max_rows_per_trajectory")
+    return int(bound(cfg)) if bound is not None else 1

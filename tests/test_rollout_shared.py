@@ -1,0 +1,78 @@
+"""memrl.rollout: what every task's rollout shares (slots, group keys, dropping failed groups, hooks)."""
+
+import sys
+import types
+
+import pytest
+
+from memrl.config import Config, ConfigError, load_config
+from memrl.rollout import RolloutContext, finish_rollout, rows_per_trajectory, task_hook
+from memrl.types import Trajectory, Turn
+
+
+class Rec:
+    def __init__(self, id_):
+        self.id, self.question, self.answers, self.context = id_, "q?", ["a"], "text"
+
+
+def traj(group, k, status="complete", turns=2):
+    t = Trajectory(trajectory_id=f"{group}:s{k}", group_id=group, sample_index=k, status=status, reward=1.0,
+                   turns=[Turn(i, "memory" if i < turns - 1 else "final", [1, 2], [3], [-0.5], [1], "stop", 4)
+                          for i in range(turns)])
+    return t
+
+
+def test_slots_keep_the_whole_batchs_positions_on_a_slice():
+    ctx = RolloutContext(engine=None, tokenizer=None, config=Config(), rollout_id=7, slot_offset=2)
+    groups = ctx.groups([Rec("q5"), Rec("q5")])  # a wrapped batch may hold one question twice
+    assert [(g.slot, g.key, g.group_id) for g in groups] == [(2, "7:2:q5", "r7:2:q5"), (3, "7:3:q5", "r7:3:q5")]
+    assert groups[0].trajectory_id(1) == "r7:2:q5:s1"
+    whole = RolloutContext(engine=None, tokenizer=None, config=Config(), rollout_id=7).groups(
+        [Rec("a"), Rec("b"), Rec("q5"), Rec("q5")])
+    assert [g.key for g in whole[2:]] == [g.key for g in groups]
+
+
+def test_finish_rollout_drops_whole_groups_and_counts_rows():
+    good = [traj("g1", 0), traj("g1", 1, turns=3)]
+    bad = [traj("g2", 0), traj("g2", 1, status="failed")]
+    out = finish_rollout([good, bad], {"time/generate_s": 1.5})
+    assert out.trajectories == good and out.dropped == bad and out.train_row_count == 5
+    assert out.metrics["groups/dropped"] == 1.0 and out.metrics["trajectories/failed"] == 1.0
+    assert out.metrics["time/generate_s"] == 1.5
+    assert finish_rollout([good], one_row_per_turn=False).train_row_count is None  # 1:1: no count announced
+
+
+def test_rows_per_trajectory_from_the_factor_the_task_or_one():
+    assert rows_per_trajectory(load_config(None, ["rollout.max_chunks=6"])) == 7  # MemAgent's hook
+    assert rows_per_trajectory(load_config(None, ["queue.train_sample_expansion_factor=9"])) == 9
+    single = load_config(None, ["plugins.generate_function=memrl.tasks.single_turn:generate_single_turn",
+                                "plugins.convert_function=memrl.rl.plain:convert_one_row_per_trajectory"])
+    assert rows_per_trajectory(single) == 1
+    assert task_hook("no.such.module:fn", "validate_config") is None
+
+
+def test_a_tasks_validate_config_hook_runs_at_load(monkeypatch):
+    module = types.ModuleType("my_task_for_test")
+
+    async def generate(ctx, records):  # pragma: no cover - never called
+        raise AssertionError
+
+    def validate_config(cfg):
+        if cfg.rollout.n_samples < 2:
+            raise ValueError("my task needs rollout.n_samples >= 2")
+
+    module.generate, module.validate_config = generate, validate_config
+    monkeypatch.setitem(sys.modules, "my_task_for_test", module)
+    with pytest.raises(ConfigError, match="my task needs rollout.n_samples >= 2"):
+        load_config(None, ["plugins.generate_function=my_task_for_test:generate", "rollout.n_samples=1"])
+    assert load_config(None, ["plugins.generate_function=my_task_for_test:generate"]).rollout.n_samples == 8
+
+
+def test_evaluation_recipes_need_no_queue_keys():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    for name in ("ruler-hqa-eval.yaml", "memagent-official-eval.yaml"):
+        assert "queue" not in (root / name).read_text()
+        cfg = load_config(root / name)
+        assert rows_per_trajectory(cfg) == cfg.rollout.max_chunks + 1
