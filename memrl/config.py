@@ -204,6 +204,12 @@ class TrainConfig(Section):
     seed: int = Field(1234, description="Seed of data order and trainer RNG.")
     runtime: Literal["local", "ray"] = Field("local", description="One process (`local`) or Ray workers.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor.")
+    max_staleness: int = Field(
+        0, ge=0, description="Overlap rollout and training: rollout n+k may generate while step n trains, with "
+        "weights at most k steps old (PPO ratios against the rollout's own log-probs; algorithm.tis_cap corrects "
+        "the gap). 0 = the synchronous loop. Drains at checkpoints, so resume stays exact. Local runtime with the "
+        "in-process engine only, for now."
+    )
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="How data-parallel trainer workers (runtime ray) hold the model: `ddp` keeps a full "
         "replica per rank; `fsdp` shards weights, gradients and optimizer state (FSDP2) for models that do not "
@@ -289,6 +295,13 @@ class Config(Section):
         check = task_hook(self.plugins.generate_function, "validate_config")
         if check is not None:
             check(self)
+        return self
+
+    @model_validator(mode="after")
+    def _overlap_where_it_is_built(self) -> Config:
+        if self.train.max_staleness > 0 and (self.train.runtime != "local" or self.rollout.engine != "hf"):
+            raise ValueError("train.max_staleness > 0 (the overlapped pipeline) runs with train.runtime = 'local' "
+                             "and rollout.engine = 'hf' for now; set train.max_staleness = 0 for Ray or a served engine")
         return self
 
     @model_validator(mode="after")

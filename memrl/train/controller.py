@@ -35,7 +35,8 @@ from memrl.engines.factory import training_engine
 from memrl.rollout import RolloutContext, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.logging import RunLogger, StageTimer, device_stats
-from memrl.train.queue import TransferQueue
+from memrl.train.pipeline import Producer, WeightBoard, sampling_version
+from memrl.train.queue import QueueError, TransferQueue
 from memrl.train.setup import (
     DataSource,
     Plugins,
@@ -192,8 +193,9 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=trainer_device(cfg), load=options.load)
     plugins = Plugins.from_config(cfg)
     warn_about_top_p(cfg)
-    queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples,
-                                      rows_per_trajectory(cfg))
+    # Room for the rollouts in flight at once: this step's and the k the pipeline may generate ahead.
+    in_flight = cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1)
+    queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.rollout.n_samples, rows_per_trajectory(cfg))
     # The engine copies the actor's weights after any load, so it starts in sync.
     rollout: RolloutSource = (ReplayRollout(options.replay_rollouts) if options.replay_rollouts else
                               LocalRollout(cfg, training_engine(cfg, actor.model, tokenizer), tokenizer, plugins,
@@ -209,8 +211,23 @@ class Trainer:
     def __init__(self, cfg: Config, options: TrainOptions, parts: TrainingParts | None = None, **local: Any) -> None:
         self.cfg, self.opt = cfg, options
         self.parts = parts if parts is not None else local_parts(cfg, options, **local)
+        self._producer: Producer | None = None
 
     def step(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
+        """One synchronous step: generate, convert, deliver, train, sync the engine, log."""
+        out, rows, seconds = self._produce(rollout_id)
+        self._deliver(rollout_id, out, rows)
+        timer = StageTimer()
+        metrics = self._train(rollout_id, timer)
+        with timer("sync"):
+            # Served engines reload this folder (as SGLang's update_weights_from_disk does); in-process
+            # engines copy the weights and never touch it.
+            self.parts.rollout.sync_from(self.parts.policy.weight_source(self.opt.run_root / "weights_sync",
+                                                                         self.parts.tokenizer))
+        return self._finish(rollout_id, out, rows, metrics, {**seconds, **timer.seconds}, logger)
+
+    def _produce(self, rollout_id: int) -> tuple[RolloutOutput, list[TrainRow], dict[str, float]]:
+        """The rollout step's trajectories and rows (and the seconds each stage took)."""
         parts, timer = self.parts, StageTimer()
         try:
             with timer("rollout"):
@@ -224,22 +241,28 @@ class Trainer:
                 raise TrainingError(f"rollout {rollout_id}: the converter produced {len(rows)} rows, the rollout "
                                     f"{announced} {expected}; a 1:N generate function returns "
                                     f"RolloutOutput(train_row_count=...)")
-            parts.rows.put(rollout_id, rows, train_row_count=out.train_row_count, final=out.train_row_count is None)
         except BaseException as error:
             parts.rows.fail(rollout_id, error)  # wakes any waiter on this rollout with the error
             raise
+        return out, rows, dict(timer.seconds)
+
+    def _deliver(self, rollout_id: int, out: RolloutOutput, rows: list[TrainRow]) -> None:
+        self.parts.rows.put(rollout_id, rows, train_row_count=out.train_row_count, final=out.train_row_count is None)
         if self.opt.save_rollouts:
             save_raw_rollout(self.opt.run_root / "rollouts_raw", rollout_id, out)
+
+    def _train(self, rollout_id: int, timer: StageTimer) -> dict[str, float]:
         with timer("train"):
-            consumed = parts.rows.get_rollout(rollout_id, timeout_s=self.cfg.queue.timeout_s)
+            consumed = self.parts.rows.get_rollout(rollout_id, timeout_s=self.cfg.queue.timeout_s)
             try:
-                metrics = parts.policy.train_rollout(consumed, rollout_id)
+                return self.parts.policy.train_rollout(consumed, rollout_id)
             except NonFiniteUpdateError as error:  # the step was not applied; stop before any checkpoint
                 raise TrainingError(str(error)) from error
-        with timer("sync"):
-            # Served engines reload this folder (as SGLang's update_weights_from_disk does); in-process
-            # engines copy the weights and never touch it.
-            parts.rollout.sync_from(parts.policy.weight_source(self.opt.run_root / "weights_sync", parts.tokenizer))
+
+    def _finish(self, rollout_id: int, out: RolloutOutput, rows: list[TrainRow], metrics: dict[str, float],
+                seconds: dict[str, float], logger: RunLogger) -> dict[str, float]:
+        """Check the row ledger, then log the step's metrics and trajectories."""
+        parts = self.parts
         stats = parts.rows.stats(rollout_id)
         counts = {"rows/saved": float(len(rows)), "rows/transferred": float(stats["rows_put"]),
                   "rows/consumed": metrics["rows/consumed"]}
@@ -247,12 +270,51 @@ class Trainer:
             raise TrainingError(f"rollout {rollout_id}: row counts differ: {counts}")
         metrics.update(out.metrics)
         metrics.update(counts)
-        metrics.update(timer.metrics())
-        metrics["perf/tokens_per_s"] = out.metrics.get("tokens/generated", 0.0) / max(timer.seconds["rollout"], 1e-9)
+        metrics.update({f"time/{stage}_s": value for stage, value in seconds.items()})
+        metrics["perf/tokens_per_s"] = out.metrics.get("tokens/generated", 0.0) / max(seconds["rollout"], 1e-9)
         metrics.update(device_stats())
         logger.log_metrics(rollout_id, metrics)
         logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer) for t in out.trajectories + out.dropped])
         return metrics
+
+    def _saves_after(self, rollout_id: int) -> bool:
+        return (rollout_id + 1) % self.cfg.train.save_interval == 0 or rollout_id == self.cfg.train.num_rollout - 1
+
+    def _overlapped_steps(self, logger: RunLogger) -> Callable[[int, RunLogger], dict[str, float]]:
+        """Start the producer thread (memrl/train/pipeline.py); return the trainer's side of each step."""
+        cfg, parts = self.cfg, self.parts
+        start, k = parts.start_rollout_id, cfg.train.max_staleness
+        board = WeightBoard(start, cfg.queue.timeout_s)
+        self._producer = Producer(
+            range(start, cfg.train.num_rollout), self._produce, self._deliver, parts.rollout.sync_from,
+            lambda rollout_id: sampling_version(rollout_id, start, k, self._saves_after), board, parts.rows.fail)
+        if trainer_device(cfg).type == "cpu" and torch.get_num_threads() > 1:
+            # torch's intra-op pool is shared: half the threads each, so the two stages use different cores.
+            torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+        self._producer.start(engine_version=start)
+
+        def trained_step(rollout_id: int, logger: RunLogger) -> dict[str, float]:
+            timer = StageTimer()
+            with timer("wait_rows"):  # the trainer idles here while the producer is behind
+                try:
+                    consumed = parts.rows.get_rollout(rollout_id, timeout_s=cfg.queue.timeout_s)
+                except QueueError as error:
+                    raise TrainingError(f"pipeline: {error}") from error
+            with timer("train"):
+                try:
+                    metrics = parts.policy.train_rollout(consumed, rollout_id)
+                except NonFiniteUpdateError as error:
+                    raise TrainingError(str(error)) from error
+            with timer("publish"):  # a copy: the trainer goes on changing its own tensors in place
+                weights = parts.policy.weight_source(self.opt.run_root / "weights_sync").whole_weights()
+                board.publish(rollout_id + 1, {name: t.detach().clone() for name, t in weights.items()})
+            produced = self._producer.take(rollout_id)
+            metrics["pipeline/staleness"] = float(rollout_id - produced.version)
+            metrics["pipeline/producer_wait_s"] = produced.waited_s
+            return self._finish(rollout_id, produced.out, produced.rows, metrics,
+                                {**produced.seconds, **timer.seconds}, logger)
+
+        return trained_step
 
     def save(self, rollout_id: int) -> Path | None:
         return self.parts.policy.save_checkpoint(self.opt.run_root, rollout_id, checkpoint_state(self.cfg, rollout_id),
@@ -266,22 +328,28 @@ class Trainer:
         bar = tqdm(range(parts.start_rollout_id, cfg.train.num_rollout), desc="train", unit="step",
                    disable=not self.opt.progress)
         last_saved = None
+        steps = self.step if cfg.train.max_staleness == 0 else self._overlapped_steps(logger)
         try:
             for rollout_id in bar:
-                metrics = self.step(rollout_id, logger)
+                metrics = steps(rollout_id, logger)
                 history.append(metrics)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                 rows=int(metrics["rows/consumed"]))
-                last = rollout_id == cfg.train.num_rollout - 1
-                if (rollout_id + 1) % cfg.train.save_interval == 0 or last:
+                if self._saves_after(rollout_id):
                     last_saved = self.save(rollout_id)
         except KeyboardInterrupt:
             log.warning("interrupted: logs are complete up to the last finished step; last checkpoint: %s", last_saved)
+            raise
+        except BaseException as error:
+            if self._producer is not None:
+                self._producer.board.fail(error)  # a producer waiting for weights stops now
             raise
         finally:
             bar.close()
             logger.write_reward_summary()
             logger.close()
+            if self._producer is not None:
+                self._producer.close(timeout_s=cfg.queue.timeout_s)
             try:
                 parts.rollout.close()
             finally:

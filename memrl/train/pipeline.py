@@ -1,0 +1,140 @@
+"""The overlapped schedule (`train.max_staleness = k >= 1`): rollout n+k generates while step n trains.
+
+A producer thread generates, converts and puts each rollout's rows into the transfer queue; the loop's
+thread trains on them and publishes the weights after every step. Which weights a rollout samples with is
+a pure function of its id, never of timing, so a run is reproducible and resumes exactly:
+
+    version v = the weights after training step v - 1 (a run that starts at rollout s starts with v = s)
+    rollout r samples with version  max(s, r - k),  or  r  when step r - 1 saves a checkpoint
+
+The second rule drains the pipeline at checkpoints: the rollout after a checkpoint samples with the
+checkpoint's own weights, which is what a run resumed from that checkpoint does. With k = 0 every rollout
+samples with version r: the synchronous loop (which `Trainer` runs itself, unchanged, when k = 0).
+
+Faults: every wait is bounded (`queue.timeout_s`); a producer failure fails its rollout in the queue,
+which wakes the trainer with the error; a trainer failure wakes a producer waiting for weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from memrl.engines.base import WeightsInMemory
+from memrl.train.setup import TrainingError
+from memrl.types import RolloutOutput, TrainRow
+
+
+def sampling_version(rollout_id: int, start: int, max_staleness: int, saves_after: Callable[[int], bool]) -> int:
+    """The weight version rollout `rollout_id` samples with (see the module docstring)."""
+    if rollout_id > start and saves_after(rollout_id - 1):
+        return rollout_id
+    return max(start, rollout_id - max_staleness)
+
+
+class WeightBoard:
+    """Weight versions the trainer published, for the producer to take exactly the one it needs.
+
+    A version is a CPU copy of the policy's tensors (the trainer goes on changing its own in place);
+    versions no rollout can still need are dropped, so at most k + 1 copies are held.
+    """
+
+    def __init__(self, start_version: int, timeout_s: float) -> None:
+        self.cond = threading.Condition()
+        self.newest = start_version
+        self.timeout_s = timeout_s
+        self.versions: dict[int, WeightsInMemory] = {}
+        self.error: BaseException | None = None
+
+    def publish(self, version: int, weights: dict[str, Any]) -> None:
+        with self.cond:
+            self.versions[version] = WeightsInMemory(weights)
+            self.newest = version
+            self.cond.notify_all()
+
+    def take(self, version: int) -> WeightsInMemory | None:
+        """Version `version` once published (None: the engine's starting weights), dropping older ones."""
+        deadline = time.monotonic() + self.timeout_s
+        with self.cond:
+            while self.newest < version and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TrainingError(f"pipeline: weight version {version} not published within "
+                                        f"{self.timeout_s:g}s (queue.timeout_s); the trainer is stuck or slow")
+                self.cond.wait(left)
+            if self.error is not None:
+                raise TrainingError(f"pipeline: the trainer failed ({self.error}); generation stops")
+            for old in [v for v in self.versions if v < version]:
+                del self.versions[old]
+            return self.versions.get(version)
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            self.error = error
+            self.cond.notify_all()
+
+
+@dataclass
+class Produced:
+    """What the producer made of one rollout id, for the trainer's metrics and logs."""
+
+    out: RolloutOutput
+    rows: list[TrainRow]
+    seconds: dict[str, float]
+    version: int
+    waited_s: float
+
+
+@dataclass
+class Producer:
+    """The producer thread: for each rollout id, wait for its weight version, sync, generate, convert, put."""
+
+    rollout_ids: range
+    produce: Callable[[int], tuple[RolloutOutput, list[TrainRow], dict[str, float]]]
+    deliver: Callable[[int, RolloutOutput, list[TrainRow]], None]
+    sync: Callable[[WeightsInMemory], None]
+    version_of: Callable[[int], int]
+    board: WeightBoard
+    fail_rollout: Callable[[int, BaseException], None]
+    results: dict[int, Produced] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)
+    engine_version: int = -1
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="memrl-rollout-producer", daemon=True)
+
+    def start(self, engine_version: int) -> None:
+        self.engine_version = engine_version
+        self.thread.start()
+
+    def _run(self) -> None:
+        for rollout_id in self.rollout_ids:
+            if self.stop.is_set():
+                return
+            try:
+                version = self.version_of(rollout_id)
+                start = time.perf_counter()
+                weights = self.board.take(version)
+                waited = time.perf_counter() - start
+                if version != self.engine_version and weights is not None:
+                    self.sync(weights)
+                    self.engine_version = version
+                out, rows, seconds = self.produce(rollout_id)
+                with self.lock:  # before the rows are delivered: the trainer takes both once they are
+                    self.results[rollout_id] = Produced(out, rows, seconds, version, waited)
+                self.deliver(rollout_id, out, rows)
+            except BaseException as error:  # noqa: BLE001 - every failure must reach the trainer
+                self.fail_rollout(rollout_id, error)  # wakes the trainer waiting for these rows
+                return
+
+    def take(self, rollout_id: int) -> Produced:
+        with self.lock:
+            return self.results.pop(rollout_id)
+
+    def close(self, timeout_s: float) -> None:
+        self.stop.set()
+        self.thread.join(timeout_s)

@@ -1,0 +1,105 @@
+"""The overlapped pipeline (train.max_staleness): which weights each rollout samples with, exact resume,
+faults waking the other stage, and the row ledger unchanged."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from memrl.config import ConfigError, load_config
+from memrl.train.controller import TrainingError
+from memrl.train.pipeline import WeightBoard, sampling_version
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_controller import config, make_trainer, read_metrics, tokenizer  # noqa: E402, F401
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_sampling_version_is_a_function_of_the_rollout_id():
+    never = lambda r: False  # noqa: E731
+    assert [sampling_version(r, 0, 0, never) for r in range(4)] == [0, 1, 2, 3]  # k = 0: synchronous
+    assert [sampling_version(r, 0, 1, never) for r in range(4)] == [0, 0, 1, 2]
+    assert [sampling_version(r, 0, 2, never) for r in range(5)] == [0, 0, 0, 1, 2]
+    every_2nd = lambda r: (r + 1) % 2 == 0  # noqa: E731 - checkpoints after steps 1, 3, ...
+    assert [sampling_version(r, 0, 1, every_2nd) for r in range(5)] == [0, 0, 2, 2, 4]  # drained after saves
+    assert [sampling_version(r, 2, 1, every_2nd) for r in range(2, 5)] == [2, 2, 4]  # resumed at 2: the same
+
+
+def test_weight_board_waits_with_a_timeout_and_wakes_on_failure():
+    board = WeightBoard(start_version=0, timeout_s=0.3)
+    assert board.take(0) is None  # the engine's own starting weights
+    board.publish(1, {"w": torch.ones(1)})
+    assert board.take(1).whole_weights()["w"].item() == 1.0
+    start = time.monotonic()
+    with pytest.raises(TrainingError, match="version 2 not published within 0.3s"):
+        board.take(2)
+    assert time.monotonic() - start < 2
+    board.fail(RuntimeError("trainer died"))
+    with pytest.raises(TrainingError, match="trainer died"):
+        board.take(2)
+
+
+def test_overlapped_run_keeps_the_ledger_and_logs_staleness(tokenizer, tmp_path):  # noqa: F811
+    history = make_trainer(tokenizer, tmp_path / "run", config(num_rollout=4, save_interval=2, max_staleness=1)).run()
+    assert [m["rows/saved"] == m["rows/transferred"] == m["rows/consumed"] == 32 for m in history] == [True] * 4
+    # rollout 1 samples with the starting weights (1 step old), rollout 2 with the checkpoint's (drained)
+    assert [m["pipeline/staleness"] for m in history] == [0.0, 1.0, 0.0, 1.0]
+    assert all(m["time/wait_rows_s"] >= 0 and "time/publish_s" in m for m in history)
+    assert all(torch.isfinite(p).all() for p in torch.load(
+        tmp_path / "run" / "checkpoints" / "iter_0000003" / "optimizer.pt", weights_only=True)["state"][0].values())
+
+
+def test_kill_and_resume_mid_run_is_exact_with_max_staleness_1(tokenizer, tmp_path):  # noqa: F811
+    straight = make_trainer(tokenizer, tmp_path / "a", config(num_rollout=4, save_interval=2, max_staleness=1))
+    straight.run()
+    first = make_trainer(tokenizer, tmp_path / "b", config(num_rollout=4, save_interval=2, max_staleness=1))
+
+    def killed(rows, rollout_id, original=first.parts.policy.train_rollout):
+        if rollout_id == 3:
+            raise KeyboardInterrupt  # killed after the checkpoint of step 1, in the middle of step 3
+        return original(rows, rollout_id)
+
+    first.parts.policy.train_rollout = killed
+    with pytest.raises(KeyboardInterrupt):
+        first.run()
+    second = make_trainer(tokenizer, tmp_path / "b", config(num_rollout=4, save_interval=2, max_staleness=1),
+                          load=tmp_path / "b" / "checkpoints" / "iter_0000001")
+    second.run()
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [m["rollout_id"] for m in b] == [0, 1, 2, 3]  # the killed run's step 2 log is replaced on resume
+    assert [m["reward/mean"] for m in a] == [m["reward/mean"] for m in b]
+    assert [m["loss/total"] for m in a] == pytest.approx([m["loss/total"] for m in b], abs=1e-7)
+    for (name, pa), pb in zip(straight.parts.policy.model.named_parameters(), second.parts.policy.model.parameters(),
+                              strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)
+
+
+def test_a_producer_failure_wakes_the_trainer_within_its_timeout(tokenizer, tmp_path):  # noqa: F811
+    cfg = config(num_rollout=4, max_staleness=1, save_interval=10)
+    cfg.queue.timeout_s = 60.0
+    trainer = make_trainer(tokenizer, tmp_path / "run", cfg)
+    real = trainer.parts.rollout.generate
+
+    def generate(rollout_id, records):
+        if rollout_id == 2:
+            raise RuntimeError("engine lost")
+        return real(rollout_id, records)
+
+    trainer.parts.rollout.generate = generate
+    start = time.monotonic()
+    with pytest.raises(TrainingError, match=r"pipeline: rollout 2 failed: RuntimeError\('engine lost'\)"):
+        trainer.run()
+    assert time.monotonic() - start < 30  # woken by the failure, not by the 60 s timeout
+    assert [m["rollout_id"] for m in read_metrics(tmp_path / "run")] == [0, 1]
+
+
+def test_max_staleness_is_refused_where_it_is_not_built():
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_config(None, ["train.max_staleness=1", "train.runtime=ray"])
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_config(None, ["train.max_staleness=1", "rollout.engine=openai", "rollout.server_url=http://x"])
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_config(None, ["train.max_staleness=-1"])
