@@ -52,16 +52,38 @@ async def count_passes(engine: Any, tokenizer: Any, cfg: Config, records: Sequen
     return dict(sorted(counts.items(), key=lambda kv: order[kv[0]])), sorted(failed, key=order.__getitem__)
 
 
+# What Pass@k reads of a config: a `--set` of any other key (training's, or MemAgent's task plugins, which
+# Pass@k uses as they are) would be silently ignored, so it is refused. `eval.limit` is `--limit`.
+READ_KEYS = ("model.", "rollout.", "eval.limit", "eval.concurrency", "data.verify_manifest", "plugins.config_class")
+
+
+def check_read_overrides(sets: Sequence[str]) -> None:
+    """Refuse a `--set` key that `memrl pass-at-k` would not read (a `ConfigError` naming what it reads)."""
+    from memrl.config import ConfigError, parse_override
+
+    for text in sets:
+        key = ".".join(parse_override(text)[0])
+        if any(key == r or (r.endswith(".") and key.startswith(r)) for r in READ_KEYS):
+            continue
+        hint = "; the candidates are --data FILE" if key.startswith("data.") else ""
+        raise ConfigError(f"memrl pass-at-k does not read '{key}' (--set {text}){hint}; it reads "
+                          f"{', '.join(r + '*' if r.endswith('.') else r for r in READ_KEYS)} "
+                          f"(--limit N is eval.limit)")
+
+
 def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | None, data: Path, out: Path, k: int,
                       sets: list[str] | None = None, limit: int | None = None, tokenizer: str | None = None,
                       progress: bool = True) -> dict[str, Any]:
-    """Run Pass@k with the rollout recipe (temperature, seed, chunking) and write the pass-count file."""
+    """Run Pass@k with the rollout recipe (temperature, seed, chunking) and write the pass-count file.
+
+    Overrides, in order (as `memrl eval`): the recipe, `--set`, then `--limit` (= `eval.limit`)."""
     from memrl.config import load_config
     from memrl.eval.runner import load_eval_data, open_engine, resolve_model_source
 
-    cfg = load_config(recipe, list(sets or []))
+    check_read_overrides(list(sets or []))
+    cfg = load_config(recipe, list(sets or []) + ([f"eval.limit={limit}"] if limit is not None else []))
     model, server_url, tokenizer_path = resolve_model_source(cfg, model, server_url, tokenizer)
-    records = load_eval_data(data, verify=cfg.data.verify_manifest)[:limit]
+    records = load_eval_data(data, verify=cfg.data.verify_manifest)[:cfg.eval.limit]
     tok, engine, info = open_engine(cfg, model, server_url, tokenizer_path)
 
     async def run() -> tuple[dict[str, int], list[str]]:
@@ -72,7 +94,8 @@ def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | 
 
     counts, failed = asyncio.run(run())
     result = {"k": k, "pass_counts": counts, "failed": failed, "model": str(model or server_url),
-              "engine": info, "data": str(data), "data_sha256": sha256_file(data),
+              "engine": info, "data": str(data), "data_sha256": sha256_file(data), "limit": cfg.eval.limit,
+              "questions": len(records),
               "rollout": cfg.rollout.model_dump(mode="json"),
               "mixed": sum(0 < c < k for c in counts.values()), "never": sum(c == 0 for c in counts.values()),
               "always": sum(c == k for c in counts.values())}

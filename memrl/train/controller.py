@@ -14,6 +14,10 @@ actors (a rollout pool, the queue in an actor, a trainer group). The loop neithe
 
 Rows saved (converted), transferred (put in the queue) and consumed (trained on) are counted every step
 and must be equal; a mismatch stops the run with both numbers.
+
+With `train.max_staleness = k >= 1` the first three lines run ahead in a producer thread (rollout n+k
+while step n trains; memrl/train/pipeline.py says which weights each rollout samples with), and the loop
+publishes a copy of the weights after each step instead of syncing the engine itself.
 """
 
 from __future__ import annotations
@@ -280,7 +284,7 @@ class Trainer:
     def _saves_after(self, rollout_id: int) -> bool:
         return (rollout_id + 1) % self.cfg.train.save_interval == 0 or rollout_id == self.cfg.train.num_rollout - 1
 
-    def _overlapped_steps(self, logger: RunLogger) -> Callable[[int, RunLogger], dict[str, float]]:
+    def _overlapped_steps(self) -> Callable[[int, RunLogger], dict[str, float]]:
         """Start the producer thread (memrl/train/pipeline.py); return the trainer's side of each step."""
         cfg, parts = self.cfg, self.parts
         start, k = parts.start_rollout_id, cfg.train.max_staleness
@@ -328,7 +332,7 @@ class Trainer:
         bar = tqdm(range(parts.start_rollout_id, cfg.train.num_rollout), desc="train", unit="step",
                    disable=not self.opt.progress)
         last_saved = None
-        steps = self.step if cfg.train.max_staleness == 0 else self._overlapped_steps(logger)
+        steps = self.step if cfg.train.max_staleness == 0 else self._overlapped_steps()
         try:
             for rollout_id in bar:
                 metrics = steps(rollout_id, logger)

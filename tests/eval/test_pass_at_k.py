@@ -1,4 +1,8 @@
 import asyncio
+import json
+import re
+
+import pytest
 
 from memrl.config import Config
 from memrl.data.hotpotqa import read_pass_counts, select_by_pass_counts
@@ -44,10 +48,71 @@ def test_pass_counts_match_the_reward_of_each_sample(tiny_tokenizer, tmp_path):
         assert counts[rec.id] == expected
     # the file format prepare-data reads, and the selection it feeds
     path = tmp_path / "pc.json"
-    import json
-
     path.write_text(json.dumps({"k": 8, "pass_counts": counts}))
     read, k = read_pass_counts(path, 8)
     assert read == counts and k == 8
     chosen = select_by_pass_counts(read, 8, num=len([c for c in counts.values() if 0 < c < 8]))
     assert all(0 < counts[i] < 8 for i in chosen)
+
+
+def _candidates(tmp_path, n):
+    from memrl.data.records import write_jsonl
+
+    path = tmp_path / "candidates.jsonl"
+    write_jsonl(path, [QuestionRecord(id=f"q{i}", question=f"Q{i}?", answers=["Paris"], context="", metadata={})
+                       for i in range(n)])
+    return path
+
+
+def _fake_engine(monkeypatch, tokenizer):
+    from memrl.eval import runner
+
+    monkeypatch.setattr(runner, "open_engine", lambda cfg, model, url, tok: (tokenizer, SeedOracle(tokenizer),
+                                                                             {"kind": "fake"}))
+
+
+SMALL = ["rollout.chunk_tokens=64", "rollout.memory_tokens=16", "rollout.final_tokens=16"]
+
+
+@pytest.mark.parametrize(("sets", "limit", "expected"), [
+    (["eval.limit=2"], None, 2),   # the key the issue reported as ignored: 5 questions ran instead of 2
+    ([], 3, 3),                    # --limit
+    (["eval.limit=2"], 4, 4),      # --limit after --set, as `memrl eval` orders them
+    ([], None, 5),
+])
+def test_pass_at_k_reads_the_question_limit(tiny_tokenizer, tmp_path, monkeypatch, sets, limit, expected):
+    from memrl.eval.pass_at_k import pass_at_k_command
+
+    _fake_engine(monkeypatch, tiny_tokenizer)
+    out = tmp_path / "counts.json"
+    result = pass_at_k_command("fake-model", None, None, _candidates(tmp_path, 5), out, k=2, sets=SMALL + sets,
+                               limit=limit, progress=False)
+    assert list(result["pass_counts"]) == [f"q{i}" for i in range(expected)]
+    assert result["questions"] == expected and json.loads(out.read_text())["limit"] == (expected if expected < 5 else None)
+
+
+@pytest.mark.parametrize(("key", "words"), [
+    ("train.lr=1e-5", "does not read 'train.lr'"),
+    ("data.dir=/data", "the candidates are --data FILE"),
+    ("plugins.reward_function=x:y", "does not read 'plugins.reward_function'"),
+    ("algorithm.kl_coef=0", "it reads model.*, rollout.*, eval.limit"),
+])
+def test_pass_at_k_refuses_a_key_it_would_ignore(tiny_tokenizer, tmp_path, monkeypatch, key, words):
+    from memrl.config import ConfigError
+    from memrl.eval.pass_at_k import pass_at_k_command
+
+    _fake_engine(monkeypatch, tiny_tokenizer)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        pass_at_k_command("fake-model", None, None, _candidates(tmp_path, 2), tmp_path / "c.json", k=2,
+                          sets=SMALL + [key], progress=False)
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_pass_at_k_cli_refuses_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from memrl.cli import app
+
+    result = CliRunner().invoke(app, ["pass-at-k", "--model", "m", "--data", str(_candidates(tmp_path, 1)),
+                                      "--out", str(tmp_path / "c.json"), "--set", "train.num_rollout=3"])
+    assert result.exit_code == 2 and "does not read 'train.num_rollout'" in result.output
