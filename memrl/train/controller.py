@@ -38,9 +38,9 @@ from memrl.engines.base import Engine, WeightSource
 from memrl.engines.factory import training_engine
 from memrl.rollout import RolloutContext, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
-from memrl.train.logging import RunLogger, StageTimer, device_stats
 from memrl.train.pipeline import Producer, WeightBoard, sampling_version
 from memrl.train.queue import QueueError, TransferQueue
+from memrl.train.run_log import RunLogger, StageTimer, device_stats
 from memrl.train.setup import (
     DataSource,
     Plugins,

@@ -13,7 +13,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from memrl.train.logging import REWARD_KEY, read_metrics, reward_summary
+from memrl.train.run_log import REWARD_KEY, read_metrics, reward_summary
 
 # (file stem, title, y label, metric keys drawn as lines on one plot)
 PLOTS: list[tuple[str, str, str, list[str]]] = [

@@ -131,7 +131,7 @@ def test_replay_trains_on_identical_rows(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_uses_actor_weights_after_sync(tokenizer, tmp_path, temperature):
-    from memrl.train.logging import RunLogger
+    from memrl.train.run_log import RunLogger
     from memrl.types import TrainRow
 
     cfg = config(num_rollout=1)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from memrl.train.logging import RunLogger
 from memrl.train.report import ReportError, moving_average, report_command, write_report
+from memrl.train.run_log import RunLogger
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

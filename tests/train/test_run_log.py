@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from memrl.train.logging import RunLogger, StageTimer, device_stats, read_metrics, reward_summary
+from memrl.train.run_log import RunLogger, StageTimer, device_stats, read_metrics, reward_summary
 
 
 def tensorboard_scalars(run_root) -> dict[str, list[tuple[int, float]]]:
