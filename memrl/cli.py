@@ -215,7 +215,7 @@ def pass_at_k(
     server_url: Annotated[str | None, typer.Option(help="OpenAI-compatible server.")] = None,
     recipe: Annotated[Path | None, typer.Option(help="Recipe whose rollout settings are used.")] = None,
     set_: SetOption = None,
-    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N candidates.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N candidates (eval.limit).")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (required with --server-url).")] = None,
 ) -> None:
     """Count how often a model solves each candidate in k samples (for Pass@k training-set selection)."""
@@ -238,6 +238,17 @@ def config_cmd(
 
     cfg = load_config(recipe, list(set_ or []))
     typer.echo(cfg.to_yaml() if yaml_ else describe_config(cfg), nl=False)
+
+
+@app.command("env")
+def env_cmd(json_: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead.")] = False) -> None:
+    """Versions, devices, installed extras and the paths memrl reads: one screen for a bug report."""
+    import json
+
+    from memrl.env_report import collect_env, format_env
+
+    report = collect_env()
+    typer.echo(json.dumps(report, indent=2) if json_ else format_env(report), nl=json_)
 
 
 # ------------------------------------------------------------------------------------------ eval, compare

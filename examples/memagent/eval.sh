@@ -9,7 +9,9 @@
 # A served model instead of a local one: SERVER_URL=http://127.0.0.1:8000 TOKENIZER_PATH=/data/models/Qwen3-0.6B
 # (vLLM, SGLang or `memrl serve`). Rerunning the same command resumes an interrupted evaluation.
 # EXTRA_ARGS go to `memrl eval` as they are, e.g. EXTRA_ARGS="--limit 16 --set eval.concurrency=8".
+# Relative paths are read from the current directory; the recipes are this repository's.
 set -euo pipefail
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 
 MODEL_PATH="${MODEL_PATH:-}"
 SERVER_URL="${SERVER_URL:-}"
@@ -38,7 +40,7 @@ read -r -a extra <<< "$EXTRA_ARGS"
 
 case "$TASK" in
   ruler)
-    RECIPE="${RECIPE:-recipes/ruler-hqa-eval.yaml}"
+    RECIPE="${RECIPE:-$REPO/recipes/ruler-hqa-eval.yaml}"
     read -r -a lengths <<< "$LENGTHS"
     for n in "${lengths[@]}"; do
       $MEMRL eval "${model_args[@]}" --recipe "$RECIPE" --data "$DATA_DIR/ruler_hqa/eval_$n.json" \
@@ -46,7 +48,7 @@ case "$TASK" in
     done
     ;;
   heldout)
-    RECIPE="${RECIPE:-recipes/qwen3-0.6b-hotpotqa.yaml}"  # the short training settings (512/128/4)
+    RECIPE="${RECIPE:-$REPO/recipes/qwen3-0.6b-hotpotqa.yaml}"  # the short training settings (512/128/4)
     $MEMRL eval "${model_args[@]}" --recipe "$RECIPE" --data "$DATA_DIR/hotpotqa_heldout.jsonl" \
       --out "$RESULTS_DIR/heldout" "${extra[@]}"
     ;;

@@ -17,6 +17,7 @@
 # Exit status: 0 when every length passes abs(sub_EM_relax - sub_EM_vime) <= MAX_SUB_EM_DIFF pp,
 # 1 when a threshold fails, 2 when results cannot be compared (the message says what differs).
 set -euo pipefail
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 
 : "${BASE_MODEL_PATH:?set BASE_MODEL_PATH (base model folder)}"
 : "${VIME_MODEL_PATH:?set VIME_MODEL_PATH (VIME checkpoint, Hugging Face folder)}"
@@ -25,7 +26,7 @@ TOKENIZER_PATH="${TOKENIZER_PATH:-$BASE_MODEL_PATH}"
 DATA_DIR="${DATA_DIR:-data}"
 RESULTS_DIR="${RESULTS_DIR:-results/paired}"
 LENGTHS="${LENGTHS:-50 200 800}"
-RECIPE="${RECIPE:-recipes/ruler-hqa-eval.yaml}"
+RECIPE="${RECIPE:-$REPO/recipes/ruler-hqa-eval.yaml}"
 MAX_SUB_EM_DIFF="${MAX_SUB_EM_DIFF:-3}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"          # passed to every `memrl eval`, e.g. "--limit 16"
 MEMRL="${MEMRL:-memrl}"

@@ -63,7 +63,9 @@ def check_read_overrides(sets: Sequence[str]) -> None:
 
     for text in sets:
         key = ".".join(parse_override(text)[0])
-        if any(key == r or (r.endswith(".") and key.startswith(r)) for r in READ_KEYS):
+        # a key it reads, or a whole section it reads all of (`--set 'eval={limit: 16}'`)
+        if any(key == r or (r.endswith(".") and key.startswith(r)) for r in READ_KEYS) or \
+                key in ("model", "rollout", "eval"):
             continue
         hint = "; the candidates are --data FILE" if key.startswith("data.") else ""
         raise ConfigError(f"memrl pass-at-k does not read '{key}' (--set {text}){hint}; it reads "

@@ -78,6 +78,7 @@ SMALL = ["rollout.chunk_tokens=64", "rollout.memory_tokens=16", "rollout.final_t
     (["eval.limit=2"], None, 2),   # the key the issue reported as ignored: 5 questions ran instead of 2
     ([], 3, 3),                    # --limit
     (["eval.limit=2"], 4, 4),      # --limit after --set, as `memrl eval` orders them
+    (["eval={limit: 1}"], None, 1),
     ([], None, 5),
 ])
 def test_pass_at_k_reads_the_question_limit(tiny_tokenizer, tmp_path, monkeypatch, sets, limit, expected):
