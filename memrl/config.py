@@ -207,8 +207,9 @@ class TrainConfig(Section):
     max_staleness: int = Field(
         0, ge=0, description="Overlap rollout and training: rollout n+k may generate while step n trains, with "
         "weights at most k steps old (PPO ratios against the rollout's own log-probs; algorithm.tis_cap corrects "
-        "the gap). 0 = the synchronous loop. Drains at checkpoints, so resume stays exact. Local runtime with the "
-        "in-process engine only, for now."
+        "the gap). 0 = the synchronous loop. Drains at checkpoints, so resume stays exact. queue.timeout_s then also "
+        "bounds the trainer's wait for a rollout still generating. Local runtime with the in-process engine only, "
+        "for now."
     )
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="How data-parallel trainer workers (runtime ray) hold the model: `ddp` keeps a full "

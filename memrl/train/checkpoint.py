@@ -223,6 +223,12 @@ def remove_dead_writers_tmp(ckpt_dir: Path) -> list[Path]:
     for path in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
         match = _TMP_NAME.match(path.name)
         if match and path.is_dir() and match["host"] == host and not _pid_alive(int(match["pid"])):
+            final = ckpt_dir / path.name.partition(".tmp-")[0]
+            if _is_complete(path) and not final.exists():
+                # Killed between moving an old copy aside and renaming this finished one into place: this
+                # is the checkpoint; put it where it belongs instead of deleting it.
+                os.replace(path, final)
+                continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

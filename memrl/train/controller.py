@@ -58,6 +58,9 @@ from memrl.types import RolloutOutput, TrainRow, Trajectory
 
 log = logging.getLogger("memrl.train")
 
+# How long a stopping run waits for the rollout producer to finish the generation it is in.
+PRODUCER_JOIN_S = 30.0
+
 __all__ = ["LocalRollout", "ReplayRollout", "Trainer", "TrainingError", "TrainingParts", "TrainOptions",
            "local_parts", "train"]
 
@@ -200,10 +203,13 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     # Room for the rollouts in flight at once: this step's and the k the pipeline may generate ahead.
     in_flight = cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1)
     queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.rollout.n_samples, rows_per_trajectory(cfg))
-    # The engine copies the actor's weights after any load, so it starts in sync.
+    # An in-process engine copies the actor's weights (after any load), so it starts in sync; a served
+    # engine serves whatever its server loaded, so a resumed run syncs it to the checkpoint first.
     rollout: RolloutSource = (ReplayRollout(options.replay_rollouts) if options.replay_rollouts else
                               LocalRollout(cfg, training_engine(cfg, actor.model, tokenizer), tokenizer, plugins,
                                            options.progress))
+    if options.load is not None and cfg.rollout.engine == "openai" and not options.replay_rollouts:
+        rollout.sync_from(actor.weight_source(options.run_root / "weights_sync", tokenizer))
     return TrainingParts(tokenizer=tokenizer, data=data, rollout=rollout, rows=queue, policy=actor,
                          convert=plugins.convert, start_rollout_id=start_rollout_id(actor.loaded_state,
                                                                                      options.start_rollout_id))
@@ -216,6 +222,7 @@ class Trainer:
         self.cfg, self.opt = cfg, options
         self.parts = parts if parts is not None else local_parts(cfg, options, **local)
         self._producer: Producer | None = None
+        self._torch_threads = torch.get_num_threads()
 
     def step(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
         """One synchronous step: generate, convert, deliver, train, sync the engine, log."""
@@ -251,9 +258,11 @@ class Trainer:
         return out, rows, dict(timer.seconds)
 
     def _deliver(self, rollout_id: int, out: RolloutOutput, rows: list[TrainRow]) -> None:
-        self.parts.rows.put(rollout_id, rows, train_row_count=out.train_row_count, final=out.train_row_count is None)
+        # The raw file first: once the rows are put (and maybe trained on), a failure could no longer fail
+        # this rollout in the queue, and would reach no one.
         if self.opt.save_rollouts:
             save_raw_rollout(self.opt.run_root / "rollouts_raw", rollout_id, out)
+        self.parts.rows.put(rollout_id, rows, train_row_count=out.train_row_count, final=out.train_row_count is None)
 
     def _train(self, rollout_id: int, timer: StageTimer) -> dict[str, float]:
         with timer("train"):
@@ -287,14 +296,20 @@ class Trainer:
     def _overlapped_steps(self) -> Callable[[int, RunLogger], dict[str, float]]:
         """Start the producer thread (memrl/train/pipeline.py); return the trainer's side of each step."""
         cfg, parts = self.cfg, self.parts
-        start, k = parts.start_rollout_id, cfg.train.max_staleness
+        start, k, end = parts.start_rollout_id, cfg.train.max_staleness, cfg.train.num_rollout
+        if not isinstance(parts.rows, TransferQueue) or not isinstance(parts.policy, Actor):
+            raise TrainingError("train.max_staleness > 0 runs on the local parts (local_parts) only for now")
         board = WeightBoard(start, cfg.queue.timeout_s)
-        self._producer = Producer(
-            range(start, cfg.train.num_rollout), self._produce, self._deliver, parts.rollout.sync_from,
-            lambda rollout_id: sampling_version(rollout_id, start, k, self._saves_after), board, parts.rows.fail)
-        if trainer_device(cfg).type == "cpu" and torch.get_num_threads() > 1:
+
+        def version_of(rollout_id: int) -> int:
+            return sampling_version(rollout_id, start, k, self._saves_after)
+
+        self._producer = Producer(range(start, end), self._produce, self._deliver, parts.rollout.sync_from,
+                                  version_of, board, parts.rows.fail)
+        self._torch_threads = torch.get_num_threads()  # restored when the run ends
+        if trainer_device(cfg).type == "cpu" and self._torch_threads > 1:
             # torch's intra-op pool is shared: half the threads each, so the two stages use different cores.
-            torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+            torch.set_num_threads(max(1, self._torch_threads // 2))
         self._producer.start(engine_version=start)
 
         def trained_step(rollout_id: int, logger: RunLogger) -> dict[str, float]:
@@ -309,9 +324,11 @@ class Trainer:
                     metrics = parts.policy.train_rollout(consumed, rollout_id)
                 except NonFiniteUpdateError as error:
                     raise TrainingError(str(error)) from error
-            with timer("publish"):  # a copy: the trainer goes on changing its own tensors in place
-                weights = parts.policy.weight_source(self.opt.run_root / "weights_sync").whole_weights()
-                board.publish(rollout_id + 1, {name: t.detach().clone() for name, t in weights.items()})
+            version = rollout_id + 1
+            if any(version_of(r) == version for r in range(version, min(version + k, end - 1) + 1)):
+                with timer("publish"):  # a CPU copy: the trainer goes on changing its own tensors in place
+                    weights = parts.policy.weight_source(self.opt.run_root / "weights_sync").whole_weights()
+                    board.publish(version, {name: t.detach().to("cpu", copy=True) for name, t in weights.items()})
             produced = self._producer.take(rollout_id)
             metrics["pipeline/staleness"] = float(rollout_id - produced.version)
             metrics["pipeline/producer_wait_s"] = produced.waited_s
@@ -344,22 +361,28 @@ class Trainer:
         except KeyboardInterrupt:
             log.warning("interrupted: logs are complete up to the last finished step; last checkpoint: %s", last_saved)
             raise
-        except BaseException as error:
-            if self._producer is not None:
-                self._producer.board.fail(error)  # a producer waiting for weights stops now
-            raise
         finally:
             bar.close()
             logger.write_reward_summary()
             logger.close()
-            if self._producer is not None:
-                self._producer.close(timeout_s=cfg.queue.timeout_s)
-            try:
-                parts.rollout.close()
-            finally:
-                parts.rows.close()
-                parts.release()
+            self._close_parts()
         return history
+
+    def _close_parts(self) -> None:
+        producer_gone = True
+        if self._producer is not None:
+            # A producer waiting for weights stops at once; one in the middle of a generation gets a short
+            # while to finish it (the run is over either way: its rows would not be trained on).
+            producer_gone = self._producer.close(timeout_s=PRODUCER_JOIN_S)
+            torch.set_num_threads(self._torch_threads)
+        try:
+            if producer_gone:
+                self.parts.rollout.close()
+            else:  # its event loop is still running a generation: closing it would raise over the real error
+                log.warning("the rollout producer is still generating; its engine is left to the process exit")
+        finally:
+            self.parts.rows.close()
+            self.parts.release()
 
 
 def train(cfg: Config, options: TrainOptions, **kwargs: Any) -> list[dict[str, float]]:

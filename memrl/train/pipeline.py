@@ -5,10 +5,11 @@ thread trains on them and publishes the weights after every step. Which weights 
 a pure function of its id, never of timing, so a run is reproducible and resumes exactly:
 
     version v = the weights after training step v - 1 (a run that starts at rollout s starts with v = s)
-    rollout r samples with version  max(s, r - k),  or  r  when step r - 1 saves a checkpoint
+    rollout r samples with version  max(s, r - k, c + 1),  c the last step before r that saves a checkpoint
 
-The second rule drains the pipeline at checkpoints: the rollout after a checkpoint samples with the
-checkpoint's own weights, which is what a run resumed from that checkpoint does. With k = 0 every rollout
+The third term drains the pipeline at checkpoints: no rollout after a checkpoint samples with weights
+older than the checkpoint's, which is what a run resumed from that checkpoint does (versions never go
+back, for any k). With k = 0 every rollout
 samples with version r: the synchronous loop (which `Trainer` runs itself, unchanged, when k = 0).
 
 Faults: every wait is bounded (`queue.timeout_s`); a producer failure fails its rollout in the queue,
@@ -30,9 +31,11 @@ from memrl.types import RolloutOutput, TrainRow
 
 def sampling_version(rollout_id: int, start: int, max_staleness: int, saves_after: Callable[[int], bool]) -> int:
     """The weight version rollout `rollout_id` samples with (see the module docstring)."""
-    if rollout_id > start and saves_after(rollout_id - 1):
-        return rollout_id
-    return max(start, rollout_id - max_staleness)
+    version = max(start, rollout_id - max_staleness)
+    for step in range(version, rollout_id):  # a checkpoint inside the window drains it
+        if saves_after(step):
+            version = step + 1
+    return version
 
 
 class WeightBoard:
@@ -44,6 +47,7 @@ class WeightBoard:
 
     def __init__(self, start_version: int, timeout_s: float) -> None:
         self.cond = threading.Condition()
+        self.start = start_version
         self.newest = start_version
         self.timeout_s = timeout_s
         self.versions: dict[int, WeightsInMemory] = {}
@@ -69,6 +73,8 @@ class WeightBoard:
                 raise TrainingError(f"pipeline: the trainer failed ({self.error}); generation stops")
             for old in [v for v in self.versions if v < version]:
                 del self.versions[old]
+            if version != self.start and version not in self.versions:
+                raise TrainingError(f"pipeline: weight version {version} was not kept (the trainer skipped it)")
             return self.versions.get(version)
 
     def fail(self, error: BaseException) -> None:
@@ -135,6 +141,10 @@ class Producer:
         with self.lock:
             return self.results.pop(rollout_id)
 
-    def close(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> bool:
+        """Stop the producer (a wait for weights ends now; a generation in progress runs to its end);
+        True when the thread is gone within `timeout_s`."""
         self.stop.set()
+        self.board.fail(TrainingError("the run stopped"))
         self.thread.join(timeout_s)
+        return not self.thread.is_alive()

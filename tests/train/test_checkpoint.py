@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 from memrl.tiny import build_tiny_tokenizer
 from memrl.train import checkpoint as ckpt_mod
 from memrl.train.checkpoint import (
+    COMPLETE_MARKER,
     CheckpointError,
     convert_to_hf_command,
     export_to_hf,
@@ -191,6 +192,17 @@ def test_resume_removes_dead_writers_tmp_folders(tmp_path, leftovers):
     (ckpt_dir / "keep").rename(ckpt_dir / names["dead"])
     load_checkpoint(tmp_path, tiny_model())
     assert _remaining(ckpt_dir, names) == ["live", "no_host", "other_host"]
+
+
+def test_a_finished_checkpoint_left_in_its_tmp_folder_is_put_in_place_not_deleted(tmp_path):
+    # Killed between moving the old iter_X aside and renaming the finished tmp folder: the tmp folder is the
+    # checkpoint (COMPLETE written); the next save recovers it.
+    first, _ = save_simple(tmp_path, 2)
+    tmp = first.with_name(f"{first.name}.tmp-{socket.gethostname()}-{_dead_pid()}")
+    first.rename(tmp)
+    save_simple(tmp_path, 3)
+    assert (first / COMPLETE_MARKER).is_file() and not tmp.exists()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["iter_0000002", "iter_0000003"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads fsync's descriptors back via /proc")

@@ -26,6 +26,9 @@ def test_sampling_version_is_a_function_of_the_rollout_id():
     every_2nd = lambda r: (r + 1) % 2 == 0  # noqa: E731 - checkpoints after steps 1, 3, ...
     assert [sampling_version(r, 0, 1, every_2nd) for r in range(5)] == [0, 0, 2, 2, 4]  # drained after saves
     assert [sampling_version(r, 2, 1, every_2nd) for r in range(2, 5)] == [2, 2, 4]  # resumed at 2: the same
+    # k = 2: never older than the last checkpoint, never going back
+    assert [sampling_version(r, 0, 2, every_2nd) for r in range(6)] == [0, 0, 2, 2, 4, 4]
+    assert [sampling_version(r, 2, 2, every_2nd) for r in range(2, 6)] == [2, 2, 4, 4]
 
 
 def test_weight_board_waits_with_a_timeout_and_wakes_on_failure():
@@ -47,7 +50,9 @@ def test_overlapped_run_keeps_the_ledger_and_logs_staleness(tokenizer, tmp_path)
     assert [m["rows/saved"] == m["rows/transferred"] == m["rows/consumed"] == 32 for m in history] == [True] * 4
     # rollout 1 samples with the starting weights (1 step old), rollout 2 with the checkpoint's (drained)
     assert [m["pipeline/staleness"] for m in history] == [0.0, 1.0, 0.0, 1.0]
-    assert all(m["time/wait_rows_s"] >= 0 and "time/publish_s" in m for m in history)
+    assert all(m["time/wait_rows_s"] >= 0 for m in history)
+    # only versions some rollout samples with are copied: 2 (rollout 2, after the checkpoint of step 1)
+    assert ["time/publish_s" in m for m in history] == [False, True, False, False]
     assert all(torch.isfinite(p).all() for p in torch.load(
         tmp_path / "run" / "checkpoints" / "iter_0000003" / "optimizer.pt", weights_only=True)["state"][0].values())
 
@@ -94,6 +99,50 @@ def test_a_producer_failure_wakes_the_trainer_within_its_timeout(tokenizer, tmp_
         trainer.run()
     assert time.monotonic() - start < 30  # woken by the failure, not by the 60 s timeout
     assert [m["rollout_id"] for m in read_metrics(tmp_path / "run")] == [0, 1]
+
+
+def test_an_interrupt_while_the_producer_waits_for_weights_stops_at_once(tokenizer, tmp_path):  # noqa: F811
+    # The producer is ahead, waiting for the next weight version; Ctrl-C in the trainer must wake it, not
+    # leave the run waiting queue.timeout_s for it (and the engine must still be closed cleanly).
+    cfg = config(num_rollout=6, max_staleness=1, save_interval=10)
+    cfg.queue.timeout_s = 60.0
+    trainer = make_trainer(tokenizer, tmp_path / "run", cfg)
+    real = trainer.parts.policy.train_rollout
+
+    def train_rollout(rows, rollout_id):
+        if rollout_id == 2:
+            time.sleep(0.5)  # the producer has generated rollout 3 and now waits for version 3
+            raise KeyboardInterrupt
+        return real(rows, rollout_id)
+
+    trainer.parts.policy.train_rollout = train_rollout
+    threads = torch.get_num_threads()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert time.monotonic() - start < 20
+    assert not trainer._producer.thread.is_alive() and trainer.parts.rollout.loop.is_closed()
+    assert torch.get_num_threads() == threads  # the pipeline's split of torch threads is undone
+
+
+def test_a_failure_saving_the_raw_rollout_reaches_the_trainer(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    import memrl.train.controller as controller
+
+    cfg = config(num_rollout=4, max_staleness=1, save_interval=10)
+    cfg.queue.timeout_s = 60.0
+    trainer = make_trainer(tokenizer, tmp_path / "run", cfg, save_rollouts=True)
+    real = controller.save_raw_rollout
+
+    def save(directory, rollout_id, out):
+        if rollout_id == 2:
+            raise OSError("disk full")
+        return real(directory, rollout_id, out)
+
+    monkeypatch.setattr(controller, "save_raw_rollout", save)
+    start = time.monotonic()
+    with pytest.raises(TrainingError, match="disk full"):
+        trainer.run()
+    assert time.monotonic() - start < 30
 
 
 def test_max_staleness_is_refused_where_it_is_not_built():

@@ -51,3 +51,30 @@ def test_served_engine_is_reloaded_with_the_trained_weights(tmp_path):
         assert any(not torch.equal(p, trained[n]) for n, p in initial.named_parameters())
         for name, param in reloaded.items():
             torch.testing.assert_close(param, trained[name].detach(), atol=0, rtol=0, msg=name)
+
+
+def test_a_resumed_run_first_syncs_the_served_engine_to_its_checkpoint(tmp_path):
+    # The server still serves the base model; --load must make rollout 1 sample with the checkpoint's weights.
+    model_dir = save_tiny_model(tmp_path / "model", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    records = [QuestionRecord(id="q0", question="Which city?", answers=["Paris"],
+                              context="Document 1: Paris is the capital of France. " * 3, metadata={})]
+    first = Trainer(Config.model_validate({
+        "rollout": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+        "train": {"num_rollout": 1, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
+        "plugins": {"reward_function": f"{__name__}:parity_reward"}}),
+        TrainOptions(run_root=tmp_path / "run", progress=False),
+        model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, records=records)
+    first.run()
+    trained = {n: p.detach().clone() for n, p in first.parts.policy.model.named_parameters()}
+    served = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")  # the base weights
+    with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[tmp_path / "run"])) as url:
+        cfg = Config.model_validate({
+            "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
+                        "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+            "train": {"num_rollout": 1, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
+            "plugins": {"reward_function": f"{__name__}:parity_reward"}})
+        Trainer(cfg, TrainOptions(run_root=tmp_path / "run", progress=False, load=tmp_path / "run"),
+                model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, records=records)
+        for name, param in served.model.named_parameters():  # synced before any rollout of the resumed run
+            torch.testing.assert_close(param, trained[name], atol=0, rtol=0, msg=name)
