@@ -293,7 +293,11 @@ class Config(Section):
         # trajectory): its generate function's module may define `validate_config` (memrl/rollout.py).
         from memrl.rollout import task_hook
 
-        check = task_hook(self.plugins.generate_function, "validate_config")
+        try:
+            check = task_hook(self.plugins.generate_function, "validate_config")
+        except ImportError as error:
+            raise ValueError(f"plugins.generate_function = '{self.plugins.generate_function}': its module does not "
+                             f"import ({error}); install what it needs or fix the path") from error
         if check is not None:
             check(self)
         return self

@@ -131,8 +131,11 @@ def task_hook(generate_function: str, name: str) -> Callable[..., Any] | None:
         generate_function.rpartition(".")[0]
     try:
         module = importlib.import_module(module_name)
-    except ImportError:
-        return None  # the plugin's own import error is reported where the plugin is loaded
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if module_name != missing and not module_name.startswith(missing + "."):
+            raise  # the module exists but imports something missing: say so, not "no hook"
+        return None  # no such module: reported, with a clear message, where the plugin itself is loaded
     hook = getattr(module, name, None)
     return hook if callable(hook) else None
 

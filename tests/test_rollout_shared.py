@@ -51,6 +51,15 @@ def test_rows_per_trajectory_from_the_factor_the_task_or_one():
     assert task_hook("no.such.module:fn", "validate_config") is None
 
 
+def test_a_plugin_module_that_fails_to_import_is_not_taken_for_one_without_hooks(monkeypatch, tmp_path):
+    (tmp_path / "broken_task_for_test.py").write_text("import not_installed_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="not_installed_dependency_xyz"):
+        task_hook("broken_task_for_test:generate", "validate_config")
+    with pytest.raises(ConfigError, match="does not import.*not_installed_dependency_xyz"):
+        load_config(None, ["plugins.generate_function=broken_task_for_test:generate"])
+
+
 def test_a_tasks_validate_config_hook_runs_at_load(monkeypatch):
     module = types.ModuleType("my_task_for_test")
 

@@ -20,7 +20,8 @@ Truncation policies, when N > L (M = max_chunks, C = chunk_tokens):
 - `head`:   read tokens [0, L): the first M chunks;
 - `tail`:   read the last M chunks of the document's chunking, [(ceil(N/C) - M) * C, N) (the last chunk
   may be short, so fewer than L tokens can be read);
-- `center`: MemAgent's (and verl's) token-level policy: read the first and the last floor(L/2) tokens,
+- `center`: MemAgent's token-level policy (its verl fork's `postprocess_data(truncation="center")`):
+  read the first and the last floor(L/2) tokens,
   then cut full chunks across the join; on range(10), C=4, M=2 that is [[0,1,2,3],[6,7,8,9]]. The
   budget is used in full (L tokens, or L-1 when L is odd), and a chunk may straddle the join;
 - `center_chunks`: memrl's first policy, by whole chunks of the document's chunking: the first
@@ -31,6 +32,7 @@ Truncation policies, when N > L (M = max_chunks, C = chunk_tokens):
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,6 +80,7 @@ class Chunks:
 # One added-token-free copy of each tokenizer's backend, built on first use (copying the vocabulary
 # takes ~1 s for Qwen3's 151k tokens; a rollout tokenizes thousands of documents).
 _PLAIN_BACKENDS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_PLAIN_BACKENDS_LOCK = threading.Lock()  # rollout threads (the pipeline's producer, eval) share the cache
 
 
 def _plain_backend(tokenizer: Any) -> Any | None:
@@ -85,15 +88,16 @@ def _plain_backend(tokenizer: Any) -> Any | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    plain = _PLAIN_BACKENDS.get(tokenizer)
-    if plain is None:
-        from tokenizers import Tokenizer
+    with _PLAIN_BACKENDS_LOCK:
+        plain = _PLAIN_BACKENDS.get(tokenizer)
+        if plain is None:
+            from tokenizers import Tokenizer
 
-        spec = json.loads(backend.to_str())
-        spec["added_tokens"] = []
-        spec["truncation"] = spec["padding"] = None
-        plain = _PLAIN_BACKENDS[tokenizer] = Tokenizer.from_str(json.dumps(spec))
-    return plain
+            spec = json.loads(backend.to_str())
+            spec["added_tokens"] = []
+            spec["truncation"] = spec["padding"] = None
+            plain = _PLAIN_BACKENDS[tokenizer] = Tokenizer.from_str(json.dumps(spec))
+        return plain
 
 
 def tokenize_document(tokenizer: Any, text: str) -> list[int]:
