@@ -291,8 +291,6 @@ class Config(Section):
     def _task_accepts_the_config(self) -> Config:
         # The task validates its own settings (e.g. MemAgent: the queue holds max_chunks + 1 rows per
         # trajectory): its generate function's module may define `validate_config` (memrl/rollout.py).
-        from memrl.rollout import task_hook
-
         try:
             check = task_hook(self.plugins.generate_function, "validate_config")
         except ImportError as error:
@@ -320,11 +318,17 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def import_object(spec: str) -> Any:
-    """Load `module:attr` (also `module.attr`); a clear error when either part is missing."""
+def _split_import_path(spec: str) -> tuple[str, str]:
+    """`module:attr` (also `module.attr`) -> (module, attr)."""
     module_name, sep, attr = spec.partition(":")
     if not sep:
         module_name, _, attr = spec.rpartition(".")
+    return module_name, attr
+
+
+def import_object(spec: str) -> Any:
+    """Load `module:attr` (also `module.attr`); a clear error when either part is missing."""
+    module_name, attr = _split_import_path(spec)
     if not module_name or not attr:
         raise ConfigError(f"'{spec}' is not an import path; write it as 'package.module:name'")
     try:
@@ -335,6 +339,22 @@ def import_object(spec: str) -> Any:
         return getattr(module, attr)
     except AttributeError as e:
         raise ConfigError(f"module '{module_name}' has no '{attr}' (from '{spec}')") from e
+
+
+def task_hook(generate_function: str, name: str) -> Any:
+    """The hook `name` of the module that defines `generate_function` (`module:function`), if it has one
+    (memrl/rollout.py lists the hooks a task may define). Here, beside `import_object`, because config
+    validation calls it: the module it loads may import the config, never the other way round."""
+    module_name = _split_import_path(generate_function)[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if module_name != missing and not module_name.startswith(missing + "."):
+            raise  # the module exists but imports something missing: say so, not "no hook"
+        return None  # no such module: reported, with a clear message, where the plugin itself is loaded
+    hook = getattr(module, name, None)
+    return hook if callable(hook) else None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

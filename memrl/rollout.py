@@ -20,12 +20,12 @@ A task's module may also define hooks the framework calls by name:
 from __future__ import annotations
 
 import hashlib
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
 
+from memrl.config import task_hook
 from memrl.engines.base import Engine
 from memrl.types import RolloutOutput, Trajectory
 
@@ -123,21 +123,6 @@ def finish_rollout(groups: Sequence[Sequence[Trajectory]], metrics: dict[str, fl
     out.update(metrics or {})
     row_count = sum(len(t.turns) for t in kept) if one_row_per_turn else None
     return RolloutOutput(trajectories=kept, metrics=out, train_row_count=row_count, dropped=dropped)
-
-
-def task_hook(generate_function: str, name: str) -> Callable[..., Any] | None:
-    """The hook `name` of the module that defines `generate_function` (`module:function`), if it has one."""
-    module_name = generate_function.partition(":")[0] if ":" in generate_function else \
-        generate_function.rpartition(".")[0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        missing = error.name or ""
-        if module_name != missing and not module_name.startswith(missing + "."):
-            raise  # the module exists but imports something missing: say so, not "no hook"
-        return None  # no such module: reported, with a clear message, where the plugin itself is loaded
-    hook = getattr(module, name, None)
-    return hook if callable(hook) else None
 
 
 def rows_per_trajectory(cfg: Any) -> int:

@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from memrl.config import Config, ConfigError, load_config
-from memrl.rollout import RolloutContext, finish_rollout, rows_per_trajectory, task_hook
+from memrl.config import Config, ConfigError, load_config, task_hook
+from memrl.rollout import RolloutContext, finish_rollout, rows_per_trajectory
 from memrl.types import Trajectory, Turn
 
 

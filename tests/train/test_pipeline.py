@@ -82,10 +82,15 @@ def test_kill_and_resume_mid_run_is_exact_with_max_staleness_1(tokenizer, tmp_pa
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)
 
 
-def test_a_producer_failure_wakes_the_trainer_within_its_timeout(tokenizer, tmp_path):  # noqa: F811
-    cfg = config(num_rollout=4, max_staleness=1, save_interval=10)
+def overlapped_trainer(tokenizer, run_root, num_rollout, **opts):  # noqa: F811
+    """k = 1, no checkpoint before the end, and a 60 s queue timeout that a test must never wait out."""
+    cfg = config(num_rollout=num_rollout, max_staleness=1, save_interval=10)
     cfg.queue.timeout_s = 60.0
-    trainer = make_trainer(tokenizer, tmp_path / "run", cfg)
+    return make_trainer(tokenizer, run_root, cfg, **opts)
+
+
+def test_a_producer_failure_wakes_the_trainer_within_its_timeout(tokenizer, tmp_path):  # noqa: F811
+    trainer = overlapped_trainer(tokenizer, tmp_path / "run", num_rollout=4)
     real = trainer.parts.rollout.generate
 
     def generate(rollout_id, records):
@@ -104,9 +109,7 @@ def test_a_producer_failure_wakes_the_trainer_within_its_timeout(tokenizer, tmp_
 def test_an_interrupt_while_the_producer_waits_for_weights_stops_at_once(tokenizer, tmp_path):  # noqa: F811
     # The producer is ahead, waiting for the next weight version; Ctrl-C in the trainer must wake it, not
     # leave the run waiting queue.timeout_s for it (and the engine must still be closed cleanly).
-    cfg = config(num_rollout=6, max_staleness=1, save_interval=10)
-    cfg.queue.timeout_s = 60.0
-    trainer = make_trainer(tokenizer, tmp_path / "run", cfg)
+    trainer = overlapped_trainer(tokenizer, tmp_path / "run", num_rollout=6)
     real = trainer.parts.policy.train_rollout
 
     def train_rollout(rows, rollout_id):
@@ -128,9 +131,7 @@ def test_an_interrupt_while_the_producer_waits_for_weights_stops_at_once(tokeniz
 def test_a_failure_saving_the_raw_rollout_reaches_the_trainer(tokenizer, tmp_path, monkeypatch):  # noqa: F811
     import memrl.train.controller as controller
 
-    cfg = config(num_rollout=4, max_staleness=1, save_interval=10)
-    cfg.queue.timeout_s = 60.0
-    trainer = make_trainer(tokenizer, tmp_path / "run", cfg, save_rollouts=True)
+    trainer = overlapped_trainer(tokenizer, tmp_path / "run", num_rollout=4, save_rollouts=True)
     real = controller.save_raw_rollout
 
     def save(directory, rollout_id, out):
