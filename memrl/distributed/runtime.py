@@ -43,15 +43,7 @@ from memrl.rollout import rows_per_trajectory
 from memrl.train.actor import plan_rollout
 from memrl.train.checkpoint import read_state, resolve_checkpoint
 from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
-from memrl.train.setup import (
-    DataSource,
-    Plugins,
-    load_tokenizer,
-    pad_token_id,
-    seed_everything,
-    start_rollout_id,
-    warn_about_top_p,
-)
+from memrl.train.setup import pad_token_id, run_start, start_rollout_id
 from memrl.types import RolloutOutput, TrainRow
 
 log = logging.getLogger("memrl.distributed")
@@ -215,14 +207,11 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
               records: Sequence[Any] | None = None) -> TrainingParts:
     """The parts of a Ray run (every actor it starts is appended to `handles`). The driver holds no
     policy weights (unless `model` is given, to be shipped to the workers): workers load `model.path`."""
-    seed_everything(cfg.train.seed)
     if model is None and not cfg.model.path:
         raise ConfigError("model.path is not set; pass --set model.path=DIR")
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    data = DataSource.from_config(cfg, records)
+    start = run_start(cfg, tokenizer, records)
+    tokenizer, plugins = start.tokenizer, start.plugins
     load = resolve_checkpoint(options.load) if options.load is not None else None
-    plugins = Plugins.from_config(cfg)
-    warn_about_top_p(cfg)
     queue = RemoteQueue(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples, rows_per_trajectory(cfg),
                         cfg.ray.sync_timeout_s)
     handles.append(queue.actor)
@@ -235,7 +224,7 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
         rollout = RolloutPool(ray, cfg, rollout_opts, tokenizer, model_ref, handles)
         # Start from the trainer's weights (a loaded checkpoint's), as the one-process engine does.
         rollout.sync_from(group.weight_source(options.run_root / "weights_sync", tokenizer))
-    return TrainingParts(tokenizer=tokenizer, data=data, rollout=rollout, rows=queue, policy=group,
+    return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=group,
                          convert=plugins.convert,
                          start_rollout_id=start_rollout_id(read_state(load) if load else None, options.start_rollout_id))
 

@@ -47,12 +47,10 @@ from memrl.train.setup import (
     TrainingError,
     checkpoint_state,
     load_policy,
-    load_tokenizer,
     pad_token_id,
-    seed_everything,
+    run_start,
     start_rollout_id,
     trainer_device,
-    warn_about_top_p,
 )
 from memrl.types import RolloutOutput, TrainRow, Trajectory
 
@@ -192,14 +190,11 @@ class ReplayRollout:
 def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | None = None,
                 tokenizer: Any = None, records: Sequence[Any] | None = None) -> TrainingParts:
     """The parts of a one-process run; `model`, `tokenizer`, `records` replace what the config names."""
-    seed_everything(cfg.train.seed)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    start = run_start(cfg, tokenizer, records)
+    tokenizer, plugins = start.tokenizer, start.plugins
     model = model if model is not None else load_policy(cfg)
-    data = DataSource.from_config(cfg, records)
     # The reference model is the starting policy, also on resume: the actor copies it before any load.
     actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=trainer_device(cfg), load=options.load)
-    plugins = Plugins.from_config(cfg)
-    warn_about_top_p(cfg)
     # Room for the rollouts in flight at once: this step's and the k the pipeline may generate ahead.
     in_flight = cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1)
     queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.rollout.n_samples, rows_per_trajectory(cfg))
@@ -210,7 +205,7 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
                                            options.progress))
     if options.load is not None and cfg.rollout.engine == "openai" and not options.replay_rollouts:
         rollout.sync_from(actor.weight_source(options.run_root / "weights_sync", tokenizer))
-    return TrainingParts(tokenizer=tokenizer, data=data, rollout=rollout, rows=queue, policy=actor,
+    return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=actor,
                          convert=plugins.convert, start_rollout_id=start_rollout_id(actor.loaded_state,
                                                                                      options.start_rollout_id))
 
@@ -264,9 +259,11 @@ class Trainer:
             save_raw_rollout(self.opt.run_root / "rollouts_raw", rollout_id, out)
         self.parts.rows.put(rollout_id, rows, train_row_count=out.train_row_count, final=out.train_row_count is None)
 
-    def _train(self, rollout_id: int, timer: StageTimer) -> dict[str, float]:
-        with timer("train"):
+    def _train(self, rollout_id: int, timer: StageTimer, wait_stage: str = "train") -> dict[str, float]:
+        """Take the step's rows (timed as `wait_stage`) and train on them (timed as `train`)."""
+        with timer(wait_stage):
             consumed = self.parts.rows.get_rollout(rollout_id, timeout_s=self.cfg.queue.timeout_s)
+        with timer("train"):
             try:
                 return self.parts.policy.train_rollout(consumed, rollout_id)
             except NonFiniteUpdateError as error:  # the step was not applied; stop before any checkpoint
@@ -307,23 +304,17 @@ class Trainer:
         self._producer = Producer(range(start, end), self._produce, self._deliver, parts.rollout.sync_from,
                                   version_of, board, parts.rows.fail)
         self._torch_threads = torch.get_num_threads()  # restored when the run ends
-        if trainer_device(cfg).type == "cpu" and self._torch_threads > 1:
+        if parts.policy.device.type == "cpu" and self._torch_threads > 1:
             # torch's intra-op pool is shared: half the threads each, so the two stages use different cores.
             torch.set_num_threads(max(1, self._torch_threads // 2))
         self._producer.start(engine_version=start)
 
         def trained_step(rollout_id: int, logger: RunLogger) -> dict[str, float]:
             timer = StageTimer()
-            with timer("wait_rows"):  # the trainer idles here while the producer is behind
-                try:
-                    consumed = parts.rows.get_rollout(rollout_id, timeout_s=cfg.queue.timeout_s)
-                except QueueError as error:
-                    raise TrainingError(f"pipeline: {error}") from error
-            with timer("train"):
-                try:
-                    metrics = parts.policy.train_rollout(consumed, rollout_id)
-                except NonFiniteUpdateError as error:
-                    raise TrainingError(str(error)) from error
+            try:  # the trainer idles in "wait_rows" while the producer is behind
+                metrics = self._train(rollout_id, timer, wait_stage="wait_rows")
+            except QueueError as error:  # the producer failed this rollout: its error, named
+                raise TrainingError(f"pipeline: {error}") from error
             version = rollout_id + 1
             if any(version_of(r) == version for r in range(version, min(version + k, end - 1) + 1)):
                 with timer("publish"):  # a CPU copy: the trainer goes on changing its own tensors in place

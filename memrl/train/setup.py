@@ -1,8 +1,9 @@
 """What a training run starts from, the same in one process and on Ray: seeds, tokenizer, policy, the
 training questions in their deterministic order, the plugins, and where a resumed run starts.
 
-`memrl.train.controller.local_parts` and `memrl.distributed.runtime.ray_parts` both build their parts
-from these functions, so the two runtimes cannot drift apart in how a run is set up.
+`memrl.train.controller.local_parts` and `memrl.distributed.runtime.ray_parts` both begin with
+`run_start` and build the rest of their parts from these functions, so the two runtimes cannot drift
+apart in how a run is set up.
 """
 
 from __future__ import annotations
@@ -140,3 +141,22 @@ def warn_about_top_p(cfg: Config) -> None:
         log.warning("rollout.top_p = %g < 1: the engine's log-probs are under the nucleus, the trainer's "
                     "under the full softmax (temperature applied); logprob_gap and the PPO ratio include "
                     "that difference. Set rollout.top_p = 1 for matching log-probs.", cfg.rollout.top_p)
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What every runtime's parts start from (`run_start`)."""
+
+    tokenizer: Any
+    data: DataSource
+    plugins: Plugins
+
+
+def run_start(cfg: Config, tokenizer: Any = None, records: Sequence[Any] | None = None) -> RunStart:
+    """Seed every generator, then the tokenizer, the data order and the plugins (`tokenizer` and `records`
+    replace what the config names); warns where the config asks for something lossy (top_p < 1)."""
+    seed_everything(cfg.train.seed)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    start = RunStart(tokenizer, DataSource.from_config(cfg, records), Plugins.from_config(cfg))
+    warn_about_top_p(cfg)
+    return start
