@@ -302,9 +302,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _overlap_where_it_is_built(self) -> Config:
-        if self.train.max_staleness > 0 and (self.train.runtime != "local" or self.rollout.engine != "hf"):
-            raise ValueError("train.max_staleness > 0 (the overlapped pipeline) runs with train.runtime = 'local' "
-                             "and rollout.engine = 'hf' for now; set train.max_staleness = 0 for Ray or a served engine")
+        if self.train.max_staleness > 0 and self.rollout.engine != "hf":
+            raise ValueError("train.max_staleness > 0 (the overlapped pipeline) runs with rollout.engine = 'hf' "
+                             "(in-process engines) for now; set train.max_staleness = 0 for a served engine")
         return self
 
     @model_validator(mode="after")

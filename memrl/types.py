@@ -122,3 +122,6 @@ class RolloutOutput:
     train_row_count: int | None = None
     # Trajectories left out of training (a failed generation in their group), kept for logs.
     dropped: list[Trajectory] = field(default_factory=list)
+    # The rows, when the source converted where it generated (a Ray rollout worker: `RowRef`s to rows in
+    # the object store, memrl/distributed/rows.py); None: the loop converts `trajectories` itself.
+    rows: list[Any] | None = None

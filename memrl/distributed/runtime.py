@@ -1,12 +1,14 @@
 """`memrl train --runtime ray`: the one training loop (`memrl.train.controller.Trainer`), given parts
 that live on Ray actors (`ray_parts`):
 
-    parts.rollout -> RolloutPool    rollout workers; the step's questions are split across them
-    parts.rows    -> RemoteQueue    the TransferQueue in a Ray actor
-    parts.policy  -> TrainerGroup   trainer workers (one torch.distributed group, DDP or FSDP2); the
-                                    driver plans each optimizer step (`plan_rollout`) and sends every
-                                    rank its share; checkpoints: every rank gathers, rank 0 writes (the
-                                    same files as the one-process run)
+    parts.rollout -> RolloutPool    rollout workers; the step's questions are split across them; each
+                                    worker converts its slice and leaves the rows in the object store
+    parts.rows    -> TransferQueue  in the driver, holding one `RowRef` per row (exact counts as in one
+                                    process), never the rows themselves
+    parts.policy  -> TrainerGroup   trainer workers (one torch.distributed group, DDP or FSDP2); every
+                                    rank fetches the step's rows itself, plans the step (`plan_rollout`,
+                                    the same plan on every rank) and trains its share; checkpoints: every
+                                    rank gathers, rank 0 writes (the same files as the one-process run)
 
 Weight sync is the engines' contract (`sync_from(WeightSource)`, memrl/engines/base.py): the group's
 `weight_source` offers the whole weights as an object-store reference (gathered from the shards under
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 
 from memrl.config import Config, ConfigError, RayConfig
-from memrl.distributed.queue_actor import RemoteQueue
+from memrl.distributed.rows import RowRef, is_streamed
 from memrl.distributed.workers import (
     ObjectStoreWeights,
     RolloutWorker,
@@ -43,6 +45,7 @@ from memrl.rollout import rows_per_trajectory
 from memrl.train.actor import plan_rollout
 from memrl.train.checkpoint import read_state, resolve_checkpoint
 from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
+from memrl.train.queue import TransferQueue
 from memrl.train.setup import pad_token_id, run_start, start_rollout_id
 from memrl.types import RolloutOutput, TrainRow
 
@@ -111,13 +114,27 @@ class TrainerGroup:
         self.global_step = int(setups[self.names[0]]["global_step"])
         self.names = [f"trainer rank {r} (pid {setups[n]['pid']})" for r, n in enumerate(self.names)]
 
-    def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
-        """Plan the step once (same plan as one process with train.dp_size ranks); each rank trains its share."""
-        plan = plan_rollout(rows, self.cfg, self.pad_token_id, rollout_id)
-        tokens = sum(len(r.tokens) for r in rows)
-        refs = {name: w.train.remote([shares[rank] for shares in plan], rollout_id, len(rows), tokens)
-                for rank, (name, w) in enumerate(zip(self.names, self.workers, strict=True))}
-        results = wait_named(refs, self.settings.train_timeout_s, f"rollout {rollout_id}: train")
+    def train_rollout(self, rows: list[TrainRow] | list[RowRef], rollout_id: int) -> dict[str, float]:
+        """Train one rollout step; the plan is the one process's with train.dp_size ranks.
+
+        `RowRef`s (rows a rollout worker left in the object store): every rank gets the references, fetches
+        the rows and plans the step itself, so the rows never pass through the driver. Rows (a replayed
+        rollout, converted here): the driver plans once and sends each rank its share.
+        """
+        what = f"rollout {rollout_id}: train"
+        if is_streamed(rows):
+            refs = {name: w.train_streamed.remote(list(rows), rollout_id, self.settings.sync_timeout_s)
+                    for name, w in zip(self.names, self.workers, strict=True)}
+            results = wait_named(refs, self.settings.train_timeout_s, what)
+            fetched = {name: int(result.pop("rows/fetched")) for name, result in results.items()}
+            if set(fetched.values()) != {len(rows)}:  # the ledger, checked where the rows are consumed
+                raise WorkerError(f"{what}: {len(rows)} row references, but the ranks fetched {fetched}")
+        else:
+            plan = plan_rollout(rows, self.cfg, self.pad_token_id, rollout_id)
+            tokens = sum(len(r.tokens) for r in rows)
+            refs = {name: w.train.remote([shares[rank] for shares in plan], rollout_id, len(rows), tokens)
+                    for rank, (name, w) in enumerate(zip(self.names, self.workers, strict=True))}
+            results = wait_named(refs, self.settings.train_timeout_s, what)
         metrics = dict(results[self.names[0]])  # metrics are all-reduced: every rank reports the same
         self.global_step = int(metrics.pop("global_step"))
         return metrics
@@ -134,6 +151,10 @@ class TrainerGroup:
     def publish_weights(self) -> Any:
         """An object ref of the whole weights, put into the object store by rank 0."""
         return self._on_every_rank(lambda w: w.publish_weights.remote(), "weight sync (gather)")
+
+    def weight_snapshot(self) -> ObjectStoreWeights:
+        """The whole weights as of now: rank 0's copy in the object store (immutable), for the pipeline."""
+        return ObjectStoreWeights(self.publish_weights(), self.settings.sync_timeout_s)
 
     def save_pretrained(self, folder: Path, tokenizer: Any = None) -> str:
         return self._on_every_rank(lambda w: w.save_pretrained.remote(str(folder), tokenizer), "weight sync (save)")
@@ -212,9 +233,9 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
     start = run_start(cfg, tokenizer, records)
     tokenizer, plugins = start.tokenizer, start.plugins
     load = resolve_checkpoint(options.load) if options.load is not None else None
-    queue = RemoteQueue(cfg.queue, cfg.train.rollout_batch_size, cfg.rollout.n_samples, rows_per_trajectory(cfg),
-                        cfg.ray.sync_timeout_s)
-    handles.append(queue.actor)
+    # The driver's queue holds row references (memrl/distributed/rows.py), the rows stay in the object store.
+    queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1),
+                                      cfg.rollout.n_samples, rows_per_trajectory(cfg))
     model_ref = ray.put(model) if model is not None else None
     trainer_opts, rollout_opts = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)
     group = TrainerGroup(ray, cfg, trainer_opts, pad_token_id(tokenizer), model_ref, load, handles)

@@ -99,7 +99,8 @@ def merge_rollout_outputs(outputs: list[RolloutOutput]) -> RolloutOutput:
     row_counts = [o.train_row_count for o in outputs]
     return RolloutOutput(trajectories=[t for o in outputs for t in o.trajectories], metrics=metrics,
                          train_row_count=None if any(c is None for c in row_counts) else sum(row_counts),
-                         dropped=[t for o in outputs for t in o.dropped])
+                         dropped=[t for o in outputs for t in o.dropped],
+                         rows=None if any(o.rows is None for o in outputs) else [r for o in outputs for r in o.rows])
 
 
 class ObjectStoreWeights(Mapping):
@@ -190,6 +191,19 @@ class TrainerWorker:
         metrics["global_step"] = float(self.actor.global_step)
         return metrics
 
+    def train_streamed(self, refs: list[Any], rollout_id: int, timeout_s: float) -> dict[str, float]:
+        """One rollout step from row references (`RowRef`s): this rank fetches the rows from the object store
+        and plans the step itself; planning is a pure function of the rows, so every rank plans alike."""
+        from memrl.distributed.rows import fetch_rows
+        from memrl.train.actor import plan_rollout
+
+        rows = fetch_rows(refs, timeout_s)
+        plan = plan_rollout(rows, self.cfg, self.actor.pad_token_id, rollout_id)
+        metrics = self.train([shares[self.rank] for shares in plan], rollout_id, len(rows),
+                             sum(len(r.tokens) for r in rows))
+        metrics["rows/fetched"] = float(len(rows))
+        return metrics
+
     # The methods below are called on every rank at once (under FSDP they gather the shards); only rank 0
     # returns or writes anything.
 
@@ -240,21 +254,32 @@ class RolloutWorker:
         local = cfg.rollout.engine != "openai"
         self.engine = training_engine(cfg, _load_model(cfg, model) if local else None, self.tokenizer)
         plugins = Plugins.from_config(cfg)
-        self.generate_fn, self.reward_fn = plugins.generate, plugins.reward
+        self.generate_fn, self.reward_fn, self.convert_fn = plugins.generate, plugins.reward, plugins.convert
         self.loop = asyncio.new_event_loop()
 
     def ping(self) -> int:
         return os.getpid()
 
     def generate(self, rollout_id: int, records: list[Any], slot_offset: int = 0) -> RolloutOutput:
-        """Trajectories (with rewards) of `records`, the slice of the step's batch starting at `slot_offset`."""
+        """Trajectories (with rewards) of `records`, the slice of the step's batch starting at `slot_offset`,
+        and their rows: converted here and left in the object store (`RolloutOutput.rows` are `RowRef`s).
+
+        Converting a slice gives the rows converting the whole batch would: advantages are per prompt group
+        and a group never spans slices; the plan takes rows in group order whatever the slicing
+        (`memrl.train.actor.plan_rollout`).
+        """
+        from memrl.distributed.rows import put_rows
         from memrl.rollout import RolloutContext
 
         ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
                              reward_function=self.reward_fn, progress=False)
         # Slots (positions in the batch) name groups and seed requests: a slice keeps its batch positions.
         ctx.slot_offset = slot_offset
-        return self.loop.run_until_complete(self.generate_fn(ctx, records))
+        out = self.loop.run_until_complete(self.generate_fn(ctx, records))
+        start = time.perf_counter()
+        out.rows = put_rows(self.convert_fn(out.trajectories, self.cfg.algorithm, rollout_id))
+        out.metrics["time/convert_in_worker_s"] = time.perf_counter() - start
+        return out
 
     def sync_from(self, source: Any) -> None:
         """The engine to `source`'s weights (a `WeightSource`: an object-store reference, or a folder)."""

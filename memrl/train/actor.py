@@ -103,8 +103,14 @@ def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: 
 
 def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[list[RankShare]]:
     """`[optimizer step][rank] -> RankShare` for one rollout step's rows (prompt groups kept in one step),
-    after the rows are validated (`validate_train_rows`): whoever trains them plans them through here."""
+    after the rows are validated (`validate_train_rows`): whoever trains them plans them through here.
+
+    Rows are taken in `group_id` order (a stable sort, so a group's rows keep theirs): the plan depends on
+    the step's rows, not on how the batch was cut across rollout workers. The converters already emit
+    rows in that order, so for one process the sort changes nothing.
+    """
     validate_train_rows(rows)
+    rows = sorted(rows, key=lambda r: r.group_id)
     return [plan_optimizer_step(step, config, pad_token_id, rollout_id)
             for step in split_optimizer_steps(rows, config.train.num_optimizer_steps)]
 
@@ -300,6 +306,14 @@ class Actor:
     def weight_source(self, folder: str | Path, tokenizer: Any = None) -> ActorWeights:
         """This (one-process) actor's current weights as an engine's `WeightSource`."""
         return ActorWeights(self, Path(folder), tokenizer)
+
+    def weight_snapshot(self) -> dict[str, Tensor]:
+        """The whole weights as they are now, copied (training goes on changing its own tensors in place):
+        what the overlapped pipeline hands a rollout that samples with this version later."""
+        weights = self.full_state_dict()
+        if weights is None:
+            raise ActorError("weight_snapshot is for the one-process actor (rank 0 of 1)")
+        return weights
 
     def save_checkpoint(self, run_root: str | Path, rollout_id: int, state: dict[str, Any],
                         tokenizer: Any = None) -> Path | None:

@@ -3,14 +3,16 @@
     for rollout_id in range(start, num_rollout):
         records = parts.data.batch(rollout_id)               # same ids after a resume
         out     = parts.rollout.generate(rollout_id, records) # async rollouts with rewards
-        rows    = parts.convert(out.trajectories, ...)       # validate -> GRPO -> expand (1:N)
+        rows    = parts.convert(out.trajectories, ...)       # validate -> GRPO -> expand (1:N), or the
+                                                             # rows a Ray rollout worker converted (refs)
         parts.rows.put(rollout_id, rows, out.train_row_count) # exact row count announced
         metrics = parts.policy.train_rollout(parts.rows.get_rollout(rollout_id), rollout_id)
         parts.rollout.sync_from(parts.policy.weight_source(...)); log; checkpoint
 
 `local_parts` builds them in one process (an engine with a private copy of the policy, or a client of
 a server; the TransferQueue; the `Actor`); `memrl.distributed.runtime.ray_parts` builds them on Ray
-actors (a rollout pool, the queue in an actor, a trainer group). The loop neither knows nor asks which.
+actors (a rollout pool, a trainer group; the queue holds references to rows that stay in Ray's object
+store). The loop neither knows nor asks which.
 
 Rows saved (converted), transferred (put in the queue) and consumed (trained on) are counted every step
 and must be equal; a mismatch stops the run with both numbers.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -95,16 +97,21 @@ class PolicyTrainer(Protocol):
 
     def weight_source(self, folder: Path, tokenizer: Any = None) -> WeightSource: ...
 
+    def weight_snapshot(self) -> Mapping[str, torch.Tensor]:
+        """The whole weights frozen as they are now, for a rollout that samples with them while training
+        goes on (the overlapped pipeline)."""
+        ...
+
 
 @dataclass
 class TrainingParts:
-    """Everything the loop talks to. `rows` is the row transport (the TransferQueue, or its Ray actor);
+    """Everything the loop talks to. `rows` is the row transport (a TransferQueue of rows, or of references);
     `release` frees what the parts hold beyond their own `close` (Ray actors, placement groups)."""
 
     tokenizer: Any
     data: DataSource
     rollout: RolloutSource
-    rows: Any
+    rows: TransferQueue
     policy: PolicyTrainer
     convert: Callable[..., list[TrainRow]]
     start_rollout_id: int
@@ -238,8 +245,9 @@ class Trainer:
         try:
             with timer("rollout"):
                 out = parts.rollout.generate(rollout_id, parts.data.batch(rollout_id))
-            with timer("convert"):
-                rows = parts.convert(out.trajectories, self.cfg.algorithm, rollout_id)
+            with timer("convert"):  # a source that converted where it generated hands over its rows
+                rows = out.rows if out.rows is not None else parts.convert(out.trajectories, self.cfg.algorithm,
+                                                                           rollout_id)
             # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
             expected = out.train_row_count if out.train_row_count is not None else len(out.trajectories)
             if len(rows) != expected:
@@ -294,8 +302,6 @@ class Trainer:
         """Start the producer thread (memrl/train/pipeline.py); return the trainer's side of each step."""
         cfg, parts = self.cfg, self.parts
         start, k, end = parts.start_rollout_id, cfg.train.max_staleness, cfg.train.num_rollout
-        if not isinstance(parts.rows, TransferQueue) or not isinstance(parts.policy, Actor):
-            raise TrainingError("train.max_staleness > 0 runs on the local parts (local_parts) only for now")
         board = WeightBoard(start, cfg.queue.timeout_s)
 
         def version_of(rollout_id: int) -> int:
@@ -304,7 +310,7 @@ class Trainer:
         self._producer = Producer(range(start, end), self._produce, self._deliver, parts.rollout.sync_from,
                                   version_of, board, parts.rows.fail)
         self._torch_threads = torch.get_num_threads()  # restored when the run ends
-        if parts.policy.device.type == "cpu" and self._torch_threads > 1:
+        if isinstance(parts.policy, Actor) and parts.policy.device.type == "cpu" and self._torch_threads > 1:
             # torch's intra-op pool is shared: half the threads each, so the two stages use different cores.
             torch.set_num_threads(max(1, self._torch_threads // 2))
         self._producer.start(engine_version=start)
@@ -317,9 +323,8 @@ class Trainer:
                 raise TrainingError(f"pipeline: {error}") from error
             version = rollout_id + 1
             if any(version_of(r) == version for r in range(version, min(version + k, end - 1) + 1)):
-                with timer("publish"):  # a CPU copy: the trainer goes on changing its own tensors in place
-                    weights = parts.policy.weight_source(self.opt.run_root / "weights_sync").whole_weights()
-                    board.publish(version, {name: t.detach().to("cpu", copy=True) for name, t in weights.items()})
+                with timer("publish"):  # a copy (or an object-store snapshot): training goes on in place
+                    board.publish(version, parts.policy.weight_snapshot())
             produced = self._producer.take(rollout_id)
             metrics["pipeline/staleness"] = float(rollout_id - produced.version)
             metrics["pipeline/producer_wait_s"] = produced.waited_s

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +41,9 @@ def sampling_version(rollout_id: int, start: int, max_staleness: int, saves_afte
 class WeightBoard:
     """Weight versions the trainer published, for the producer to take exactly the one it needs.
 
-    A version is a CPU copy of the policy's tensors (the trainer goes on changing its own in place);
-    versions no rollout can still need are dropped, so at most k + 1 copies are held.
+    A version is a snapshot of the policy's weights (`weight_snapshot`: a CPU copy in one process, since
+    the trainer goes on changing its own tensors in place; an object-store copy under Ray); versions no
+    rollout can still need are dropped, so at most k + 1 copies are held.
     """
 
     def __init__(self, start_version: int, timeout_s: float) -> None:
@@ -53,7 +54,7 @@ class WeightBoard:
         self.versions: dict[int, WeightsInMemory] = {}
         self.error: BaseException | None = None
 
-    def publish(self, version: int, weights: dict[str, Any]) -> None:
+    def publish(self, version: int, weights: Mapping[str, Any]) -> None:
         with self.cond:
             self.versions[version] = WeightsInMemory(weights)
             self.newest = version

@@ -27,9 +27,10 @@ Invariants:
   finite numbers of seconds > 0 (a NaN timeout waited forever, an infinite one overflowed); a bad one
   is a `QueueError`.
 
-Thread-safe (one `threading.Condition`); used in one process, and wrapped by a Ray actor for the
-distributed runtime (`get_group` is the non-generator form of `iter_groups` for that reason).
-Exceptions carry only a message so they pickle across processes.
+Thread-safe (one `threading.Condition`): the overlapped pipeline's producer thread puts while the loop's
+thread waits. The Ray runtime uses it in the driver too, holding one reference per row (the rows stay in
+Ray's object store, memrl/distributed/rows.py). Exceptions carry only a message so they pickle across
+processes.
 """
 
 from __future__ import annotations

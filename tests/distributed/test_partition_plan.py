@@ -99,3 +99,29 @@ def test_merge_rollout_outputs_adds_counts_and_weights_means():
     assert out.metrics["time/generate_s"] == 5.0
     assert out.metrics["reward/mean"] == pytest.approx(0.5)  # 2 trajectories at 1.0, 2 (1 kept + 1 dropped) at 0.0
     assert merge_rollout_outputs([a, RolloutOutput([], {}, train_row_count=None)]).train_row_count is None
+
+
+def test_the_plan_does_not_depend_on_how_the_batch_was_cut_across_rollout_workers():
+    # Group ids name slots without zero padding ("r0:10:q10" sorts before "r0:2:q2"): one process converts
+    # the whole batch (rows in group_id order), two rollout workers convert slots 0-5 and 6-11 each in
+    # group_id order and the driver concatenates them. Both must train the same rows in the same places.
+    rows = []
+    for slot in range(12):
+        for row in make_rows(slot, 1, 2):
+            row.group_id = f"r0:{slot}:q{slot}"
+            row.trajectory_id = row.group_id + row.trajectory_id[2:]
+            rows.append(row)
+
+    def in_group_order(part):
+        return sorted(part, key=lambda r: r.group_id)
+
+    whole = in_group_order(rows)
+    cut = in_group_order(rows[:len(rows) // 2]) + in_group_order(rows[len(rows) // 2:])
+    assert [r.group_id for r in whole] != [r.group_id for r in cut]  # the transport order does differ
+
+    def plan(ordered):
+        return [[([[(r.trajectory_id, r.turn_index) for r in mb] for mb in share.micro_batches], share.weights)
+                 for share in step] for step in plan_rollout(ordered, cfg(dp_size=2, num_optimizer_steps=2, pad_to_dp=True,
+                                                                          micro_batch_tokens=60), 0, 0)]
+
+    assert plan(cut) == plan(whole)

@@ -295,3 +295,42 @@ def test_single_turn_task_on_two_rollout_workers_equals_one_process_row_for_row(
     assert len({t["group_id"] for t in local}) == 4
     assert runs["local"][0]["rows/consumed"] == runs["ray"][0]["rows/consumed"] == 32
     assert runs["local"][0]["loss/total"] == pytest.approx(runs["ray"][0]["loss/total"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_overlapped_ray_run_streams_row_references_and_matches_the_one_process_pipeline(cluster, tokenizer, tmp_path,
+                                                                                       monkeypatch):
+    # train.max_staleness=1 on Ray (2 rollout workers, 2 DDP ranks): the same schedule of weight versions,
+    # the same trajectories and the same weights as the overlapped one-process run; and the driver's queue
+    # only ever holds references, never rows (they go from the rollout workers to the ranks).
+    from memrl.distributed.rows import RowRef
+    from memrl.train.queue import TransferQueue
+
+    put_kinds = []
+    real_put = TransferQueue.put
+
+    def spy(self, rollout_id, rows, *args, **kwargs):
+        put_kinds.append({type(r).__name__ for r in rows})
+        return real_put(self, rollout_id, rows, *args, **kwargs)
+
+    common = {"dp_size": 2, "max_staleness": 1, "num_rollout": 3, "save_interval": 3, "rollout_batch_size": 2}
+    local = Trainer(config(**common), TrainOptions(run_root=tmp_path / "local", progress=False),
+                    model=tiny(tokenizer), tokenizer=tokenizer, records=records()).run()
+    monkeypatch.setattr(TransferQueue, "put", spy)
+    ray_run = run_ray_training(config(ray_section={"num_rollout_workers": 2}, runtime="ray", **common),
+                               TrainOptions(run_root=tmp_path / "ray", progress=False),
+                               model=tiny(tokenizer), tokenizer=tokenizer, records=records())
+    assert put_kinds == [{RowRef.__name__}] * 3
+    assert [m["pipeline/staleness"] for m in ray_run] == [m["pipeline/staleness"] for m in local] == [0.0, 1.0, 1.0]
+    for got, want in zip(ray_run, local, strict=True):
+        assert got["rows/saved"] == got["rows/transferred"] == got["rows/consumed"] == want["rows/consumed"] == 64
+        assert got["reward/mean"] == want["reward/mean"]
+        assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-6)
+    from safetensors.torch import load_file
+
+    def weights(root):
+        return load_file(str(root / "checkpoints" / "iter_0000002" / "model" / "model.safetensors"))
+
+    want = weights(tmp_path / "local")
+    for name, value in weights(tmp_path / "ray").items():
+        torch.testing.assert_close(value, want[name], atol=1e-5, rtol=0, msg=name)

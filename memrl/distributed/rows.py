@@ -1,0 +1,71 @@
+"""Training rows that go from the rollout worker that made them straight to the trainer ranks.
+
+A rollout worker converts its slice's trajectories into rows and puts them once into Ray's object store
+(`put_rows`); what it returns, and what the driver's TransferQueue holds and counts, are `RowRef`s:
+one small handle per row (the slice's object reference and the row's index in it). Each trainer rank
+fetches the slices itself (`fetch_rows`), so rows never pass through the driver; the driver passes
+references. The queue's exact accounting is unchanged: one `RowRef` per row, and the ranks check that
+every reference resolves to a row (`rows/fetched` in the step's metrics).
+
+The slice's object belongs to the rollout worker that put it (Ray's ownership): if that worker dies
+before the ranks fetch its rows, the fetch fails with an error that says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from memrl.types import TrainRow
+
+
+class RowFetchError(RuntimeError):
+    """A trainer rank could not fetch a step's rows (the driver names the rank that raised it)."""
+
+
+@dataclass(frozen=True)
+class RowRef:
+    """Row `index` of the list of rows held in the object store under `slice_ref`."""
+
+    slice_ref: Any  # ray.ObjectRef of a list[TrainRow]
+    index: int
+
+
+def put_rows(rows: list[TrainRow]) -> list[RowRef]:
+    """`rows` into the object store as one object; one reference per row, in order."""
+    import ray
+
+    ref = ray.put(rows)
+    return [RowRef(ref, k) for k in range(len(rows))]
+
+
+def is_streamed(rows: Sequence[Any]) -> bool:
+    """True when `rows` are references (a Ray rollout's), False when they are the rows themselves."""
+    kinds = {isinstance(r, RowRef) for r in rows}
+    if len(kinds) > 1:
+        raise RowFetchError("a rollout step's rows mix RowRefs and TrainRows; a step comes from one source")
+    return kinds == {True}
+
+
+def fetch_rows(refs: Sequence[RowRef], timeout_s: float) -> list[TrainRow]:
+    """The rows behind `refs`, in order: each slice fetched once, within `timeout_s`."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError
+
+    slices = list(dict.fromkeys(r.slice_ref for r in refs))
+    try:
+        fetched = dict(zip(slices, ray.get(slices, timeout=timeout_s), strict=True))
+    except GetTimeoutError as error:
+        raise RowFetchError(f"the step's rows ({len(slices)} slices) could not be fetched within {timeout_s:g}s "
+                          f"(ray.sync_timeout_s)") from error
+    except RayError as error:  # e.g. the rollout worker that owned the rows died
+        raise RowFetchError(f"the step's rows could not be fetched: the rollout worker that made them is gone? "
+                          f"({type(error).__name__}: {error})") from error
+    rows = []
+    for ref in refs:
+        held = fetched[ref.slice_ref]
+        if not 0 <= ref.index < len(held):
+            raise RowFetchError(f"a row reference points at row {ref.index} of a slice of {len(held)} rows")
+        rows.append(held[ref.index])
+    return rows
