@@ -208,8 +208,8 @@ class TrainConfig(Section):
         0, ge=0, description="Overlap rollout and training: rollout n+k may generate while step n trains, with "
         "weights at most k steps old (PPO ratios against the rollout's own log-probs; algorithm.tis_cap corrects "
         "the gap). 0 = the synchronous loop. Drains at checkpoints, so resume stays exact. queue.timeout_s then also "
-        "bounds the trainer's wait for a rollout still generating. Local runtime with the in-process engine only, "
-        "for now."
+        "bounds the trainer's wait for a rollout still generating. Any runtime and engine (a served engine reloads "
+        "one folder per weight version, RUN_ROOT/weights_versions)."
     )
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="How data-parallel trainer workers (runtime ray) hold the model: `ddp` keeps a full "
@@ -298,13 +298,6 @@ class Config(Section):
                              f"import ({error}); install what it needs or fix the path") from error
         if check is not None:
             check(self)
-        return self
-
-    @model_validator(mode="after")
-    def _overlap_where_it_is_built(self) -> Config:
-        if self.train.max_staleness > 0 and self.rollout.engine != "hf":
-            raise ValueError("train.max_staleness > 0 (the overlapped pipeline) runs with rollout.engine = 'hf' "
-                             "(in-process engines) for now; set train.max_staleness = 0 for a served engine")
         return self
 
     @model_validator(mode="after")

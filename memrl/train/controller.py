@@ -19,7 +19,8 @@ and must be equal; a mismatch stops the run with both numbers.
 
 With `train.max_staleness = k >= 1` the first three lines run ahead in a producer thread (rollout n+k
 while step n trains; memrl/train/pipeline.py says which weights each rollout samples with), and the loop
-publishes a copy of the weights after each step instead of syncing the engine itself.
+publishes a frozen copy of the weights (a folder, for a served engine) after each step instead of
+syncing the engine itself.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from memrl.config import Config
-from memrl.engines.base import Engine, WeightSource
+from memrl.engines.base import Engine, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import training_engine
 from memrl.rollout import RolloutContext, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
@@ -60,6 +62,13 @@ log = logging.getLogger("memrl.train")
 
 # How long a stopping run waits for the rollout producer to finish the generation it is in.
 PRODUCER_JOIN_S = 30.0
+# Under the run root: the overlapped pipeline's weight versions for a served engine, one folder each.
+VERSIONS_DIR = "weights_versions"
+
+
+def _remove_version_folder(source: WeightSource) -> None:
+    if isinstance(source, WeightsOnDisk):
+        shutil.rmtree(source.folder, ignore_errors=True)
 
 __all__ = ["LocalRollout", "ReplayRollout", "Trainer", "TrainingError", "TrainingParts", "TrainOptions",
            "local_parts", "train"]
@@ -302,7 +311,7 @@ class Trainer:
         """Start the producer thread (memrl/train/pipeline.py); return the trainer's side of each step."""
         cfg, parts = self.cfg, self.parts
         start, k, end = parts.start_rollout_id, cfg.train.max_staleness, cfg.train.num_rollout
-        board = WeightBoard(start, cfg.queue.timeout_s)
+        board = WeightBoard(start, cfg.queue.timeout_s, discard=_remove_version_folder)
 
         def version_of(rollout_id: int) -> int:
             return sampling_version(rollout_id, start, k, self._saves_after)
@@ -323,8 +332,8 @@ class Trainer:
                 raise TrainingError(f"pipeline: {error}") from error
             version = rollout_id + 1
             if any(version_of(r) == version for r in range(version, min(version + k, end - 1) + 1)):
-                with timer("publish"):  # a copy (or an object-store snapshot): training goes on in place
-                    board.publish(version, parts.policy.weight_snapshot())
+                with timer("publish"):
+                    board.publish(version, self._frozen_weights(version))
             produced = self._producer.take(rollout_id)
             metrics["pipeline/staleness"] = float(rollout_id - produced.version)
             metrics["pipeline/producer_wait_s"] = produced.waited_s
@@ -332,6 +341,15 @@ class Trainer:
                                 {**produced.seconds, **timer.seconds}, logger)
 
         return trained_step
+
+    def _frozen_weights(self, version: int) -> WeightSource:
+        """The policy's weights now, as a source that stays as it is while training goes on: a folder of
+        this version's own for a served engine (its server reloads it), else a snapshot in memory (a copy,
+        or an object-store copy under Ray)."""
+        if self.cfg.rollout.engine == "openai":
+            folder = self.opt.run_root / VERSIONS_DIR / f"v{version:07d}"
+            return WeightsOnDisk(self.parts.policy.weight_source(folder, self.parts.tokenizer).saved_folder())
+        return WeightsInMemory(self.parts.policy.weight_snapshot())
 
     def save(self, rollout_id: int) -> Path | None:
         return self.parts.policy.save_checkpoint(self.opt.run_root, rollout_id, checkpoint_state(self.cfg, rollout_id),

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from memrl.engines.base import WeightsInMemory
+from memrl.engines.base import WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.train.setup import TrainingError
 from memrl.types import RolloutOutput, TrainRow
 
@@ -41,26 +41,31 @@ def sampling_version(rollout_id: int, start: int, max_staleness: int, saves_afte
 class WeightBoard:
     """Weight versions the trainer published, for the producer to take exactly the one it needs.
 
-    A version is a snapshot of the policy's weights (`weight_snapshot`: a CPU copy in one process, since
-    the trainer goes on changing its own tensors in place; an object-store copy under Ray); versions no
-    rollout can still need are dropped, so at most k + 1 copies are held.
+    A version is a `WeightSource` frozen when it was published: a snapshot of the policy's weights
+    (`weight_snapshot`: a CPU copy in one process, since the trainer goes on changing its own tensors in
+    place; an object-store copy under Ray), or a folder of its own for a served engine to reload. Versions no
+    rollout can still need are dropped (`discard` removes a version's folder), so at most k + 1 are held.
     """
 
-    def __init__(self, start_version: int, timeout_s: float) -> None:
+    def __init__(self, start_version: int, timeout_s: float,
+                 discard: Callable[[WeightSource], None] = lambda source: None) -> None:
         self.cond = threading.Condition()
         self.start = start_version
         self.newest = start_version
         self.timeout_s = timeout_s
-        self.versions: dict[int, WeightsInMemory] = {}
+        self.discard = discard
+        self.versions: dict[int, WeightSource] = {}
         self.error: BaseException | None = None
 
-    def publish(self, version: int, weights: Mapping[str, Any]) -> None:
+    def publish(self, version: int, weights: WeightSource | Mapping[str, Any]) -> None:
+        """Offer `version`: a `WeightSource`, or whole weights (held as `WeightsInMemory`)."""
+        source = weights if isinstance(weights, WeightsOnDisk | WeightsInMemory) else WeightsInMemory(weights)
         with self.cond:
-            self.versions[version] = WeightsInMemory(weights)
+            self.versions[version] = source
             self.newest = version
             self.cond.notify_all()
 
-    def take(self, version: int) -> WeightsInMemory | None:
+    def take(self, version: int) -> WeightSource | None:
         """Version `version` once published (None: the engine's starting weights), dropping older ones."""
         deadline = time.monotonic() + self.timeout_s
         with self.cond:
@@ -73,7 +78,7 @@ class WeightBoard:
             if self.error is not None:
                 raise TrainingError(f"pipeline: the trainer failed ({self.error}); generation stops")
             for old in [v for v in self.versions if v < version]:
-                del self.versions[old]
+                self.discard(self.versions.pop(old))
             if version != self.start and version not in self.versions:
                 raise TrainingError(f"pipeline: weight version {version} was not kept (the trainer skipped it)")
             return self.versions.get(version)
@@ -82,6 +87,12 @@ class WeightBoard:
         with self.cond:
             self.error = error
             self.cond.notify_all()
+
+    def discard_all(self) -> None:
+        """Drop every version still held (the run is over)."""
+        with self.cond:
+            for version in list(self.versions):
+                self.discard(self.versions.pop(version))
 
 
 @dataclass
@@ -102,7 +113,7 @@ class Producer:
     rollout_ids: range
     produce: Callable[[int], tuple[RolloutOutput, list[TrainRow], dict[str, float]]]
     deliver: Callable[[int, RolloutOutput, list[TrainRow]], None]
-    sync: Callable[[WeightsInMemory], None]
+    sync: Callable[[WeightSource], None]
     version_of: Callable[[int], int]
     board: WeightBoard
     fail_rollout: Callable[[int, BaseException], None]
@@ -148,4 +159,7 @@ class Producer:
         self.stop.set()
         self.board.fail(TrainingError("the run stopped"))
         self.thread.join(timeout_s)
-        return not self.thread.is_alive()
+        if self.thread.is_alive():
+            return False
+        self.board.discard_all()  # never while a generation might still be syncing from one of them
+        return True

@@ -78,3 +78,40 @@ def test_a_resumed_run_first_syncs_the_served_engine_to_its_checkpoint(tmp_path)
                 model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, records=records)
         for name, param in served.model.named_parameters():  # synced before any rollout of the resumed run
             torch.testing.assert_close(param, trained[name], atol=0, rtol=0, msg=name)
+
+
+def test_the_overlapped_pipeline_feeds_a_served_engine_one_folder_per_weight_version(tmp_path):
+    # train.max_staleness=1 with rollout.engine=openai: each published version is a folder of its own that
+    # the server reloads before the rollouts that sample with it; the schedule and the samples are those of
+    # the in-process engine's pipeline, and no version folder is left once the run ends.
+    model_dir = save_tiny_model(tmp_path / "model", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    records = [QuestionRecord(id=f"q{k}", question="Which city?", answers=["Paris"],
+                              context=f"Document {k}: Paris is the capital of France. " * 3, metadata={})
+               for k in range(2)]
+
+    def run(root, **rollout):
+        cfg = Config.model_validate({
+            "rollout": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2, "n_samples": 4,
+                        **rollout},
+            "train": {"num_rollout": 3, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10, "max_staleness": 1},
+            "plugins": {"reward_function": f"{__name__}:parity_reward"}})
+        return Trainer(cfg, TrainOptions(run_root=root, progress=False),
+                       model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, records=records).run()
+
+    in_process = run(tmp_path / "local")
+    served = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
+    reloads = []
+    real_reload = served.reload_from_path
+
+    def counting_reload(path):
+        reloads.append(Path(path).name)
+        return real_reload(path)
+
+    served.reload_from_path = counting_reload
+    with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[tmp_path / "run"])) as url:
+        history = run(tmp_path / "run", engine="openai", server_url=url)
+    assert [m["pipeline/staleness"] for m in history] == [m["pipeline/staleness"] for m in in_process] == [0, 1, 1]
+    assert [m["reward/mean"] for m in history] == [m["reward/mean"] for m in in_process]
+    assert reloads == ["v0000001"]  # rollout 2 samples with version 1; rollouts 0 and 1 with the served model's
+    assert not list((tmp_path / "run" / "weights_versions").iterdir())
