@@ -125,6 +125,15 @@ def finish_rollout(groups: Sequence[Sequence[Trajectory]], metrics: dict[str, fl
     return RolloutOutput(trajectories=kept, metrics=out, train_row_count=row_count, dropped=dropped)
 
 
+def record_weight_version(out: RolloutOutput, version: int | None) -> RolloutOutput:
+    """Stamp every trajectory with the weight version its engine sampled with (`metadata["weight_version"]`;
+    the converter copies it onto every row). The framework calls this, so no task plugin has to."""
+    if version is not None:
+        for traj in out.trajectories + out.dropped:
+            traj.metadata["weight_version"] = version
+    return out
+
+
 def rows_per_trajectory(cfg: Any) -> int:
     """The most rows one trajectory may expand to: `queue.train_sample_expansion_factor`, else the task's
     `max_rows_per_trajectory(cfg)`, else 1 (a 1:1 task)."""

@@ -96,6 +96,9 @@ class TrainRow:
     turn_index: int
     rollout_id: int
     is_padding: bool = False
+    # The weight version that sampled the response (version v = the weights after training step v - 1;
+    # the overlapped pipeline samples with older ones, memrl/train/pipeline.py); None when not known.
+    weight_version: int | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -260,7 +260,8 @@ class RolloutWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def generate(self, rollout_id: int, records: list[Any], slot_offset: int = 0) -> RolloutOutput:
+    def generate(self, rollout_id: int, records: list[Any], slot_offset: int = 0,
+                 weight_version: int | None = None) -> RolloutOutput:
         """Trajectories (with rewards) of `records`, the slice of the step's batch starting at `slot_offset`,
         and their rows: converted here and left in the object store (`RolloutOutput.rows` are `RowRef`s).
 
@@ -269,13 +270,13 @@ class RolloutWorker:
         (`memrl.train.actor.plan_rollout`).
         """
         from memrl.distributed.rows import put_rows
-        from memrl.rollout import RolloutContext
+        from memrl.rollout import RolloutContext, record_weight_version
 
         ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
                              reward_function=self.reward_fn, progress=False)
         # Slots (positions in the batch) name groups and seed requests: a slice keeps its batch positions.
         ctx.slot_offset = slot_offset
-        out = self.loop.run_until_complete(self.generate_fn(ctx, records))
+        out = record_weight_version(self.loop.run_until_complete(self.generate_fn(ctx, records)), weight_version)
         start = time.perf_counter()
         out.rows = put_rows(self.convert_fn(out.trajectories, self.cfg.algorithm, rollout_id))
         out.metrics["time/convert_in_worker_s"] = time.perf_counter() - start

@@ -135,5 +135,6 @@ def expand_rows(trajectories: Iterable[Trajectory], advantages: Mapping[str, flo
                 trajectory_id=traj.trajectory_id,
                 turn_index=turn.index,
                 rollout_id=rollout_id,
+                weight_version=traj.metadata.get("weight_version"),
             ))
     return rows

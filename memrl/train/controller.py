@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from memrl.config import Config
 from memrl.engines.base import Engine, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import training_engine
-from memrl.rollout import RolloutContext, rows_per_trajectory
+from memrl.rollout import RolloutContext, record_weight_version, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.pipeline import Producer, WeightBoard, sampling_version
 from memrl.train.queue import QueueError, TransferQueue
@@ -87,7 +87,9 @@ class TrainOptions:
 class RolloutSource(Protocol):
     """Where a step's trajectories come from (an engine in this process, a rollout pool, a replay)."""
 
-    def generate(self, rollout_id: int, records: Sequence[Any]) -> RolloutOutput: ...
+    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
+        """The step's trajectories (with rewards), sampled with weight version `weight_version`."""
+        ...
 
     def sync_from(self, source: WeightSource) -> None: ...
 
@@ -131,7 +133,8 @@ def trajectory_log_record(traj: Trajectory, tokenizer: Any) -> dict[str, Any]:
     """What a researcher reads per trajectory: the memory texts and answer, lengths, reward, status."""
     return {
         "trajectory_id": traj.trajectory_id, "question_id": traj.metadata.get("question_id"),
-        "sample_index": traj.sample_index, "status": traj.status, "reward": traj.reward, "answer": traj.answer,
+        "sample_index": traj.sample_index, "weight_version": traj.metadata.get("weight_version"),
+        "status": traj.status, "reward": traj.reward, "answer": traj.answer,
         "golds": traj.metadata.get("golds"), "error": traj.error,
         "turns": [{"kind": t.kind, "prompt_length": len(t.prompt_ids), "response_length": t.response_length,
                    "finish_reason": t.finish_reason,
@@ -172,10 +175,11 @@ class LocalRollout:
         self.generate_fn, self.reward_fn = plugins.generate, plugins.reward
         self.loop = asyncio.new_event_loop()
 
-    def generate(self, rollout_id: int, records: Sequence[Any]) -> RolloutOutput:
+    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
         ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
                              reward_function=self.reward_fn, progress=self.progress)
-        return self.loop.run_until_complete(self.generate_fn(ctx, list(records)))
+        return record_weight_version(self.loop.run_until_complete(self.generate_fn(ctx, list(records))),
+                                     weight_version)
 
     def sync_from(self, source: WeightSource) -> None:
         self.loop.run_until_complete(self.engine.sync_from(source))
@@ -193,8 +197,8 @@ class ReplayRollout:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
 
-    def generate(self, rollout_id: int, records: Sequence[Any]) -> RolloutOutput:
-        return load_raw_rollout(self.directory, rollout_id)
+    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
+        return load_raw_rollout(self.directory, rollout_id)  # trajectories keep the version they were saved with
 
     def sync_from(self, source: WeightSource) -> None:
         pass  # no engine to sync
@@ -253,7 +257,8 @@ class Trainer:
         parts, timer = self.parts, StageTimer()
         try:
             with timer("rollout"):
-                out = parts.rollout.generate(rollout_id, parts.data.batch(rollout_id))
+                out = parts.rollout.generate(rollout_id, parts.data.batch(rollout_id),
+                                             weight_version=self._version_of(rollout_id))
             with timer("convert"):  # a source that converted where it generated hands over its rows
                 rows = out.rows if out.rows is not None else parts.convert(out.trajectories, self.cfg.algorithm,
                                                                            rollout_id)
@@ -304,6 +309,11 @@ class Trainer:
         logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer) for t in out.trajectories + out.dropped])
         return metrics
 
+    def _version_of(self, rollout_id: int) -> int:
+        """The weight version rollout `rollout_id` samples with (its own id in the synchronous loop)."""
+        return sampling_version(rollout_id, self.parts.start_rollout_id, self.cfg.train.max_staleness,
+                                self._saves_after)
+
     def _saves_after(self, rollout_id: int) -> bool:
         return (rollout_id + 1) % self.cfg.train.save_interval == 0 or rollout_id == self.cfg.train.num_rollout - 1
 
@@ -313,9 +323,7 @@ class Trainer:
         start, k, end = parts.start_rollout_id, cfg.train.max_staleness, cfg.train.num_rollout
         board = WeightBoard(start, cfg.queue.timeout_s, discard=_remove_version_folder)
 
-        def version_of(rollout_id: int) -> int:
-            return sampling_version(rollout_id, start, k, self._saves_after)
-
+        version_of = self._version_of
         self._producer = Producer(range(start, end), self._produce, self._deliver, parts.rollout.sync_from,
                                   version_of, board, parts.rows.fail)
         self._torch_threads = torch.get_num_threads()  # restored when the run ends

@@ -322,6 +322,10 @@ def test_overlapped_ray_run_streams_row_references_and_matches_the_one_process_p
                                model=tiny(tokenizer), tokenizer=tokenizer, records=records())
     assert put_kinds == [{RowRef.__name__}] * 3
     assert [m["pipeline/staleness"] for m in ray_run] == [m["pipeline/staleness"] for m in local] == [0.0, 1.0, 1.0]
+    logged = [{json.loads(line)["weight_version"] for line in
+               (tmp_path / "ray" / "logs" / "rollouts" / f"rollout_{r:07d}.jsonl").read_text().splitlines()}
+              for r in range(3)]
+    assert logged == [{0}, {0}, {1}]  # stamped by the rollout workers, as the rows they convert
     for got, want in zip(ray_run, local, strict=True):
         assert got["rows/saved"] == got["rows/transferred"] == got["rows/consumed"] == want["rows/consumed"] == 64
         assert got["reward/mean"] == want["reward/mean"]

@@ -57,6 +57,29 @@ def test_overlapped_run_keeps_the_ledger_and_logs_staleness(tokenizer, tmp_path)
         tmp_path / "run" / "checkpoints" / "iter_0000003" / "optimizer.pt", weights_only=True)["state"][0].values())
 
 
+def test_every_row_and_logged_trajectory_records_the_weight_version_it_was_sampled_with(tokenizer, tmp_path,  # noqa: F811
+                                                                                        monkeypatch):
+    import json
+
+    from memrl.train.queue import TransferQueue
+
+    versions = {}
+    real_put = TransferQueue.put
+
+    def spy(self, rollout_id, rows, *args, **kwargs):
+        versions[rollout_id] = {r.weight_version for r in rows}
+        return real_put(self, rollout_id, rows, *args, **kwargs)
+
+    monkeypatch.setattr(TransferQueue, "put", spy)
+    for k, want in ((0, [0, 1, 2, 3]), (1, [0, 0, 2, 2])):  # k = 1: drained by the checkpoint after step 1
+        make_trainer(tokenizer, tmp_path / f"k{k}", config(num_rollout=4, save_interval=2, max_staleness=k)).run()
+        assert [versions[r] for r in range(4)] == [{v} for v in want]
+        logged = [{json.loads(line)["weight_version"] for line in
+                   (tmp_path / f"k{k}" / "logs" / "rollouts" / f"rollout_{r:07d}.jsonl").read_text().splitlines()}
+                  for r in range(4)]
+        assert logged == [{v} for v in want]
+
+
 def test_kill_and_resume_mid_run_is_exact_with_max_staleness_1(tokenizer, tmp_path):  # noqa: F811
     straight = make_trainer(tokenizer, tmp_path / "a", config(num_rollout=4, save_interval=2, max_staleness=1))
     straight.run()
@@ -93,10 +116,10 @@ def test_a_producer_failure_wakes_the_trainer_within_its_timeout(tokenizer, tmp_
     trainer = overlapped_trainer(tokenizer, tmp_path / "run", num_rollout=4)
     real = trainer.parts.rollout.generate
 
-    def generate(rollout_id, records):
+    def generate(rollout_id, records, weight_version=None):
         if rollout_id == 2:
             raise RuntimeError("engine lost")
-        return real(rollout_id, records)
+        return real(rollout_id, records, weight_version)
 
     trainer.parts.rollout.generate = generate
     start = time.monotonic()
