@@ -193,7 +193,16 @@ class TrainConfig(Section):
     rollout_batch_size: int = Field(16, gt=0, description="Questions per rollout step.")
     num_optimizer_steps: int = Field(1, gt=0, description="Optimizer steps per rollout step (counted in prompt groups).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps (the first update at lr / "
+                              "warmup_steps).")
+    lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Warmup as a fraction of the run's "
+                                         "optimizer steps (verl's name); used when warmup_steps = 0.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR after warmup: `constant` (HF constant_with_warmup), `linear` or `cosine` decay "
+        "(HF get_scheduler names; verl warmup_style) over the rest of num_rollout x num_optimizer_steps, down to "
+        "min_lr_ratio x lr.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the linear / cosine decay, as a "
+                                "fraction of lr (verl's min_lr_ratio).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
@@ -216,6 +225,14 @@ class TrainConfig(Section):
         "replica per rank; `fsdp` shards weights, gradients and optimizer state (FSDP2) for models that do not "
         "fit one device."
     )
+
+    @model_validator(mode="after")
+    def _one_warmup_and_a_decay_for_the_floor(self) -> TrainConfig:
+        if self.warmup_steps > 0 and self.lr_warmup_steps_ratio > 0:
+            raise ValueError("train.warmup_steps and train.lr_warmup_steps_ratio are both set; set one of them")
+        if self.min_lr_ratio > 0 and self.lr_scheduler == "constant":
+            raise ValueError("train.min_lr_ratio is the floor of a decay; set train.lr_scheduler to linear or cosine")
+        return self
 
 
 class QueueConfig(Section):

@@ -57,6 +57,7 @@ from memrl.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from memrl.train.lr_schedule import build_scheduler
 from memrl.train.partition import (
     equalize_micro_batch_counts,
     micro_batches,
@@ -200,7 +201,8 @@ def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 class Actor:
-    """A causal LM policy with a frozen reference copy (for the KL term), AdamW and a warmup schedule."""
+    """A causal LM policy with a frozen reference copy (for the KL term), AdamW and an LR schedule
+    (`memrl.train.lr_schedule`)."""
 
     def __init__(self, model: torch.nn.Module, config: Config, pad_token_id: int, device: torch.device | None = None,
                  rank: int = 0, world_size: int = 1, load: str | Path | None = None):
@@ -256,9 +258,7 @@ class Actor:
         # After sharding: FSDP replaces the parameters by sharded ones, which the optimizer must hold.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.adam_betas,
                                            weight_decay=t.weight_decay)
-        warmup = t.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+        self.scheduler = build_scheduler(self.optimizer, t)
         self.global_step = 0
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
         if checkpoint is not None:
