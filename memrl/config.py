@@ -113,8 +113,10 @@ class ModelConfig(Section):
 class DataConfig(Section):
     dir: str | None = Field(None, description="Prepared data folder (from `memrl prepare-data`).")
     train_file: str = Field("hotpotqa_train.jsonl", description="Training questions, relative to `dir`.")
-    heldout_file: str = Field("hotpotqa_heldout.jsonl", description="Held-out questions, relative to `dir`.")
-    eval_files: list[str] = Field(default_factory=list, description="Evaluation files, relative to `dir`.")
+    heldout_file: str = Field("hotpotqa_heldout.jsonl", description="Held-out questions, relative to `dir`: the "
+                              "`heldout` validation set when eval.sets is empty.")
+    eval_files: list[str] = Field(default_factory=list, description="More validation files, relative to `dir` (one "
+                                  "set each, named by file stem) when eval.sets is empty.")
     verify_manifest: bool = Field(True, description="Check SHA-256 of every file against its manifest.")
 
 
@@ -225,6 +227,19 @@ class TrainConfig(Section):
         "replica per rank; `fsdp` shards weights, gradients and optimizer state (FSDP2) for models that do not "
         "fit one device."
     )
+    eval_interval: int = Field(0, ge=0, description="Validate on the eval sets (eval.sets) every this many rollout "
+                               "steps and after the last, with the training engine's current weights; 0 = off "
+                               "(verl trainer.test_freq). Results: RUN_ROOT/eval/, logs/eval_metrics.jsonl, "
+                               "TensorBoard eval/<set>/{em,sub_em,f1}.")
+    eval_before_train: bool = Field(False, description="Also validate the starting weights, before the first step "
+                                    "(verl val_before_train); logged as rollout id start - 1.")
+    keep_best: str | None = Field(None, description="Validation metric that picks the best checkpoint, e.g. "
+                                  "eval/heldout/em: a checkpoint is saved at every new best and checkpoints/best.json "
+                                  "names it (OpenRLHF ckpt.best_metric_key). Needs eval_interval > 0.")
+    keep_best_mode: Literal["max", "min"] = Field("max", description="Whether a larger (max) or smaller (min) "
+                                                  "keep_best metric is better.")
+    keep_last_n: int | None = Field(None, gt=0, description="Keep only the newest N checkpoints (never deleting the "
+                                    "latest or the best); unset: keep all.")
 
     @model_validator(mode="after")
     def _one_warmup_and_a_decay_for_the_floor(self) -> TrainConfig:
@@ -244,9 +259,36 @@ class QueueConfig(Section):
     timeout_s: float = Field(1800.0, gt=0, description="Longest any wait on the queue may take.")
 
 
+class EvalSetConfig(Section):
+    """One validation set of `eval.sets`; unset settings are the run's (`rollout.*`, `eval.limit`)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Set name: TensorBoard eval/<name>/em, RUN_ROOT/eval/<name>/.")
+    file: str = Field(description="Prepared JSONL or RULER-HQA eval_N.json, relative to data.dir (or absolute).")
+    limit: int | None = Field(None, gt=0, description="Only the first N questions.")
+    samples: int = Field(1, gt=0, description="Samples per question (sample s uses rollout.seed + s); metrics are the "
+                         "mean over samples.")
+    temperature: float | None = Field(None, ge=0.0, description="Sampling temperature (0 = greedy).")
+    max_chunks: int | None = Field(None, gt=0, description="Chunks read (long RULER documents need more).")
+    memory_tokens: int | None = Field(None, gt=0, description="Token limit of a memory turn.")
+    final_tokens: int | None = Field(None, gt=0, description="Token limit of the final answer turn.")
+
+
 class EvalConfig(Section):
     limit: int | None = Field(None, gt=0, description="Evaluate only the first N questions.")
     concurrency: int = Field(64, gt=0, description="Questions evaluated at once.")
+    sets: list[EvalSetConfig] = Field(
+        default_factory=list, description="Validation sets of training (train.eval_interval), each {name, file, "
+        "limit, samples, temperature, max_chunks, memory_tokens, final_tokens}. Empty: `heldout` = data.heldout_file "
+        "and one set per data.eval_files entry, named by its file stem."
+    )
+
+    @field_validator("sets")
+    @classmethod
+    def _unique_set_names(cls, sets: list[EvalSetConfig]) -> list[EvalSetConfig]:
+        names = [s.name for s in sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.sets names must be unique, got {names}")
+        return sets
 
 
 class RayConfig(Section):
@@ -322,6 +364,24 @@ class Config(Section):
         if self.train.max_staleness > 0 and (self.train.runtime != "local" or self.rollout.engine != "hf"):
             raise ValueError("train.max_staleness > 0 (the overlapped pipeline) runs with train.runtime = 'local' "
                              "and rollout.engine = 'hf' for now; set train.max_staleness = 0 for Ray or a served engine")
+        return self
+
+    @model_validator(mode="after")
+    def _validation_where_it_is_built(self) -> Config:
+        t = self.train
+        if (t.eval_interval > 0 or t.eval_before_train) and (t.runtime != "local" or t.max_staleness > 0):
+            raise ValueError("validation during training (train.eval_interval, train.eval_before_train) uses the "
+                             "in-process rollout engine: it needs train.runtime = 'local' and train.max_staleness = 0 "
+                             "(the pipeline's producer holds the engine); otherwise evaluate checkpoints with memrl eval")
+        if t.keep_best is not None:
+            names = [s.name for s in self.eval.sets] if self.eval.sets else None
+            kind, _, rest = t.keep_best.partition("/")
+            name, _, metric = rest.rpartition("/")
+            if kind != "eval" or metric not in ("em", "sub_em", "f1") or (names is not None and name not in names):
+                raise ValueError(f"train.keep_best = {t.keep_best!r} must be eval/<set>/<em|sub_em|f1> of a validation "
+                                 f"set ({', '.join(names) if names else 'heldout, or a data.eval_files stem'})")
+            if t.eval_interval == 0:
+                raise ValueError("train.keep_best needs validation: set train.eval_interval > 0")
         return self
 
     @model_validator(mode="after")

@@ -9,7 +9,9 @@ Layout of one checkpoint (XXXXXXX = 7-digit rollout id of the last *completed* r
     state.json      {rollout_id, next_rollout_id, data_cursor, global_step, config, memrl_version, created}
     COMPLETE        written last; a directory without it is never loaded or listed
 
-`RUN_ROOT/checkpoints/latest` holds the name of the newest complete checkpoint.
+`RUN_ROOT/checkpoints/latest` holds the name of the newest complete checkpoint; `best.json` (with
+`train.keep_best`) names the one with the best validation metric: {checkpoint, rollout_id, metric, value,
+mode}. `prune_checkpoints` (`train.keep_last_n`) deletes older ones, never the latest or the best.
 
 Invariants:
 - A checkpoint is written into `iter_XXXXXXX.tmp-<host>-<pid>`, every file and folder of it fsynced,
@@ -45,6 +47,7 @@ from safetensors.torch import load_file
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
+BEST_FILE = "best.json"
 COMPLETE_MARKER = "COMPLETE"
 MODEL_DIR = "model"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -319,6 +322,45 @@ def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Modul
             if stale != final:
                 shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def write_best(run_root: str | Path, rollout_id: int, metric: str, value: float, mode: str) -> Path:
+    """Point `best.json` at the complete checkpoint of `rollout_id` (written atomically, after it)."""
+    ckpt_dir = _checkpoints_dir(run_root)
+    name = checkpoint_name(rollout_id)
+    if not _is_complete(ckpt_dir / name):
+        raise CheckpointError(f"best.json may only name a complete checkpoint; {ckpt_dir / name} is not one")
+    record = {"checkpoint": name, "rollout_id": rollout_id, "metric": metric, "value": value, "mode": mode}
+    _write_text_atomic(ckpt_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
+    return ckpt_dir / BEST_FILE
+
+
+def read_best(run_root: str | Path) -> dict[str, Any] | None:
+    """The record of `best.json` when it names a complete checkpoint (else None: none yet, or deleted)."""
+    path = _checkpoints_dir(run_root) / BEST_FILE
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return record if _is_complete(path.parent / str(record.get("checkpoint"))) else None
+
+
+def find_best_checkpoint(run_root: str | Path) -> Path | None:
+    best = read_best(run_root)
+    return None if best is None else _checkpoints_dir(run_root) / best["checkpoint"]
+
+
+def prune_checkpoints(run_root: str | Path, keep_last_n: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep_last_n`, except the latest and the best;
+    returns those deleted."""
+    if keep_last_n < 1:
+        raise CheckpointError(f"keep_last_n = {keep_last_n}; keep at least one checkpoint")
+    keep = {find_latest_checkpoint(run_root), find_best_checkpoint(run_root)}
+    removed = [p for p in list_checkpoints(run_root)[:-keep_last_n] if p not in keep]
+    for path in removed:
+        # Not complete first, then gone: a kill mid-delete leaves a folder nothing lists or loads.
+        (path / COMPLETE_MARKER).unlink()
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------- loading

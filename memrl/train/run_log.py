@@ -3,6 +3,7 @@
     RUN_ROOT/config.yaml                      config snapshot (when one is given)
     RUN_ROOT/logs/train.log                   records of the `memrl` logger (the caller adds a console)
     RUN_ROOT/logs/metrics.jsonl               one line per rollout step: {"rollout_id": N, metric: value}
+    RUN_ROOT/logs/eval_metrics.jsonl          one line per validation (memrl.train.validation): same form
     RUN_ROOT/logs/rollouts/rollout_XXXXXXX.jsonl   one line per trajectory record of that step
     RUN_ROOT/tensorboard/                     event files: one scalar per numeric metric, step = rollout id
     RUN_ROOT/reward_summary.json              per-rollout mean reward, first/last-10 means, best
@@ -11,7 +12,8 @@ Invariants:
 - metrics.jsonl is valid JSON per line: non-finite numbers are written as null (and skipped in
   TensorBoard); lines are flushed as they are written, so a crash loses at most the step in flight.
 - A resumed run (`start_rollout_id`) first drops lines of rollout ids >= start_rollout_id from
-  metrics.jsonl and purges those TensorBoard steps: a step is logged once even if it ran twice.
+  metrics.jsonl and eval_metrics.jsonl and purges those TensorBoard steps: a step is logged once even if
+  it ran twice.
 - Rollout files are written whole (temporary file, then rename): a reader never sees half a file.
 """
 
@@ -79,12 +81,16 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_metrics(run_root: str | Path) -> list[dict[str, Any]]:
-    """The records of RUN_ROOT/logs/metrics.jsonl, one per rollout id (its last line), sorted by id.
+METRICS_FILE, EVAL_METRICS_FILE = "metrics.jsonl", "eval_metrics.jsonl"
+
+
+def read_metrics(run_root: str | Path, filename: str = METRICS_FILE) -> list[dict[str, Any]]:
+    """The records of RUN_ROOT/logs/metrics.jsonl (or `filename`, e.g. EVAL_METRICS_FILE), one per
+    rollout id (its last line), sorted by id.
 
     A torn last line (a crash mid-write) is skipped; any other unreadable line raises ValueError.
     """
-    path = Path(run_root) / "logs" / "metrics.jsonl"
+    path = Path(run_root) / "logs" / filename
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
@@ -135,7 +141,8 @@ class RunLogger:
         self.logs_dir = self.run_root / "logs"
         self.rollouts_dir = self.logs_dir / "rollouts"
         self.tensorboard_dir = self.run_root / "tensorboard"
-        self.metrics_path = self.logs_dir / "metrics.jsonl"
+        self.metrics_path = self.logs_dir / METRICS_FILE
+        self.eval_metrics_path = self.logs_dir / EVAL_METRICS_FILE
         self.config_path = self.run_root / "config.yaml"
         self.reward_summary_path = self.run_root / "reward_summary.json"
         self.rollouts_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +161,8 @@ class RunLogger:
             package_logger.setLevel(logging.INFO)
 
         if start_rollout_id is not None:
-            self._drop_metrics_from(start_rollout_id)
+            self._drop_metrics_from(start_rollout_id, METRICS_FILE)
+            self._drop_metrics_from(start_rollout_id, EVAL_METRICS_FILE)
         self._metrics_file = open(self.metrics_path, "a", encoding="utf-8")
 
         self._writer = None
@@ -164,27 +172,51 @@ class RunLogger:
             # purge_step hides events of steps >= start_rollout_id written by the interrupted run.
             self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=start_rollout_id)
 
-    def _drop_metrics_from(self, start_rollout_id: int) -> None:
-        if not self.metrics_path.is_file():
+    def _drop_metrics_from(self, start_rollout_id: int, filename: str) -> None:
+        path = self.logs_dir / filename
+        if not path.is_file():
             return
-        kept = [r for r in read_metrics(self.run_root) if int(r["rollout_id"]) < start_rollout_id]
-        _write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        kept = [r for r in read_metrics(self.run_root, filename) if int(r["rollout_id"]) < start_rollout_id]
+        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log_metrics(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Append one metrics line and one TensorBoard scalar per finite numeric value; returns the line."""
-        record: dict[str, Any] = {"rollout_id": int(rollout_id)}
-        record.update({str(k): _json_safe(v) for k, v in metrics.items()})
+        record = self._record(rollout_id, metrics)
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
+        numeric = self._scalars(rollout_id, record)
+        summary = " ".join(f"{k}={v:.4g}" for k, v in numeric.items())
+        logging.getLogger(LOGGER_NAME).info("rollout %d: %s", rollout_id, summary)
+        return record
+
+    def log_eval(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """One validation's metrics (`eval/<set>/<metric>`): a line of eval_metrics.jsonl (appended whole,
+        flushed and fsynced) and TensorBoard scalars at step `rollout_id`; returns the line."""
+        record = self._record(rollout_id, metrics)
+        with open(self.eval_metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        numeric = self._scalars(rollout_id, record)
+        logging.getLogger(LOGGER_NAME).info("validation after rollout %d: %s", rollout_id,
+                                            " ".join(f"{k}={v:.4g}" for k, v in numeric.items()))
+        return record
+
+    @staticmethod
+    def _record(rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        record: dict[str, Any] = {"rollout_id": int(rollout_id)}
+        record.update({str(k): _json_safe(v) for k, v in metrics.items()})
+        return record
+
+    def _scalars(self, rollout_id: int, record: dict[str, Any]) -> dict[str, float]:
+        """The finite numbers of a record, each written to TensorBoard at step `rollout_id`."""
         numeric = {k: v for k, v in record.items()
                    if k != "rollout_id" and isinstance(v, int | float) and not isinstance(v, bool)}
         if self._writer is not None:
             for key, value in numeric.items():
                 self._writer.add_scalar(key, value, global_step=int(rollout_id))
             self._writer.flush()
-        summary = " ".join(f"{k}={v:.4g}" for k, v in numeric.items())
-        logging.getLogger(LOGGER_NAME).info("rollout %d: %s", rollout_id, summary)
-        return record
+        return numeric
 
     def log_rollout(self, rollout_id: int, records: list[dict[str, Any]]) -> Path:
         """Write the trajectory records of one rollout step to rollouts/rollout_XXXXXXX.jsonl (whole)."""
