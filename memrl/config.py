@@ -240,6 +240,13 @@ class TrainConfig(Section):
                                                   "keep_best metric is better.")
     keep_last_n: int | None = Field(None, gt=0, description="Keep only the newest N checkpoints (never deleting the "
                                     "latest or the best); unset: keep all.")
+    loggers: list[Literal["tensorboard", "jsonl", "wandb"]] = Field(
+        ["tensorboard", "jsonl"], description="Where metrics go: `tensorboard` (RUN_ROOT/tensorboard), `jsonl` "
+        "(logs/metrics.jsonl, which memrl report and reward_summary.json read), `wandb` (Weights & Biases: pip install "
+        "'memrl[wandb]'; WANDB_MODE=offline works without an account).")
+    project_name: str = Field("memrl", description="W&B project (verl trainer.project_name).")
+    experiment_name: str | None = Field(None, description="W&B run name (verl trainer.experiment_name); unset: the "
+                                        "run root's folder name.")
 
     @model_validator(mode="after")
     def _one_warmup_and_a_decay_for_the_floor(self) -> TrainConfig:
@@ -248,6 +255,18 @@ class TrainConfig(Section):
         if self.min_lr_ratio > 0 and self.lr_scheduler == "constant":
             raise ValueError("train.min_lr_ratio is the floor of a decay; set train.lr_scheduler to linear or cosine")
         return self
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_installed(cls, loggers: list[str]) -> list[str]:
+        import importlib.util
+
+        if len(set(loggers)) != len(loggers):
+            raise ValueError(f"train.loggers lists a logger twice: {loggers}")
+        if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
+            raise ValueError("train.loggers includes wandb but the wandb package is not installed: "
+                             "pip install 'memrl[wandb]', or drop wandb from train.loggers")
+        return loggers
 
 
 class QueueConfig(Section):

@@ -395,7 +395,9 @@ class Trainer:
         cfg, parts = self.cfg, self.parts
         self.opt.run_root.mkdir(parents=True, exist_ok=True)
         history: list[dict[str, float]] = []
-        logger = RunLogger(self.opt.run_root, cfg, start_rollout_id=parts.start_rollout_id)
+        t = cfg.train
+        logger = RunLogger(self.opt.run_root, cfg, start_rollout_id=parts.start_rollout_id, loggers=t.loggers,
+                           project_name=t.project_name, experiment_name=t.experiment_name)
         bar = tqdm(range(parts.start_rollout_id, cfg.train.num_rollout), desc="train", unit="step",
                    disable=not self.opt.progress)
         last_saved = None
