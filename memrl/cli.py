@@ -76,11 +76,13 @@ def demo(
     quick: Annotated[bool, typer.Option(help="A smaller run (~4 min) instead of the full one.")] = False,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")] = None,
+    eval_interval: Annotated[int | None, typer.Option(
+        min=0, help="Validate on the held-out set every N GRPO steps (default 10; 0 = off).")] = None,
 ) -> None:
     """The CPU demo: warm start, held-out eval, GRPO through the MemAgent loop, eval, compare, plots."""
     from memrl.demo import demo_command
 
-    raise typer.Exit(demo_command(run_root, quick, list(set_ or [])))
+    raise typer.Exit(demo_command(run_root, quick, list(set_ or []), eval_interval))
 
 
 @app.command()
