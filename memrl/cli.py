@@ -219,11 +219,13 @@ def pass_at_k(
     set_: SetOption = None,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N candidates (eval.limit).")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (required with --server-url).")] = None,
+    no_context: Annotated[bool, typer.Option(
+        help="Ask each question without its document (input of prepare-data --drop-answerable-without-context).")] = False,
 ) -> None:
     """Count how often a model solves each candidate in k samples (for Pass@k training-set selection)."""
     from memrl.eval.pass_at_k import pass_at_k_command
 
-    result = pass_at_k_command(model, server_url, recipe, data, out, k, set_, limit, tokenizer)
+    result = pass_at_k_command(model, server_url, recipe, data, out, k, set_, limit, tokenizer, no_context=no_context)
     typer.echo(f"wrote {out}: {len(result['pass_counts'])} questions, {result['mixed']} solved sometimes, "
                f"{result['never']} never, {result['always']} always, {len(result['failed'])} failed")
 
@@ -378,6 +380,9 @@ def prepare_hotpotqa_cmd(
     seed: int = typer.Option(DEFAULT_SEED, help="Base seed of id choice and per-question shuffles."),
     pass_counts: Path | None = typer.Option(None, help="JSON {id: passes} of a Pass@k run over candidates."),
     pass_k: int = typer.Option(8, help="k of the Pass@k run (keeps 0 < passes < k)."),
+    drop_answerable_without_context: Path | None = typer.Option(
+        None, help="Pass counts of `memrl pass-at-k --no-context`: training questions are only those it judged and "
+                   "never solved without the document (MemAgent's filter2.py)."),
     revision: str = typer.Option(HOTPOTQA_REVISION, help="Hub revision of hotpotqa/hotpot_qa."),
     cache_dir: str | None = typer.Option(None, help="Hub cache folder."),
 ) -> None:
@@ -385,7 +390,8 @@ def prepare_hotpotqa_cmd(
     from memrl.data.prepare import hotpotqa_command
 
     _wrote(hotpotqa_command(out, from_file=from_file, split=split, num_train=num_train, num_heldout=num_heldout,
-                            seed=seed, pass_counts=pass_counts, pass_k=pass_k, revision=revision, cache_dir=cache_dir))
+                            seed=seed, pass_counts=pass_counts, pass_k=pass_k, revision=revision, cache_dir=cache_dir,
+                            drop_answerable_without_context=drop_answerable_without_context))
 
 
 @prepare_data.command("ruler-hqa", context_settings=_MULTI)
