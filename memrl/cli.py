@@ -190,11 +190,13 @@ def serve(
 def convert_to_hf(
     ckpt: Annotated[Path, typer.Argument(help="Checkpoint folder iter_XXXXXXX (or a run root: latest).")],
     out: Annotated[Path, typer.Argument(help="Output Hugging Face model folder.")],
+    base_model: Annotated[str | None, typer.Option(
+        help="LoRA checkpoints: the base model to merge the adapters into (default: the run's model.path).")] = None,
 ) -> None:
-    """Export a training checkpoint as a plain Hugging Face model folder."""
+    """Export a training checkpoint as a plain Hugging Face model folder (LoRA adapters merged in)."""
     from memrl.train.checkpoint import convert_to_hf_command
 
-    path = convert_to_hf_command(ckpt, out)
+    path = convert_to_hf_command(ckpt, out, base_model=base_model)
     typer.echo(f"wrote {path}")
 
 

@@ -96,6 +96,16 @@ class Section(BaseModel):
         return value
 
 
+class LoraConfig(Section):
+    """LoRA adapters (peft) trained instead of the whole model (`model.lora`); see memrl/train/lora.py."""
+
+    rank: int = Field(16, gt=0, description="Rank r of each adapter (peft LoraConfig.r; verl lora_rank).")
+    alpha: float | None = Field(None, gt=0, description="Scaling alpha (update = alpha / r * B A); unset: 2 x rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
+    target_modules: str | list[str] = Field("all-linear", description="Modules given adapters: peft's `all-linear` "
+                                            "(every linear layer but the LM head) or a list of module names.")
+
+
 class ModelConfig(Section):
     path: str | None = Field(None, description="Hugging Face model folder or hub id of the policy.")
     tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; defaults to `path`.")
@@ -104,6 +114,9 @@ class ModelConfig(Section):
         "auto", description="Weights dtype; `auto` = bfloat16 on CUDA, float32 on CPU."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the local model runs.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight, e.g. --set "
+                                    "model.lora.rank=16; fields rank, alpha, dropout, target_modules. Unset: full "
+                                    "fine-tuning. Needs peft (pip install 'memrl[lora]').")
 
     @property
     def tokenizer_path(self) -> str | None:
@@ -401,6 +414,18 @@ class Config(Section):
                                  f"set ({', '.join(names) if names else 'heldout, or a data.eval_files stem'})")
             if t.eval_interval == 0:
                 raise ValueError("train.keep_best needs validation: set train.eval_interval > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_where_it_is_built(self) -> Config:
+        if self.model.lora is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError("model.lora needs the peft package: pip install 'memrl[lora]', or unset model.lora")
+            if self.train.strategy == "fsdp" and self.train.runtime == "ray":
+                raise ValueError("model.lora with train.strategy = 'fsdp' is not supported yet; use ddp (adapters "
+                                 "are small: the base weights are the only large replica)")
         return self
 
     @model_validator(mode="after")

@@ -185,7 +185,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     trainer = Trainer(cfg, TrainOptions(run_root=run_root / "train", progress=progress),
                       model=copy.deepcopy(model), tokenizer=tokenizer, records=grpo_records)
     history = trainer.run()
-    trained_model = trainer.parts.policy.model.eval()
+    trained_model = trainer.parts.policy.merged_model().eval()  # with model.lora: base + adapters, merged
     trained_model.save_pretrained(run_root / "trained_model")
     tokenizer.save_pretrained(run_root / "trained_model")
     times["train_s"] = time.perf_counter() - t

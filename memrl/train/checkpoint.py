@@ -2,7 +2,8 @@
 
 Layout of one checkpoint (XXXXXXX = 7-digit rollout id of the last *completed* rollout step):
 
-    model/          `save_pretrained` folder (safetensors + config [+ tokenizer files])
+    model/          `save_pretrained` folder (safetensors + config [+ tokenizer files]); with LoRA
+                    (`model.lora`) peft's adapter folder instead (adapter_config.json + adapter_model.safetensors)
     optimizer.pt    optimizer.state_dict()
     scheduler.pt    scheduler.state_dict()
     rng.pt          python `random`, numpy, torch CPU and (when present) CUDA generator states
@@ -44,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file
+
+from memrl.train import lora
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -404,6 +407,15 @@ def _check_shapes(weights: Mapping[str, torch.Tensor], params: Mapping[str, torc
 
 
 def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    has_adapters = hasattr(model, "peft_config")
+    if lora.is_adapter_folder(model_dir) != has_adapters:
+        held = "LoRA adapters" if not has_adapters else "whole weights, no adapters"
+        raise CheckpointError(f"checkpoint {model_dir.parent} holds {held}, and this model "
+                              f"{'has' if has_adapters else 'has no'} adapters; set model.lora as in the run that "
+                              f"saved it")
+    if has_adapters:
+        lora.load_adapters(model, model_dir)
+        return
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {model_dir}")
@@ -469,12 +481,14 @@ def restore_rng(ckpt: Path) -> None:
 # ------------------------------------------------------------------------------------------- exporting
 
 
-def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: Any = None) -> Path:
+def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: Any = None,
+                 base_model: str | None = None) -> Path:
     """Write a plain Hugging Face folder (weights, config, tokenizer) that `from_pretrained` loads.
 
     `tokenizer` (a tokenizer object or a folder/hub id) adds tokenizer files when the checkpoint was
-    saved without them. `out_dir` must be absent or empty; it is filled via a temporary sibling and a
-    rename, so an interrupted export never looks finished.
+    saved without them. A LoRA checkpoint is merged into its base model: `base_model`, else the
+    `model.path` its run was configured with. `out_dir` must be absent or empty; it is filled via a
+    temporary sibling and a rename, so an interrupted export never looks finished.
     """
     ckpt = resolve_checkpoint(checkpoint_path)
     out = Path(out_dir)
@@ -483,7 +497,17 @@ def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: An
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copytree(ckpt / MODEL_DIR, tmp)
+        if lora.is_adapter_folder(ckpt / MODEL_DIR):
+            base = base_model or (json.loads((ckpt / STATE_FILE).read_text()).get("config") or {}).get("model", {}).get("path")
+            if not base:
+                raise CheckpointError(f"{ckpt} holds LoRA adapters and its run names no model.path to merge them "
+                                      f"into; pass --base-model DIR")
+            lora.export_merged(ckpt / MODEL_DIR, base, tmp)
+            for file in (ckpt / MODEL_DIR).iterdir():  # the tokenizer files saved beside the adapters
+                if file.is_file() and not file.name.startswith("adapter_") and file.name != "README.md":
+                    shutil.copy2(file, tmp / file.name)
+        else:
+            shutil.copytree(ckpt / MODEL_DIR, tmp)
         if tokenizer is not None:
             if isinstance(tokenizer, str | Path):
                 from transformers import AutoTokenizer
@@ -507,9 +531,10 @@ def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: An
     return out
 
 
-def convert_to_hf_command(ckpt: Path, out: Path, tokenizer: str | None = None) -> Path:
-    """`memrl convert-to-hf CKPT OUT [--tokenizer PATH]`: CKPT is a checkpoint dir or a run root.
+def convert_to_hf_command(ckpt: Path, out: Path, tokenizer: str | None = None, base_model: str | None = None) -> Path:
+    """`memrl convert-to-hf CKPT OUT [--tokenizer PATH] [--base-model DIR]`: CKPT is a checkpoint dir or a
+    run root; a LoRA checkpoint is merged into its base model.
 
     Returns the folder written; printing is left to the CLI.
     """
-    return export_to_hf(ckpt, out, tokenizer=tokenizer)
+    return export_to_hf(ckpt, out, tokenizer=tokenizer, base_model=base_model)

@@ -204,8 +204,8 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     # An in-process engine copies the actor's weights (after any load), so it starts in sync; a served
     # engine serves whatever its server loaded, so a resumed run syncs it to the checkpoint first.
     rollout: RolloutSource = (ReplayRollout(options.replay_rollouts) if options.replay_rollouts else
-                              LocalRollout(cfg, training_engine(cfg, actor.model, tokenizer), tokenizer, plugins,
-                                           options.progress))
+                              LocalRollout(cfg, training_engine(cfg, actor.merged_model(), tokenizer), tokenizer,
+                                           plugins, options.progress))
     if options.load is not None and cfg.rollout.engine == "openai" and not options.replay_rollouts:
         rollout.sync_from(actor.weight_source(options.run_root / "weights_sync", tokenizer))
     return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=actor,
