@@ -162,3 +162,9 @@ def test_per_set_settings_reach_the_runner(tokenizer, tmp_path):
 def test_validation_settings_are_checked(sets, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, sets)
+
+
+def test_a_replay_cannot_validate(tokenizer, tmp_path):
+    cfg = with_eval(tmp_path, eval_interval=1)
+    with pytest.raises(TrainingError, match="a replay has no engine"):
+        make_trainer(tokenizer, tmp_path / "run", cfg, replay_rollouts=tmp_path / "raw")
