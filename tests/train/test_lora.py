@@ -138,3 +138,9 @@ def test_a_lora_training_run_syncs_merged_weights_to_its_engine(tmp_path):
     for name, value in policy.items():
         torch.testing.assert_close(engine_weights[name].float(), value.float(), atol=0, rtol=0, msg=name)
     assert (tmp_path / "run" / "checkpoints" / "iter_0000001" / "model" / "adapter_model.safetensors").is_file()
+
+
+def test_the_supervised_warm_start_trains_every_weight_whatever_model_lora_says():
+    from memrl.train.sft import SFTOptions, sft_config
+
+    assert sft_config(lora_cfg(), SFTOptions()).model.lora is None
