@@ -3,6 +3,7 @@
     python bench/train.py                 # 0.85M-parameter random Qwen3 on CPU, about 2 minutes on a shared 2-core machine
     python bench/train.py --quick
     python bench/train.py --device cuda --model-shape qwen3-0.6b     # random-init Qwen3-0.6B shape, bf16 autocast
+    python bench/train.py --lora-vs-full 16   # instead: the actor with LoRA rank 16 vs full fine-tuning (`lora_vs_full`)
 
 Both variants run one optimizer step (AdamW, grad clipping) over the same MemAgent-shaped rows, from
 the same initial weights:
@@ -189,6 +190,65 @@ def timed(device: torch.device, fn: Callable[[], tuple[float, int]]) -> tuple[fl
     return seconds, padding, n_batches, peak
 
 
+def state_mb(actor: Actor) -> dict[str, float]:
+    """Resident training state of an actor, counted exactly from its tensors (MB): the policy's weights,
+    the gradients and AdamW moments of what it trains, and a reference copy if it keeps one."""
+    def mb(tensors: Iterator[torch.Tensor]) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+    trained = [p for group in actor.optimizer.param_groups for p in group["params"]]
+    moments = (v for state in actor.optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {"weights": mb(actor.model.parameters()), "grads": mb(p for p in trained if p.grad is not None),
+            "adam": mb(moments), "reference": mb(actor.ref_model.parameters()) if actor.ref_model is not None else 0.0,
+            "trained_params_m": sum(p.numel() for p in trained) / 1e6}
+
+
+def lora_vs_full(args: argparse.Namespace, rows: list[TrainRow], cfg: Config, base: torch.nn.Module,
+                 device: torch.device) -> None:
+    """One optimizer step over the same rows, full fine-tuning vs LoRA of rank `args.lora_vs_full`, KL on
+    for both (so full keeps its reference copy; LoRA's reference is the base with adapters off): tokens/s,
+    peak memory per step (process RSS growth; CUDA allocator peak), and the resident state counted."""
+    from memrl.config import LoraConfig
+
+    kl = cfg.algorithm.model_copy(update={"kl_coef": 0.001})
+    variants = {"full": cfg.model_copy(update={"algorithm": kl}),
+                "lora": cfg.model_copy(update={"algorithm": kl, "model": cfg.model.model_copy(
+                    update={"lora": LoraConfig(rank=args.lora_vs_full)})})}
+    actors = {name: Actor(copy.deepcopy(base), c, pad_token_id=PAD_ID, device=device) for name, c in variants.items()}
+    del base
+    for actor in actors.values():  # warm-up: first-call allocations, AdamW state created
+        actor.train_rollout([r for r in rows if r.group_id == rows[0].group_id], rollout_id=0)
+    real_tokens = sum(len(r.tokens) for r in rows)
+    def step(actor: Actor) -> Callable[[], tuple[float, int]]:
+        def run() -> tuple[float, int]:
+            metrics = actor.train_rollout(rows, rollout_id=0)
+            return metrics["padding_fraction"], int(metrics["micro_batches"])
+        return run
+
+    runs: list[tuple[str, float, Peak]] = []
+    for repeat in range(args.repeats):
+        for name in ("full", "lora") if repeat % 2 == 0 else ("lora", "full"):
+            seconds, _, _, peak = timed(device, step(actors[name]))
+            runs.append((name, seconds, peak))
+    print(f"\n{'variant':<8} {'seconds':>8} {'tokens/s':>9} {'rss_growth_MB':>14} {'cuda_peak_MB':>13}")
+    for name, seconds, peak in runs:
+        cuda = "n/a" if math.isnan(peak.cuda_mb) else f"{peak.cuda_mb:.0f}"
+        print(f"{name:<8} {seconds:>8.2f} {real_tokens / seconds:>9.0f} {peak.rss_mb - peak.rss_start_mb:>14.0f} "
+              f"{cuda:>13}")
+    print(f"\n{'variant':<8} {'trained_M':>9} {'weights_MB':>10} {'grads_MB':>9} {'adam_MB':>8} {'reference_MB':>12} "
+          f"{'state_MB':>9}")
+    state = {name: state_mb(actor) for name, actor in actors.items()}
+    for name, st in state.items():
+        total = st["weights"] + st["grads"] + st["adam"] + st["reference"]
+        print(f"{name:<8} {st['trained_params_m']:>9.3f} {st['weights']:>10.1f} {st['grads']:>9.1f} {st['adam']:>8.1f} "
+              f"{st['reference']:>12.1f} {total:>9.1f}")
+    best = {v: min(s for n, s, _ in runs if n == v) for v in ("full", "lora")}
+    totals = {n: st["weights"] + st["grads"] + st["adam"] + st["reference"] for n, st in state.items()}
+    print(f"\nlora vs full: {best['full'] / best['lora']:.2f}x tokens/s (best of {args.repeats}); resident training "
+          f"state {totals['lora']:.1f} MB vs {totals['full']:.1f} MB ({totals['lora'] / totals['full']:.2f}x)")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half the questions, 1 repeat")
@@ -206,6 +266,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads; 1 by default (2 threads on a shared 2-core machine spin-wait)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-vs-full", type=int, metavar="RANK",
+                        help="compare the actor with LoRA of this rank (KL on: its reference is the base with "
+                             "adapters off) to full fine-tuning (KL on: a reference copy)")
     args = parser.parse_args()
     chunk, memory, final = ROW_SHAPES[args.model_shape]
     args.chunk_tokens = args.chunk_tokens or chunk
@@ -241,6 +304,9 @@ def main() -> None:
     print(f"rows: {len(rows)} ({args.questions} questions x {args.samples} samples, 1..{args.max_chunks} chunks), "
           f"{real_tokens} tokens, lengths {min(len(r.tokens) for r in rows)}..{longest}, prompts "
           f"{prompt_share:.0%} of tokens; naive batch {args.batch_size} rows, token budget {budget}")
+    if args.lora_vs_full:
+        lora_vs_full(args, rows, cfg, base, device)
+        return
 
     naive_model = copy.deepcopy(base).train()
     naive_opt = torch.optim.AdamW(naive_model.parameters(), lr=1e-6)

@@ -76,11 +76,13 @@ def demo(
     quick: Annotated[bool, typer.Option(help="A smaller run (~4 min) instead of the full one.")] = False,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")] = None,
+    eval_interval: Annotated[int | None, typer.Option(
+        min=0, help="Validate on the held-out set every N GRPO steps (default 10; 0 = off).")] = None,
 ) -> None:
     """The CPU demo: warm start, held-out eval, GRPO through the MemAgent loop, eval, compare, plots."""
     from memrl.demo import demo_command
 
-    raise typer.Exit(demo_command(run_root, quick, list(set_ or [])))
+    raise typer.Exit(demo_command(run_root, quick, list(set_ or []), eval_interval))
 
 
 @app.command()
@@ -188,11 +190,13 @@ def serve(
 def convert_to_hf(
     ckpt: Annotated[Path, typer.Argument(help="Checkpoint folder iter_XXXXXXX (or a run root: latest).")],
     out: Annotated[Path, typer.Argument(help="Output Hugging Face model folder.")],
+    base_model: Annotated[str | None, typer.Option(
+        help="LoRA checkpoints: the base model to merge the adapters into (default: the run's model.path).")] = None,
 ) -> None:
-    """Export a training checkpoint as a plain Hugging Face model folder."""
+    """Export a training checkpoint as a plain Hugging Face model folder (LoRA adapters merged in)."""
     from memrl.train.checkpoint import convert_to_hf_command
 
-    path = convert_to_hf_command(ckpt, out)
+    path = convert_to_hf_command(ckpt, out, base_model=base_model)
     typer.echo(f"wrote {path}")
 
 
@@ -217,11 +221,13 @@ def pass_at_k(
     set_: SetOption = None,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N candidates (eval.limit).")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (required with --server-url).")] = None,
+    no_context: Annotated[bool, typer.Option(
+        help="Ask each question without its document (input of prepare-data --drop-answerable-without-context).")] = False,
 ) -> None:
     """Count how often a model solves each candidate in k samples (for Pass@k training-set selection)."""
     from memrl.eval.pass_at_k import pass_at_k_command
 
-    result = pass_at_k_command(model, server_url, recipe, data, out, k, set_, limit, tokenizer)
+    result = pass_at_k_command(model, server_url, recipe, data, out, k, set_, limit, tokenizer, no_context=no_context)
     typer.echo(f"wrote {out}: {len(result['pass_counts'])} questions, {result['mixed']} solved sometimes, "
                f"{result['never']} never, {result['always']} always, {len(result['failed'])} failed")
 
@@ -376,6 +382,9 @@ def prepare_hotpotqa_cmd(
     seed: int = typer.Option(DEFAULT_SEED, help="Base seed of id choice and per-question shuffles."),
     pass_counts: Path | None = typer.Option(None, help="JSON {id: passes} of a Pass@k run over candidates."),
     pass_k: int = typer.Option(8, help="k of the Pass@k run (keeps 0 < passes < k)."),
+    drop_answerable_without_context: Path | None = typer.Option(
+        None, help="Pass counts of `memrl pass-at-k --no-context`: training questions are only those it judged and "
+                   "never solved without the document (MemAgent's filter2.py)."),
     revision: str = typer.Option(HOTPOTQA_REVISION, help="Hub revision of hotpotqa/hotpot_qa."),
     cache_dir: str | None = typer.Option(None, help="Hub cache folder."),
 ) -> None:
@@ -383,7 +392,8 @@ def prepare_hotpotqa_cmd(
     from memrl.data.prepare import hotpotqa_command
 
     _wrote(hotpotqa_command(out, from_file=from_file, split=split, num_train=num_train, num_heldout=num_heldout,
-                            seed=seed, pass_counts=pass_counts, pass_k=pass_k, revision=revision, cache_dir=cache_dir))
+                            seed=seed, pass_counts=pass_counts, pass_k=pass_k, revision=revision, cache_dir=cache_dir,
+                            drop_answerable_without_context=drop_answerable_without_context))
 
 
 @prepare_data.command("ruler-hqa", context_settings=_MULTI)

@@ -96,6 +96,16 @@ class Section(BaseModel):
         return value
 
 
+class LoraConfig(Section):
+    """LoRA adapters (peft) trained instead of the whole model (`model.lora`); see memrl/train/lora.py."""
+
+    rank: int = Field(16, gt=0, description="Rank r of each adapter (peft LoraConfig.r; verl lora_rank).")
+    alpha: float | None = Field(None, gt=0, description="Scaling alpha (update = alpha / r * B A); unset: 2 x rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
+    target_modules: str | list[str] = Field("all-linear", description="Modules given adapters: peft's `all-linear` "
+                                            "(every linear layer but the LM head) or a list of module names.")
+
+
 class ModelConfig(Section):
     path: str | None = Field(None, description="Hugging Face model folder or hub id of the policy.")
     tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; defaults to `path`.")
@@ -104,6 +114,9 @@ class ModelConfig(Section):
         "auto", description="Weights dtype; `auto` = bfloat16 on CUDA, float32 on CPU."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the local model runs.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight, e.g. --set "
+                                    "model.lora.rank=16; fields rank, alpha, dropout, target_modules. Unset: full "
+                                    "fine-tuning. Needs peft (pip install 'memrl[lora]').")
 
     @property
     def tokenizer_path(self) -> str | None:
@@ -113,8 +126,10 @@ class ModelConfig(Section):
 class DataConfig(Section):
     dir: str | None = Field(None, description="Prepared data folder (from `memrl prepare-data`).")
     train_file: str = Field("hotpotqa_train.jsonl", description="Training questions, relative to `dir`.")
-    heldout_file: str = Field("hotpotqa_heldout.jsonl", description="Held-out questions, relative to `dir`.")
-    eval_files: list[str] = Field(default_factory=list, description="Evaluation files, relative to `dir`.")
+    heldout_file: str = Field("hotpotqa_heldout.jsonl", description="Held-out questions, relative to `dir`: the "
+                              "`heldout` validation set when eval.sets is empty.")
+    eval_files: list[str] = Field(default_factory=list, description="More validation files, relative to `dir` (one "
+                                  "set each, named by file stem) when eval.sets is empty.")
     verify_manifest: bool = Field(True, description="Check SHA-256 of every file against its manifest.")
 
 
@@ -193,7 +208,16 @@ class TrainConfig(Section):
     rollout_batch_size: int = Field(16, gt=0, description="Questions per rollout step.")
     num_optimizer_steps: int = Field(1, gt=0, description="Optimizer steps per rollout step (counted in prompt groups).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps (the first update at lr / "
+                              "warmup_steps).")
+    lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Warmup as a fraction of the run's "
+                                         "optimizer steps (verl's name); used when warmup_steps = 0.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR after warmup: `constant` (HF constant_with_warmup), `linear` or `cosine` decay "
+        "(HF get_scheduler names; verl warmup_style) over the rest of num_rollout x num_optimizer_steps, down to "
+        "min_lr_ratio x lr.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the linear / cosine decay, as a "
+                                "fraction of lr (verl's min_lr_ratio).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
@@ -216,6 +240,46 @@ class TrainConfig(Section):
         "replica per rank; `fsdp` shards weights, gradients and optimizer state (FSDP2) for models that do not "
         "fit one device."
     )
+    eval_interval: int = Field(0, ge=0, description="Validate on the eval sets (eval.sets) every this many rollout "
+                               "steps and after the last, with the training engine's current weights; 0 = off "
+                               "(verl trainer.test_freq). Results: RUN_ROOT/eval/, logs/eval_metrics.jsonl, "
+                               "TensorBoard eval/<set>/{em,sub_em,f1}.")
+    eval_before_train: bool = Field(False, description="Also validate the starting weights, before the first step "
+                                    "(verl val_before_train); logged as rollout id start - 1.")
+    keep_best: str | None = Field(None, description="Validation metric that picks the best checkpoint, e.g. "
+                                  "eval/heldout/em: a checkpoint is saved at every new best and checkpoints/best.json "
+                                  "names it (OpenRLHF ckpt.best_metric_key). Needs eval_interval > 0.")
+    keep_best_mode: Literal["max", "min"] = Field("max", description="Whether a larger (max) or smaller (min) "
+                                                  "keep_best metric is better.")
+    keep_last_n: int | None = Field(None, gt=0, description="Keep only the newest N checkpoints (never deleting the "
+                                    "latest or the best); unset: keep all.")
+    loggers: list[Literal["tensorboard", "jsonl", "wandb"]] = Field(
+        ["tensorboard", "jsonl"], description="Where metrics go: `tensorboard` (RUN_ROOT/tensorboard), `jsonl` "
+        "(logs/metrics.jsonl, which memrl report and reward_summary.json read), `wandb` (Weights & Biases: pip install "
+        "'memrl[wandb]'; WANDB_MODE=offline works without an account).")
+    project_name: str = Field("memrl", description="W&B project (verl trainer.project_name).")
+    experiment_name: str | None = Field(None, description="W&B run name (verl trainer.experiment_name); unset: the "
+                                        "run root's folder name.")
+
+    @model_validator(mode="after")
+    def _one_warmup_and_a_decay_for_the_floor(self) -> TrainConfig:
+        if self.warmup_steps > 0 and self.lr_warmup_steps_ratio > 0:
+            raise ValueError("train.warmup_steps and train.lr_warmup_steps_ratio are both set; set one of them")
+        if self.min_lr_ratio > 0 and self.lr_scheduler == "constant":
+            raise ValueError("train.min_lr_ratio is the floor of a decay; set train.lr_scheduler to linear or cosine")
+        return self
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_installed(cls, loggers: list[str]) -> list[str]:
+        import importlib.util
+
+        if len(set(loggers)) != len(loggers):
+            raise ValueError(f"train.loggers lists a logger twice: {loggers}")
+        if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
+            raise ValueError("train.loggers includes wandb but the wandb package is not installed: "
+                             "pip install 'memrl[wandb]', or drop wandb from train.loggers")
+        return loggers
 
 
 class QueueConfig(Section):
@@ -227,9 +291,36 @@ class QueueConfig(Section):
     timeout_s: float = Field(1800.0, gt=0, description="Longest any wait on the queue may take.")
 
 
+class EvalSetConfig(Section):
+    """One validation set of `eval.sets`; unset settings are the run's (`rollout.*`, `eval.limit`)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Set name: TensorBoard eval/<name>/em, RUN_ROOT/eval/<name>/.")
+    file: str = Field(description="Prepared JSONL or RULER-HQA eval_N.json, relative to data.dir (or absolute).")
+    limit: int | None = Field(None, gt=0, description="Only the first N questions.")
+    samples: int = Field(1, gt=0, description="Samples per question (sample s uses rollout.seed + s); metrics are the "
+                         "mean over samples.")
+    temperature: float | None = Field(None, ge=0.0, description="Sampling temperature (0 = greedy).")
+    max_chunks: int | None = Field(None, gt=0, description="Chunks read (long RULER documents need more).")
+    memory_tokens: int | None = Field(None, gt=0, description="Token limit of a memory turn.")
+    final_tokens: int | None = Field(None, gt=0, description="Token limit of the final answer turn.")
+
+
 class EvalConfig(Section):
     limit: int | None = Field(None, gt=0, description="Evaluate only the first N questions.")
     concurrency: int = Field(64, gt=0, description="Questions evaluated at once.")
+    sets: list[EvalSetConfig] = Field(
+        default_factory=list, description="Validation sets of training (train.eval_interval), each {name, file, "
+        "limit, samples, temperature, max_chunks, memory_tokens, final_tokens}. Empty: `heldout` = data.heldout_file "
+        "and one set per data.eval_files entry, named by its file stem."
+    )
+
+    @field_validator("sets")
+    @classmethod
+    def _unique_set_names(cls, sets: list[EvalSetConfig]) -> list[EvalSetConfig]:
+        names = [s.name for s in sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.sets names must be unique, got {names}")
+        return sets
 
 
 class RayConfig(Section):
@@ -298,6 +389,36 @@ class Config(Section):
                              f"import ({error}); install what it needs or fix the path") from error
         if check is not None:
             check(self)
+        return self
+
+    @model_validator(mode="after")
+    def _validation_where_it_is_built(self) -> Config:
+        t = self.train
+        if (t.eval_interval > 0 or t.eval_before_train) and (t.runtime != "local" or t.max_staleness > 0):
+            raise ValueError("validation during training (train.eval_interval, train.eval_before_train) uses the "
+                             "in-process rollout engine: it needs train.runtime = 'local' and train.max_staleness = 0 "
+                             "(the pipeline's producer holds the engine); otherwise evaluate checkpoints with memrl eval")
+        if t.keep_best is not None:
+            names = [s.name for s in self.eval.sets] if self.eval.sets else None
+            kind, _, rest = t.keep_best.partition("/")
+            name, _, metric = rest.rpartition("/")
+            if kind != "eval" or metric not in ("em", "sub_em", "f1") or (names is not None and name not in names):
+                raise ValueError(f"train.keep_best = {t.keep_best!r} must be eval/<set>/<em|sub_em|f1> of a validation "
+                                 f"set ({', '.join(names) if names else 'heldout, or a data.eval_files stem'})")
+            if t.eval_interval == 0:
+                raise ValueError("train.keep_best needs validation: set train.eval_interval > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_where_it_is_built(self) -> Config:
+        if self.model.lora is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError("model.lora needs the peft package: pip install 'memrl[lora]', or unset model.lora")
+            if self.train.strategy == "fsdp" and self.train.runtime == "ray":
+                raise ValueError("model.lora with train.strategy = 'fsdp' is not supported yet; use ddp (adapters "
+                                 "are small: the base weights are the only large replica)")
         return self
 
     @model_validator(mode="after")

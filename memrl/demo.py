@@ -7,6 +7,7 @@ teaches a model to keep the right fact in its memory (docs/demo.md).
               the answer is "unknown" when it did not) -> base
     eval_base held-out boxed EM of the base (memrl.eval.runner; temperature 1.0, fixed per-question seeds)
     train     GRPO with the real controller (queue, converter 1:N, checkpoints, logs, TensorBoard)
+    (validation during training: the same held-out evaluation every `eval_interval` GRPO steps)
     eval_trained  the same held-out questions, the same sampling settings and seeds
     compare   memrl compare (flips, McNemar p); report: memrl report plots of the training run
 
@@ -68,6 +69,7 @@ class DemoSettings:
     rollout_batch_size: int = 16
     n_samples: int = 8
     grpo_lr: float = 3e-4         # 1e-3 drifted (KL to the base 2-5 by rollout 40) and the reward collapsed
+    eval_interval: int = 10       # validate on the held-out set every N GRPO steps (0 = off); never changes training
     seed: int = 0
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
@@ -76,8 +78,9 @@ FULL = DemoSettings()
 QUICK = replace(FULL, num_heldout=400, sft_clean_demos=4000, sft_demos=400, num_rollout=20)
 
 
-def demo_config(settings: DemoSettings) -> Config:
-    """recipes/toy.yaml with the settings' GRPO sizes (and any `section.key=value` overrides) applied."""
+def demo_config(settings: DemoSettings, data_dir: Path | None = None) -> Config:
+    """recipes/toy.yaml with the settings' GRPO sizes (and any `section.key=value` overrides) applied;
+    `data_dir` (the run's prepared data) is where validation during training finds the held-out set."""
     if not RECIPE.is_file():
         raise DemoError(f"the toy recipe {RECIPE} is missing; run the demo from a memrl checkout")
     from memrl.data.synthetic import FACT_TOKENS
@@ -86,7 +89,10 @@ def demo_config(settings: DemoSettings) -> Config:
                  f"rollout.max_chunks={settings.max_chunks}",
                  f"rollout.n_samples={settings.n_samples}", f"train.num_rollout={settings.num_rollout}",
                  f"train.rollout_batch_size={settings.rollout_batch_size}", f"train.lr={settings.grpo_lr}",
-                 f"train.seed={settings.seed + 1234}", *settings.overrides]
+                 f"train.seed={settings.seed + 1234}", f"train.eval_interval={settings.eval_interval}"]
+    if data_dir is not None:
+        overrides += [f"data.dir={data_dir}", "data.heldout_file=synthetic_heldout.jsonl"]
+    overrides += settings.overrides
     return load_config(RECIPE, overrides)
 
 
@@ -129,7 +135,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     run_root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     times: dict[str, float] = {}
-    cfg = demo_config(settings)
+    cfg = demo_config(settings, data_dir=run_root / "data")
     (run_root / "demo_settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
     seed_everything(settings.seed)
 
@@ -179,7 +185,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     trainer = Trainer(cfg, TrainOptions(run_root=run_root / "train", progress=progress),
                       model=copy.deepcopy(model), tokenizer=tokenizer, records=grpo_records)
     history = trainer.run()
-    trained_model = trainer.parts.policy.model.eval()
+    trained_model = trainer.parts.policy.merged_model().eval()  # with model.lora: base + adapters, merged
     trained_model.save_pretrained(run_root / "trained_model")
     tokenizer.save_pretrained(run_root / "trained_model")
     times["train_s"] = time.perf_counter() - t
@@ -199,6 +205,8 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     first, last, window = _window_means(rewards)
     base_em, trained_em = base["metrics"]["em"]["value"], trained["metrics"]["em"]["value"]
     pair = report.pairs[0]
+    from memrl.train.run_log import EVAL_METRICS_FILE, read_metrics
+    validation = [[r["rollout_id"], r["eval/heldout/em"]] for r in read_metrics(run_root / "train", EVAL_METRICS_FILE)]
     summary = {
         "settings": asdict(settings),
         "heldout_questions": len(heldout),
@@ -210,6 +218,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
         "em_gain_pp": trained_em - base_em,
         "flips": {"wrong_to_right": len(pair.wrong_to_right), "right_to_wrong": len(pair.right_to_wrong),
                   "mcnemar_p": pair.mcnemar_p},
+        "validation": {"interval": settings.eval_interval, "heldout_em": validation},
         "reward": {"window": window, "first": first, "last": last, "gain": last - first, "per_rollout": rewards},
         "targets": {"em_gain_pp": {"target": EM_TARGET_PP, "met": trained_em - base_em >= EM_TARGET_PP},
                     "reward_gain": {"target": REWARD_TARGET, "met": last - first >= REWARD_TARGET}},
@@ -238,6 +247,9 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
         "",
         f"EM flips: {summary['flips']['wrong_to_right']} wrong->right, {summary['flips']['right_to_wrong']} "
         f"right->wrong (exact McNemar p = {summary['flips']['mcnemar_p']:.3g})",
+        *(["held-out EM during training (rollout: EM): "
+           + ", ".join(f"{x}: {em:.1f}" for x, em in summary["validation"]["heldout_em"])]
+          if summary.get("validation", {}).get("heldout_em") else []),
         f"training reward: first {r['window']} rollouts {r['first']:.3f} -> last {r['window']} rollouts {r['last']:.3f}"
         f" ({r['gain']:+.3f})",
         "",
@@ -252,7 +264,8 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
     return "\n".join(lines)
 
 
-def demo_command(run_root: Path, quick: bool = False, overrides: Sequence[str] = ()) -> int:
+def demo_command(run_root: Path, quick: bool = False, overrides: Sequence[str] = (),
+                 eval_interval: int | None = None) -> int:
     """`memrl demo [--run-root DIR] [--quick] [--set section.key=value ...]`: 0 when both targets are met,
     1 when not; an error is a `DemoError` (or a `ConfigError` for a bad override), exit 2 in memrl.cli.
     `overrides` apply to the GRPO training recipe (recipes/toy.yaml), after the demo's own sizes."""
@@ -266,6 +279,8 @@ def demo_command(run_root: Path, quick: bool = False, overrides: Sequence[str] =
         # docs/demo.md were taken this way.
         torch.set_num_threads(1)
     settings = replace(QUICK if quick else FULL, overrides=tuple(overrides))
+    if eval_interval is not None:
+        settings = replace(settings, eval_interval=eval_interval)
     demo_config(settings)  # a bad override fails here, before minutes of warm start
     summary = run_demo(Path(run_root), settings)
     print(format_summary(summary, Path(run_root)))

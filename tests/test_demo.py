@@ -37,6 +37,13 @@ def test_quick_demo_trains_the_memory(tmp_path):
                  "sft/clean/metrics.jsonl", "sft/imperfect/metrics.jsonl", "demo_summary.json"):
         assert (root / path).is_file(), path
     assert list((root / "train" / "report").glob("*.png"))
+    # Validation during training (every 10 steps): the held-out EM curve is in the report, and the last
+    # validation is the final evaluation's setting on the same weights (batch composition in the engine may
+    # differ with timing, which can flip a few samples: a small tolerance, not equality).
+    assert (root / "train" / "report" / "eval_heldout.png").is_file()
+    curve = summary["validation"]["heldout_em"]
+    assert [x for x, _ in curve] == [9, 19]
+    assert abs(curve[-1][1] - summary["trained"]["em"]) <= 2.0, (curve, summary["trained"])
     saved = json.loads((root / "demo_summary.json").read_text())
     assert saved["em_gain_pp"] == summary["em_gain_pp"]
 

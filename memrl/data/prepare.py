@@ -2,7 +2,7 @@
 
 Layout of OUT (`--out`, default $DATA_DIR):
     hotpotqa_train.jsonl  hotpotqa_heldout.jsonl  train_ids.txt  heldout_ids.txt
-    [train_pass_counts.json]  manifest.json
+    [train_pass_counts.json]  [answerable_without_context_ids.txt]  manifest.json
     ruler_hqa/eval_{N}.json + manifest.json     (published RULER-HQA, normalized)
     ruler_built/eval_{N}.json + manifest.json   (RULER-style sets built offline from HotpotQA)
 
@@ -10,10 +10,14 @@ Same inputs and seed → byte-identical files (the manifest records the argument
 Pass@k workflow: prepare with `--num-train 4000` (candidates), run Pass@k over hotpotqa_train.jsonl,
 then prepare again with the same seed and `--pass-counts`: the held-out set does not change, because
 it is drawn first, by seed, from all ids.
+No-context filter (MemAgent's filter2.py): `memrl pass-at-k --no-context` over the candidates, then
+`--drop-answerable-without-context FILE`: training questions are drawn only from candidates that run
+judged and never solved without the document; the dropped ids and the counts are in the manifest.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -54,6 +58,7 @@ from memrl.data.ruler_hqa import (
 DEFAULT_SEED = 42
 TRAIN_FILE, HELDOUT_FILE = "hotpotqa_train.jsonl", "hotpotqa_heldout.jsonl"
 TRAIN_IDS, HELDOUT_IDS, PASS_COUNTS_FILE = "train_ids.txt", "heldout_ids.txt", "train_pass_counts.json"
+ANSWERABLE_IDS = "answerable_without_context_ids.txt"
 RULER_DIR, BUILT_RULER_DIR = "ruler_hqa", "ruler_built"
 
 
@@ -71,24 +76,38 @@ def _records(examples: Sequence[HotpotExample], ids: Sequence[str], seed: int, d
                                                                  disable=len(ids) < 2000)]
 
 
+def _check_known(counts: dict[str, int], all_ids: set[str], what: str) -> None:
+    unknown = [qid for qid in counts if qid not in all_ids]
+    if unknown:
+        raise SelectionError(f"{len(unknown)} ids of the {what} are not in the data (e.g. {unknown[0]!r}); "
+                             f"use the same HotpotQA source the candidates came from")
+
+
 def prepare_hotpotqa(examples: Sequence[HotpotExample], out: str | Path, *, num_train: int = 1000,
                      num_heldout: int = 500, seed: int = DEFAULT_SEED,
                      pass_counts: dict[str, int] | None = None, pass_k: int = 8,
+                     no_context_counts: dict[str, int] | None = None,
                      args: dict[str, Any] | None = None) -> dict[str, Path]:
     """Choose held-out ids (by seed, from all ids), then training ids from the rest (by seed, or by
-    Pass@k counts: 0 < passes < k), and write the questions, id lists and manifest into `out`."""
+    Pass@k counts: 0 < passes < k), and write the questions, id lists and manifest into `out`.
+
+    `no_context_counts` (passes without the document): training ids are drawn only from ids it holds with
+    0 passes; the held-out set is unchanged (drawn first, from all ids)."""
     out = Path(out)
     all_ids = [e.id for e in examples]
     heldout = select_heldout(all_ids, num_heldout, seed)
     heldout_set = set(heldout)
+    allowed = None  # ids training may use beyond the held-out rule; None = all
+    if no_context_counts is not None:
+        _check_known(no_context_counts, set(all_ids), "no-context pass counts")
+        allowed = {qid for qid, c in no_context_counts.items() if c == 0}
     if pass_counts is None:
-        train = select_by_seed([i for i in all_ids if i not in heldout_set], num_train, seed)
+        train = select_by_seed([i for i in all_ids if i not in heldout_set and (allowed is None or i in allowed)],
+                               num_train, seed)
     else:
-        unknown = [qid for qid in pass_counts if qid not in set(all_ids)]
-        if unknown:
-            raise SelectionError(f"{len(unknown)} ids of the pass counts are not in the data (e.g. {unknown[0]!r}); "
-                                 f"use the same HotpotQA source the candidates came from")
-        candidates = {qid: c for qid, c in pass_counts.items() if qid not in heldout_set}
+        _check_known(pass_counts, set(all_ids), "pass counts")
+        candidates = {qid: c for qid, c in pass_counts.items()
+                      if qid not in heldout_set and (allowed is None or qid in allowed)}
         train = select_by_pass_counts(candidates, pass_k, num_train, seed=seed)
     written: dict[str, int | None] = {
         TRAIN_FILE: write_jsonl(out / TRAIN_FILE, _records(examples, train, seed, "train questions")),
@@ -103,6 +122,15 @@ def prepare_hotpotqa(examples: Sequence[HotpotExample], out: str | Path, *, num_
             "excluded_as_heldout": len(pass_counts) - len(candidates), "selected": len(train),
             "train_pass_counts": {qid: pass_counts[qid] for qid in train}, "pass_counts": pass_counts})
         written[PASS_COUNTS_FILE] = len(train)
+    if no_context_counts is not None:
+        candidates_seen = [i for i in all_ids if i not in heldout_set]
+        answerable = [i for i in candidates_seen if no_context_counts.get(i, 0) > 0]
+        atomic_write_text(out / ANSWERABLE_IDS, "".join(i + "\n" for i in answerable))
+        written[ANSWERABLE_IDS] = len(answerable)
+        args = {**(args or {}), "no_context_filter": {
+            "rule": "train only on candidates judged without the document and never solved (passes = 0)",
+            "judged": sum(i in no_context_counts for i in candidates_seen), "answerable_dropped": len(answerable),
+            "unjudged_dropped": sum(i not in no_context_counts for i in candidates_seen), "kept": len(allowed or ())}}
     write_manifest(out, written, _created_by("hotpotqa"), args or {})
     return {name: out / name for name in written}
 
@@ -144,10 +172,21 @@ def build_ruler_files(examples: Sequence[HotpotExample], out: str | Path, num_do
 # ---------------------------------------------------------------------------------------------- commands
 # `memrl prepare-data ...` (memrl.cli): load the sources, record where they came from, write the folder.
 
+def read_no_context_counts(path: str | Path) -> tuple[dict[str, int], int | None]:
+    """The counts of a `memrl pass-at-k --no-context` file (refusing one made with the documents)."""
+    counts = read_pass_counts(path)  # unreadable or malformed files fail here, with its message
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not (isinstance(raw, dict) and raw.get("no_context") is True):
+        raise SelectionError(f"{path} was not written by `memrl pass-at-k --no-context` (it has no \"no_context\": true); "
+                             f"pass-counts with the documents cannot tell which questions need them")
+    return counts
+
+
 def hotpotqa_command(out: str | Path, *, from_file: str | Path | None = None, split: str = "train",
                      num_train: int = 1000, num_heldout: int = 500, seed: int = DEFAULT_SEED,
                      pass_counts: str | Path | None = None, pass_k: int = 8, revision: str = HOTPOTQA_REVISION,
-                     cache_dir: str | None = None) -> dict[str, Path]:
+                     cache_dir: str | None = None,
+                     drop_answerable_without_context: str | Path | None = None) -> dict[str, Path]:
     """`prepare-data hotpotqa`: HotpotQA distractor (a local official JSON, else the hub) through
     `prepare_hotpotqa`; the manifest records the source (its SHA-256 or hub revision) and the arguments."""
     if from_file is not None:
@@ -160,10 +199,15 @@ def hotpotqa_command(out: str | Path, *, from_file: str | Path | None = None, sp
     if pass_counts is not None:
         counts, _ = read_pass_counts(pass_counts, pass_k)
         source["pass_counts_sha256"] = sha256_file(pass_counts)
+    no_context = None
     args = {"source": source, "num_train": num_train, "num_heldout": num_heldout, "seed": seed,
             "pass_counts": str(pass_counts) if pass_counts else None, "pass_k": pass_k}
+    if drop_answerable_without_context is not None:
+        no_context, no_context_k = read_no_context_counts(drop_answerable_without_context)
+        args["drop_answerable_without_context"] = {"file": str(drop_answerable_without_context), "k": no_context_k,
+                                                   "sha256": sha256_file(drop_answerable_without_context)}
     return prepare_hotpotqa(examples, out, num_train=num_train, num_heldout=num_heldout, seed=seed,
-                            pass_counts=counts, pass_k=pass_k, args=args)
+                            pass_counts=counts, pass_k=pass_k, no_context_counts=no_context, args=args)
 
 
 def ruler_hqa_command(out: str | Path, lengths: Sequence[int], *, from_dir: str | Path | None = None,

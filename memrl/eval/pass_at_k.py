@@ -5,11 +5,17 @@ questions solved sometimes but not always. `memrl pass-at-k` writes `{k, pass_co
 the file `memrl prepare-data hotpotqa --pass-counts FILE --pass-k K` reads. Samples use the training
 loop itself (`generate_group`, the reward function), so "pass" means exactly what the reward means.
 A question with a failed request gets no count (it is listed under `failed`), never a made-up one.
+
+`--no-context` asks each question without its document (the final turn on the question alone, with
+the empty memory `rollout.no_memory_text`): the counts then say which questions the model answers from
+what it already knows, the file `prepare-data hotpotqa --drop-answerable-without-context FILE` reads
+(the official MemAgent data pipeline's filter2.py step). The file records `"no_context": true`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,10 +79,16 @@ def check_read_overrides(sets: Sequence[str]) -> None:
                           f"(--limit N is eval.limit)")
 
 
+def without_context(records: Sequence[QuestionRecord]) -> list[QuestionRecord]:
+    """The questions with empty documents: no chunk is read, the first turn is the final one."""
+    return [dataclasses.replace(r, context="") for r in records]
+
+
 def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | None, data: Path, out: Path, k: int,
                       sets: list[str] | None = None, limit: int | None = None, tokenizer: str | None = None,
-                      progress: bool = True) -> dict[str, Any]:
-    """Run Pass@k with the rollout recipe (temperature, seed, chunking) and write the pass-count file.
+                      progress: bool = True, no_context: bool = False) -> dict[str, Any]:
+    """Run Pass@k with the rollout recipe (temperature, seed, chunking) and write the pass-count file;
+    `no_context`: each question without its document.
 
     Overrides, in order (as `memrl eval`): the recipe, `--set`, then `--limit` (= `eval.limit`)."""
     from memrl.config import load_config
@@ -86,6 +98,8 @@ def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | 
     cfg = load_config(recipe, list(sets or []) + ([f"eval.limit={limit}"] if limit is not None else []))
     model, server_url, tokenizer_path = resolve_model_source(cfg, model, server_url, tokenizer)
     records = load_eval_data(data, verify=cfg.data.verify_manifest)[:cfg.eval.limit]
+    if no_context:
+        records = without_context(records)
     tok, engine, info = open_engine(cfg, model, server_url, tokenizer_path)
 
     async def run() -> tuple[dict[str, int], list[str]]:
@@ -95,7 +109,7 @@ def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | 
             await engine.close()
 
     counts, failed = asyncio.run(run())
-    result = {"k": k, "pass_counts": counts, "failed": failed, "model": str(model or server_url),
+    result = {"k": k, **({"no_context": True} if no_context else {}), "pass_counts": counts, "failed": failed, "model": str(model or server_url),
               "engine": info, "data": str(data), "data_sha256": sha256_file(data), "limit": cfg.eval.limit,
               "questions": len(records),
               "rollout": cfg.rollout.model_dump(mode="json"),

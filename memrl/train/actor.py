@@ -47,7 +47,7 @@ from memrl.rl.loss import (
     truncated_importance_weights,
 )
 from memrl.rl.validate import validate_train_rows
-from memrl.train import fsdp
+from memrl.train import fsdp, lora
 from memrl.train.checkpoint import (
     OPTIMIZER_FILE,
     SCHEDULER_FILE,
@@ -57,6 +57,7 @@ from memrl.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from memrl.train.lr_schedule import build_scheduler
 from memrl.train.partition import (
     equalize_micro_batch_counts,
     micro_batches,
@@ -206,7 +207,8 @@ def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 class Actor:
-    """A causal LM policy with a frozen reference copy (for the KL term), AdamW and a warmup schedule."""
+    """A causal LM policy with a frozen reference copy (for the KL term), AdamW and an LR schedule
+    (`memrl.train.lr_schedule`)."""
 
     def __init__(self, model: torch.nn.Module, config: Config, pad_token_id: int, device: torch.device | None = None,
                  rank: int = 0, world_size: int = 1, load: str | Path | None = None):
@@ -229,20 +231,27 @@ class Actor:
         # checkpoint first on the device would put two whole models on every GPU before any sharding.
         self.model = model if self.strategy == "fsdp" else model.to(self.device)
         self.model.train()
+        # model.lora: adapters injected into self.model in place (it stays the Hugging Face model the forward
+        # runs); self.peft is peft's wrapper, which saves, loads, merges and disables them (memrl/train/lora.py).
+        self.peft = lora.add_adapters(self.model, config.model.lora) if config.model.lora is not None else None
         if config.train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+            if self.peft is not None:  # frozen embeddings: checkpointed blocks need inputs that require grad
+                self.model.enable_input_require_grads()
         self.ref_model = None
-        if config.algorithm.kl_coef > 0:
+        if config.algorithm.kl_coef > 0 and self.peft is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         checkpoint = resolve_checkpoint(load) if load is not None else None
         self.loaded_state: dict | None = None
         if checkpoint is not None:  # whole weights into the plain model, before any wrapping or sharding
-            self.loaded_state = load_checkpoint(checkpoint, self.model, restore_rng=False)
+            self.loaded_state = load_checkpoint(checkpoint, self._saved_model, restore_rng=False)
         self.pad_token_id = pad_token_id
         temperature = config.rollout.temperature
         # What the optimizer step calls: (input_ids, attention_mask, positions) -> response logits.
         self.policy: torch.nn.Module = ResponseLogits(self.model, temperature)
         self.reference = ResponseLogits(self.ref_model, temperature) if self.ref_model is not None else None
+        if self.peft is not None and config.algorithm.kl_coef > 0:  # the base model: the same weights, adapters off
+            self.reference = lora.WithoutAdapters(ResponseLogits(self.model, temperature), self.peft)
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -260,11 +269,9 @@ class Actor:
                 fsdp.shard(self.reference, self.ref_model, self.device)
         t = config.train
         # After sharding: FSDP replaces the parameters by sharded ones, which the optimizer must hold.
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.adam_betas,
-                                           weight_decay=t.weight_decay)
-        warmup = t.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+        trained = self.model.parameters() if self.peft is None else [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, t)
         self.global_step = 0
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
         if checkpoint is not None:
@@ -285,20 +292,38 @@ class Actor:
     # ------------------------------------------------------------------ whole weights out, checkpoints
     # Under FSDP these are collectives: every rank calls them; only rank 0 gets (or writes) anything.
 
+    @property
+    def _saved_model(self) -> torch.nn.Module:
+        """What a checkpoint's model/ holds: the model, or with LoRA peft's (its save_pretrained writes the
+        adapters only, not a copy of the base weights)."""
+        return self.peft if self.peft is not None else self.model
+
+    def policy_weights(self) -> dict[str, Tensor]:
+        """The policy's tensors under their Hugging Face names, on the actor's device (one process): the
+        model's own, or with LoRA new merged ones (base + adapters)."""
+        return self.model.state_dict() if self.peft is None else lora.merged_weights(self.peft)
+
+    def merged_model(self) -> torch.nn.Module:
+        """The policy as a plain Hugging Face model: `self.model`, or with LoRA a merged copy."""
+        return self.model if self.peft is None else lora.merged_model(self.peft)
+
     def full_state_dict(self) -> dict[str, Tensor] | None:
         """CPU copies of the policy weights (Hugging Face keys); None on ranks other than 0."""
         if self.strategy == "fsdp":
             return fsdp.full_weights(self.model, self.rank)
         if self.rank != 0:
             return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy_weights().items()}
 
     def save_pretrained(self, path: str | Path, tokenizer: Any = None) -> Path | None:
         """A Hugging Face folder of the current weights (rank 0 writes it; None elsewhere)."""
         weights = fsdp.full_weights(self.model, self.rank) if self.strategy == "fsdp" else None
         if self.rank != 0:
             return None
-        self.model.save_pretrained(path, **({"state_dict": weights} if weights is not None else {}))
+        if self.peft is not None:  # a plain folder (merged), which any engine's server loads
+            self.merged_model().save_pretrained(path)
+        else:
+            self.model.save_pretrained(path, **({"state_dict": weights} if weights is not None else {}))
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         return Path(path)
@@ -328,7 +353,7 @@ class Actor:
                                    tokenizer=tokenizer, weights=weights)
         if self.rank != 0:  # DDP replicas and their optimizer states are identical
             return None
-        return save_checkpoint(run_root, rollout_id, self.model, self.optimizer, self.scheduler, state,
+        return save_checkpoint(run_root, rollout_id, self._saved_model, self.optimizer, self.scheduler, state,
                                tokenizer=tokenizer)
 
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
@@ -498,7 +523,7 @@ class ActorWeights:
         self.actor, self.folder, self.tokenizer = actor, folder, tokenizer
 
     def whole_weights(self) -> dict[str, Tensor]:
-        return self.actor.model.state_dict()
+        return self.actor.policy_weights()
 
     def saved_folder(self) -> str:
         return str(self.actor.save_pretrained(self.folder, self.tokenizer))

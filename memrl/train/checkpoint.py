@@ -2,14 +2,17 @@
 
 Layout of one checkpoint (XXXXXXX = 7-digit rollout id of the last *completed* rollout step):
 
-    model/          `save_pretrained` folder (safetensors + config [+ tokenizer files])
+    model/          `save_pretrained` folder (safetensors + config [+ tokenizer files]); with LoRA
+                    (`model.lora`) peft's adapter folder instead (adapter_config.json + adapter_model.safetensors)
     optimizer.pt    optimizer.state_dict()
     scheduler.pt    scheduler.state_dict()
     rng.pt          python `random`, numpy, torch CPU and (when present) CUDA generator states
     state.json      {rollout_id, next_rollout_id, data_cursor, global_step, config, memrl_version, created}
     COMPLETE        written last; a directory without it is never loaded or listed
 
-`RUN_ROOT/checkpoints/latest` holds the name of the newest complete checkpoint.
+`RUN_ROOT/checkpoints/latest` holds the name of the newest complete checkpoint; `best.json` (with
+`train.keep_best`) names the one with the best validation metric: {checkpoint, rollout_id, metric, value,
+mode}. `prune_checkpoints` (`train.keep_last_n`) deletes older ones, never the latest or the best.
 
 Invariants:
 - A checkpoint is written into `iter_XXXXXXX.tmp-<host>-<pid>`, every file and folder of it fsynced,
@@ -43,8 +46,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from memrl.train import lora
+
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
+BEST_FILE = "best.json"
 COMPLETE_MARKER = "COMPLETE"
 MODEL_DIR = "model"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -321,6 +327,45 @@ def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Modul
     return final
 
 
+def write_best(run_root: str | Path, rollout_id: int, metric: str, value: float, mode: str) -> Path:
+    """Point `best.json` at the complete checkpoint of `rollout_id` (written atomically, after it)."""
+    ckpt_dir = _checkpoints_dir(run_root)
+    name = checkpoint_name(rollout_id)
+    if not _is_complete(ckpt_dir / name):
+        raise CheckpointError(f"best.json may only name a complete checkpoint; {ckpt_dir / name} is not one")
+    record = {"checkpoint": name, "rollout_id": rollout_id, "metric": metric, "value": value, "mode": mode}
+    _write_text_atomic(ckpt_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
+    return ckpt_dir / BEST_FILE
+
+
+def read_best(run_root: str | Path) -> dict[str, Any] | None:
+    """The record of `best.json` when it names a complete checkpoint (else None: none yet, or deleted)."""
+    path = _checkpoints_dir(run_root) / BEST_FILE
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return record if _is_complete(path.parent / str(record.get("checkpoint"))) else None
+
+
+def find_best_checkpoint(run_root: str | Path) -> Path | None:
+    best = read_best(run_root)
+    return None if best is None else _checkpoints_dir(run_root) / best["checkpoint"]
+
+
+def prune_checkpoints(run_root: str | Path, keep_last_n: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep_last_n`, except the latest and the best;
+    returns those deleted."""
+    if keep_last_n < 1:
+        raise CheckpointError(f"keep_last_n = {keep_last_n}; keep at least one checkpoint")
+    keep = {find_latest_checkpoint(run_root), find_best_checkpoint(run_root)}
+    removed = [p for p in list_checkpoints(run_root)[:-keep_last_n] if p not in keep]
+    for path in removed:
+        # Not complete first, then gone: a kill mid-delete leaves a folder nothing lists or loads.
+        (path / COMPLETE_MARKER).unlink()
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
 # --------------------------------------------------------------------------------------------- loading
 
 
@@ -362,6 +407,15 @@ def _check_shapes(weights: Mapping[str, torch.Tensor], params: Mapping[str, torc
 
 
 def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    has_adapters = hasattr(model, "peft_config")
+    if lora.is_adapter_folder(model_dir) != has_adapters:
+        held = "LoRA adapters" if not has_adapters else "whole weights, no adapters"
+        raise CheckpointError(f"checkpoint {model_dir.parent} holds {held}, and this model "
+                              f"{'has' if has_adapters else 'has no'} adapters; set model.lora as in the run that "
+                              f"saved it")
+    if has_adapters:
+        lora.load_adapters(model, model_dir)
+        return
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {model_dir}")
@@ -427,12 +481,14 @@ def restore_rng(ckpt: Path) -> None:
 # ------------------------------------------------------------------------------------------- exporting
 
 
-def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: Any = None) -> Path:
+def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: Any = None,
+                 base_model: str | None = None) -> Path:
     """Write a plain Hugging Face folder (weights, config, tokenizer) that `from_pretrained` loads.
 
     `tokenizer` (a tokenizer object or a folder/hub id) adds tokenizer files when the checkpoint was
-    saved without them. `out_dir` must be absent or empty; it is filled via a temporary sibling and a
-    rename, so an interrupted export never looks finished.
+    saved without them. A LoRA checkpoint is merged into its base model: `base_model`, else the
+    `model.path` its run was configured with. `out_dir` must be absent or empty; it is filled via a
+    temporary sibling and a rename, so an interrupted export never looks finished.
     """
     ckpt = resolve_checkpoint(checkpoint_path)
     out = Path(out_dir)
@@ -441,7 +497,17 @@ def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: An
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copytree(ckpt / MODEL_DIR, tmp)
+        if lora.is_adapter_folder(ckpt / MODEL_DIR):
+            base = base_model or (json.loads((ckpt / STATE_FILE).read_text()).get("config") or {}).get("model", {}).get("path")
+            if not base:
+                raise CheckpointError(f"{ckpt} holds LoRA adapters and its run names no model.path to merge them "
+                                      f"into; pass --base-model DIR")
+            lora.export_merged(ckpt / MODEL_DIR, base, tmp)
+            for file in (ckpt / MODEL_DIR).iterdir():  # the tokenizer files saved beside the adapters
+                if file.is_file() and not file.name.startswith("adapter_") and file.name != "README.md":
+                    shutil.copy2(file, tmp / file.name)
+        else:
+            shutil.copytree(ckpt / MODEL_DIR, tmp)
         if tokenizer is not None:
             if isinstance(tokenizer, str | Path):
                 from transformers import AutoTokenizer
@@ -465,9 +531,10 @@ def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: An
     return out
 
 
-def convert_to_hf_command(ckpt: Path, out: Path, tokenizer: str | None = None) -> Path:
-    """`memrl convert-to-hf CKPT OUT [--tokenizer PATH]`: CKPT is a checkpoint dir or a run root.
+def convert_to_hf_command(ckpt: Path, out: Path, tokenizer: str | None = None, base_model: str | None = None) -> Path:
+    """`memrl convert-to-hf CKPT OUT [--tokenizer PATH] [--base-model DIR]`: CKPT is a checkpoint dir or a
+    run root; a LoRA checkpoint is merged into its base model.
 
     Returns the folder written; printing is left to the CLI.
     """
-    return export_to_hf(ckpt, out, tokenizer=tokenizer)
+    return export_to_hf(ckpt, out, tokenizer=tokenizer, base_model=base_model)

@@ -7,7 +7,8 @@
                                                              # rows a Ray rollout worker converted (refs)
         parts.rows.put(rollout_id, rows, out.train_row_count) # exact row count announced
         metrics = parts.policy.train_rollout(parts.rows.get_rollout(rollout_id), rollout_id)
-        parts.rollout.sync_from(parts.policy.weight_source(...)); log; checkpoint
+        parts.rollout.sync_from(parts.policy.weight_source(...)); log
+        validate (train.eval_interval: memrl/train/validation.py); checkpoint (+ best.json, keep_last_n)
 
 `local_parts` builds them in one process (an engine with a private copy of the policy, or a client of
 a server; the TransferQueue; the `Actor`); `memrl.distributed.runtime.ray_parts` builds them on Ray
@@ -42,9 +43,10 @@ from memrl.engines.base import Engine, WeightsInMemory, WeightsOnDisk, WeightSou
 from memrl.engines.factory import training_engine
 from memrl.rollout import RolloutContext, record_weight_version, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
+from memrl.train.checkpoint import prune_checkpoints, read_best, write_best
 from memrl.train.pipeline import Producer, WeightBoard, sampling_version
 from memrl.train.queue import QueueError, TransferQueue
-from memrl.train.run_log import RunLogger, StageTimer, device_stats
+from memrl.train.run_log import EVAL_METRICS_FILE, RunLogger, StageTimer, device_stats, read_metrics
 from memrl.train.setup import (
     DataSource,
     Plugins,
@@ -56,6 +58,7 @@ from memrl.train.setup import (
     start_rollout_id,
     trainer_device,
 )
+from memrl.train.validation import BestTracker, Validator
 from memrl.types import RolloutOutput, TrainRow, Trajectory
 
 log = logging.getLogger("memrl.train")
@@ -221,8 +224,8 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     # An in-process engine copies the actor's weights (after any load), so it starts in sync; a served
     # engine serves whatever its server loaded, so a resumed run syncs it to the checkpoint first.
     rollout: RolloutSource = (ReplayRollout(options.replay_rollouts) if options.replay_rollouts else
-                              LocalRollout(cfg, training_engine(cfg, actor.model, tokenizer), tokenizer, plugins,
-                                           options.progress))
+                              LocalRollout(cfg, training_engine(cfg, actor.merged_model(), tokenizer), tokenizer,
+                                           plugins, options.progress))
     if options.load is not None and cfg.rollout.engine == "openai" and not options.replay_rollouts:
         rollout.sync_from(actor.weight_source(options.run_root / "weights_sync", tokenizer))
     return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=actor,
@@ -238,6 +241,33 @@ class Trainer:
         self.parts = parts if parts is not None else local_parts(cfg, options, **local)
         self._producer: Producer | None = None
         self._torch_threads = torch.get_num_threads()
+        try:  # a missing eval file fails here, before the first step, with nothing left running
+            self.validator = self._validator()
+        except BaseException:
+            self._close_parts()
+            raise
+        self.best = self._best_so_far()
+
+    def _validator(self) -> Validator | None:
+        t = self.cfg.train
+        if t.eval_interval == 0 and not t.eval_before_train:
+            return None
+        if not isinstance(self.parts.rollout, LocalRollout):
+            raise TrainingError("validation during training (train.eval_interval, train.eval_before_train) runs "
+                                "on the in-process rollout engine of the local runtime; a replay has no engine. "
+                                "Set train.eval_interval = 0 and evaluate checkpoints with memrl eval")
+        return Validator(self.cfg, self.opt.run_root, self.parts.tokenizer, progress=self.opt.progress)
+
+    def _best_so_far(self) -> BestTracker | None:
+        """The keep_best tracker; a resumed run goes on from its best.json (steps before the resume point)."""
+        t = self.cfg.train
+        if t.keep_best is None:
+            return None
+        best = read_best(self.opt.run_root)
+        if best is not None and (best["metric"], best["mode"]) == (t.keep_best, t.keep_best_mode) \
+                and best["rollout_id"] < self.parts.start_rollout_id:
+            return BestTracker(t.keep_best, t.keep_best_mode, float(best["value"]))
+        return BestTracker(t.keep_best, t.keep_best_mode)
 
     def step(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
         """One synchronous step: generate, convert, deliver, train, sync the engine, log."""
@@ -359,27 +389,64 @@ class Trainer:
             return WeightsOnDisk(self.parts.policy.weight_source(folder, self.parts.tokenizer).saved_folder())
         return WeightsInMemory(self.parts.policy.weight_snapshot())
 
+    def _validates_after(self, rollout_id: int) -> bool:
+        interval = self.cfg.train.eval_interval
+        return interval > 0 and ((rollout_id + 1) % interval == 0 or rollout_id == self.cfg.train.num_rollout - 1)
+
+    def validate(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
+        """Evaluate the eval sets with the engine's weights (those after step `rollout_id`) and log them."""
+        assert self.validator is not None and isinstance(self.parts.rollout, LocalRollout)
+        timer = StageTimer()
+        with timer("eval"):
+            metrics = self.validator.validate(rollout_id, self.parts.rollout.engine,
+                                              self.parts.rollout.loop.run_until_complete)
+        metrics.update(timer.metrics())
+        logger.log_eval(rollout_id, metrics)
+        return metrics
+
     def save(self, rollout_id: int) -> Path | None:
-        return self.parts.policy.save_checkpoint(self.opt.run_root, rollout_id, checkpoint_state(self.cfg, rollout_id),
+        path = self.parts.policy.save_checkpoint(self.opt.run_root, rollout_id, checkpoint_state(self.cfg, rollout_id),
                                                  tokenizer=self.parts.tokenizer)
+        if self.cfg.train.keep_last_n is not None:
+            prune_checkpoints(self.opt.run_root, self.cfg.train.keep_last_n)
+        return path
+
+    def _keep_best(self, rollout_id: int, evaluation: dict[str, float], saved: Path | None) -> Path | None:
+        """When this step's validation is a new best: save it (if the step did not) and point best.json at
+        it; returns that checkpoint (None when it is no new best)."""
+        if self.best is None or not evaluation or not self.best.improves(evaluation):
+            return None
+        path = saved if saved is not None else self.save(rollout_id)
+        value = evaluation[self.best.metric]
+        write_best(self.opt.run_root, rollout_id, self.best.metric, value, self.best.mode)
+        self.best.best = value
+        return path
 
     def run(self) -> list[dict[str, float]]:
         cfg, parts = self.cfg, self.parts
         self.opt.run_root.mkdir(parents=True, exist_ok=True)
         history: list[dict[str, float]] = []
-        logger = RunLogger(self.opt.run_root, cfg, start_rollout_id=parts.start_rollout_id)
+        t = cfg.train
+        logger = RunLogger(self.opt.run_root, cfg, start_rollout_id=parts.start_rollout_id, loggers=t.loggers,
+                           project_name=t.project_name, experiment_name=t.experiment_name)
         bar = tqdm(range(parts.start_rollout_id, cfg.train.num_rollout), desc="train", unit="step",
                    disable=not self.opt.progress)
         last_saved = None
         steps = self.step if cfg.train.max_staleness == 0 else self._overlapped_steps()
         try:
+            before = parts.start_rollout_id - 1
+            if cfg.train.eval_before_train and not any(
+                    r["rollout_id"] == before for r in read_metrics(self.opt.run_root, EVAL_METRICS_FILE)):
+                self.validate(before, logger)  # a resumed run validated its starting weights already
             for rollout_id in bar:
                 metrics = steps(rollout_id, logger)
                 history.append(metrics)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                 rows=int(metrics["rows/consumed"]))
-                if self._saves_after(rollout_id):
-                    last_saved = self.save(rollout_id)
+                evaluation = self.validate(rollout_id, logger) if self._validates_after(rollout_id) else {}
+                metrics.update(evaluation)
+                saved = self.save(rollout_id) if self._saves_after(rollout_id) else None
+                last_saved = self._keep_best(rollout_id, evaluation, saved) or saved or last_saved
         except KeyboardInterrupt:
             log.warning("interrupted: logs are complete up to the last finished step; last checkpoint: %s", last_saved)
             raise

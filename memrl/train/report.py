@@ -1,7 +1,8 @@
 """`memrl report RUN_ROOT`: PNG plots and a Markdown summary of a run, from RUN_ROOT/logs/metrics.jsonl.
 
 Writes RUN_ROOT/report/*.png (one per metric family present: reward with its moving average, KL,
-log-prob gap, response lengths, losses, grad norm, ...) and RUN_ROOT/report/report.md. A family none of
+log-prob gap, response lengths, losses, grad norm, ..., and one per validation set, `eval_<set>.png`, from
+RUN_ROOT/logs/eval_metrics.jsonl) and RUN_ROOT/report/report.md. A family none of
 whose metrics was logged is skipped; points logged as null (non-finite) are left out of the lines.
 Plots use matplotlib's object API (no pyplot), so no global backend is switched in the caller's process.
 """
@@ -13,7 +14,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from memrl.train.run_log import REWARD_KEY, read_metrics, reward_summary
+from memrl.eval.results import METRICS as EVAL_METRICS
+from memrl.train.run_log import EVAL_METRICS_FILE, REWARD_KEY, read_metrics, reward_summary
 
 # (file stem, title, y label, metric keys drawn as lines on one plot)
 PLOTS: list[tuple[str, str, str, list[str]]] = [
@@ -88,11 +90,42 @@ def _plot_stage_times(records: list[dict[str, Any]], out_dir: Path) -> Path | No
     return _save_plot(out_dir / "stage_time.png", "Time per stage", "seconds", lines)
 
 
+def _eval_sets(evals: list[dict[str, Any]]) -> list[str]:
+    """Validation set names, in order of first appearance (keys `eval/<set>/<metric>`)."""
+    return list(dict.fromkeys(k.split("/")[1] for r in evals for k in r if k.startswith("eval/") and k.count("/") == 2))
+
+
+def _plot_evals(evals: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    plots = []
+    for name in _eval_sets(evals):
+        lines = [(metric, *_series(evals, f"eval/{name}/{metric}"), {"marker": "o"}) for metric in EVAL_METRICS]
+        lines = [line for line in lines if line[1]]
+        if lines:
+            plots.append(_save_plot(out_dir / f"eval_{name}.png", f"Validation: {name}", "percent", lines))
+    return plots
+
+
+def _eval_lines(evals: list[dict[str, Any]]) -> list[str]:
+    """Per set: the last validation's scores and the best EM (with its rollout id)."""
+    lines = []
+    for name in _eval_sets(evals):
+        xs, ems = _series(evals, f"eval/{name}/em")
+        if not xs:
+            continue
+        last = next(r for r in reversed(evals) if f"eval/{name}/em" in r)
+        best_x, best_em = max(zip(xs, ems, strict=True), key=lambda p: p[1])
+        scores = ", ".join(f"{m} {_fmt(last.get(f'eval/{name}/{m}'))}" for m in EVAL_METRICS)
+        lines.append(f"- Validation `{name}` after rollout {last['rollout_id']}: {scores}; best EM {_fmt(best_em)} "
+                     f"(rollout {best_x}; {len(xs)} validations)")
+    return lines
+
+
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def _markdown(run_root: Path, records: list[dict[str, Any]], plots: list[Path]) -> str:
+def _markdown(run_root: Path, records: list[dict[str, Any]], plots: list[Path],
+              evals: list[dict[str, Any]]) -> str:
     summary = reward_summary(records)
     ids = [int(r["rollout_id"]) for r in records]
     lines = [
@@ -112,6 +145,7 @@ def _markdown(run_root: Path, records: list[dict[str, Any]], plots: list[Path]) 
     if {"rows/saved", "rows/consumed"} <= totals.keys() and totals["rows/saved"] != totals["rows/consumed"]:
         lines.append(f"- **Warning:** rows saved ({totals['rows/saved']:g}) != rows consumed "
                      f"({totals['rows/consumed']:g})")
+    lines += _eval_lines(evals)
     lines += ["", "## Plots", ""]
     lines += [f"### {p.stem}\n\n![{p.stem}]({p.name})\n" for p in plots]
     return "\n".join(lines) + "\n"
@@ -139,9 +173,11 @@ def write_report(run_root: str | Path) -> list[Path]:
     stage_plot = _plot_stage_times(records, out_dir)
     if stage_plot is not None:
         plots.append(stage_plot)
+    evals = read_metrics(run_root, EVAL_METRICS_FILE)
+    plots += _plot_evals(evals, out_dir)
 
     report_md = out_dir / "report.md"
-    report_md.write_text(_markdown(run_root, records, plots))
+    report_md.write_text(_markdown(run_root, records, plots, evals))
     return [*plots, report_md]
 
 

@@ -3,15 +3,20 @@
     RUN_ROOT/config.yaml                      config snapshot (when one is given)
     RUN_ROOT/logs/train.log                   records of the `memrl` logger (the caller adds a console)
     RUN_ROOT/logs/metrics.jsonl               one line per rollout step: {"rollout_id": N, metric: value}
+    RUN_ROOT/logs/eval_metrics.jsonl          one line per validation (memrl.train.validation): same form
     RUN_ROOT/logs/rollouts/rollout_XXXXXXX.jsonl   one line per trajectory record of that step
     RUN_ROOT/tensorboard/                     event files: one scalar per numeric metric, step = rollout id
+    RUN_ROOT/wandb/                           Weights & Biases files (`loggers` with wandb; W&B step = rollout id
+                                              + 1, so a validation before training is step 0; logs/wandb_run_id
+                                              keeps the run id, so a resumed run continues the same W&B run)
     RUN_ROOT/reward_summary.json              per-rollout mean reward, first/last-10 means, best
 
 Invariants:
 - metrics.jsonl is valid JSON per line: non-finite numbers are written as null (and skipped in
   TensorBoard); lines are flushed as they are written, so a crash loses at most the step in flight.
 - A resumed run (`start_rollout_id`) first drops lines of rollout ids >= start_rollout_id from
-  metrics.jsonl and purges those TensorBoard steps: a step is logged once even if it ran twice.
+  metrics.jsonl and eval_metrics.jsonl and purges those TensorBoard steps: a step is logged once even if
+  it ran twice.
 - Rollout files are written whole (temporary file, then rename): a reader never sees half a file.
 """
 
@@ -22,7 +27,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -79,12 +85,16 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_metrics(run_root: str | Path) -> list[dict[str, Any]]:
-    """The records of RUN_ROOT/logs/metrics.jsonl, one per rollout id (its last line), sorted by id.
+METRICS_FILE, EVAL_METRICS_FILE = "metrics.jsonl", "eval_metrics.jsonl"
+
+
+def read_metrics(run_root: str | Path, filename: str = METRICS_FILE) -> list[dict[str, Any]]:
+    """The records of RUN_ROOT/logs/metrics.jsonl (or `filename`, e.g. EVAL_METRICS_FILE), one per
+    rollout id (its last line), sorted by id.
 
     A torn last line (a crash mid-write) is skipped; any other unreadable line raises ValueError.
     """
-    path = Path(run_root) / "logs" / "metrics.jsonl"
+    path = Path(run_root) / "logs" / filename
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
@@ -122,20 +132,50 @@ def reward_summary(records: list[dict[str, Any]], key: str = REWARD_KEY, window:
     }
 
 
+class WandbLogger:
+    """Metrics to Weights & Biases (`train.loggers` with wandb), one run per run root."""
+
+    def __init__(self, run_root: Path, config: dict[str, Any] | None, project: str, name: str | None) -> None:
+        from memrl.config import ConfigError
+
+        try:
+            import wandb
+        except ImportError as error:  # the config checks this too; a broken install still ends here
+            raise ConfigError(f"train.loggers includes wandb but it does not import ({error}); "
+                              f"pip install 'memrl[wandb]', or drop wandb from train.loggers") from error
+        id_file = run_root / "logs" / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        _write_atomic(id_file, run_id + "\n")
+        self.run = wandb.init(project=project, name=name or run_root.resolve().name, id=run_id, resume="allow",
+                              dir=str(run_root), config=config)
+
+    def log(self, rollout_id: int, values: dict[str, float]) -> None:
+        # W&B steps must not decrease and start at 0: step = rollout id + 1 (steps done), the same for a
+        # step's metrics and the validation after it; a validation before training is step 0.
+        self.run.log({**values, "rollout_id": rollout_id}, step=rollout_id + 1)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class RunLogger:
     """Writes every log of one run; use as a context manager or call `close()`.
 
     `config_dict` (dict or pydantic model) is saved as RUN_ROOT/config.yaml. Pass `start_rollout_id`
-    when resuming so steps that ran after the checkpoint are not logged twice.
+    when resuming so steps that ran after the checkpoint are not logged twice. `loggers` is
+    `train.loggers` (default: tensorboard and jsonl); `use_tensorboard=False` turns TensorBoard off whatever
+    it says.
     """
 
     def __init__(self, run_root: str | Path, config_dict: Any = None, use_tensorboard: bool = True,
-                 start_rollout_id: int | None = None) -> None:
+                 start_rollout_id: int | None = None, loggers: Sequence[str] = ("tensorboard", "jsonl"),
+                 project_name: str = "memrl", experiment_name: str | None = None) -> None:
         self.run_root = Path(run_root)
         self.logs_dir = self.run_root / "logs"
         self.rollouts_dir = self.logs_dir / "rollouts"
         self.tensorboard_dir = self.run_root / "tensorboard"
-        self.metrics_path = self.logs_dir / "metrics.jsonl"
+        self.metrics_path = self.logs_dir / METRICS_FILE
+        self.eval_metrics_path = self.logs_dir / EVAL_METRICS_FILE
         self.config_path = self.run_root / "config.yaml"
         self.reward_summary_path = self.run_root / "reward_summary.json"
         self.rollouts_dir.mkdir(parents=True, exist_ok=True)
@@ -144,6 +184,7 @@ class RunLogger:
             if hasattr(config_dict, "model_dump"):
                 config_dict = config_dict.model_dump(mode="json")
             _write_atomic(self.config_path, yaml.safe_dump(_json_safe(config_dict), sort_keys=False))
+        self.jsonl = "jsonl" in loggers
 
         # File handler on the package logger, so every memrl module's records reach train.log.
         self._handler = logging.FileHandler(self.logs_dir / "train.log", encoding="utf-8")
@@ -154,37 +195,74 @@ class RunLogger:
             package_logger.setLevel(logging.INFO)
 
         if start_rollout_id is not None:
-            self._drop_metrics_from(start_rollout_id)
-        self._metrics_file = open(self.metrics_path, "a", encoding="utf-8")
+            self._drop_metrics_from(start_rollout_id, METRICS_FILE)
+            self._drop_metrics_from(start_rollout_id, EVAL_METRICS_FILE)
+        self._metrics_file = open(self.metrics_path, "a", encoding="utf-8") if self.jsonl else None
 
         self._writer = None
-        if use_tensorboard:
+        if use_tensorboard and "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events of steps >= start_rollout_id written by the interrupted run.
             self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=start_rollout_id)
+        self._wandb = None
+        if "wandb" in loggers:
+            try:
+                self._wandb = WandbLogger(self.run_root, _json_safe(config_dict) if config_dict is not None else None,
+                                          project_name, experiment_name)
+            except BaseException:
+                self.close()
+                raise
 
-    def _drop_metrics_from(self, start_rollout_id: int) -> None:
-        if not self.metrics_path.is_file():
+    def _drop_metrics_from(self, start_rollout_id: int, filename: str) -> None:
+        path = self.logs_dir / filename
+        if not path.is_file():
             return
-        kept = [r for r in read_metrics(self.run_root) if int(r["rollout_id"]) < start_rollout_id]
-        _write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        kept = [r for r in read_metrics(self.run_root, filename) if int(r["rollout_id"]) < start_rollout_id]
+        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log_metrics(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Append one metrics line and one TensorBoard scalar per finite numeric value; returns the line."""
+        record = self._record(rollout_id, metrics)
+        if self._metrics_file is not None:
+            self._metrics_file.write(json.dumps(record) + "\n")
+            self._metrics_file.flush()
+        numeric = self._scalars(rollout_id, record)
+        summary = " ".join(f"{k}={v:.4g}" for k, v in numeric.items())
+        logging.getLogger(LOGGER_NAME).info("rollout %d: %s", rollout_id, summary)
+        return record
+
+    def log_eval(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """One validation's metrics (`eval/<set>/<metric>`): a line of eval_metrics.jsonl (appended whole,
+        flushed and fsynced) and TensorBoard scalars at step `rollout_id`; returns the line."""
+        record = self._record(rollout_id, metrics)
+        if self.jsonl:
+            with open(self.eval_metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        numeric = self._scalars(rollout_id, record)
+        logging.getLogger(LOGGER_NAME).info("validation after rollout %d: %s", rollout_id,
+                                            " ".join(f"{k}={v:.4g}" for k, v in numeric.items()))
+        return record
+
+    @staticmethod
+    def _record(rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
         record: dict[str, Any] = {"rollout_id": int(rollout_id)}
         record.update({str(k): _json_safe(v) for k, v in metrics.items()})
-        self._metrics_file.write(json.dumps(record) + "\n")
-        self._metrics_file.flush()
+        return record
+
+    def _scalars(self, rollout_id: int, record: dict[str, Any]) -> dict[str, float]:
+        """The finite numbers of a record, each written to TensorBoard (at step `rollout_id`) and W&B."""
         numeric = {k: v for k, v in record.items()
                    if k != "rollout_id" and isinstance(v, int | float) and not isinstance(v, bool)}
         if self._writer is not None:
             for key, value in numeric.items():
                 self._writer.add_scalar(key, value, global_step=int(rollout_id))
             self._writer.flush()
-        summary = " ".join(f"{k}={v:.4g}" for k, v in numeric.items())
-        logging.getLogger(LOGGER_NAME).info("rollout %d: %s", rollout_id, summary)
-        return record
+        if self._wandb is not None:
+            self._wandb.log(int(rollout_id), numeric)
+        return numeric
 
     def log_rollout(self, rollout_id: int, records: list[dict[str, Any]]) -> Path:
         """Write the trajectory records of one rollout step to rollouts/rollout_XXXXXXX.jsonl (whole)."""
@@ -192,8 +270,11 @@ class RunLogger:
         _write_atomic(path, "".join(json.dumps(_json_safe(r), ensure_ascii=False) + "\n" for r in records))
         return path
 
-    def write_reward_summary(self) -> Path:
-        """RUN_ROOT/reward_summary.json from the `reward/mean` of every logged rollout step."""
+    def write_reward_summary(self) -> Path | None:
+        """RUN_ROOT/reward_summary.json from the `reward/mean` of every logged rollout step (read from
+        metrics.jsonl: None without the jsonl logger)."""
+        if self._metrics_file is None:
+            return None
         self._metrics_file.flush()
         summary = reward_summary(read_metrics(self.run_root))
         _write_atomic(self.reward_summary_path, json.dumps(summary, indent=2) + "\n")
@@ -203,7 +284,10 @@ class RunLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        if not self._metrics_file.closed:
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
+        if self._metrics_file is not None and not self._metrics_file.closed:
             self._metrics_file.close()
         logging.getLogger(LOGGER_NAME).removeHandler(self._handler)
         self._handler.close()

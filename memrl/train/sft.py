@@ -67,6 +67,8 @@ def sft_config(cfg: Config, options: SFTOptions) -> Config:
     raw["algorithm"].update(kl_coef=0.0, entropy_coef=0.0, loss_agg="token_mean", tis_cap=None)
     raw["rollout"]["temperature"] = 1.0  # the actor divides logits by it: SFT fits the raw distribution
     raw["train"].update(lr=options.lr, warmup_steps=options.warmup_steps, num_optimizer_steps=1, dp_size=1)
+    # The warm start trains every weight, in place, and saves a plain model: model.lora is the RL stage's.
+    raw["model"]["lora"] = None
     return type(cfg).model_validate(raw)
 
 

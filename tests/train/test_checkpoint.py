@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -308,3 +309,20 @@ def test_tied_embeddings_round_trip(tmp_path):
     assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
     with pytest.raises(CheckpointError, match="no optimizer.pt"):
         load_checkpoint(path, fresh, optimizer=torch.optim.AdamW(fresh.parameters()))
+
+
+def test_prune_keeps_the_newest_n_the_latest_and_the_best(tmp_path):
+    from memrl.train.checkpoint import find_best_checkpoint, prune_checkpoints, read_best, write_best
+
+    for rollout_id in range(4):
+        save_simple(tmp_path, rollout_id)
+    write_best(tmp_path, 0, "eval/heldout/em", 50.0, "max")
+    removed = prune_checkpoints(tmp_path, keep_last_n=1)
+    assert sorted(p.name for p in removed) == ["iter_0000001", "iter_0000002"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["iter_0000000", "iter_0000003"]
+    assert find_best_checkpoint(tmp_path).name == "iter_0000000"
+    assert find_latest_checkpoint(tmp_path).name == "iter_0000003"
+    shutil.rmtree(tmp_path / "checkpoints" / "iter_0000000")  # deleted by hand: best.json names nothing
+    assert read_best(tmp_path) is None
+    with pytest.raises(CheckpointError, match="complete checkpoint"):
+        write_best(tmp_path, 7, "eval/heldout/em", 1.0, "max")

@@ -68,3 +68,17 @@ def test_moving_average_by_hand():
     assert moving_average([1.0, 2.0, 3.0, 4.0], window=2) == [1.0, 1.5, 2.5, 3.5]
     assert all(math.isclose(a, b) for a, b in zip(moving_average([3.0, 0.0, 3.0], 10), [3.0, 1.5, 2.0],
                                                   strict=True))
+
+
+def test_validation_curves_are_plotted_per_set(tmp_path):
+    log_run(tmp_path, steps=4)
+    with RunLogger(tmp_path, use_tensorboard=False) as run:
+        for rollout_id, em in ((-1, 10.0), (1, 30.0), (3, 20.0)):
+            run.log_eval(rollout_id, {"eval/heldout/em": em, "eval/heldout/sub_em": em + 5, "eval/heldout/f1": em + 8,
+                                      "eval/ruler_50/em": em / 2, "time/eval_s": 1.0})
+    names = {p.name for p in write_report(tmp_path)}
+    assert {"eval_heldout.png", "eval_ruler_50.png"} <= names
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "Validation `heldout` after rollout 3: em 20.0000, sub_em 25.0000, f1 28.0000; best EM 30.0000 " \
+           "(rollout 1; 3 validations)" in text
+    assert "![eval_heldout](eval_heldout.png)" in text
