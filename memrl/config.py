@@ -181,8 +181,16 @@ class AlgorithmConfig(Section):
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip bound c > 1 for negative advantages; off if unset.")
     kl_coef: float = Field(0.001, ge=0, description="Coefficient of the KL penalty to the frozen reference.")
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman's k1 or k3).")
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "trajectory_mean"] = Field(
-        "token_mean", description="How token losses are averaged."
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
+                      "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="How token losses are averaged (verl loss_agg_mode; formulas in memrl/rl/loss.py "
+        "and docs/algorithms.md). `seq_mean_token_sum`: mean over rows of each row's token sum; "
+        "`seq_mean_token_sum_norm`: Dr. GRPO, the token sums over rows x loss_scale_factor."
+    )
+    loss_scale_factor: int | None = Field(
+        None, gt=0, description="The fixed normaliser L of loss_agg=seq_mean_token_sum_norm (verl "
+        "actor.loss_scale_factor); unset: the longest response-token limit, max(rollout.memory_tokens, "
+        "rollout.final_tokens)."
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = logged only).")
     tis_cap: float | None = Field(None, gt=0, description="Truncated importance weight cap for the rollout/trainer gap; off if unset.")

@@ -88,6 +88,13 @@ class RankShare:
     weights: list[list[float]]
 
 
+def loss_scale_factor(config: Config) -> float:
+    """L of loss_agg = seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token
+    limit (a constant of the run, as Dr. GRPO's normaliser must be)."""
+    a, r = config.algorithm, config.rollout
+    return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
+
+
 def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[RankShare]:
     """Deal one optimizer step's rows to `train.dp_size` ranks, weigh them over the whole step, cut each
     rank's rows into micro-batches, and give every rank the same number of micro-batches."""
@@ -95,7 +102,8 @@ def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: 
     ranks = split_ranks(rows, t.dp_size, t.pad_to_dp, pad_token_id, rollout_id)
     all_rows = [r for rank in ranks for r in rank]
     weights = dict(zip(map(id, all_rows), compute_token_weights(
-        [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg), strict=True))
+        [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg,
+        loss_scale_factor(config)), strict=True))
     batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens) for rank in ranks],
                                           pad_token_id, rollout_id)
     return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]

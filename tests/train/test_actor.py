@@ -305,3 +305,20 @@ def test_logprob_gap_max_is_nan_whenever_the_mean_is():
     assert math.isnan(mean) and math.isnan(top)
     mean, top = gap_metrics(position=0)  # masked out: it must not count at all
     assert math.isfinite(mean) and math.isfinite(top) and top > 0
+
+
+def test_dr_grpo_fixed_normaliser_reaches_the_gradient():
+    """loss_agg = seq_mean_token_sum_norm: every row's token sum over R rows x L (here L = 5), i.e. the
+    token_mean gradient times total_tokens / (R L), whatever the micro-batching."""
+    from memrl.train.actor import loss_scale_factor
+
+    rows = make_rows()
+    tokens, n_rows = sum(sum(r.loss_mask) for r in rows), sum(1 for r in rows if sum(r.loss_mask))
+    ref = reference_grads(tiny_model(), rows)
+    cfg = Config.model_validate({"train": {"lr": 1e-3, "grad_clip": 1e9, "micro_batch_tokens": 40},
+                                 "algorithm": {"kl_coef": 0.0, "loss_agg": "seq_mean_token_sum_norm",
+                                               "loss_scale_factor": 5}})
+    got = grads_of(Actor(tiny_model(), cfg, pad_token_id=0), rows)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name] * tokens / (n_rows * 5), atol=1e-6, rtol=1e-4, msg=name)
+    assert loss_scale_factor(Config()) == 128.0  # unset: max(rollout.memory_tokens 128, rollout.final_tokens 64)
