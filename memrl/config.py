@@ -194,6 +194,19 @@ class AlgorithmConfig(Section):
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = logged only).")
     tis_cap: float | None = Field(None, gt=0, description="Truncated importance weight cap for the rollout/trainer gap; off if unset.")
+    filter_groups: bool = Field(
+        False, description="Dynamic sampling (DAPO; verl algorithm.filter_groups.enable): drop prompt groups whose "
+        "raw rewards are all equal and generate more, over_sampling_batch_size questions at a time, until the step "
+        "has train.rollout_batch_size groups or max_num_gen_batches is reached (memrl/rl/dynamic_sampling.py)."
+    )
+    over_sampling_batch_size: int | None = Field(
+        None, gt=0, description="Questions per further generation batch of filter_groups (slime "
+        "--over-sampling-batch-size); unset: train.rollout_batch_size."
+    )
+    max_num_gen_batches: int = Field(
+        10, gt=0, description="Most generation batches of one step under filter_groups, the first included (verl "
+        "algorithm.filter_groups.max_num_gen_batches); reached, the step trains on the groups it has."
+    )
 
 
 class TrainConfig(Section):
@@ -313,6 +326,14 @@ class Config(Section):
         if self.train.max_staleness > 0 and (self.train.runtime != "local" or self.rollout.engine != "hf"):
             raise ValueError("train.max_staleness > 0 (the overlapped pipeline) runs with train.runtime = 'local' "
                              "and rollout.engine = 'hf' for now; set train.max_staleness = 0 for Ray or a served engine")
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_runs_here(self) -> Config:
+        if self.algorithm.filter_groups and self.train.runtime == "ray":
+            raise ValueError("algorithm.filter_groups (dynamic sampling) runs with train.runtime = 'local' for now (its "
+                             "further generation batches are not sent to Ray rollout workers); set "
+                             "algorithm.filter_groups = false or train.runtime = 'local'")
         return self
 
     @model_validator(mode="after")

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from memrl.config import Config
 from memrl.engines.base import Engine, WeightSource
 from memrl.engines.factory import training_engine
+from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
 from memrl.rollout import RolloutContext, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.pipeline import Producer, WeightBoard, sampling_version
@@ -74,7 +75,10 @@ class TrainOptions:
 
 
 class RolloutSource(Protocol):
-    """Where a step's trajectories come from (an engine in this process, a rollout pool, a replay)."""
+    """Where a step's trajectories come from (an engine in this process, a rollout pool, a replay).
+
+    A source that serves dynamic sampling (`algorithm.filter_groups`) also takes `slot_offset=`, the
+    position of `records[0]` in the step's whole batch (memrl/rollout.py, `RolloutContext.slot_offset`)."""
 
     def generate(self, rollout_id: int, records: Sequence[Any]) -> RolloutOutput: ...
 
@@ -156,9 +160,9 @@ class LocalRollout:
         self.generate_fn, self.reward_fn = plugins.generate, plugins.reward
         self.loop = asyncio.new_event_loop()
 
-    def generate(self, rollout_id: int, records: Sequence[Any]) -> RolloutOutput:
+    def generate(self, rollout_id: int, records: Sequence[Any], slot_offset: int = 0) -> RolloutOutput:
         ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
-                             reward_function=self.reward_fn, progress=self.progress)
+                             reward_function=self.reward_fn, progress=self.progress, slot_offset=slot_offset)
         return self.loop.run_until_complete(self.generate_fn(ctx, list(records)))
 
     def sync_from(self, source: WeightSource) -> None:
@@ -177,7 +181,7 @@ class ReplayRollout:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
 
-    def generate(self, rollout_id: int, records: Sequence[Any]) -> RolloutOutput:
+    def generate(self, rollout_id: int, records: Sequence[Any], slot_offset: int = 0) -> RolloutOutput:
         return load_raw_rollout(self.directory, rollout_id)
 
     def sync_from(self, source: WeightSource) -> None:
@@ -238,6 +242,9 @@ class Trainer:
         try:
             with timer("rollout"):
                 out = parts.rollout.generate(rollout_id, parts.data.batch(rollout_id))
+                # A replay reads the step's saved rollout, which was filtered when it was generated.
+                if self.cfg.algorithm.filter_groups and not isinstance(parts.rollout, ReplayRollout):
+                    out = self._sample_informative_groups(rollout_id, out)
             with timer("convert"):
                 rows = parts.convert(out.trajectories, self.cfg.algorithm, rollout_id)
             # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
@@ -251,6 +258,20 @@ class Trainer:
             parts.rows.fail(rollout_id, error)  # wakes any waiter on this rollout with the error
             raise
         return out, rows, dict(timer.seconds)
+
+    def _sample_informative_groups(self, rollout_id: int, first: RolloutOutput) -> RolloutOutput:
+        """Dynamic sampling (memrl/rl/dynamic_sampling.py): chunk k takes the slots after the step's batch and
+        the chunks before it, so its group ids and request seeds are its own."""
+        a, t = self.cfg.algorithm, self.cfg.train
+        size = a.over_sampling_batch_size or t.rollout_batch_size
+
+        def generate_more(chunk: int) -> RolloutOutput:
+            records = self.parts.data.extra_batch(rollout_id, chunk, size)
+            return self.parts.rollout.generate(rollout_id, records,
+                                               slot_offset=t.rollout_batch_size + (chunk - 1) * size)
+
+        return sample_informative_groups(first, generate_more, GroupFilter(
+            t.rollout_batch_size, a.max_num_gen_batches, t.num_optimizer_steps))
 
     def _deliver(self, rollout_id: int, out: RolloutOutput, rows: list[TrainRow]) -> None:
         # The raw file first: once the rows are put (and maybe trained on), a failure could no longer fail

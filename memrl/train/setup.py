@@ -102,6 +102,14 @@ class DataSource:
             out.append(self.records[self._epoch_order(epoch)[pos]])
         return out
 
+    def extra_batch(self, rollout_id: int, chunk: int, size: int) -> list[Any]:
+        """Chunk `chunk` (1, 2, ...) of `size` further questions for rollout `rollout_id` (dynamic sampling):
+        a shuffle seeded by (seed, rollout id, chunk), so a pure function of them, drawn beside the main
+        cursor, which it never moves (a resumed run draws the same chunks; `batch` stays as it was)."""
+        order = list(range(len(self.records)))
+        random.Random(f"{self.seed}:oversample:{rollout_id}:{chunk}").shuffle(order)
+        return [self.records[order[k % len(order)]] for k in range(size)]
+
 
 @dataclass(frozen=True)
 class Plugins:

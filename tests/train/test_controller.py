@@ -205,3 +205,33 @@ def test_one_loop_the_ray_runtime_gives_it_parts():
     classes = [obj for _, obj in inspect.getmembers(runtime, inspect.isclass) if obj.__module__ == runtime.__name__]
     assert classes and not any(issubclass(c, Trainer) for c in classes)
     assert not any(hasattr(c, "step") or hasattr(c, "run") for c in classes)
+
+
+def even_question_reward(traj, golds):
+    """Parity on even-numbered questions, 0 on odd ones: odd questions' groups are all equal."""
+    return parity_reward(traj, golds) if int(traj.metadata["question_id"][1:]) % 2 == 0 else 0.0
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path, max_staleness):
+    """algorithm.filter_groups, on the synchronous loop and the overlapped pipeline: the trained groups all
+    carry a signal, the step has rollout_batch_size of them, and the row ledger counts exactly their rows."""
+    cfg = config(rollout_batch_size=2, max_staleness=max_staleness)
+    cfg.plugins.reward_function = f"{__name__}:even_question_reward"
+    cfg.algorithm.filter_groups, cfg.algorithm.over_sampling_batch_size, cfg.algorithm.max_num_gen_batches = True, 2, 8
+    trainer = make_trainer(tokenizer, tmp_path / "run", cfg)
+    captured = []
+    original = trainer.parts.policy.train_rollout
+    trainer.parts.policy.train_rollout = lambda rows, rid: (captured.append(rows), original(rows, rid))[1]
+    history = trainer.run()
+    for rows, m in zip(captured, history, strict=True):
+        groups = {}
+        for r in rows:
+            groups.setdefault(r.group_id, []).append(r.advantage)
+        assert len(groups) == 2 and all(any(a != 0 for a in adv) for adv in groups.values())
+        assert m["rows/consumed"] == m["rows/saved"] == 2 * 8 * 4
+        assert m["dynamic_sampling/groups_kept"] == 2 and m["dynamic_sampling/reached_cap"] == 0
+        # the step's batch holds one odd question (filtered) at least; its replacements come from extra chunks
+        assert m["dynamic_sampling/groups_filtered_equal_reward"] >= 1
+        assert m["dynamic_sampling/generation_batches"] >= 2
+    assert any(":2:" in g or ":3:" in g for rows in captured for g in {r.group_id for r in rows})  # chunk slots
