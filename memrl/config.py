@@ -194,6 +194,24 @@ class AlgorithmConfig(Section):
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = logged only).")
     tis_cap: float | None = Field(None, gt=0, description="Truncated importance weight cap for the rollout/trainer gap; off if unset.")
+    loss_mode: Literal["vanilla", "gspo"] = Field(
+        "vanilla", description="`vanilla`: PPO's per-token ratio; `gspo`: GSPO's sequence ratio (verl "
+        "policy_loss.loss_mode=gspo) taken over a whole trajectory, all its turns' tokens (memrl/rl/loss.py "
+        "gspo_log_ratio); GSPO's recipe: clip_low 3e-4, clip_high 4e-4, loss_agg trajectory_mean."
+    )
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="Importance weights for the engine/trainer gap (verl algorithm.rollout_correction."
+        "rollout_is): `token` min(rho_t, threshold) (= tis_cap), `sequence` one weight per trajectory, "
+        "min(prod rho_t, threshold); off if unset (memrl/rl/correction.py)."
+    )
+    rollout_is_threshold: float = Field(2.0, gt=0, description="Upper bound of the rollout_is weights.")
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = Field(
+        None, description="Masked importance sampling (verl rollout_rs): drop tokens (`token`) or whole trajectories "
+        "(`sequence`: prod rho_t; `geometric`: its per-token geometric mean) whose engine/trainer ratio leaves "
+        "[rollout_rs_threshold_lower, rollout_rs_threshold]; off if unset."
+    )
+    rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound of rollout_rs; unset: rollout_is_threshold.")
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound of rollout_rs; unset: 1 / upper.")
     filter_groups: bool = Field(
         False, description="Dynamic sampling (DAPO; verl algorithm.filter_groups.enable): drop prompt groups whose "
         "raw rewards are all equal and generate more, over_sampling_batch_size questions at a time, until the step "
@@ -208,6 +226,18 @@ class AlgorithmConfig(Section):
         "algorithm.filter_groups.max_num_gen_batches); reached, the step trains on the groups it has."
     )
 
+
+    @model_validator(mode="after")
+    def _one_way_to_each_correction(self) -> AlgorithmConfig:
+        if self.tis_cap is not None and self.rollout_is is not None:
+            raise ValueError("algorithm.tis_cap and algorithm.rollout_is both set importance weights; tis_cap = c is "
+                             "rollout_is = token with rollout_is_threshold = c: keep one")
+        high = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        low = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / high
+        if self.rollout_rs is not None and not low < high:
+            raise ValueError(f"algorithm.rollout_rs keeps ratios in [{low:g}, {high:g}], an empty range; set "
+                             f"rollout_rs_threshold_lower below rollout_rs_threshold")
+        return self
 
 class TrainConfig(Section):
     num_rollout: int = Field(100, gt=0, description="Rollout steps to run.")
@@ -330,10 +360,16 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _algorithm_runs_here(self) -> Config:
-        if self.algorithm.filter_groups and self.train.runtime == "ray":
+        a, t = self.algorithm, self.train
+        if a.filter_groups and t.runtime == "ray":
             raise ValueError("algorithm.filter_groups (dynamic sampling) runs with train.runtime = 'local' for now (its "
                              "further generation batches are not sent to Ray rollout workers); set "
                              "algorithm.filter_groups = false or train.runtime = 'local'")
+        per_trajectory = a.loss_mode == "gspo" or a.rollout_is == "sequence" or a.rollout_rs in ("sequence", "geometric")
+        if per_trajectory and t.runtime == "ray" and t.dp_size > 1:
+            raise ValueError("algorithm.loss_mode = gspo and sequence-level rollout_is / rollout_rs sum log-ratios over a "
+                             "trajectory's rows, which data-parallel trainer processes do not exchange yet; use "
+                             "train.dp_size = 1 on Ray (or train.runtime = 'local'), or token-level options")
         return self
 
     @model_validator(mode="after")

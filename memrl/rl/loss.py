@@ -214,14 +214,17 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
                 agg: AggMode = "token_mean", group_index: Tensor | None = None, *,
                 row_weights: Tensor | None = None, normalizer: float | Tensor | None = None,
                 importance_weights: Tensor | None = None,
-                loss_scale_factor: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                loss_scale_factor: float | None = None,
+                sequence_log_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip policy-gradient loss (to minimize) and detached metrics.
 
     ratio = exp(logp - old_logp); per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high));
     with `dual_clip` c > 1, tokens with A < 0 are further capped at -A * c (bounds the loss of a huge
     ratio on a bad action). `advantages` is [batch, seq] or [batch] (one value per row, broadcast).
     `importance_weights` ([batch, seq], detached, e.g. `truncated_importance_weights`) multiply the
-    per-token loss. Reduction: `row_weights` (exact micro-batching, see module docstring) if given,
+    per-token loss. `sequence_log_ratio` ([batch], detached) switches to GSPO's sequence-level ratio:
+    row r belongs to a trajectory whose mean log-ratio over all its response tokens is
+    `sequence_log_ratio[r]` (see `gspo_log_ratio`), and every token's ratio takes that value. Reduction: `row_weights` (exact micro-batching, see module docstring) if given,
     else `aggregate(agg, group_index, normalizer, loss_scale_factor)`.
 
     Metrics (detached 0-dim tensors, token means over the mask so no device sync is forced):
@@ -237,7 +240,10 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
         raise LossError(f"dual_clip must be > 1 (algorithm.dual_clip), got {dual_clip}")
 
     advantages = advantages.to(log_probs.dtype)
-    log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    if sequence_log_ratio is not None:
+        log_ratio = gspo_log_ratio(log_probs, sequence_log_ratio)
+    else:
+        log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -267,6 +273,28 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
             "tokens": mask.to(loss.dtype).sum(),
         }
     return reduced, {k: v.detach() for k, v in metrics.items()}
+
+
+def gspo_log_ratio(log_probs: Tensor, sequence_log_ratio: Tensor) -> Tensor:
+    """GSPO's per-token log-ratio, at the trajectory level: log s_i + logp_t - sg[logp_t].
+
+    GSPO (Zheng et al. 2025; verl `policy_loss.loss_mode=gspo`) uses one importance ratio per sequence,
+    the geometric mean s_i = exp((1/|y_i|) sum_t (logp_t - old_t)), clipped with a narrow range (their
+    recipe: clip_low 3e-4, clip_high 4e-4). Here the "sequence" is the whole trajectory: all response
+    tokens of all its turns, i.e. of its 1:N rows together (a per-row ratio would be per turn).
+
+    The rows of a trajectory may sit in different micro-batches, so s_i cannot come from one forward.
+    verl's stop-gradient form makes it decomposable: with log s_i known as a number (`sequence_log_ratio`,
+    from a no-grad pass over the whole optimizer step), the per-token term sg[log s_i] + logp_t - sg[logp_t]
+    has the value log s_i at every token and the gradient of logp_t, so exp() of it has value s_i and
+    gradient s_i * grad logp_t: summed with the trajectory's token weights (loss_agg trajectory_mean gives
+    1/|y_i|) that is GSPO's gradient s_i A_i (1/|y_i|) sum_t grad logp_t, whatever the micro-batching.
+    `sequence_log_ratio` is [batch] (one value per row, its trajectory's) or [batch, seq].
+    """
+    seq = sequence_log_ratio.detach().to(log_probs.dtype)
+    if seq.dim() == 1:
+        seq = seq.unsqueeze(-1).expand_as(log_probs)
+    return seq.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND) + log_probs - log_probs.detach()
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: Literal["k1", "k3"] = "k3") -> Tensor:
