@@ -212,6 +212,22 @@ class AlgorithmConfig(Section):
     )
     rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound of rollout_rs; unset: rollout_is_threshold.")
     rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound of rollout_rs; unset: 1 / upper.")
+    mask_truncated_completions: bool = Field(
+        False, description="Zero the loss of every row of a trajectory whose final turn hit its token limit (TRL "
+        "mask_truncated_completions); it still counts in its group's advantage."
+    )
+    overlong_buffer_len: int | None = Field(
+        None, gt=0, description="DAPO's soft overlong penalty (verl reward_model.overlong_buffer.len): a final answer "
+        "longer than its limit minus this many tokens loses up to overlong_penalty_factor, linearly, in the reward "
+        "the advantage uses (the raw reward is kept for logs and filter_groups); off if unset."
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="The overlong penalty at the limit itself.")
+    turn_reward_function: str | None = Field(
+        None, description="`module:function` (turn, trajectory, golds) -> float, a reward per turn mixed into that "
+        "turn's advantage: alpha x trajectory credit + (1 - alpha) x the turn reward normalised in its group and turn "
+        "index (memrl/rl/shaping.py). Built-in: memrl.memagent.reward:memory_recall. Off if unset."
+    )
+    turn_reward_alpha: float = Field(0.5, ge=0, le=1, description="alpha of turn_reward_function (1 = trajectory credit only).")
     filter_groups: bool = Field(
         False, description="Dynamic sampling (DAPO; verl algorithm.filter_groups.enable): drop prompt groups whose "
         "raw rewards are all equal and generate more, over_sampling_batch_size questions at a time, until the step "

@@ -37,6 +37,7 @@ from memrl.config import Config
 from memrl.engines.base import Engine, WeightSource
 from memrl.engines.factory import training_engine
 from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
+from memrl.rl.turn_rewards import score_turns
 from memrl.rollout import RolloutContext, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.pipeline import Producer, WeightBoard, sampling_version
@@ -246,6 +247,7 @@ class Trainer:
                 if self.cfg.algorithm.filter_groups and not isinstance(parts.rollout, ReplayRollout):
                     out = self._sample_informative_groups(rollout_id, out)
             with timer("convert"):
+                out.metrics.update(score_turns(out.trajectories, parts.tokenizer, self.cfg.algorithm))
                 rows = parts.convert(out.trajectories, self.cfg.algorithm, rollout_id)
             # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
             expected = out.train_row_count if out.train_row_count is not None else len(out.trajectories)

@@ -234,4 +234,27 @@ def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path,
         # the step's batch holds one odd question (filtered) at least; its replacements come from extra chunks
         assert m["dynamic_sampling/groups_filtered_equal_reward"] >= 1
         assert m["dynamic_sampling/generation_batches"] >= 2
+        assert 0 <= m["memory/gold_recall/turn_0"] <= 1  # logged every step, used as a reward or not
     assert any(":2:" in g or ":3:" in g for rows in captured for g in {r.group_id for r in rows})  # chunk slots
+
+
+def parity_turn_reward(turn, trajectory, golds):
+    return float(turn.response_ids[0] % 2 == 0)
+
+
+def test_turn_rewards_give_every_turn_its_own_advantage(tokenizer, tmp_path):
+    cfg = config(num_rollout=1)
+    cfg.algorithm.turn_reward_function = f"{__name__}:parity_turn_reward"
+    trainer = make_trainer(tokenizer, tmp_path / "run", cfg, save_rollouts=True)
+    captured = []
+    original = trainer.parts.policy.train_rollout
+    trainer.parts.policy.train_rollout = lambda rows, rid: (captured.append(rows), original(rows, rid))[1]
+    (m,) = trainer.run()
+    assert m["rows/consumed"] == 32
+    per_traj = {}
+    for r in captured[0]:
+        per_traj.setdefault(r.trajectory_id, []).append(r.advantage)
+    # split credit alone gives a trajectory's turns one value; the turn rewards make them differ
+    assert any(len(set(adv)) > 1 for adv in per_traj.values())
+    saved = load_raw_rollout(tmp_path / "run" / "rollouts_raw", 0)
+    assert [r.to_dict() for r in captured[0]] == [r.to_dict() for r in convert_trajectories(saved.trajectories, cfg.algorithm, 0)]
