@@ -258,3 +258,26 @@ def test_turn_rewards_give_every_turn_its_own_advantage(tokenizer, tmp_path):
     assert any(len(set(adv)) > 1 for adv in per_traj.values())
     saved = load_raw_rollout(tmp_path / "run" / "rollouts_raw", 0)
     assert [r.to_dict() for r in captured[0]] == [r.to_dict() for r in convert_trajectories(saved.trajectories, cfg.algorithm, 0)]
+
+
+def test_dynamic_sampling_resumes_exactly(tokenizer, tmp_path):
+    """The further chunks are a pure function of the rollout id: a run resumed from a checkpoint draws the
+    same questions, filters the same groups and ends with the same weights as one straight run."""
+    def cfg(num_rollout):
+        c = config(num_rollout=num_rollout, save_interval=2)
+        c.plugins.reward_function = f"{__name__}:even_question_reward"
+        c.algorithm.filter_groups, c.algorithm.max_num_gen_batches = True, 4
+        return c
+
+    straight = make_trainer(tokenizer, tmp_path / "a", cfg(4))
+    straight.run()
+    make_trainer(tokenizer, tmp_path / "b", cfg(2)).run()
+    make_trainer(tokenizer, tmp_path / "b", cfg(4), load=tmp_path / "b" / "checkpoints" / "iter_0000001").run()
+    keys = ("reward/mean", "dynamic_sampling/generation_batches", "dynamic_sampling/groups_kept", "rows/consumed")
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [[m[k] for k in keys] for m in a] == [[m[k] for k in keys] for m in b]
+    assert sum(m["dynamic_sampling/generation_batches"] for m in a) > 4  # some step drew further chunks
+    resumed = make_trainer(tokenizer, tmp_path / "c", cfg(4), load=tmp_path / "b" / "checkpoints" / "iter_0000003")
+    for (name, pa), pb in zip(straight.parts.policy.model.named_parameters(), resumed.parts.policy.model.parameters(),
+                              strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)
