@@ -196,12 +196,79 @@ class AlgorithmConfig(Section):
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip bound c > 1 for negative advantages; off if unset.")
     kl_coef: float = Field(0.001, ge=0, description="Coefficient of the KL penalty to the frozen reference.")
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman's k1 or k3).")
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "trajectory_mean"] = Field(
-        "token_mean", description="How token losses are averaged."
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
+                      "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="How token losses are averaged (verl loss_agg_mode; formulas in memrl/rl/loss.py "
+        "and docs/algorithms.md). `seq_mean_token_sum`: mean over rows of each row's token sum; "
+        "`seq_mean_token_sum_norm`: Dr. GRPO, the token sums over rows x loss_scale_factor."
+    )
+    loss_scale_factor: int | None = Field(
+        None, gt=0, description="The fixed normaliser L of loss_agg=seq_mean_token_sum_norm (verl "
+        "actor.loss_scale_factor); unset: the longest response-token limit, max(rollout.memory_tokens, "
+        "rollout.final_tokens)."
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = logged only).")
     tis_cap: float | None = Field(None, gt=0, description="Truncated importance weight cap for the rollout/trainer gap; off if unset.")
+    loss_mode: Literal["vanilla", "gspo"] = Field(
+        "vanilla", description="`vanilla`: PPO's per-token ratio; `gspo`: GSPO's sequence ratio (verl "
+        "policy_loss.loss_mode=gspo) taken over a whole trajectory, all its turns' tokens (memrl/rl/loss.py "
+        "gspo_log_ratio); GSPO's recipe: clip_low 3e-4, clip_high 4e-4, loss_agg trajectory_mean."
+    )
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="Importance weights for the engine/trainer gap (verl algorithm.rollout_correction."
+        "rollout_is): `token` min(rho_t, threshold) (= tis_cap), `sequence` one weight per trajectory, "
+        "min(prod rho_t, threshold); off if unset (memrl/rl/correction.py)."
+    )
+    rollout_is_threshold: float = Field(2.0, gt=0, description="Upper bound of the rollout_is weights.")
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = Field(
+        None, description="Masked importance sampling (verl rollout_rs): drop tokens (`token`) or whole trajectories "
+        "(`sequence`: prod rho_t; `geometric`: its per-token geometric mean) whose engine/trainer ratio leaves "
+        "[rollout_rs_threshold_lower, rollout_rs_threshold]; off if unset."
+    )
+    rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound of rollout_rs; unset: rollout_is_threshold.")
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound of rollout_rs; unset: 1 / upper.")
+    mask_truncated_completions: bool = Field(
+        False, description="Zero the loss of every row of a trajectory whose final turn hit its token limit (TRL "
+        "mask_truncated_completions); it still counts in its group's advantage."
+    )
+    overlong_buffer_len: int | None = Field(
+        None, gt=0, description="DAPO's soft overlong penalty (verl reward_model.overlong_buffer.len): a final answer "
+        "longer than its limit minus this many tokens loses up to overlong_penalty_factor, linearly, in the reward "
+        "the advantage uses (the raw reward is kept for logs and filter_groups); off if unset."
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="The overlong penalty at the limit itself.")
+    turn_reward_function: str | None = Field(
+        None, description="`module:function` (turn, trajectory, golds) -> float, a reward per turn mixed into that "
+        "turn's advantage: alpha x trajectory credit + (1 - alpha) x the turn reward normalised in its group and turn "
+        "index (memrl/rl/shaping.py). Built-in: memrl.memagent.reward:memory_recall. Off if unset."
+    )
+    turn_reward_alpha: float = Field(0.5, ge=0, le=1, description="alpha of turn_reward_function (1 = trajectory credit only).")
+    filter_groups: bool = Field(
+        False, description="Dynamic sampling (DAPO; verl algorithm.filter_groups.enable): drop prompt groups whose "
+        "raw rewards are all equal and generate more, over_sampling_batch_size questions at a time, until the step "
+        "has train.rollout_batch_size groups or max_num_gen_batches is reached (memrl/rl/dynamic_sampling.py)."
+    )
+    over_sampling_batch_size: int | None = Field(
+        None, gt=0, description="Questions per further generation batch of filter_groups (slime "
+        "--over-sampling-batch-size); unset: train.rollout_batch_size."
+    )
+    max_num_gen_batches: int = Field(
+        10, gt=0, description="Most generation batches of one step under filter_groups, the first included (verl "
+        "algorithm.filter_groups.max_num_gen_batches); reached, the step trains on the groups it has."
+    )
 
+
+    @model_validator(mode="after")
+    def _one_way_to_each_correction(self) -> AlgorithmConfig:
+        if self.tis_cap is not None and self.rollout_is is not None:
+            raise ValueError("algorithm.tis_cap and algorithm.rollout_is both set importance weights; tis_cap = c is "
+                             "rollout_is = token with rollout_is_threshold = c: keep one")
+        high = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        low = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / high
+        if self.rollout_rs is not None and not low < high:
+            raise ValueError(f"algorithm.rollout_rs keeps ratios in [{low:g}, {high:g}], an empty range; set "
+                             f"rollout_rs_threshold_lower below rollout_rs_threshold")
+        return self
 
 class TrainConfig(Section):
     num_rollout: int = Field(100, gt=0, description="Rollout steps to run.")
@@ -419,6 +486,20 @@ class Config(Section):
             if self.train.strategy == "fsdp" and self.train.runtime == "ray":
                 raise ValueError("model.lora with train.strategy = 'fsdp' is not supported yet; use ddp (adapters "
                                  "are small: the base weights are the only large replica)")
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_runs_here(self) -> Config:
+        a, t = self.algorithm, self.train
+        if a.filter_groups and t.runtime == "ray":
+            raise ValueError("algorithm.filter_groups (dynamic sampling) runs with train.runtime = 'local' for now (its "
+                             "further generation batches are not sent to Ray rollout workers); set "
+                             "algorithm.filter_groups = false or train.runtime = 'local'")
+        per_trajectory = a.loss_mode == "gspo" or a.rollout_is == "sequence" or a.rollout_rs in ("sequence", "geometric")
+        if per_trajectory and t.runtime == "ray" and t.dp_size > 1:
+            raise ValueError("algorithm.loss_mode = gspo and sequence-level rollout_is / rollout_rs sum log-ratios over a "
+                             "trajectory's rows, which data-parallel trainer processes do not exchange yet; use "
+                             "train.dp_size = 1 on Ray (or train.runtime = 'local'), or token-level options")
         return self
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from memrl.config import Config
-from memrl.train.setup import Plugins, load_policy, load_tokenizer, seed_everything
+from memrl.train.setup import Plugins, load_policy, load_tokenizer, rows_of, seed_everything
 from memrl.types import RolloutOutput
 
 
@@ -278,7 +278,7 @@ class RolloutWorker:
         ctx.slot_offset = slot_offset
         out = record_weight_version(self.loop.run_until_complete(self.generate_fn(ctx, records)), weight_version)
         start = time.perf_counter()
-        out.rows = put_rows(self.convert_fn(out.trajectories, self.cfg.algorithm, rollout_id))
+        out.rows = put_rows(rows_of(out, self.tokenizer, self.cfg.algorithm, self.convert_fn, rollout_id))
         out.metrics["time/convert_in_worker_s"] = time.perf_counter() - start
         return out
 

@@ -5,8 +5,10 @@
 Three stages, in this order (docs/design.md §3):
 1. validate every trajectory and every group (`memrl.rl.validate`); the first violation raises
    `TrajectoryError` and nothing is returned, so no step is ever trained on part of its rows;
-2. GRPO advantages while each trajectory is still one record (`trajectory_advantages`);
-3. expand every turn into a `TrainRow` with its credit (`split` or `share`).
+2. GRPO advantages while each trajectory is still one record (`trajectory_advantages`), from the raw
+   reward or a shaped one (`memrl.rl.shaping`: overlong penalty);
+3. expand every turn into a `TrainRow` with its credit (`split` or `share`), mixed with its turn reward
+   when `algorithm.turn_reward_function` is set; truncated answers masked when asked.
 
 Invariant: `len(convert_trajectories(ts, ...)) == count_train_rows(ts)` for every valid `ts`; the rollout
 announces that count to the transfer queue before the rows exist.
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memrl.config import AlgorithmConfig
-from memrl.rl.advantages import expand_rows, trajectory_advantages
+from memrl.rl.shaping import advantage_rows
 from memrl.rl.validate import validate_groups
 from memrl.types import TRAINABLE_STATUSES, TrainRow, Trajectory
 
@@ -40,6 +42,4 @@ def convert_trajectories(trajectories: Sequence[Trajectory], algorithm_cfg: Algo
     """
     trajectories = list(trajectories)
     validate_groups(trajectories)
-    advantages = trajectory_advantages(trajectories, std_normalize=algorithm_cfg.std_normalize,
-                                       eps=algorithm_cfg.eps, std_ddof=algorithm_cfg.std_ddof)
-    return expand_rows(trajectories, advantages, algorithm_cfg.credit, rollout_id)
+    return advantage_rows(trajectories, algorithm_cfg, rollout_id, algorithm_cfg.credit)

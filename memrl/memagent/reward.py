@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from memrl.scoring import AnswerScore, reward_from_text, score_answer
-from memrl.types import Trajectory
+from memrl.scoring import AnswerScore, normalize_answer, reward_from_text, score_answer
+from memrl.types import Trajectory, Turn
 
 DEFAULT_EXTRACTOR = "boxed"
 
@@ -52,3 +52,16 @@ def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | No
     if _finished(traj):
         return score
     return AnswerScore(boxed=score.boxed, em=0.0, sub_em=0.0, f1=0.0, missing_box=score.missing_box)
+
+
+def gold_in_text(text: str, golds: Iterable[str]) -> bool:
+    """A normalised gold answer occurs in the normalised `text` as whole words (HotpotQA normalisation)."""
+    padded = f" {normalize_answer(text)} "
+    return any(g and f" {g} " in padded for g in (normalize_answer(str(gold)) for gold in golds))
+
+
+def memory_recall(turn: Turn, trajectory: Trajectory, golds: Iterable[str]) -> float:
+    """The built-in `algorithm.turn_reward_function`: 1.0 when a gold answer occurs in the turn's text (a
+    memory turn: the memory it wrote; the final turn: its answer), else 0.0. The text is the decoded
+    response the trainer stored in `metadata["turn_texts"]` (memrl.rl.turn_rewards)."""
+    return float(gold_in_text(trajectory.metadata["turn_texts"][turn.index], golds))

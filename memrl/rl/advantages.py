@@ -12,7 +12,7 @@ never by position in a batch (positional reshapes merge uneven groups, slime).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -74,11 +74,13 @@ def assign_credit(advantage: float, num_turns: int, mode: CreditMode) -> list[fl
 
 
 def trajectory_advantages(trajectories: Iterable[Trajectory], std_normalize: bool = True,
-                          eps: float = 1e-6, std_ddof: int = 0) -> dict[str, float]:
+                          eps: float = 1e-6, std_ddof: int = 0,
+                          rewards: Mapping[str, float] | None = None) -> dict[str, float]:
     """GRPO advantage of each trajectory, grouped by `group_id`; each trajectory counts once.
 
     Needs `reward` on every trajectory (TrajectoryError `reward_present` otherwise) and unique
-    trajectory ids (`trajectory_id_unique`). Turn counts play no part here.
+    trajectory ids (`trajectory_id_unique`). Turn counts play no part here. `rewards` (by trajectory id)
+    replaces the raw rewards, e.g. shaped ones (`memrl.rl.shaping`).
     """
     ids_by_group: dict[str, list[str]] = {}
     rewards_by_group: dict[str, list[float]] = {}
@@ -92,7 +94,8 @@ def trajectory_advantages(trajectories: Iterable[Trajectory], std_normalize: boo
                                   "another trajectory has the same trajectory_id")
         seen.add(traj.trajectory_id)
         ids_by_group.setdefault(traj.group_id, []).append(traj.trajectory_id)
-        rewards_by_group.setdefault(traj.group_id, []).append(float(traj.reward))
+        reward = traj.reward if rewards is None else rewards[traj.trajectory_id]
+        rewards_by_group.setdefault(traj.group_id, []).append(float(reward))
     by_group = grpo_advantages(rewards_by_group, std_normalize=std_normalize, eps=eps, std_ddof=std_ddof)
     return {tid: adv for group_id, ids in ids_by_group.items() for tid, adv in zip(ids, by_group[group_id], strict=True)}
 
@@ -107,14 +110,16 @@ def row_order_key(traj: Trajectory) -> tuple[str, int, str]:
 
 
 def expand_rows(trajectories: Iterable[Trajectory], advantages: Mapping[str, float], credit: CreditMode,
-                rollout_id: int) -> list[TrainRow]:
+                rollout_id: int, *, turn_advantages: Mapping[str, Sequence[float]] | None = None,
+                mask_trajectory: Callable[[Trajectory], bool] | None = None) -> list[TrainRow]:
     """One `TrainRow` per turn, in `row_order_key` order, with the turn's share of its trajectory's
     advantage (`assign_credit`).
 
     Every row's `tokens[-response_length:]` is the turn's response, and its `loss_mask` and
     `rollout_log_probs` are copies of the turn's (one value per response token), so the advantage
     applies to exactly the sampled tokens. The inputs are not modified; `advantages` must hold every
-    trajectory id.
+    trajectory id. `turn_advantages[tid]` (one value per turn) replaces the credit split of `advantages`;
+    a trajectory for which `mask_trajectory` is true gets all-zero loss masks (it trains nothing).
     """
     rows: list[TrainRow] = []
     for traj in sorted(trajectories, key=row_order_key):
@@ -123,12 +128,17 @@ def expand_rows(trajectories: Iterable[Trajectory], advantages: Mapping[str, flo
         advantage = advantages[traj.trajectory_id]
         if not math.isfinite(advantage):
             raise AdvantageError(f"advantage of trajectory '{traj.trajectory_id}' is {advantage!r}")
-        per_turn = assign_credit(advantage, traj.num_turns, credit)
+        per_turn = (assign_credit(advantage, traj.num_turns, credit) if turn_advantages is None
+                    else list(turn_advantages[traj.trajectory_id]))
+        masked = mask_trajectory is not None and mask_trajectory(traj)
         for turn, turn_advantage in zip(traj.turns, per_turn, strict=True):
+            if not math.isfinite(turn_advantage):
+                raise AdvantageError(f"turn {turn.index} of trajectory '{traj.trajectory_id}' has advantage "
+                                     f"{turn_advantage!r}")
             rows.append(TrainRow(
                 tokens=list(turn.prompt_ids) + list(turn.response_ids),
                 response_length=turn.response_length,
-                loss_mask=list(turn.loss_mask),
+                loss_mask=[0] * turn.response_length if masked else list(turn.loss_mask),
                 rollout_log_probs=list(turn.rollout_log_probs),
                 advantage=turn_advantage,
                 group_id=traj.group_id,

@@ -10,6 +10,12 @@ Aggregation modes (`mode`):
 - `seq_mean_token_mean`: each row's token mean, then the mean over rows with at least one masked token.
 - `trajectory_mean`: the token mean within each trajectory (all rows with the same `group_index`),
   then the mean over trajectories. Every trajectory counts once whatever its number of turns.
+- `seq_mean_token_sum`: each row's token *sum*, then the mean over rows with at least one masked token
+  (verl `loss_agg_mode=seq-mean-token-sum`): (1/R) sum_r sum_t m[r,t] l[r,t].
+- `seq_mean_token_sum_norm`: Dr. GRPO's fixed normaliser (verl `seq-mean-token-sum-norm`, TRL
+  `loss_type=dr_grpo`): (1/(R L)) sum_r sum_t m[r,t] l[r,t] with L = `loss_scale_factor`, a constant
+  (the response-token limit), so neither a row's length nor the batch's longest row changes a token's
+  weight.
 
 Micro-batching. A step's loss must not depend on how its rows are cut into micro-batches. The exact
 way is a per-row weight computed once for the whole optimizer step:
@@ -21,6 +27,8 @@ with `compute_token_weights` giving, for masked token counts n_r:
 - seq_mean_token_mean: w_r = 1 / (n_r * R)             (R = rows with n_r > 0 in the step)
 - trajectory_mean:     w_r = 1 / (T(traj_r) * n_traj)  (T = masked tokens of the row's trajectory in
                                                         the whole step, n_traj = trajectories with T > 0)
+- seq_mean_token_sum:  w_r = 1 / R
+- seq_mean_token_sum_norm: w_r = 1 / (R * L)           (L = loss_scale_factor)
 - padding rows (n_r = 0): w_r = 0.
 Summing `weighted_token_sum` over any partition of the rows gives exactly `aggregate` of the full batch.
 With data parallelism each rank sums its own rows; gradients must then be SUMMED across ranks (DDP
@@ -40,8 +48,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-AggMode = Literal["token_mean", "seq_mean_token_mean", "trajectory_mean"]
-AGG_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "trajectory_mean")
+AggMode = Literal["token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
+                  "seq_mean_token_sum_norm"]
+AGG_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
+                              "seq_mean_token_sum_norm")
 
 # exp() of a log-ratio beyond this overflows float32 and turns a single bad token into inf/NaN for the
 # whole step; verl clamps at the same bound. Gradients are zero past it, which only touches tokens whose
@@ -53,9 +63,16 @@ class LossError(ValueError):
     """A loss argument that cannot be used; the message says which and what to change."""
 
 
-def _check_mode(mode: str) -> None:
+def _check_mode(mode: str, loss_scale_factor: float | None = None) -> float:
+    """Validate `mode`; return the constant each row's token sum is divided by (1 except for the norm mode)."""
     if mode not in AGG_MODES:
         raise LossError(f"unknown aggregation mode '{mode}'; use one of {', '.join(AGG_MODES)} (algorithm.loss_agg)")
+    if mode != "seq_mean_token_sum_norm":
+        return 1.0
+    if loss_scale_factor is None or not float(loss_scale_factor) > 0:
+        raise LossError(f"seq_mean_token_sum_norm needs loss_scale_factor > 0 (the fixed normaliser L, e.g. the "
+                        f"response-token limit; algorithm.loss_scale_factor), got {loss_scale_factor!r}")
+    return float(loss_scale_factor)
 
 
 def _check_shapes(mask: Tensor, **tensors: Tensor) -> None:
@@ -83,14 +100,15 @@ def _safe_div(num: Tensor, den: Tensor) -> Tensor:
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: AggMode = "token_mean", group_index: Tensor | None = None,
-              normalizer: float | Tensor | None = None) -> Tensor:
+              normalizer: float | Tensor | None = None, loss_scale_factor: float | None = None) -> Tensor:
     """Reduce per-token `values` [batch, seq] to a scalar under `mask` (see module docstring for modes).
 
     `group_index` ([batch] integers, any values) names each row's trajectory; needed for trajectory_mean.
-    `normalizer`, if given, replaces the final local denominator (masked tokens, non-empty rows, or
-    trajectories) with a step-wide one from `global_normalizer`; 0 is allowed and yields 0.
+    `normalizer`, if given, replaces the final local denominator (masked tokens, non-empty rows (times L
+    for seq_mean_token_sum_norm), or trajectories) with a step-wide one from `global_normalizer`; 0 is
+    allowed and yields 0. `loss_scale_factor` is L of seq_mean_token_sum_norm.
     """
-    _check_mode(mode)
+    scale = _check_mode(mode, loss_scale_factor)
     _check_shapes(mask, values=values)
     masked, m = _masked(values, mask)
     if normalizer is not None and float(normalizer) < 0:
@@ -102,6 +120,8 @@ def aggregate(values: Tensor, mask: Tensor, mode: AggMode = "token_mean", group_
         row_sum, row_tokens = masked.sum(-1), m.sum(-1)
         if mode == "seq_mean_token_mean":
             total, count = _safe_div(row_sum, row_tokens).sum(), (row_tokens > 0).sum()
+        elif mode in ("seq_mean_token_sum", "seq_mean_token_sum_norm"):
+            total, count = row_sum.sum(), (row_tokens > 0).sum() * scale
         else:
             if group_index is None:
                 raise LossError("trajectory_mean needs group_index: a [batch] tensor of trajectory indices")
@@ -119,18 +139,19 @@ def aggregate(values: Tensor, mask: Tensor, mode: AggMode = "token_mean", group_
 
 
 def global_normalizer(masks: Sequence[Tensor], mode: AggMode = "token_mean",
-                      group_indices: Sequence[Tensor] | None = None) -> float:
+                      group_indices: Sequence[Tensor] | None = None, loss_scale_factor: float | None = None) -> float:
     """The step-wide denominator for `aggregate(..., normalizer=)` over micro-batch `masks`.
 
-    token_mean: total masked tokens (sum of mask weights); seq_mean_token_mean: rows with any masked
-    token; trajectory_mean: distinct trajectories with any masked token, where `group_indices` must
-    use ids that are unique across the whole step (not per micro-batch).
+    token_mean: total masked tokens (sum of mask weights); seq_mean_token_mean and seq_mean_token_sum:
+    rows with any masked token (times L = `loss_scale_factor` for seq_mean_token_sum_norm);
+    trajectory_mean: distinct trajectories with any masked token, where `group_indices` must use ids
+    that are unique across the whole step (not per micro-batch).
     """
-    _check_mode(mode)
+    scale = _check_mode(mode, loss_scale_factor)
     if mode == "token_mean":
         return float(sum(float(m.to(torch.float64).sum()) for m in masks))
-    if mode == "seq_mean_token_mean":
-        return float(sum(int((m.to(torch.float64).sum(-1) > 0).sum()) for m in masks))
+    if mode != "trajectory_mean":
+        return float(sum(int((m.to(torch.float64).sum(-1) > 0).sum()) for m in masks)) * scale
     if group_indices is None or len(group_indices) != len(masks):
         raise LossError("trajectory_mean needs one group_indices tensor per mask (step-wide trajectory ids)")
     seen: set[int] = set()
@@ -141,15 +162,16 @@ def global_normalizer(masks: Sequence[Tensor], mode: AggMode = "token_mean",
 
 
 def compute_token_weights(response_lengths_masked: Sequence[float], trajectory_ids: Sequence[Hashable] | None,
-                          mode: AggMode = "token_mean") -> list[float]:
+                          mode: AggMode = "token_mean", loss_scale_factor: float | None = None) -> list[float]:
     """Per-row weights w_r, computed once for a whole optimizer step, such that
     `sum_r w_r * sum_t mask * loss` equals `aggregate` of the full step in `mode`.
 
     `response_lengths_masked[r]` is the number of masked tokens of row r (its loss-mask sum; 0 for
     padding rows, which get w_r = 0). `trajectory_ids[r]` is row r's trajectory (trajectory_mean only).
-    Weights depend only on the step's rows, never on how they are cut into micro-batches.
+    `loss_scale_factor` is L of seq_mean_token_sum_norm. Weights depend only on the step's rows, never
+    on how they are cut into micro-batches.
     """
-    _check_mode(mode)
+    scale = _check_mode(mode, loss_scale_factor)
     n = [float(x) for x in response_lengths_masked]
     if any(x < 0 for x in n):
         raise LossError("masked response lengths must be >= 0")
@@ -159,6 +181,9 @@ def compute_token_weights(response_lengths_masked: Sequence[float], trajectory_i
     if mode == "seq_mean_token_mean":
         rows = sum(1 for x in n if x > 0)
         return [1.0 / (x * rows) if x > 0 else 0.0 for x in n]
+    if mode in ("seq_mean_token_sum", "seq_mean_token_sum_norm"):
+        rows = sum(1 for x in n if x > 0)
+        return [1.0 / (rows * scale) if x > 0 else 0.0 for x in n]
     if trajectory_ids is None or len(trajectory_ids) != len(n):
         raise LossError("trajectory_mean needs one trajectory id per row (trajectory_ids)")
     traj_tokens: dict[Hashable, float] = {}
@@ -178,25 +203,29 @@ def weighted_token_sum(values: Tensor, mask: Tensor, row_weights: Tensor) -> Ten
 
 
 def _reduce(values: Tensor, mask: Tensor, agg: AggMode, group_index: Tensor | None,
-            row_weights: Tensor | None, normalizer: float | Tensor | None) -> Tensor:
+            row_weights: Tensor | None, normalizer: float | Tensor | None, loss_scale_factor: float | None) -> Tensor:
     if row_weights is not None:
         return weighted_token_sum(values, mask, row_weights)
-    return aggregate(values, mask, agg, group_index, normalizer)
+    return aggregate(values, mask, agg, group_index, normalizer, loss_scale_factor)
 
 
 def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 agg: AggMode = "token_mean", group_index: Tensor | None = None, *,
                 row_weights: Tensor | None = None, normalizer: float | Tensor | None = None,
-                importance_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                importance_weights: Tensor | None = None,
+                loss_scale_factor: float | None = None,
+                sequence_log_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip policy-gradient loss (to minimize) and detached metrics.
 
     ratio = exp(logp - old_logp); per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high));
     with `dual_clip` c > 1, tokens with A < 0 are further capped at -A * c (bounds the loss of a huge
     ratio on a bad action). `advantages` is [batch, seq] or [batch] (one value per row, broadcast).
     `importance_weights` ([batch, seq], detached, e.g. `truncated_importance_weights`) multiply the
-    per-token loss. Reduction: `row_weights` (exact micro-batching, see module docstring) if given,
-    else `aggregate(agg, group_index, normalizer)`.
+    per-token loss. `sequence_log_ratio` ([batch], detached) switches to GSPO's sequence-level ratio:
+    row r belongs to a trajectory whose mean log-ratio over all its response tokens is
+    `sequence_log_ratio[r]` (see `gspo_log_ratio`), and every token's ratio takes that value. Reduction: `row_weights` (exact micro-batching, see module docstring) if given,
+    else `aggregate(agg, group_index, normalizer, loss_scale_factor)`.
 
     Metrics (detached 0-dim tensors, token means over the mask so no device sync is forced):
     clip_fraction (tokens where the clip is active), dual_clip_fraction, approx_kl (k3 estimate of
@@ -211,7 +240,10 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
         raise LossError(f"dual_clip must be > 1 (algorithm.dual_clip), got {dual_clip}")
 
     advantages = advantages.to(log_probs.dtype)
-    log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    if sequence_log_ratio is not None:
+        log_ratio = gspo_log_ratio(log_probs, sequence_log_ratio)
+    else:
+        log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -225,7 +257,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
         _check_shapes(mask, importance_weights=importance_weights)
         loss = loss * importance_weights.detach().to(loss.dtype)
 
-    reduced = _reduce(loss, mask, agg, group_index, row_weights, normalizer)
+    reduced = _reduce(loss, mask, agg, group_index, row_weights, normalizer, loss_scale_factor)
 
     with torch.no_grad():
         def token_mean(x: Tensor) -> Tensor:
@@ -241,6 +273,28 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
             "tokens": mask.to(loss.dtype).sum(),
         }
     return reduced, {k: v.detach() for k, v in metrics.items()}
+
+
+def gspo_log_ratio(log_probs: Tensor, sequence_log_ratio: Tensor) -> Tensor:
+    """GSPO's per-token log-ratio, at the trajectory level: log s_i + logp_t - sg[logp_t].
+
+    GSPO (Zheng et al. 2025; verl `policy_loss.loss_mode=gspo`) uses one importance ratio per sequence,
+    the geometric mean s_i = exp((1/|y_i|) sum_t (logp_t - old_t)), clipped with a narrow range (their
+    recipe: clip_low 3e-4, clip_high 4e-4). Here the "sequence" is the whole trajectory: all response
+    tokens of all its turns, i.e. of its 1:N rows together (a per-row ratio would be per turn).
+
+    The rows of a trajectory may sit in different micro-batches, so s_i cannot come from one forward.
+    verl's stop-gradient form makes it decomposable: with log s_i known as a number (`sequence_log_ratio`,
+    from a no-grad pass over the whole optimizer step), the per-token term sg[log s_i] + logp_t - sg[logp_t]
+    has the value log s_i at every token and the gradient of logp_t, so exp() of it has value s_i and
+    gradient s_i * grad logp_t: summed with the trajectory's token weights (loss_agg trajectory_mean gives
+    1/|y_i|) that is GSPO's gradient s_i A_i (1/|y_i|) sum_t grad logp_t, whatever the micro-batching.
+    `sequence_log_ratio` is [batch] (one value per row, its trajectory's) or [batch, seq].
+    """
+    seq = sequence_log_ratio.detach().to(log_probs.dtype)
+    if seq.dim() == 1:
+        seq = seq.unsqueeze(-1).expand_as(log_probs)
+    return seq.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND) + log_probs - log_probs.detach()
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: Literal["k1", "k3"] = "k3") -> Tensor:

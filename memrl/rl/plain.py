@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memrl.config import AlgorithmConfig
-from memrl.rl.advantages import expand_rows, trajectory_advantages
+from memrl.rl.shaping import advantage_rows
 from memrl.rl.validate import TrajectoryError, validate_groups
 from memrl.types import TrainRow, Trajectory
 
@@ -28,6 +28,4 @@ def convert_one_row_per_trajectory(trajectories: Sequence[Trajectory], algorithm
                                   f"{traj.num_turns} turns; the plain converter takes single-turn trajectories "
                                   "(use memrl.memagent.convert:convert_trajectories for multi-turn ones)")
     validate_groups(trajectories)
-    advantages = trajectory_advantages(trajectories, std_normalize=algorithm_cfg.std_normalize,
-                                       eps=algorithm_cfg.eps, std_ddof=algorithm_cfg.std_ddof)
-    return expand_rows(trajectories, advantages, "share", rollout_id)
+    return advantage_rows(trajectories, algorithm_cfg, rollout_id, "share")

@@ -39,12 +39,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from memrl.config import Config
+from memrl.rl.correction import RolloutCorrection, per_row, trajectory_totals
 from memrl.rl.loss import (
     compute_token_weights,
     entropy_from_logits,
     kl_penalty,
     policy_loss,
-    truncated_importance_weights,
 )
 from memrl.rl.validate import validate_train_rows
 from memrl.train import fsdp, lora
@@ -89,6 +89,13 @@ class RankShare:
     weights: list[list[float]]
 
 
+def loss_scale_factor(config: Config) -> float:
+    """L of loss_agg = seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token
+    limit (a constant of the run, as Dr. GRPO's normaliser must be)."""
+    a, r = config.algorithm, config.rollout
+    return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
+
+
 def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[RankShare]:
     """Deal one optimizer step's rows to `train.dp_size` ranks, weigh them over the whole step, cut each
     rank's rows into micro-batches, and give every rank the same number of micro-batches."""
@@ -96,7 +103,8 @@ def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: 
     ranks = split_ranks(rows, t.dp_size, t.pad_to_dp, pad_token_id, rollout_id)
     all_rows = [r for rank in ranks for r in rank]
     weights = dict(zip(map(id, all_rows), compute_token_weights(
-        [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg), strict=True))
+        [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg,
+        loss_scale_factor(config)), strict=True))
     batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens) for rank in ranks],
                                           pad_token_id, rollout_id)
     return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]
@@ -372,9 +380,13 @@ class Actor:
         totals: dict[str, float] = {}
         # With several optimizer steps per rollout, later steps' groups are off-policy by then: their PPO
         # ratio must be taken against the policy before this rollout's first update, computed up front.
-        olds = [self._old_log_probs(shares) for shares in steps] if len(steps) > 1 else [None] * len(steps)
-        for shares, old in zip(steps, olds, strict=True):
-            for key, value in self._optimizer_step(shares, rollout_id, old).items():
+        # A trajectory-level rollout correction needs them up front too: a trajectory's rows may be in
+        # several micro-batches, and its total log-ratio must be known before the first of them.
+        correction = RolloutCorrection.from_config(self.cfg.algorithm)
+        up_front = len(steps) > 1 or (correction is not None and correction.needs_trajectory_totals)
+        olds = [self._old_log_probs(shares) for shares in steps] if up_front else [None] * len(steps)
+        for index, (shares, old) in enumerate(zip(steps, olds, strict=True)):
+            for key, value in self._optimizer_step(shares, rollout_id, old, fresh_old=index == 0).items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
         totals["rows/consumed"] = float(num_rows)
         elapsed = time.perf_counter() - start
@@ -400,13 +412,45 @@ class Actor:
         if self.strategy == "fsdp":
             module.reshard()
 
+    def _trajectory_terms(self, shares: list[RankShare], work: list[tuple[list[TrainRow], list[float]]],
+                          old_log_probs: list[Tensor] | None, fresh_old: bool) -> list[dict[str, Tensor]]:
+        """Per micro-batch, the per-row trajectory totals its loss needs (memrl/rl/correction.py): GSPO's
+        mean log-ratio (`gspo`) and the rollout correction's summed log rho and token count (`rc_sum`,
+        `rc_tokens`); empty dicts when no option needs them. A no-grad pass over the whole step gives them
+        before any micro-batch's backward (the stop-gradient form in `gspo_log_ratio` does the rest)."""
+        a = self.cfg.algorithm
+        correction = RolloutCorrection.from_config(a)
+        terms: list[dict[str, Tensor]] = [{} for _ in work]
+        if old_log_probs is None:  # one step: old = this very forward, so GSPO's log-ratio is 0
+            if a.loss_mode == "gspo":
+                for k, (mb_rows, _) in enumerate(work):
+                    terms[k]["gspo"] = torch.zeros(len(mb_rows), device=self.device)
+            return terms
+        built = [MicroBatch.build(rows, w, self.pad_token_id, self.device) for rows, w in work]
+        ids = [[r.trajectory_id for r in rows] for rows, _ in work]
+        masks = [mb.loss_mask for mb in built]
+        if correction is not None and correction.needs_trajectory_totals:
+            totals = trajectory_totals([o - mb.rollout_log_probs for o, mb in zip(old_log_probs, built, strict=True)],
+                                       masks, ids)
+            for k, row_ids in enumerate(ids):
+                terms[k]["rc_sum"], terms[k]["rc_tokens"] = per_row(totals, row_ids, self.device)
+        if a.loss_mode == "gspo":
+            # The first step's old log-probs are the current policy's: its mean log-ratio is 0 (no pass).
+            current = old_log_probs if fresh_old else self._old_log_probs(shares)
+            totals = trajectory_totals([c - o for c, o in zip(current, old_log_probs, strict=True)], masks, ids)
+            for k, row_ids in enumerate(ids):
+                total, count = per_row(totals, row_ids, self.device)
+                terms[k]["gspo"] = torch.where(count > 0, total / count.clamp(min=1), 0.0)
+        return terms
+
     def _optimizer_step(self, shares: list[RankShare], rollout_id: int,
-                        old_log_probs: list[Tensor] | None = None) -> dict[str, float]:
+                        old_log_probs: list[Tensor] | None = None, fresh_old: bool = False) -> dict[str, float]:
         t = self.cfg.train
         if self.world_size > 1 and len(shares) != 1:
             raise ActorError(f"rank {self.rank} of {self.world_size} was given {len(shares)} shares of an "
                              f"optimizer step; a distributed rank runs exactly its own share")
         work = [(mb, w) for share in shares for mb, w in zip(share.micro_batches, share.weights, strict=True)]
+        trajectory_terms = self._trajectory_terms(shares, work, old_log_probs, fresh_old)
         # DDP averages the gradients of the world; our loss is already the exact share of the step's sum.
         loss_scale = float(self.world_size)
         sums: dict[str, float] = {}
@@ -416,7 +460,7 @@ class Actor:
             defer = self.strategy == "ddp" and k < len(work) - 1
             with self.policy.no_sync() if defer else contextlib.nullcontext():
                 self._micro_batch(mb_rows, mb_weights, sums, loss_scale,
-                                  None if old_log_probs is None else old_log_probs[k])
+                                  None if old_log_probs is None else old_log_probs[k], trajectory_terms[k])
         if self.world_size > 1:
             self._all_reduce_metrics(sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
@@ -442,12 +486,17 @@ class Actor:
             "lr": self.scheduler.get_last_lr()[0],
             "padding_fraction": 1.0 - sums["tokens/real"] / padded if padded else 0.0,
             "micro_batches": sums["micro_batches"], "tokens/loss": n_tok,
+            **{key: sums[key] / n_tok for key in sums if key.startswith("rollout_corr/") and not key.endswith("_max")},
+            **{key: sums[key] for key in sums if key.startswith("rollout_corr/") and key.endswith("_max")},
         }
 
     def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, float],
-                     loss_scale: float, old: Tensor | None = None) -> None:
-        """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums."""
+                     loss_scale: float, old: Tensor | None = None,
+                     trajectory_terms: dict[str, Tensor] | None = None) -> None:
+        """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums.
+        `trajectory_terms`: per-row trajectory totals from `_trajectory_terms`."""
         a = self.cfg.algorithm
+        terms = trajectory_terms or {}
 
         def add(key: str, value: Tensor | float, w: float = 1.0) -> None:
             sums[key] = sums.get(key, 0.0) + float(value) * w
@@ -459,11 +508,22 @@ class Actor:
         # `old`: the policy before this rollout's first update; with one optimizer step per rollout that
         # is this very forward (ratio 1), so no extra pass is needed.
         old = logp.detach() if old is None else old
-        iw = truncated_importance_weights(old, mb.rollout_log_probs, a.tis_cap) if a.tis_cap else None
-        pg, m = policy_loss(logp, old, mb.advantages, mb.loss_mask, a.clip_low, a.clip_high, a.dual_clip,
-                            row_weights=mb.row_weights, importance_weights=iw)
+        correction = RolloutCorrection.from_config(a)
+        iw, loss_mask = None, mb.loss_mask
+        if correction is not None:  # a dropped token (rollout_rs) leaves every term, its weight stays in the sum
+            iw, keep, rc_metrics = correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
+                                                    terms.get("rc_sum"), terms.get("rc_tokens"))
+            loss_mask = mb.loss_mask * keep
+            n_mb = float(mb.loss_mask.sum())
+            for key, value in rc_metrics.items():
+                if key.endswith("_max"):
+                    sums[key] = max(sums.get(key, 0.0), float(value))
+                else:
+                    add(key, value, n_mb)
+        pg, m = policy_loss(logp, old, mb.advantages, loss_mask, a.clip_low, a.clip_high, a.dual_clip,
+                            row_weights=mb.row_weights, importance_weights=iw, sequence_log_ratio=terms.get("gspo"))
         loss = pg
-        w_tokens = (mb.loss_mask * mb.row_weights.unsqueeze(-1))
+        w_tokens = (loss_mask * mb.row_weights.unsqueeze(-1))
         if self.reference is not None:
             with torch.no_grad():
                 ref = mb.scatter(token_log_probs(self._forward(self.reference, mb), mb.targets))
@@ -492,15 +552,16 @@ class Actor:
         add("tokens/padded", max(len(r.tokens) for r in mb_rows) * len(mb_rows))
 
     def _all_reduce_metrics(self, sums: dict[str, float]) -> None:
-        """Sum every metric over the ranks (max for the max gap); all ranks have the same keys."""
-        keys = sorted(k for k in sums if k != "logprob_gap/max_abs")
+        """Sum every metric over the ranks (max for the maxima); all ranks have the same keys."""
+        maxima = sorted(k for k in sums if k == "logprob_gap/max_abs" or k.endswith("_max"))
+        keys = sorted(k for k in sums if k not in maxima)
         device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         summed = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        top = torch.tensor([sums["logprob_gap/max_abs"]], dtype=torch.float64, device=device)
+        top = torch.tensor([sums[k] for k in maxima], dtype=torch.float64, device=device)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         sums.update(zip(keys, summed.tolist(), strict=True))
-        sums["logprob_gap/max_abs"] = float(top.item())
+        sums.update(zip(maxima, top.tolist(), strict=True))
 
     @torch.no_grad()
     def log_probs(self, rows: list[TrainRow]) -> list[list[float]]:

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from memrl.config import Config
 from memrl.engines.base import Engine, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import training_engine
+from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
 from memrl.rollout import RolloutContext, record_weight_version, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.checkpoint import prune_checkpoints, read_best, write_best
@@ -54,6 +55,7 @@ from memrl.train.setup import (
     checkpoint_state,
     load_policy,
     pad_token_id,
+    rows_of,
     run_start,
     start_rollout_id,
     trainer_device,
@@ -88,7 +90,10 @@ class TrainOptions:
 
 
 class RolloutSource(Protocol):
-    """Where a step's trajectories come from (an engine in this process, a rollout pool, a replay)."""
+    """Where a step's trajectories come from (an engine in this process, a rollout pool, a replay).
+
+    A source that serves dynamic sampling (`algorithm.filter_groups`) also takes `slot_offset=`, the
+    position of `records[0]` in the step's whole batch (memrl/rollout.py, `RolloutContext.slot_offset`)."""
 
     def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
         """The step's trajectories (with rewards), sampled with weight version `weight_version`."""
@@ -178,9 +183,10 @@ class LocalRollout:
         self.generate_fn, self.reward_fn = plugins.generate, plugins.reward
         self.loop = asyncio.new_event_loop()
 
-    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
+    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,
+                 slot_offset: int = 0) -> RolloutOutput:
         ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
-                             reward_function=self.reward_fn, progress=self.progress)
+                             reward_function=self.reward_fn, progress=self.progress, slot_offset=slot_offset)
         return record_weight_version(self.loop.run_until_complete(self.generate_fn(ctx, list(records))),
                                      weight_version)
 
@@ -200,7 +206,8 @@ class ReplayRollout:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
 
-    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
+    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,
+                 slot_offset: int = 0) -> RolloutOutput:
         return load_raw_rollout(self.directory, rollout_id)  # trajectories keep the version they were saved with
 
     def sync_from(self, source: WeightSource) -> None:
@@ -287,11 +294,14 @@ class Trainer:
         parts, timer = self.parts, StageTimer()
         try:
             with timer("rollout"):
-                out = parts.rollout.generate(rollout_id, parts.data.batch(rollout_id),
-                                             weight_version=self._version_of(rollout_id))
+                version = self._version_of(rollout_id)
+                out = parts.rollout.generate(rollout_id, parts.data.batch(rollout_id), weight_version=version)
+                # A replay reads the step's saved rollout, which was filtered when it was generated.
+                if self.cfg.algorithm.filter_groups and not isinstance(parts.rollout, ReplayRollout):
+                    out = self._sample_informative_groups(rollout_id, out, version)
             with timer("convert"):  # a source that converted where it generated hands over its rows
-                rows = out.rows if out.rows is not None else parts.convert(out.trajectories, self.cfg.algorithm,
-                                                                           rollout_id)
+                rows = out.rows if out.rows is not None else rows_of(out, parts.tokenizer, self.cfg.algorithm,
+                                                                     parts.convert, rollout_id)
             # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
             expected = out.train_row_count if out.train_row_count is not None else len(out.trajectories)
             if len(rows) != expected:
@@ -303,6 +313,20 @@ class Trainer:
             parts.rows.fail(rollout_id, error)  # wakes any waiter on this rollout with the error
             raise
         return out, rows, dict(timer.seconds)
+
+    def _sample_informative_groups(self, rollout_id: int, first: RolloutOutput, version: int) -> RolloutOutput:
+        """Dynamic sampling (memrl/rl/dynamic_sampling.py): chunk k takes the slots after the step's batch and
+        the chunks before it, so its group ids and request seeds are its own."""
+        a, t = self.cfg.algorithm, self.cfg.train
+        size = a.over_sampling_batch_size or t.rollout_batch_size
+
+        def generate_more(chunk: int) -> RolloutOutput:
+            records = self.parts.data.extra_batch(rollout_id, chunk, size)
+            return self.parts.rollout.generate(rollout_id, records, weight_version=version,
+                                               slot_offset=t.rollout_batch_size + (chunk - 1) * size)
+
+        return sample_informative_groups(first, generate_more, GroupFilter(
+            t.rollout_batch_size, a.max_num_gen_batches, t.num_optimizer_steps))
 
     def _deliver(self, rollout_id: int, out: RolloutOutput, rows: list[TrainRow]) -> None:
         # The raw file first: once the rows are put (and maybe trained on), a failure could no longer fail

@@ -102,6 +102,14 @@ class DataSource:
             out.append(self.records[self._epoch_order(epoch)[pos]])
         return out
 
+    def extra_batch(self, rollout_id: int, chunk: int, size: int) -> list[Any]:
+        """Chunk `chunk` (1, 2, ...) of `size` further questions for rollout `rollout_id` (dynamic sampling):
+        a shuffle seeded by (seed, rollout id, chunk), so a pure function of them, drawn beside the main
+        cursor, which it never moves (a resumed run draws the same chunks; `batch` stays as it was)."""
+        order = list(range(len(self.records)))
+        random.Random(f"{self.seed}:oversample:{rollout_id}:{chunk}").shuffle(order)
+        return [self.records[order[k % len(order)]] for k in range(size)]
+
 
 @dataclass(frozen=True)
 class Plugins:
@@ -116,6 +124,16 @@ class Plugins:
         p = cfg.plugins
         return cls(import_object(p.generate_function), import_object(p.convert_function),
                    import_object(p.reward_function))
+
+
+def rows_of(out: Any, tokenizer: Any, algorithm: Any, convert: Callable[..., Any], rollout_id: int) -> list[Any]:
+    """A rollout's training rows, wherever it is converted (the loop, or a Ray rollout worker for its slice):
+    per-turn scores first (`memrl.rl.turn_rewards`: memory recall metrics into `out.metrics`, turn rewards
+    for the advantage), then the configured converter."""
+    from memrl.rl.turn_rewards import score_turns
+
+    out.metrics.update(score_turns(out.trajectories, tokenizer, algorithm))
+    return convert(out.trajectories, algorithm, rollout_id)
 
 
 def start_rollout_id(loaded_state: dict[str, Any] | None, requested: int | None) -> int:

@@ -318,3 +318,41 @@ def test_policy_loss_row_weights_equal_full_batch_for_micro_batches():
         parts = [policy_loss(lp[mb], old[mb], adv[mb], mask[mb], row_weights=w[mb])[0]
                  for mb in ([0, 3], [1, 2, 4], [5])]
         assert float(sum(parts)) == pytest.approx(full.item(), abs=1e-12), mode
+
+
+# ---- seq_mean_token_sum and Dr. GRPO's seq_mean_token_sum_norm ---------------------------------
+
+SUM_MODES = ["seq_mean_token_sum", "seq_mean_token_sum_norm"]
+
+
+def test_token_sum_modes_by_hand():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row sums 3 and 4; row 3 is empty
+    assert aggregate(values, mask, "seq_mean_token_sum").item() == pytest.approx((3 + 4) / 2)
+    assert aggregate(values, mask, "seq_mean_token_sum_norm", loss_scale_factor=4).item() == pytest.approx(7 / (2 * 4))
+    # a longer row weighs more in both (its token sum), unlike seq_mean_token_mean: (1.5 + 4) / 2
+    assert aggregate(values, mask, "seq_mean_token_mean").item() == pytest.approx(2.75)
+    n = [3, 1, 0, 2]
+    assert compute_token_weights(n, None, "seq_mean_token_sum") == pytest.approx([1 / 3, 1 / 3, 0, 1 / 3])
+    assert compute_token_weights(n, None, "seq_mean_token_sum_norm", 10) == pytest.approx([1 / 30, 1 / 30, 0, 1 / 30])
+    assert global_normalizer([mask], "seq_mean_token_sum_norm", loss_scale_factor=4) == 8.0
+
+
+def test_token_sum_norm_needs_its_normaliser():
+    with pytest.raises(LossError, match="loss_scale_factor"):
+        compute_token_weights([1, 2], None, "seq_mean_token_sum_norm")
+    with pytest.raises(LossError, match="loss_scale_factor"):
+        aggregate(torch.ones(1, 2), torch.ones(1, 2), "seq_mean_token_sum_norm", loss_scale_factor=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(step_batches(), st.sampled_from(SUM_MODES))
+def test_token_sum_modes_micro_batch_exactly(data, mode):
+    values, mask, traj, perm, cuts = data
+    full = aggregate(values, mask, mode, traj, loss_scale_factor=7)
+    weights = torch.tensor(compute_token_weights(mask.sum(-1).tolist(), traj.tolist(), mode, 7), dtype=torch.float64)
+    total = sum(weighted_token_sum(values[mb], mask[mb], weights[mb]) for mb in split(perm, cuts))
+    assert float(total) == pytest.approx(full.item(), abs=1e-9)
+    g = global_normalizer([mask[mb] for mb in split(perm, cuts)], mode, loss_scale_factor=7)
+    total = sum(aggregate(values[mb], mask[mb], mode, normalizer=g, loss_scale_factor=7) for mb in split(perm, cuts))
+    assert float(total) == pytest.approx(full.item(), abs=1e-9)

@@ -51,21 +51,23 @@ def grads_of(actor, rows):
     return {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
 
 
-def reference_grads(model, rows, temperature=1.0, tis_cap=None):
+def reference_grads(model, rows, temperature=1.0, tis_cap=None, token_weight=None):
     """Plain per-row loop: on-policy PPO (ratio = 1) token_mean loss = -sum(mask * A * logp) / sum(mask).
 
     With `tis_cap`, every token's term is multiplied by the detached truncated importance weight
-    w = min(exp(old_logp - rollout_logp), cap), old_logp being this very forward (one optimizer step)."""
+    w = min(exp(old_logp - rollout_logp), cap), old_logp being this very forward (one optimizer step);
+    with `token_weight(row_index, k)`, by that number instead."""
     model.zero_grad()
     total_tokens = sum(sum(r.loss_mask) for r in rows)
     loss = 0.0
-    for r in rows:
+    for i, r in enumerate(rows):
         logits = model(input_ids=torch.tensor([r.tokens])).logits[0].float() / temperature
         logp = torch.log_softmax(logits, -1)
         p = r.prompt_length
         for k in range(r.response_length):
             lp = logp[p + k - 1, r.tokens[p + k]]
             w = 1.0 if tis_cap is None else min(math.exp(lp.item() - r.rollout_log_probs[k]), tis_cap)
+            w = w if token_weight is None else token_weight(i, k)
             # -A * ratio with ratio = exp(lp - lp.detach()) (value 1, gradient of lp)
             loss = loss + r.loss_mask[k] * w * (-r.advantage * torch.exp(lp - lp.detach()))
     (loss / total_tokens).backward()
@@ -305,3 +307,122 @@ def test_logprob_gap_max_is_nan_whenever_the_mean_is():
     assert math.isnan(mean) and math.isnan(top)
     mean, top = gap_metrics(position=0)  # masked out: it must not count at all
     assert math.isfinite(mean) and math.isfinite(top) and top > 0
+
+
+def test_dr_grpo_fixed_normaliser_reaches_the_gradient():
+    """loss_agg = seq_mean_token_sum_norm: every row's token sum over R rows x L (here L = 5), i.e. the
+    token_mean gradient times total_tokens / (R L), whatever the micro-batching."""
+    from memrl.train.actor import loss_scale_factor
+
+    rows = make_rows()
+    tokens, n_rows = sum(sum(r.loss_mask) for r in rows), sum(1 for r in rows if sum(r.loss_mask))
+    ref = reference_grads(tiny_model(), rows)
+    cfg = Config.model_validate({"train": {"lr": 1e-3, "grad_clip": 1e9, "micro_batch_tokens": 40},
+                                 "algorithm": {"kl_coef": 0.0, "loss_agg": "seq_mean_token_sum_norm",
+                                               "loss_scale_factor": 5}})
+    got = grads_of(Actor(tiny_model(), cfg, pad_token_id=0), rows)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name] * tokens / (n_rows * 5), atol=1e-6, rtol=1e-4, msg=name)
+    assert loss_scale_factor(Config()) == 128.0  # unset: max(rollout.memory_tokens 128, rollout.final_tokens 64)
+
+
+def test_rows_of_a_trajectory_share_one_optimizer_step():
+    """GSPO's trajectory ratio and sequence-level corrections need all of a trajectory's rows in one step:
+    the plan keeps whole prompt groups, hence whole trajectories, together."""
+    rows = make_rows(n_groups=4, per_group=3, seed=5)
+    plan = plan_rollout(rows, make_cfg(num_optimizer_steps=3, micro_batch_tokens=40), pad_token_id=0, rollout_id=0)
+    step_of = {}
+    for k, step in enumerate(plan):
+        for share in step:
+            for mb in share.micro_batches:
+                for r in mb:
+                    if not r.is_padding:
+                        assert step_of.setdefault(r.trajectory_id, k) == k
+    assert len(step_of) == 12 and len(set(step_of.values())) == 3
+
+
+def rc_cfg(budget, **algorithm):
+    return Config.model_validate({"train": {"lr": 1e-3, "grad_clip": 1e9, "micro_batch_tokens": budget},
+                                  "algorithm": {"kl_coef": 0.0, **algorithm}})
+
+
+@pytest.mark.parametrize("option", [{"rollout_is": "sequence", "rollout_is_threshold": 1.3},
+                                    {"rollout_rs": "token", "rollout_rs_threshold": 1.2},
+                                    {"rollout_rs": "geometric", "rollout_rs_threshold": 1.1}])
+def test_rollout_correction_reaches_the_gradient_whatever_the_micro_batching(option):
+    """Sequence-level IS (one weight per trajectory, from the product of its rows' ratios), token-level MIS
+    and geometric MIS give the reference gradient with each token's term weighted by hand, with one
+    micro-batch or with a trajectory's rows spread over several."""
+    rows = make_rows()
+    own = Actor(tiny_model(), make_cfg(), pad_token_id=0).log_probs(rows)
+    rng = random.Random(7)
+    off = with_rollout_log_probs(rows, [[x + rng.uniform(-0.4, 0.4) for x in lp] for lp in own])
+    log_rho = [[o - r for o, r in zip(lp, row.rollout_log_probs, strict=True)] for lp, row in zip(own, off, strict=True)]
+    per_traj = {}
+    for row, lr in zip(off, log_rho, strict=True):
+        s, n = per_traj.get(row.trajectory_id, (0.0, 0))
+        per_traj[row.trajectory_id] = (s + sum(x for x, m in zip(lr, row.loss_mask, strict=True) if m),
+                                       n + sum(row.loss_mask))
+
+    def weight(i, k):
+        total, n = per_traj[off[i].trajectory_id]
+        if "rollout_is" in option:
+            return min(math.exp(total), option["rollout_is_threshold"])
+        high = option["rollout_rs_threshold"]
+        level = log_rho[i][k] if option["rollout_rs"] == "token" else total / n
+        return float(-math.log(high) <= level <= math.log(high))
+
+    weights = [weight(i, k) for i, r in enumerate(off) for k in range(r.response_length) if r.loss_mask[k]]
+    assert len(set(weights)) > 1 and any(w != 1 for w in weights)  # the option weighs tokens, and not all alike
+    ref = reference_grads(tiny_model(), off, token_weight=weight)
+    for budget in (10_000, 40):
+        got = grads_of(Actor(tiny_model(), rc_cfg(budget, **option), pad_token_id=0), off)
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-4, msg=f"{budget} {name}")
+
+
+def test_gspo_trajectory_ratio_is_exact_across_micro_batches():
+    """loss_mode = gspo on a step whose old log-probs are off the current policy by delta (as in a later
+    optimizer step): the gradient is the reference with every token of trajectory i weighted by
+    s_i = exp(mean of delta over all of i's tokens, all its rows), whether its rows share a micro-batch or not."""
+    rows = make_rows(n_groups=2, per_group=3, seed=5)
+    gen = torch.Generator().manual_seed(3)
+    got = {}
+    for budget in (10_000, 40):
+        cfg = Config.model_validate({"train": {"lr": 1e-3, "grad_clip": 1e9, "micro_batch_tokens": budget},
+                                     "algorithm": {"kl_coef": 0.0, "loss_mode": "gspo", "clip_low": 0.9,
+                                                   "clip_high": 10.0}})
+        actor = Actor(tiny_model(), cfg, pad_token_id=0)
+        actor.optimizer.step = lambda *a, **k: None
+        (shares,) = plan_rollout(rows, cfg, pad_token_id=0, rollout_id=0)
+        current = actor._old_log_probs(shares)
+        gen.manual_seed(3)
+        deltas = {}  # (trajectory, turn) -> per-token delta, the same for both budgets
+        olds = []
+        for mb_rows, cur in zip([mb for sh in shares for mb in sh.micro_batches], current, strict=True):
+            d = torch.zeros_like(cur)
+            for b, r in enumerate(mb_rows):
+                key = (r.trajectory_id, r.turn_index)
+                if key not in deltas:
+                    deltas[key] = torch.rand(r.response_length, generator=gen) * 0.6 - 0.3
+                d[b, : r.response_length] = deltas[key]
+            olds.append(cur - d)
+        actor._optimizer_step(shares, 0, olds, fresh_old=False)
+        got[budget] = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
+    mean = {}
+    for r in rows:
+        s_, n_ = mean.get(r.trajectory_id, (0.0, 0))
+        d = deltas[(r.trajectory_id, r.turn_index)]
+        mean[r.trajectory_id] = (s_ + sum(float(d[k]) for k in range(r.response_length) if r.loss_mask[k]),
+                                 n_ + sum(r.loss_mask))
+    s_of = {t: math.exp(total / n) for t, (total, n) in mean.items()}
+    assert max(s_of.values()) / min(s_of.values()) > 1.05  # the trajectories' ratios differ
+    ref = reference_grads(tiny_model(), rows, token_weight=lambda i, k: s_of[rows[i].trajectory_id])
+    for budget, grads in got.items():
+        for name in ref:
+            torch.testing.assert_close(grads[name], ref[name], atol=1e-6, rtol=1e-4, msg=f"{budget} {name}")
+    # and a real two-step run: GSPO's narrow range clips whole trajectories in the second step
+    cfg = Config.model_validate({"train": {"lr": 0.05, "grad_clip": 1e9, "num_optimizer_steps": 2},
+                                 "algorithm": {"kl_coef": 0.0, "loss_mode": "gspo", "loss_agg": "trajectory_mean",
+                                               "clip_low": 3e-4, "clip_high": 4e-4}})
+    assert Actor(tiny_model(), cfg, pad_token_id=0).train_rollout(make_rows(n_groups=4), 0)["clip_fraction"] > 0

@@ -205,3 +205,79 @@ def test_one_loop_the_ray_runtime_gives_it_parts():
     classes = [obj for _, obj in inspect.getmembers(runtime, inspect.isclass) if obj.__module__ == runtime.__name__]
     assert classes and not any(issubclass(c, Trainer) for c in classes)
     assert not any(hasattr(c, "step") or hasattr(c, "run") for c in classes)
+
+
+def even_question_reward(traj, golds):
+    """Parity on even-numbered questions, 0 on odd ones: odd questions' groups are all equal."""
+    return parity_reward(traj, golds) if int(traj.metadata["question_id"][1:]) % 2 == 0 else 0.0
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path, max_staleness):
+    """algorithm.filter_groups, on the synchronous loop and the overlapped pipeline: the trained groups all
+    carry a signal, the step has rollout_batch_size of them, and the row ledger counts exactly their rows."""
+    cfg = config(rollout_batch_size=2, max_staleness=max_staleness)
+    cfg.plugins.reward_function = f"{__name__}:even_question_reward"
+    cfg.algorithm.filter_groups, cfg.algorithm.over_sampling_batch_size, cfg.algorithm.max_num_gen_batches = True, 2, 8
+    trainer = make_trainer(tokenizer, tmp_path / "run", cfg)
+    captured = []
+    original = trainer.parts.policy.train_rollout
+    trainer.parts.policy.train_rollout = lambda rows, rid: (captured.append(rows), original(rows, rid))[1]
+    history = trainer.run()
+    for rows, m in zip(captured, history, strict=True):
+        groups = {}
+        for r in rows:
+            groups.setdefault(r.group_id, []).append(r.advantage)
+        assert len(groups) == 2 and all(any(a != 0 for a in adv) for adv in groups.values())
+        assert m["rows/consumed"] == m["rows/saved"] == 2 * 8 * 4
+        assert m["dynamic_sampling/groups_kept"] == 2 and m["dynamic_sampling/reached_cap"] == 0
+        # the step's batch holds one odd question (filtered) at least; its replacements come from extra chunks
+        assert m["dynamic_sampling/groups_filtered_equal_reward"] >= 1
+        assert m["dynamic_sampling/generation_batches"] >= 2
+        assert 0 <= m["memory/gold_recall/turn_0"] <= 1  # logged every step, used as a reward or not
+    assert any(":2:" in g or ":3:" in g for rows in captured for g in {r.group_id for r in rows})  # chunk slots
+
+
+def parity_turn_reward(turn, trajectory, golds):
+    return float(turn.response_ids[0] % 2 == 0)
+
+
+def test_turn_rewards_give_every_turn_its_own_advantage(tokenizer, tmp_path):
+    cfg = config(num_rollout=1)
+    cfg.algorithm.turn_reward_function = f"{__name__}:parity_turn_reward"
+    trainer = make_trainer(tokenizer, tmp_path / "run", cfg, save_rollouts=True)
+    captured = []
+    original = trainer.parts.policy.train_rollout
+    trainer.parts.policy.train_rollout = lambda rows, rid: (captured.append(rows), original(rows, rid))[1]
+    (m,) = trainer.run()
+    assert m["rows/consumed"] == 32
+    per_traj = {}
+    for r in captured[0]:
+        per_traj.setdefault(r.trajectory_id, []).append(r.advantage)
+    # split credit alone gives a trajectory's turns one value; the turn rewards make them differ
+    assert any(len(set(adv)) > 1 for adv in per_traj.values())
+    saved = load_raw_rollout(tmp_path / "run" / "rollouts_raw", 0)
+    assert [r.to_dict() for r in captured[0]] == [r.to_dict() for r in convert_trajectories(saved.trajectories, cfg.algorithm, 0)]
+
+
+def test_dynamic_sampling_resumes_exactly(tokenizer, tmp_path):
+    """The further chunks are a pure function of the rollout id: a run resumed from a checkpoint draws the
+    same questions, filters the same groups and ends with the same weights as one straight run."""
+    def cfg(num_rollout):
+        c = config(num_rollout=num_rollout, save_interval=2)
+        c.plugins.reward_function = f"{__name__}:even_question_reward"
+        c.algorithm.filter_groups, c.algorithm.max_num_gen_batches = True, 4
+        return c
+
+    straight = make_trainer(tokenizer, tmp_path / "a", cfg(4))
+    straight.run()
+    make_trainer(tokenizer, tmp_path / "b", cfg(2)).run()
+    make_trainer(tokenizer, tmp_path / "b", cfg(4), load=tmp_path / "b" / "checkpoints" / "iter_0000001").run()
+    keys = ("reward/mean", "dynamic_sampling/generation_batches", "dynamic_sampling/groups_kept", "rows/consumed")
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [[m[k] for k in keys] for m in a] == [[m[k] for k in keys] for m in b]
+    assert sum(m["dynamic_sampling/generation_batches"] for m in a) > 4  # some step drew further chunks
+    resumed = make_trainer(tokenizer, tmp_path / "c", cfg(4), load=tmp_path / "b" / "checkpoints" / "iter_0000003")
+    for (name, pa), pb in zip(straight.parts.policy.model.named_parameters(), resumed.parts.policy.model.parameters(),
+                              strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)

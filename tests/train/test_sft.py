@@ -92,3 +92,12 @@ def test_bad_inputs_are_refused(tokenizer):
         run_sft(build_tiny_model(len(tokenizer)), tokenizer, cfg, [], SFTOptions(progress=False))
     with pytest.raises(SFTError, match="non-empty"):
         demonstration_rows([[([], [1])]])
+
+
+def test_sft_config_turns_off_rollout_correction_and_gspo():
+    """Demonstrations carry rollout log-probs of 0: a recipe's rollout_is / rollout_rs would weigh or drop
+    every token of them by the model's own probability."""
+    cfg = sft_config(load_config(None, ["algorithm.rollout_rs=token", "algorithm.rollout_is=sequence",
+                                        "algorithm.loss_mode=gspo"]), SFTOptions(lr=5e-3))
+    assert cfg.algorithm.rollout_rs is None and cfg.algorithm.rollout_is is None
+    assert cfg.algorithm.loss_mode == "vanilla"

@@ -1,0 +1,132 @@
+"""Rollout correction: the engine sampled with log-probs `rollout_logp`, the trainer scores the same tokens
+`old_logp`; their ratio rho = exp(old_logp - rollout_logp) is 1 only when both agree (bf16 engine vs fp32
+trainer, a stale pipeline rollout, top_p < 1 all move it). Options follow verl's
+`algorithm.rollout_correction`:
+
+    rollout_is = token     w_t = min(rho_t, rollout_is_threshold)                   (truncated IS, TIS)
+    rollout_is = sequence  w_t = min(prod_{t' in traj} rho_t', rollout_is_threshold) (one weight per trajectory)
+    rollout_rs = token     drop token t      unless low <= rho_t <= high            (masked IS, MIS)
+    rollout_rs = sequence  drop a trajectory unless low <= prod_t rho_t <= high
+    rollout_rs = geometric drop a trajectory unless low <= exp(mean_t log rho_t) <= high
+
+with high = rollout_rs_threshold (unset: rollout_is_threshold) and low = rollout_rs_threshold_lower
+(unset: 1 / high). `algorithm.tis_cap` is the older spelling of rollout_is = token (both may not be set).
+
+A "sequence" is the whole trajectory, all response tokens of all its turns (its 1:N rows), whose rows
+may be in different micro-batches: the trainer sums log rho per trajectory over the optimizer step first
+(`trajectory_totals`) and hands each row its trajectory's total (`per_row`).
+
+Dropped tokens keep their place in the loss normaliser (they add 0 to the sum; the step's row weights are
+fixed before any log-prob is known), like a zero importance weight: dropping tokens never raises the
+weight of the ones left. verl instead removes them from its response mask, and so from the denominator.
+Weights and masks are detached: they scale the policy-gradient, KL and entropy terms of a token.
+
+Metrics (token means over the loss mask, so a step's micro-batches average by tokens):
+rollout_corr/ratio_mean and ratio_max (of the token ratio rho_t), is_clipped_fraction (tokens whose IS
+weight the threshold truncated), rs_masked_fraction (tokens dropped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_LOG_BOUND = 20.0  # as memrl.rl.loss: exp() past it overflows float32
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    is_level: str | None      # "token" | "sequence" | None
+    is_threshold: float
+    rs_level: str | None      # "token" | "sequence" | "geometric" | None
+    rs_low: float
+    rs_high: float
+
+    @classmethod
+    def from_config(cls, a: Any) -> RolloutCorrection | None:
+        """The correction `a` (memrl.config.AlgorithmConfig) asks for; None when none is on."""
+        is_level, is_threshold = a.rollout_is, a.rollout_is_threshold
+        if a.tis_cap is not None:
+            is_level, is_threshold = "token", a.tis_cap
+        if is_level is None and a.rollout_rs is None:
+            return None
+        high = a.rollout_rs_threshold if a.rollout_rs_threshold is not None else a.rollout_is_threshold
+        low = a.rollout_rs_threshold_lower if a.rollout_rs_threshold_lower is not None else 1.0 / high
+        return cls(is_level, is_threshold, a.rollout_rs, low, high)
+
+    @property
+    def needs_trajectory_totals(self) -> bool:
+        return self.is_level == "sequence" or self.rs_level in ("sequence", "geometric")
+
+    def apply(self, old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor,
+              trajectory_log_ratio: Tensor | None = None,
+              trajectory_tokens: Tensor | None = None) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+        """(importance weights [B, T] or None, keep mask [B, T] (1 = kept), metrics) for one micro-batch.
+
+        `trajectory_log_ratio[r]` / `trajectory_tokens[r]`: sum of log rho over, and masked token count of,
+        row r's whole trajectory in the step (needed for the sequence and geometric levels)."""
+        log_rho = (old_log_probs - rollout_log_probs).detach()
+        valid = mask != 0
+        if self.needs_trajectory_totals and (trajectory_log_ratio is None or trajectory_tokens is None):
+            raise ValueError("sequence-level rollout correction needs each row's trajectory totals")
+
+        def seq(values: Tensor) -> Tensor:
+            return values.detach().to(log_rho.dtype).unsqueeze(-1).expand_as(log_rho)
+
+        weights, clipped = None, torch.zeros_like(valid)
+        if self.is_level is not None:
+            log_w = log_rho if self.is_level == "token" else seq(trajectory_log_ratio)
+            log_w = log_w.clamp(max=_LOG_BOUND)
+            clipped = log_w > math.log(self.is_threshold)
+            weights = torch.exp(log_w).clamp(max=self.is_threshold)
+        keep = torch.ones_like(log_rho)
+        if self.rs_level is not None:
+            if self.rs_level == "token":
+                level = log_rho
+            elif self.rs_level == "sequence":
+                level = seq(trajectory_log_ratio)
+            else:
+                level = seq(trajectory_log_ratio / trajectory_tokens.clamp(min=1))
+            inside = (level >= math.log(self.rs_low)) & (level <= math.log(self.rs_high))
+            keep = inside.to(log_rho.dtype)
+
+        with torch.no_grad():
+            m = mask.to(log_rho.dtype)
+            n = m.sum().clamp(min=1)
+            rho = torch.exp(log_rho.clamp(max=_LOG_BOUND))
+            metrics = {
+                "rollout_corr/ratio_mean": (rho * m).where(valid, 0.0).sum() / n,
+                "rollout_corr/ratio_max": rho.where(valid, 0.0).max() if rho.numel() else rho.new_zeros(()),
+                "rollout_corr/is_clipped_fraction": (clipped & valid).to(m.dtype).sum() / n,
+                "rollout_corr/rs_masked_fraction": ((keep == 0) & valid).to(m.dtype).sum() / n,
+            }
+        return weights, keep, metrics
+
+
+def trajectory_totals(values: Sequence[Tensor], masks: Sequence[Tensor],
+                      trajectory_ids: Sequence[Sequence[str]]) -> dict[str, tuple[float, float]]:
+    """Per trajectory, (sum of `values` over its masked tokens, its masked token count), over micro-batches:
+    `values[k]` and `masks[k]` are micro-batch k's [B, T] tensors, `trajectory_ids[k]` its rows' ids."""
+    totals: dict[str, tuple[float, float]] = {}
+    for v, m, ids in zip(values, masks, trajectory_ids, strict=True):
+        valid = m != 0
+        sums = torch.where(valid, v.detach().double(), 0.0).sum(-1).tolist()
+        counts = valid.sum(-1).tolist()
+        for tid, s, c in zip(ids, sums, counts, strict=True):
+            old = totals.get(tid, (0.0, 0.0))
+            totals[tid] = (old[0] + s, old[1] + c)
+    return totals
+
+
+def per_row(totals: dict[str, tuple[float, float]], trajectory_ids: Sequence[str],
+            device: torch.device) -> tuple[Tensor, Tensor]:
+    """Each row's trajectory (sum, count) from `trajectory_totals`, as two [B] float tensors."""
+    sums = [totals.get(t, (0.0, 0.0))[0] for t in trajectory_ids]
+    counts = [totals.get(t, (0.0, 0.0))[1] for t in trajectory_ids]
+    return (torch.tensor(sums, dtype=torch.float32, device=device),
+            torch.tensor(counts, dtype=torch.float32, device=device))

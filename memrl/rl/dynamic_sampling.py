@@ -1,0 +1,132 @@
+"""Dynamic sampling (DAPO; verl `algorithm.filter_groups`, slime `--over-sampling-batch-size`): train only on
+prompt groups whose rewards differ, generating more groups until the step has enough.
+
+    out = generate(the step's batch)                     # rollout_batch_size questions
+    keep the groups whose raw rewards are not all equal  # an all-0 or all-1 group has advantage 0 everywhere
+    while kept < rollout_batch_size and generation batches < max_num_gen_batches:
+        out_k = generate(over_sampling_batch_size more questions, chunk k = 1, 2, ...)
+        keep its informative groups
+    train on the first rollout_batch_size kept groups, in generation order
+
+The filter reads `Trajectory.reward`, the raw reward, never a shaped one (an overlong penalty or a turn
+reward would make an all-wrong group look informative: NeMo-RL #2431). Where the cap is reached with
+fewer groups than asked for, the step trains on what there is; with fewer than `train.num_optimizer_steps`
+(e.g. none at all), equal-reward groups top it up in generation order so every optimizer step has a group
+(their advantages are 0: only the KL and entropy terms move).
+
+Which questions chunk k draws is `DataSource.extra_batch(rollout_id, k, size)`, a pure function of the
+rollout id, and the main data cursor never moves for it: a resumed run regenerates exactly the same
+chunks. Each chunk's groups take the slots after the ones before it (`slot_offset`), so their group ids
+and request seeds are distinct from the step's first batch.
+
+Row accounting stays exact: a task that expands trajectories (`train_row_count` not None) must expand to
+one row per turn, so the kept groups' row count is the sum of their turns (checked, per generation batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from memrl.types import RolloutOutput, Trajectory
+
+# Metrics of one generation batch that add up over the batches; every other metric of the step (reward
+# mean, lengths) is the first batch's: the same questions and statistics as with filtering off.
+ADDITIVE_METRICS = ("trajectories/total", "trajectories/failed", "tokens/generated", "groups/dropped",
+                    "time/generate_s")
+
+
+class DynamicSamplingError(ValueError):
+    """A rollout that dynamic sampling cannot account rows for; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class GroupFilter:
+    """The settings of dynamic sampling for one step."""
+
+    target_groups: int        # train.rollout_batch_size
+    max_gen_batches: int      # algorithm.max_num_gen_batches, the first batch included
+    min_groups: int = 1       # train.num_optimizer_steps: every optimizer step needs a group
+
+
+def groups_of(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """Trajectories by group_id, groups in order of first appearance."""
+    by_id: dict[str, list[Trajectory]] = {}
+    for traj in trajectories:
+        by_id.setdefault(traj.group_id, []).append(traj)
+    return list(by_id.values())
+
+
+def is_informative(group: Sequence[Trajectory]) -> bool:
+    """True when the group's raw rewards are not all equal (GRPO gives an equal group advantage 0)."""
+    rewards = [t.reward for t in group]
+    return any(r != rewards[0] for r in rewards)
+
+
+def _row_count(out: RolloutOutput, batch: int) -> int | None:
+    if out.train_row_count is None:
+        return None
+    turns = sum(t.num_turns for t in out.trajectories)
+    if out.train_row_count != turns:
+        raise DynamicSamplingError(
+            f"generation batch {batch}: the rollout announced {out.train_row_count} rows for trajectories with "
+            f"{turns} turns; algorithm.filter_groups counts the rows of the groups it keeps as one per turn (or one "
+            f"per trajectory), so a task that expands otherwise cannot use it; set algorithm.filter_groups=false")
+    return turns
+
+
+def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int], RolloutOutput],
+                              settings: GroupFilter) -> RolloutOutput:
+    """The step's output with dynamic sampling: `first` is the step's own batch, `generate_more(k)` chunk k
+    (k = 1, 2, ...). Left-out trajectories go to `dropped` (kept for logs); metrics are in the module
+    docstring and under `dynamic_sampling/`."""
+    outs = [first]
+    one_to_one = _row_count(first, 0) is None
+    informative: list[list[Trajectory]] = []
+    equal: list[list[Trajectory]] = []
+
+    def sort(out: RolloutOutput) -> None:
+        for group in groups_of(out.trajectories):
+            (informative if is_informative(group) else equal).append(group)
+
+    sort(first)
+    while len(informative) < settings.target_groups and len(outs) < settings.max_gen_batches:
+        out = _checked(generate_more(len(outs)), len(outs), one_to_one)
+        outs.append(out)
+        sort(out)
+
+    kept, surplus = informative[: settings.target_groups], informative[settings.target_groups:]
+    topped_up = equal[: max(0, settings.min_groups - len(kept))]
+    kept += topped_up
+    kept_ids = {id(g) for g in kept}
+    left_out = [t for g in informative + equal if id(g) not in kept_ids for t in g]
+    trajectories = [t for g in kept for t in g]
+
+    metrics = dict(first.metrics)
+    for key in ADDITIVE_METRICS:
+        if any(key in o.metrics for o in outs):
+            metrics[key] = sum(o.metrics.get(key, 0.0) for o in outs)
+    failed_groups = sum(o.metrics.get("groups/dropped", 0.0) for o in outs)
+    metrics.update({
+        "dynamic_sampling/generation_batches": float(len(outs)),
+        "dynamic_sampling/groups_generated": float(len(informative) + len(equal)) + failed_groups,
+        "dynamic_sampling/groups_kept": float(len(kept)),
+        "dynamic_sampling/groups_filtered_equal_reward": float(len(equal) - len(topped_up)),
+        "dynamic_sampling/groups_filtered_failed": failed_groups,
+        "dynamic_sampling/groups_filtered_surplus": float(len(surplus)),
+        "dynamic_sampling/groups_topped_up": float(len(topped_up)),
+        "dynamic_sampling/reached_cap": float(len(informative) < settings.target_groups),
+    })
+    row_count = None if one_to_one else sum(t.num_turns for t in trajectories)
+    dropped = [t for o in outs for t in o.dropped] + left_out
+    return RolloutOutput(trajectories=trajectories, metrics=metrics, train_row_count=row_count, dropped=dropped)
+
+
+def _checked(out: RolloutOutput, batch: int, one_to_one: bool) -> RolloutOutput:
+    """`out` once its row accounting agrees with the first batch's (both 1:1 or both one row per turn)."""
+    if (_row_count(out, batch) is None) != one_to_one:
+        raise DynamicSamplingError(f"generation batch {batch} announced train_row_count "
+                                   f"{out.train_row_count!r} but the step's first batch "
+                                   f"{'did not' if one_to_one else 'did'}; a rollout must announce rows alike "
+                                   f"for every batch")
+    return out

@@ -1,0 +1,99 @@
+"""What the converter makes of rewards and turns before rows exist: truncated answers and per-turn rewards.
+
+Every option here is off by default; off, the converter's rows are exactly what they were without it.
+
+Truncated answers (the final turn hit its token limit, `finish_reason == "length"`):
+- `algorithm.mask_truncated_completions` (TRL's name): every row of such a trajectory gets an all-zero
+  loss mask, so it trains nothing; it still counts in its group's advantage (as in TRL) and as rows.
+- `algorithm.overlong_buffer_len` = B, `overlong_penalty_factor` = c (DAPO's soft overlong punishment,
+  verl `reward_model.overlong_buffer`): with L the final turn's limit and n its length,
+      penalty = min(0, -(n - (L - B)) / B * c)      (0 up to L - B tokens, -c at L)
+  added to the reward *for the advantage only*; `Trajectory.reward` (the raw reward, which dynamic
+  sampling filters on and the logs report) is untouched.
+
+Per-turn rewards (`algorithm.turn_reward_function`, ReMemR1-style): `Trainer` stores
+`metadata["turn_rewards"]` (one float per turn, `memrl.rl.turn_rewards`); each turn's advantage becomes
+
+    A'_{i,j} = alpha * credit_j(A_i) + (1 - alpha) * GRPO_j(r_{i,j})
+
+credit_j the trajectory credit (`algorithm.credit`: split or share), GRPO_j the turn reward normalised
+within the group among the turns of the same index j (centred, divided by std + eps as the trajectory
+advantage is). Every turn's row carries its own A'_{i,j}, memory turns included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from memrl.rl.advantages import (
+    AdvantageError,
+    assign_credit,
+    expand_rows,
+    grpo_advantages,
+    trajectory_advantages,
+)
+from memrl.types import TrainRow, Trajectory
+
+
+def advantage_rows(trajectories: Sequence[Trajectory], a: Any, rollout_id: int, credit: str) -> list[TrainRow]:
+    """Validated trajectories -> rows: (shaped) rewards -> GRPO per trajectory -> per-turn advantages -> rows.
+    The converters' one path (memrl.memagent.convert, memrl.rl.plain); `a` is the AlgorithmConfig."""
+    advantages = trajectory_advantages(trajectories, std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof,
+                                       rewards=shaped_rewards(trajectories, a))
+    return expand_rows(trajectories, advantages, credit, rollout_id,
+                       turn_advantages=turn_advantages(trajectories, advantages, a),
+                       mask_trajectory=final_turn_truncated if a.mask_truncated_completions else None)
+
+
+def final_turn_truncated(traj: Trajectory) -> bool:
+    """The final turn stopped at its token limit."""
+    return traj.turns[-1].finish_reason == "length"
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft penalty of a `length`-token answer whose limit is `max_tokens` (module docstring)."""
+    exceed = length - (max_tokens - buffer_len)
+    return min(0.0, -exceed / buffer_len * factor)
+
+
+def shaped_rewards(trajectories: Sequence[Trajectory], a: Any) -> dict[str, float] | None:
+    """The reward the advantage is computed from, per trajectory id; None when no shaping is on (the raw
+    reward then). `a` is the AlgorithmConfig."""
+    if a.overlong_buffer_len is None:
+        return None
+    out = {}
+    for traj in trajectories:
+        final = traj.turns[-1]
+        buffer_len = min(a.overlong_buffer_len, final.max_tokens)
+        out[traj.trajectory_id] = float(traj.reward) + overlong_penalty(
+            final.response_length, final.max_tokens, buffer_len, a.overlong_penalty_factor)
+    return out
+
+
+def turn_advantages(trajectories: Sequence[Trajectory], advantages: Mapping[str, float],
+                    a: Any) -> dict[str, list[float]] | None:
+    """Each trajectory's per-turn advantages mixing in its turn rewards (module docstring); None when
+    `a.turn_reward_function` is unset (the plain credit then)."""
+    if a.turn_reward_function is None:
+        return None
+    by_key: dict[str, list[float]] = {}
+    ids: dict[str, list[str]] = {}
+    for traj in trajectories:
+        rewards = traj.metadata.get("turn_rewards")
+        if rewards is None or len(rewards) != traj.num_turns:
+            raise AdvantageError(f"trajectory '{traj.trajectory_id}' has no turn_rewards for its {traj.num_turns} turns; "
+                                 f"algorithm.turn_reward_function is set, so the trainer scores every turn before "
+                                 f"converting (memrl.rl.turn_rewards.score_turns)")
+        for j, r in enumerate(rewards):
+            key = f"{traj.group_id}\x00{j}"
+            by_key.setdefault(key, []).append(float(r))
+            ids.setdefault(key, []).append(traj.trajectory_id)
+    normalised = grpo_advantages(by_key, std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof)
+    turn_norm = {(tid, int(key.rsplit("\x00", 1)[1])): v
+                 for key, values in normalised.items() for tid, v in zip(ids[key], values, strict=True)}
+    alpha = a.turn_reward_alpha
+    return {traj.trajectory_id: [alpha * c + (1 - alpha) * turn_norm[(traj.trajectory_id, j)]
+                                 for j, c in enumerate(assign_credit(advantages[traj.trajectory_id], traj.num_turns,
+                                                                     a.credit))]
+            for traj in trajectories}

@@ -1,0 +1,93 @@
+"""Dynamic sampling (memrl/rl/dynamic_sampling.py) on scripted rollouts: which groups are kept, the row
+count, the metrics, and the deterministic extra draws."""
+
+from __future__ import annotations
+
+import pytest
+from traj_factory import make_group
+
+from memrl.rl.dynamic_sampling import DynamicSamplingError, GroupFilter, sample_informative_groups
+from memrl.rollout import finish_rollout
+from memrl.train.setup import DataSource
+
+
+def rollout(name, group_rewards, num_memory_turns=1):
+    """One generation batch: a group per reward list, ids `<name>g<k>`."""
+    return finish_rollout([make_group(f"{name}g{k}", rewards, num_memory_turns) for k, rewards in enumerate(group_rewards)])
+
+
+def scripted(chunks):
+    calls = []
+
+    def generate_more(k):
+        calls.append(k)
+        return chunks[k - 1]
+    return generate_more, calls
+
+
+def test_equal_groups_are_replaced_by_further_chunks_until_the_target():
+    first = rollout("a", [[0, 0], [0, 1], [1, 1], [1, 0]])          # 2 informative of 4
+    more, calls = scripted([rollout("b", [[0, 0], [1, 0]]),          # +1
+                            rollout("c", [[1, 0], [0, 1], [0, 0]])])  # +2: one more than needed
+    out = sample_informative_groups(first, more, GroupFilter(target_groups=4, max_gen_batches=5))
+    assert calls == [1, 2]
+    assert [g for g in dict.fromkeys(t.group_id for t in out.trajectories)] == ["ag1", "ag3", "bg1", "cg0"]
+    assert out.train_row_count == 4 * 2 * 2  # 4 groups x 2 samples x (1 memory turn + final)
+    m = out.metrics
+    assert m["dynamic_sampling/generation_batches"] == 3
+    assert m["dynamic_sampling/groups_generated"] == 9
+    assert m["dynamic_sampling/groups_kept"] == 4
+    assert m["dynamic_sampling/groups_filtered_equal_reward"] == 4
+    assert m["dynamic_sampling/groups_filtered_surplus"] == 1
+    assert m["dynamic_sampling/reached_cap"] == 0
+    assert m["trajectories/total"] == 18  # summed over the batches
+    assert m["reward/mean"] == first.metrics["reward/mean"]  # the step's own batch, as with filtering off
+    assert {t.group_id for t in out.dropped} == {"ag0", "ag2", "bg0", "cg1", "cg2"}
+
+
+def test_the_cap_trains_on_what_there_is_and_tops_up_an_empty_step():
+    first = rollout("a", [[0, 0], [1, 1]])
+    more, calls = scripted([rollout("b", [[0, 0], [0, 1]]), rollout("c", [[0, 1]])])
+    out = sample_informative_groups(first, more, GroupFilter(target_groups=2, max_gen_batches=2))
+    assert calls == [1]  # the cap counts the first batch
+    assert {t.group_id for t in out.trajectories} == {"bg1"}
+    assert out.metrics["dynamic_sampling/reached_cap"] == 1
+    # nothing informative at all: equal groups fill the optimizer steps (advantage 0, KL only)
+    out = sample_informative_groups(rollout("a", [[0, 0], [1, 1], [0, 0]]), scripted([])[0],
+                                    GroupFilter(target_groups=3, max_gen_batches=1, min_groups=2))
+    assert [g for g in dict.fromkeys(t.group_id for t in out.trajectories)] == ["ag0", "ag1"]
+    assert out.metrics["dynamic_sampling/groups_topped_up"] == 2
+    assert out.metrics["dynamic_sampling/groups_filtered_equal_reward"] == 1
+
+
+def test_filtering_reads_the_raw_reward_and_failed_groups_count_apart():
+    groups = [make_group("x", [0.5, 0.5]), make_group("y", [0.0, 0.5])]
+    groups[1][0].status = "failed"  # the failed group is dropped by finish_rollout before filtering
+    out = sample_informative_groups(finish_rollout(groups), scripted([])[0], GroupFilter(1, 1))
+    assert out.metrics["dynamic_sampling/groups_filtered_failed"] == 1
+    assert out.metrics["dynamic_sampling/groups_generated"] == 2
+    assert out.metrics["dynamic_sampling/groups_topped_up"] == 1  # x is equal: kept only to fill the step
+
+
+def test_a_rollout_expanding_otherwise_than_one_row_per_turn_is_refused():
+    first = rollout("a", [[0, 1]])
+    first.train_row_count += 1
+    with pytest.raises(DynamicSamplingError, match="filter_groups"):
+        sample_informative_groups(first, scripted([])[0], GroupFilter(1, 1))
+
+
+def test_extra_chunks_are_a_pure_function_of_rollout_and_chunk():
+    data = DataSource(list(range(10)), batch_size=3, seed=7)
+    main = [data.batch(r) for r in range(4)]
+    a = data.extra_batch(2, 1, 12)
+    assert a == DataSource(list(range(10)), batch_size=3, seed=7).extra_batch(2, 1, 12)  # a fresh run agrees
+    assert len(a) == 12 and sorted(a[:10]) == list(range(10))  # a shuffle, wrapping past the set
+    assert a != data.extra_batch(2, 2, 12) and a != data.extra_batch(3, 1, 12)
+    assert [data.batch(r) for r in range(4)] == main  # the main cursor never moves
+
+
+def test_the_ray_runtime_is_refused_with_the_fix():
+    from memrl.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="filter_groups"):
+        config_from_dict({"algorithm": {"filter_groups": True}, "train": {"runtime": "ray"}})
