@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -41,13 +42,12 @@ from torch.distributed.tensor import DTensor
 from memrl.config import Config
 from memrl.rl.loss import (
     compute_token_weights,
-    entropy_from_logits,
     kl_penalty,
     policy_loss,
     truncated_importance_weights,
 )
 from memrl.rl.validate import validate_train_rows
-from memrl.train import fsdp
+from memrl.train import fsdp, packing
 from memrl.train.checkpoint import (
     OPTIMIZER_FILE,
     SCHEDULER_FILE,
@@ -57,6 +57,7 @@ from memrl.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from memrl.train.logprobs import TokenStats, response_token_stats
 from memrl.train.partition import (
     equalize_micro_batch_counts,
     micro_batches,
@@ -96,7 +97,7 @@ def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: 
     all_rows = [r for rank in ranks for r in rank]
     weights = dict(zip(map(id, all_rows), compute_token_weights(
         [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg), strict=True))
-    batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens) for rank in ranks],
+    batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens, t.packing) for rank in ranks],
                                           pad_token_id, rollout_id)
     return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]
 
@@ -111,42 +112,71 @@ def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, ro
 
 @dataclass
 class MicroBatch:
-    """Right-padded tensors of a micro-batch; response values live in [rows, max_response] tensors."""
+    """The tensors of a micro-batch; response values live in [rows, max_response] tensors.
 
-    input_ids: Tensor          # [B, L]
-    attention_mask: Tensor     # [B, L]
-    positions: Tensor          # [N, 2]: (row, position) of the logits predicting each response token
-    targets: Tensor            # [N]
-    resp_index: Tensor         # [N, 2]: (row, k) of each response token in the [B, R] tensors
-    loss_mask: Tensor          # [B, R]
-    rollout_log_probs: Tensor  # [B, R]
-    advantages: Tensor         # [B]
-    row_weights: Tensor        # [B]
+    Padded (`packed=False`): rows right-padded to the longest, [B, L] with a 2-D attention mask.
+    Packed: rows concatenated into one [1, T] sequence, T = their total length, no padding; each row's
+    position ids restart at 0, and that is what tells the model where a row ends (transformers builds the
+    block-diagonal causal mask from them, or FlashAttention takes them as variable-length sequences), so
+    every token sees exactly the tokens it sees in the padded layout.
+    """
+
+    input_ids: Tensor              # [B, L] padded, [1, T] packed
+    attention_mask: Tensor | None  # [B, L] padded; None packed
+    position_ids: Tensor | None    # [1, T] packed; None padded (the model counts 0..L-1)
+    row_lengths: list[int] | None  # packed: each row's length, in order (the attention's row boundaries)
+    cu_seq_lens: Tensor | None     # packed: [B + 1] int32 cumulative lengths (FlashAttention's argument)
+    positions: Tensor              # [N, 2]: (row, position) of the hidden state predicting each response token
+    targets: Tensor                # [N]
+    resp_index: Tensor             # [N, 2]: (row, k) of each response token in the [B, R] tensors
+    loss_mask: Tensor              # [B, R]
+    rollout_log_probs: Tensor      # [B, R]
+    advantages: Tensor             # [B]
+    row_weights: Tensor            # [B]
 
     @classmethod
-    def build(cls, rows: list[TrainRow], weights: list[float], pad_id: int, device: torch.device) -> MicroBatch:
-        width = max(len(r.tokens) for r in rows)
+    def build(cls, rows: list[TrainRow], weights: list[float], pad_id: int, device: torch.device,
+              packed: bool = False) -> MicroBatch:
         resp_width = max(r.response_length for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), resp_width))
         old = torch.zeros((len(rows), resp_width))
         pos, tgt, ridx = [], [], []
+        offset = 0  # where row b starts: in its own row (padded) or in the one packed sequence
         for b, r in enumerate(rows):
-            n, p = len(r.tokens), r.prompt_length
-            ids[b, :n] = torch.tensor(r.tokens)
-            attn[b, :n] = 1
+            p = r.prompt_length
             mask[b, : r.response_length] = torch.tensor(r.loss_mask, dtype=torch.float)
             old[b, : r.response_length] = torch.tensor(r.rollout_log_probs, dtype=torch.float)
             for k in range(r.response_length):
-                pos.append((b, p + k - 1))  # the logits at position t predict token t + 1
+                # the hidden state at position t predicts token t + 1
+                pos.append((0, offset + p + k - 1) if packed else (b, p + k - 1))
                 tgt.append(r.tokens[p + k])
                 ridx.append((b, k))
-        return cls(ids.to(device), attn.to(device), torch.tensor(pos, dtype=torch.long, device=device).reshape(-1, 2),
-                   torch.tensor(tgt, dtype=torch.long, device=device),
-                   torch.tensor(ridx, dtype=torch.long, device=device).reshape(-1, 2), mask.to(device),
-                   old.to(device), torch.tensor([r.advantage for r in rows], device=device),
-                   torch.tensor(weights, dtype=torch.float, device=device))
+            offset += len(r.tokens)
+        lengths = [len(r.tokens) for r in rows]
+        if packed:
+            ids = torch.tensor([[t for r in rows for t in r.tokens]], dtype=torch.long)
+            position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+            cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            attn = None
+        else:
+            ids = torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long)
+            attn = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
+            for b, r in enumerate(rows):
+                ids[b, : len(r.tokens)] = torch.tensor(r.tokens)
+                attn[b, : len(r.tokens)] = 1
+            position_ids = cu_seq_lens = None
+
+        def put(t: Tensor | None) -> Tensor | None:
+            # From pinned memory without blocking: a pageable host-to-GPU copy waits for every kernel queued
+            # before it, a host sync per tensor per micro-batch.
+            if t is None or device.type != "cuda":
+                return None if t is None else t.to(device)
+            return t.pin_memory().to(device, non_blocking=True)
+
+        return cls(put(ids), put(attn), put(position_ids), lengths if packed else None, put(cu_seq_lens),
+                   put(torch.tensor(pos, dtype=torch.long).reshape(-1, 2)), put(torch.tensor(tgt, dtype=torch.long)),
+                   put(torch.tensor(ridx, dtype=torch.long).reshape(-1, 2)), put(mask), put(old),
+                   put(torch.tensor([r.advantage for r in rows])), put(torch.tensor(weights, dtype=torch.float)))
 
     def scatter(self, flat: Tensor) -> Tensor:
         out = flat.new_zeros(self.loss_mask.shape)
@@ -154,35 +184,48 @@ class MicroBatch:
         return out
 
 
-def response_logits(model: torch.nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
-    """Logits (divided by the sampling temperature) at the positions that predict response tokens: [N, V]."""
-    return _response_logits(model, mb.input_ids, mb.attention_mask, mb.positions, temperature)
-
-
-def _response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
-                     temperature: float) -> Tensor:
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+def _response_stats(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
+                    position_ids: Tensor | None, row_lengths: list[int] | None, cu_seq_lens: Tensor | None,
+                    positions: Tensor, targets: Tensor, temperature: float, chunk_tokens: int | None) -> TokenStats:
+    if row_lengths is None:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids).last_hidden_state
+    else:  # packed: the attention gets the row boundaries and no mask (memrl.train.packing)
+        packing.check_enabled(model)
+        hidden = model.base_model(input_ids=input_ids, attention_mask=packing.no_masks(), position_ids=position_ids,
+                                  **packing.packed_kwargs(row_lengths, cu_seq_lens)).last_hidden_state
     selected = hidden[positions[:, 0], positions[:, 1]]
-    logits = model.get_output_embeddings()(selected).float()
-    return logits / temperature if temperature > 0 else logits
+    return response_token_stats(selected, targets, model.get_output_embeddings(), temperature, chunk_tokens)
 
 
-class ResponseLogits(torch.nn.Module):
-    """`response_logits` as a module's forward, so DDP (whose gradient hooks are armed by its own
-    forward) and FSDP (which gathers the root's parameters in a hook on it) can wrap it; `self.model` is the
-    plain Hugging Face model, shared, never copied."""
+def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_tokens: int | None) -> Tensor:
+    """Log-probs [N] of the micro-batch's response tokens under `model` at the sampling temperature."""
+    return _response_stats(model, mb.input_ids, mb.attention_mask, mb.position_ids, mb.row_lengths, mb.cu_seq_lens,
+                           mb.positions, mb.targets, temperature, chunk_tokens).log_probs
 
-    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
+
+class ResponseStats(torch.nn.Module):
+    """Response tokens' log-probs and entropy (`memrl.train.logprobs`) as a module's forward, so DDP (whose
+    gradient hooks are armed by its own forward) and FSDP (which gathers the root's parameters, the LM head
+    among them, in a hook on it) can wrap it; `self.model` is the plain Hugging Face model, shared, never
+    copied."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float, chunk_tokens: int | None) -> None:
         super().__init__()
-        self.model, self.temperature = model, temperature
+        self.model, self.temperature, self.chunk_tokens = model, temperature, chunk_tokens
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
-        return _response_logits(self.model, input_ids, attention_mask, positions, self.temperature)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
+                row_lengths: list[int] | None, cu_seq_lens: Tensor | None, positions: Tensor,
+                targets: Tensor) -> TokenStats:
+        return _response_stats(self.model, input_ids, attention_mask, position_ids, row_lengths, cu_seq_lens,
+                               positions, targets, self.temperature, self.chunk_tokens)
 
 
-def _nan_max(a: float, b: float) -> float:
-    """max() that keeps NaN: Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+def _metrics_to_host(sums: dict[str, Any]) -> None:
+    """Turn the device-tensor metrics of a step into Python floats, in one transfer."""
+    keys = [k for k, v in sums.items() if isinstance(v, Tensor)]
+    if keys:
+        sums.update(zip(keys, torch.stack([sums[k] for k in keys]).tolist(), strict=True))
 
 
 def _non_finite_message(rollout_id: int, step: int, loss: float, grad_norm: float) -> str:
@@ -193,10 +236,6 @@ def _non_finite_message(rollout_id: int, step: int, loss: float, grad_norm: floa
             f"validation, so the model's own outputs overflowed: if grad_norm or logprob_gap grew over the "
             f"last steps, lower train.lr; otherwise check the starting weights "
             f"(model.path / --load) and model.dtype")
-
-
-def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 class Actor:
@@ -225,6 +264,8 @@ class Actor:
         self.model.train()
         if config.train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        if config.train.packing:  # before the reference copy, which then attends the same way
+            packing.enable(self.model)
         self.ref_model = None
         if config.algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -233,10 +274,11 @@ class Actor:
         if checkpoint is not None:  # whole weights into the plain model, before any wrapping or sharding
             self.loaded_state = load_checkpoint(checkpoint, self.model, restore_rng=False)
         self.pad_token_id = pad_token_id
-        temperature = config.rollout.temperature
-        # What the optimizer step calls: (input_ids, attention_mask, positions) -> response logits.
-        self.policy: torch.nn.Module = ResponseLogits(self.model, temperature)
-        self.reference = ResponseLogits(self.ref_model, temperature) if self.ref_model is not None else None
+        temperature, chunk = config.rollout.temperature, config.train.logprob_chunk_tokens
+        # What the optimizer step calls: (input_ids, attention_mask, position_ids, positions, targets) ->
+        # the response tokens' log-probs and entropy.
+        self.policy: torch.nn.Module = ResponseStats(self.model, temperature, chunk)
+        self.reference = ResponseStats(self.ref_model, temperature, chunk) if self.ref_model is not None else None
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -271,10 +313,14 @@ class Actor:
             restore_rng(checkpoint)
             self.global_step = int(self.loaded_state.get("global_step") or 0)
 
-    def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> TokenStats:
         """`module` is `self.policy` or `self.reference` (whatever wraps them: DDP, FSDP, nothing)."""
         with self.autocast if self.autocast is not None else contextlib.nullcontext():
-            return module(mb.input_ids, mb.attention_mask, mb.positions)
+            return module(mb.input_ids, mb.attention_mask, mb.position_ids, mb.row_lengths, mb.cu_seq_lens,
+                          mb.positions, mb.targets)
+
+    def _build(self, rows: list[TrainRow], weights: list[float]) -> MicroBatch:
+        return MicroBatch.build(rows, weights, self.pad_token_id, self.device, packed=self.cfg.train.packing)
 
     # ------------------------------------------------------------------ whole weights out, checkpoints
     # Under FSDP these are collectives: every rank calls them; only rank 0 gets (or writes) anything.
@@ -349,9 +395,8 @@ class Actor:
         olds = []
         for share in shares:
             for mb_rows, mb_weights in zip(share.micro_batches, share.weights, strict=True):
-                mb = MicroBatch.build(mb_rows, mb_weights, self.pad_token_id, self.device)
-                logits = self._forward(self.policy, mb)
-                olds.append(mb.scatter(token_log_probs(logits, mb.targets)))
+                mb = self._build(mb_rows, mb_weights)
+                olds.append(mb.scatter(self._forward(self.policy, mb).log_probs))
         self._reshard_after_inference(self.policy)
         return olds
 
@@ -370,7 +415,7 @@ class Actor:
         work = [(mb, w) for share in shares for mb, w in zip(share.micro_batches, share.weights, strict=True)]
         # DDP averages the gradients of the world; our loss is already the exact share of the step's sum.
         loss_scale = float(self.world_size)
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}  # device tensors until the loop ends, then floats
         self.optimizer.zero_grad(set_to_none=True)
         for k, (mb_rows, mb_weights) in enumerate(work):
             # DDP all-reduces gradients once, on the last micro-batch (every rank has as many).
@@ -378,6 +423,7 @@ class Actor:
             with self.policy.no_sync() if defer else contextlib.nullcontext():
                 self._micro_batch(mb_rows, mb_weights, sums, loss_scale,
                                   None if old_log_probs is None else old_log_probs[k])
+        _metrics_to_host(sums)
         if self.world_size > 1:
             self._all_reduce_metrics(sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
@@ -405,18 +451,21 @@ class Actor:
             "micro_batches": sums["micro_batches"], "tokens/loss": n_tok,
         }
 
-    def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, float],
+    def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, Any],
                      loss_scale: float, old: Tensor | None = None) -> None:
         """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums."""
         a = self.cfg.algorithm
 
-        def add(key: str, value: Tensor | float, w: float = 1.0) -> None:
-            sums[key] = sums.get(key, 0.0) + float(value) * w
+        def add(key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
+            # Tensors stay on the device (float64, as the Python floats they become): one host sync per
+            # optimizer step (`_metrics_to_host`), not one per metric per micro-batch.
+            value = value.detach().double() if isinstance(value, Tensor) else value
+            sums[key] = sums.get(key, 0.0) + value * w
 
-        mb = MicroBatch.build(mb_rows, mb_weights, self.pad_token_id, self.device)
-        logits = self._forward(self.policy, mb)
-        logp = mb.scatter(token_log_probs(logits, mb.targets))
-        entropy = mb.scatter(entropy_from_logits(logits.detach()))
+        mb = self._build(mb_rows, mb_weights)
+        stats = self._forward(self.policy, mb)
+        logp = mb.scatter(stats.log_probs)
+        entropy = mb.scatter(stats.entropy.detach())
         # `old`: the policy before this rollout's first update; with one optimizer step per rollout that
         # is this very forward (ratio 1), so no extra pass is needed.
         old = logp.detach() if old is None else old
@@ -427,30 +476,32 @@ class Actor:
         w_tokens = (mb.loss_mask * mb.row_weights.unsqueeze(-1))
         if self.reference is not None:
             with torch.no_grad():
-                ref = mb.scatter(token_log_probs(self._forward(self.reference, mb), mb.targets))
+                ref = mb.scatter(self._forward(self.reference, mb).log_probs)
             self._reshard_after_inference(self.reference)
             kl = kl_penalty(logp, ref, a.kl_estimator)
             kl_term = (kl * w_tokens).sum()
             loss = loss + a.kl_coef * kl_term
             add("kl/mean", kl_term.detach())
         if a.entropy_coef > 0:
-            with_grad_entropy = mb.scatter(entropy_from_logits(logits))
+            with_grad_entropy = mb.scatter(stats.entropy)
             loss = loss - a.entropy_coef * (with_grad_entropy * w_tokens).sum()
         (loss * loss_scale).backward()
-        n_tok = float(mb.loss_mask.sum())
+        n_tok = mb.loss_mask.sum().double()
         # where(), not a product: a masked-out token's gap must not count, not even as inf * 0 = NaN.
         gap = torch.where(mb.loss_mask > 0, (old - mb.rollout_log_probs).abs(), 0.0)
         add("loss/policy", pg.detach())
         add("loss/total", loss.detach())
         add("entropy/mean", (entropy * w_tokens).sum())
         add("logprob_gap/sum_abs", gap.sum())
-        add("logprob_gap/max_abs", 0.0)
-        sums["logprob_gap/max_abs"] = _nan_max(sums["logprob_gap/max_abs"], float(gap.max()) if gap.numel() else 0.0)
+        # torch.maximum keeps NaN (Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean)
+        top = gap.max().double() if gap.numel() else torch.zeros((), dtype=torch.float64, device=gap.device)
+        sums["logprob_gap/max_abs"] = torch.maximum(sums["logprob_gap/max_abs"], top) \
+            if "logprob_gap/max_abs" in sums else top
         add("tokens/loss", n_tok)
         add("clip_fraction_tokens", m["clip_fraction"], n_tok)
         add("micro_batches", 1.0)
         add("tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
-        add("tokens/padded", max(len(r.tokens) for r in mb_rows) * len(mb_rows))
+        add("tokens/padded", mb.input_ids.numel())  # processed positions: rows x longest, or all rows packed
 
     def _all_reduce_metrics(self, sums: dict[str, float]) -> None:
         """Sum every metric over the ranks (max for the max gap); all ranks have the same keys."""
@@ -469,8 +520,8 @@ class Actor:
         under FSDP)."""
         out = []
         for r in rows:
-            mb = MicroBatch.build([r], [0.0], self.pad_token_id, self.device)
-            out.append(token_log_probs(self._forward(self.policy, mb), mb.targets).tolist())
+            mb = self._build([r], [0.0])
+            out.append(self._forward(self.policy, mb).log_probs.tolist())
         self._reshard_after_inference(self.policy)
         return out
 
