@@ -267,11 +267,16 @@ def truncated_importance_weights(old_log_probs: Tensor, rollout_log_probs: Tenso
     return torch.exp(log_w).clamp(max=cap)
 
 
-def entropy_from_log_probs(log_p: Tensor) -> Tensor:
-    """Entropy -sum(p * log p) over the last dim from log-probabilities (a log_softmax output)."""
+def entropy_from_log_probs(log_p: Tensor, inplace: bool = False) -> Tensor:
+    """Entropy -sum(p * log p) over the last dim from log-probabilities (a log_softmax output).
+
+    `inplace` (no autograd; `log_p` is overwritten) holds two [positions, vocab] tensors instead of four.
+    """
     # The clamp keeps -inf logits (masked vocabulary) from making 0 * -inf = NaN, forward and backward.
-    log_p = log_p.clamp(min=torch.finfo(log_p.dtype).min)
-    return -(log_p.exp() * log_p).sum(-1)
+    low = torch.finfo(log_p.dtype).min
+    log_p = log_p.clamp_(min=low) if inplace else log_p.clamp(min=low)
+    p = log_p.exp()
+    return -(p.mul_(log_p) if inplace else p * log_p).sum(-1)
 
 
 def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor:
