@@ -211,9 +211,9 @@ class TrainConfig(Section):
     )
     packing: bool = Field(
         False, description="Padding-free micro-batches: rows concatenated into one sequence with per-row "
-        "position ids (block-diagonal causal attention) instead of [rows x longest]; the token budget then "
-        "counts real tokens. Worth it with a variable-length attention kernel (model.attn_implementation "
-        "flash_attention_2); with sdpa the block-diagonal mask is a dense [tokens x tokens] one."
+        "position ids instead of [rows x longest], attention kept within each row by a variable-length kernel "
+        "(torch's varlen flash attention on CUDA under bf16, FlashAttention if the model uses it, one causal sdpa "
+        "call per row otherwise), never a dense mask; the token budget then counts real tokens."
     )
     max_staleness: int = Field(
         0, ge=0, description="Overlap rollout and training: rollout n+k may generate while step n trains, with "
