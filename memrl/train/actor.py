@@ -18,7 +18,9 @@ Two ways to run the ranks of a plan:
   micro-batch (accumulating unsharded gradients would cost the memory sharding saves).
 
 Only response positions go through the LM head: prompt tokens carry no loss, and MemAgent prompts are
-most of every row (docs/design.md, pitfall "Prompt-heavy actor update").
+most of every row (docs/design.md, pitfall "Prompt-heavy actor update"); and they go through it a chunk
+at a time (`train.logprob_chunk_tokens`, `memrl.train.logprobs`), never as one [tokens x vocab] float32
+tensor. `train.packing` concatenates a micro-batch's rows instead of padding them (`memrl.train.packing`).
 """
 
 from __future__ import annotations
@@ -116,9 +118,8 @@ class MicroBatch:
 
     Padded (`packed=False`): rows right-padded to the longest, [B, L] with a 2-D attention mask.
     Packed: rows concatenated into one [1, T] sequence, T = their total length, no padding; each row's
-    position ids restart at 0, and that is what tells the model where a row ends (transformers builds the
-    block-diagonal causal mask from them, or FlashAttention takes them as variable-length sequences), so
-    every token sees exactly the tokens it sees in the padded layout.
+    position ids restart at 0 and the attention gets the row boundaries (`memrl.train.packing`: a
+    variable-length kernel, no mask), so every token sees exactly the tokens it sees in the padded layout.
     """
 
     input_ids: Tensor              # [B, L] padded, [1, T] packed
