@@ -6,7 +6,7 @@ and (`--logprob-memory`) the peak memory of one micro-batch's log-prob and loss 
     python bench/train.py --device cuda --model-shape qwen3-0.6b     # random-init Qwen3-0.6B shape, bf16 autocast
     python bench/train.py --logprob-memory [--profile]               # real 151,936-token vocabulary, ~4 GB of RAM
 
-`--logprob-memory`: one micro-batch (8 MemAgent-shaped rows, ~1,500 response tokens) through
+`--logprob-memory`: one micro-batch (`--logprob-rows` 4 memory-turn rows, ~800 response tokens) through
 `Actor.train_rollout` (forward, PPO + KL loss, backward, AdamW) on a random Qwen3 with Qwen3's vocabulary
 and a small body (hidden 64, 2 layers), each variant in a fresh subprocess so its peak RSS
 (`ru_maxrss`) is its own: `before` is the former path (`train.logprob_chunk_tokens` unset: the whole
@@ -213,7 +213,7 @@ LOGPROB_VARIANTS: list[tuple[str, int | None, bool]] = [
     ("chunk512+packed", 512, True)]
 
 
-def logprob_rows(seed: int, n_rows: int = 8) -> list[TrainRow]:
+def logprob_rows(seed: int, n_rows: int) -> list[TrainRow]:
     """One micro-batch of memory-turn rows: prompts of 300-500 tokens, responses of 128-256."""
     rng = random.Random(seed)
     rows = []
@@ -227,7 +227,7 @@ def logprob_rows(seed: int, n_rows: int = 8) -> list[TrainRow]:
     return rows
 
 
-def logprob_child(variant: str, repeats: int, profile: bool, seed: int) -> None:
+def logprob_child(variant: str, repeats: int, profile: bool, seed: int, n_rows: int) -> None:
     """One variant in this (fresh) process; prints one JSON line."""
     _, chunk, packed = next(v for v in LOGPROB_VARIANTS if v[0] == variant)
     config = Qwen3Config(**LOGPROB_SHAPE, tie_word_embeddings=True, max_position_embeddings=4096,
@@ -237,7 +237,7 @@ def logprob_child(variant: str, repeats: int, profile: bool, seed: int) -> None:
     cfg = Config(algorithm=AlgorithmConfig(kl_coef=0.01),
                  train=TrainConfig(micro_batch_tokens=1 << 20, lr=1e-6, logprob_chunk_tokens=chunk, packing=packed))
     actor = Actor(model, cfg, pad_token_id=PAD_ID, device=torch.device("cpu"))
-    rows = logprob_rows(seed)
+    rows = logprob_rows(seed, n_rows)
     gc.collect()
     rss_before = psutil.Process().memory_info().rss / 2**20
     times = []
@@ -267,7 +267,8 @@ def logprob_memory(args: argparse.Namespace) -> None:
     for name, *_ in LOGPROB_VARIANTS:
         profile = args.profile and name in ("before", "chunk512")
         out = subprocess.run([sys.executable, __file__, "--logprob-child", name, "--repeats", str(args.repeats),
-                              "--seed", str(args.seed), "--threads", str(args.threads), *(["--profile"] if profile else [])],
+                              "--seed", str(args.seed), "--threads", str(args.threads), "--logprob-rows",
+                              str(args.logprob_rows), *(["--profile"] if profile else [])],
                              capture_output=True, text=True, timeout=1800, check=False)
         if out.returncode != 0:
             raise BenchError(f"variant {name} failed:\n{out.stderr[-3000:]}")
@@ -315,6 +316,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--logprob-memory", action="store_true",
                         help="peak memory of one micro-batch's log-prob + loss step, before vs after (see above)")
     parser.add_argument("--profile", action="store_true", help="with --logprob-memory: torch.profiler tables")
+    parser.add_argument("--logprob-rows", type=int, default=4,
+                        help="with --logprob-memory: rows in the micro-batch (4: ~800 response tokens, `before` ~4 GB)")
     parser.add_argument("--logprob-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     chunk, memory, final = ROW_SHAPES[args.model_shape]
@@ -334,7 +337,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     if args.logprob_child:
-        return logprob_child(args.logprob_child, args.repeats, args.profile, args.seed)
+        return logprob_child(args.logprob_child, args.repeats, args.profile, args.seed, args.logprob_rows)
     if args.logprob_memory:
         return logprob_memory(args)
     device = torch.device(args.device)

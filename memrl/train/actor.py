@@ -187,7 +187,8 @@ class MicroBatch:
 
 def _response_stats(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
                     position_ids: Tensor | None, row_lengths: list[int] | None, cu_seq_lens: Tensor | None,
-                    positions: Tensor, targets: Tensor, temperature: float, chunk_tokens: int | None) -> TokenStats:
+                    positions: Tensor, targets: Tensor, temperature: float, chunk_tokens: int | None,
+                    with_entropy: bool = True) -> TokenStats:
     if row_lengths is None:
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                   position_ids=position_ids).last_hidden_state
@@ -196,7 +197,8 @@ def _response_stats(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
         hidden = model.base_model(input_ids=input_ids, attention_mask=packing.no_masks(), position_ids=position_ids,
                                   **packing.packed_kwargs(row_lengths, cu_seq_lens)).last_hidden_state
     selected = hidden[positions[:, 0], positions[:, 1]]
-    return response_token_stats(selected, targets, model.get_output_embeddings(), temperature, chunk_tokens)
+    return response_token_stats(selected, targets, model.get_output_embeddings(), temperature, chunk_tokens,
+                                with_entropy)
 
 
 def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_tokens: int | None) -> Tensor:
@@ -211,15 +213,17 @@ class ResponseStats(torch.nn.Module):
     among them, in a hook on it) can wrap it; `self.model` is the plain Hugging Face model, shared, never
     copied."""
 
-    def __init__(self, model: torch.nn.Module, temperature: float, chunk_tokens: int | None) -> None:
+    def __init__(self, model: torch.nn.Module, temperature: float, chunk_tokens: int | None,
+                 with_entropy: bool = True) -> None:
         super().__init__()
         self.model, self.temperature, self.chunk_tokens = model, temperature, chunk_tokens
+        self.with_entropy = with_entropy  # the reference model needs log-probs only
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                 row_lengths: list[int] | None, cu_seq_lens: Tensor | None, positions: Tensor,
                 targets: Tensor) -> TokenStats:
         return _response_stats(self.model, input_ids, attention_mask, position_ids, row_lengths, cu_seq_lens,
-                               positions, targets, self.temperature, self.chunk_tokens)
+                               positions, targets, self.temperature, self.chunk_tokens, self.with_entropy)
 
 
 def _fused_adamw(device: torch.device, strategy: str) -> dict[str, bool]:
@@ -285,7 +289,8 @@ class Actor:
         # What the optimizer step calls: (input_ids, attention_mask, position_ids, positions, targets) ->
         # the response tokens' log-probs and entropy.
         self.policy: torch.nn.Module = ResponseStats(self.model, temperature, chunk)
-        self.reference = ResponseStats(self.ref_model, temperature, chunk) if self.ref_model is not None else None
+        self.reference = ResponseStats(self.ref_model, temperature, chunk, with_entropy=False) \
+            if self.ref_model is not None else None
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 

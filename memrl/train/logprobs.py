@@ -55,16 +55,20 @@ def _log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperatur
 class _ChunkedHeadStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                chunk_tokens: int) -> tuple[Tensor, Tensor]:
+                chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         log_probs, entropy = [], []
         for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True):
             log_p = _log_softmax(h, weight, bias, temperature, dtype)
             log_probs.append(log_p.gather(-1, t.unsqueeze(-1)).squeeze(-1))
-            entropy.append(entropy_from_log_probs(log_p, inplace=True))
+            if with_entropy:
+                entropy.append(entropy_from_log_probs(log_p, inplace=True))
             del log_p
-        lp, ent = torch.cat(log_probs), torch.cat(entropy)
+        lp = torch.cat(log_probs)
+        ent = torch.cat(entropy) if with_entropy else torch.full_like(lp, torch.nan)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
         ctx.save_for_backward(hidden, weight, bias, targets, ent)
         ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
         ctx.set_materialize_grads(False)
@@ -73,7 +77,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_lp: Tensor | None, g_ent: Tensor | None) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, ent = ctx.saved_tensors
-        none = (None,) * 6
+        none = (None,) * 7
         if g_lp is None and g_ent is None:
             return none
         c, dtype, temperature = ctx.chunk_tokens, ctx.dtype, ctx.temperature
@@ -110,14 +114,15 @@ class _ChunkedHeadStats(torch.autograd.Function):
                 grad_b.add_(g.float().sum(0))
             del g
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
 
 
 def response_token_stats(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float,
-                         chunk_tokens: int | None) -> TokenStats:
+                         chunk_tokens: int | None, with_entropy: bool = True) -> TokenStats:
     """Log-prob of each target and the entropy of each position's distribution, from `hidden` [N, H] (the
     final hidden states at the positions that predict `targets` [N]) through `head` (the LM head, a
-    Linear) at the sampling `temperature` (<= 0: greedy, logits used as they are)."""
+    Linear) at the sampling `temperature` (<= 0: greedy, logits used as they are). `with_entropy=False`
+    (the reference model: log-probs only) skips the entropy of the chunked path; its entropy is then NaN."""
     if chunk_tokens is not None and chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0 or None, got {chunk_tokens} (train.logprob_chunk_tokens)")
     if chunk_tokens is None:
@@ -127,4 +132,5 @@ def response_token_stats(hidden: Tensor, targets: Tensor, head: torch.nn.Module,
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"the chunked log-prob path needs a Linear LM head, got {type(head).__name__}; set "
                         f"train.logprob_chunk_tokens to null for this model")
-    return TokenStats(*_ChunkedHeadStats.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens))
+    return TokenStats(*_ChunkedHeadStats.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens,
+                                               with_entropy))

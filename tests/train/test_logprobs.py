@@ -125,6 +125,20 @@ def test_no_grad_chunks_match_and_build_no_graph():
     close(chunked.entropy, whole.entropy)
 
 
+def test_log_probs_only_skip_the_entropy_and_keep_the_log_prob_gradients():
+    results = []
+    for with_entropy in (True, False):
+        head, h, targets = head_and_inputs()
+        h.requires_grad_(True)
+        stats = response_token_stats(h, targets, head, 1.0, 4, with_entropy=with_entropy)
+        stats.log_probs.sum().backward()
+        results.append((stats, h.grad))
+    (full, full_grad), (lean, lean_grad) = results
+    assert torch.isnan(lean.entropy).all() and not lean.entropy.requires_grad
+    close(lean.log_probs.detach(), full.log_probs.detach())
+    close(lean_grad, full_grad)
+
+
 def test_no_response_tokens_give_empty_results():
     head, h, targets = head_and_inputs(n=0)
     stats = response_token_stats(h, targets, head, 1.0, 4)
