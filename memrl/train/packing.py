@@ -57,8 +57,10 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     if query.shape[0] != 1:
         raise PackingError(f"a packed batch is one sequence, got a batch of {query.shape[0]}")
     varlen = _varlen_attn()
-    if varlen is not None and query.is_cuda and query.dtype in _VARLEN_DTYPES:
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+    # Under autocast the rotary product leaves q and k in float32; sdpa would cast them itself, varlen does not.
+    dtype = torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
+    if varlen is not None and query.is_cuda and dtype in _VARLEN_DTYPES:
+        q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, heads, D]
         out = varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
                      window_size=(-1, 0), enable_gqa=key.shape[1] != query.shape[1])
         return out.unsqueeze(0), None
