@@ -97,3 +97,17 @@ def test_packed_budget_counts_real_tokens():
     # the padded budget (rows x longest) never fits more rows per micro-batch than the packed one
     counts = [(len(micro_batches(rows, b, packed=True)), len(micro_batches(rows, b))) for b in (30, 40, 60, 80)]
     assert all(p <= q for p, q in counts) and any(p < q for p, q in counts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: torch's varlen flash kernel under bf16 autocast")
+def test_packed_varlen_attention_on_cuda_matches_padded_sdpa():
+    """Both attend in bf16 (flash kernels with different tilings): equal to a few bf16 roundings."""
+    device = torch.device("cuda")
+    rows = make_rows(n_groups=3)
+    model = tiny_model().to(device)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        padded = response_log_probs(model, MicroBatch.build(rows, [0.0] * len(rows), 0, device), 1.0, 8)
+        packing.enable(model)
+        packed = response_log_probs(model, MicroBatch.build(rows, [0.0] * len(rows), 0, device, packed=True), 1.0, 8)
+    bf16 = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(packed, padded, rtol=0, atol=16 * bf16 * max(float(padded.abs().max()), 1.0))
