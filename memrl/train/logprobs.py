@@ -35,10 +35,6 @@ class TokenStats(NamedTuple):
     entropy: Tensor
 
 
-def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
 def _log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
                  dtype: torch.dtype | None) -> Tensor:
     """log_softmax(head(hidden).float() / temperature) of one chunk, the product in `dtype` (autocast's)."""
