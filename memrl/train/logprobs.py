@@ -14,7 +14,9 @@ with it to float32 rounding (the products are blocked differently). `chunk_token
 autograd pass, kept for the before/after benchmark (bench/train.py) and as an escape hatch.
 
 Under bf16 autocast the head's product runs in bf16 and everything after it in float32, forward and
-backward, as autocast does for `head(hidden).float()`.
+backward, as autocast does for `head(hidden).float()`. The gradient is written for a plain Linear head
+(`h W^T + b`): a head that is anything else, e.g. one wrapped by an adapter, is refused; hooks on it see
+every call (the values follow them), but their effect on the gradient is not modelled.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from memrl.rl.loss import entropy_from_log_probs
@@ -35,14 +36,12 @@ class TokenStats(NamedTuple):
     entropy: Tensor
 
 
-def _log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
-                 dtype: torch.dtype | None) -> Tensor:
-    """log_softmax(head(hidden).float() / temperature) of one chunk, the product in `dtype` (autocast's)."""
-    with torch.autocast(hidden.device.type, enabled=False):
-        if dtype is not None:
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-        logits = F.linear(hidden, weight, bias).float()
+def _log_softmax(head: torch.nn.Module, hidden: Tensor, temperature: float, dtype: torch.dtype | None) -> Tensor:
+    """log_softmax(head(hidden).float() / temperature) of one chunk, under autocast to `dtype` if one was on
+    in the forward (the backward runs outside it, so it is re-entered for the recompute). Through the module,
+    so hooks on the head see the same call as without chunks."""
+    with torch.autocast(hidden.device.type, dtype=dtype, enabled=dtype is not None):
+        logits = head(hidden).float()
     if temperature > 0:
         logits.div_(temperature)
     return torch.log_softmax(logits, dim=-1)
@@ -50,13 +49,13 @@ def _log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperatur
 
 class _ChunkedHeadStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                head: torch.nn.Linear, temperature: float, chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         log_probs, entropy = [], []
         for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True):
-            log_p = _log_softmax(h, weight, bias, temperature, dtype)
+            log_p = _log_softmax(head, h, temperature, dtype)
             log_probs.append(log_p.gather(-1, t.unsqueeze(-1)).squeeze(-1))
             if with_entropy:
                 entropy.append(entropy_from_log_probs(log_p, inplace=True))
@@ -66,14 +65,14 @@ class _ChunkedHeadStats(torch.autograd.Function):
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
         ctx.save_for_backward(hidden, weight, bias, targets, ent)
-        ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
+        ctx.head, ctx.temperature, ctx.chunk_tokens, ctx.dtype = head, temperature, chunk_tokens, dtype
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx: Any, g_lp: Tensor | None, g_ent: Tensor | None) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, ent = ctx.saved_tensors
-        none = (None,) * 7
+        none = (None,) * 8
         if g_lp is None and g_ent is None:
             return none
         c, dtype, temperature = ctx.chunk_tokens, ctx.dtype, ctx.temperature
@@ -84,7 +83,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
         low = torch.finfo(torch.float32).min
         for start in range(0, hidden.shape[0], c):
             h, t = hidden[start:start + c], targets[start:start + c]
-            log_p = _log_softmax(h, weight, bias, temperature, dtype)
+            log_p = _log_softmax(ctx.head, h, temperature, dtype)
             p = log_p.exp()
             if g_ent is not None:  # dH/dz = -p (log p + H), log p clamped as in the forward
                 grad = log_p.clamp_(min=low).add_(ent[start:start + c, None]).mul_(p).mul_(
@@ -110,7 +109,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
                 grad_b.add_(g.float().sum(0))
             del g
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
 
 
 def response_token_stats(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float,
@@ -128,5 +127,5 @@ def response_token_stats(hidden: Tensor, targets: Tensor, head: torch.nn.Module,
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"the chunked log-prob path needs a Linear LM head, got {type(head).__name__}; set "
                         f"train.logprob_chunk_tokens to null for this model")
-    return TokenStats(*_ChunkedHeadStats.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens,
+    return TokenStats(*_ChunkedHeadStats.apply(hidden, head.weight, head.bias, targets, head, temperature, chunk_tokens,
                                                with_entropy))
