@@ -5,7 +5,9 @@ Prints (and writes as JSON with --out) from one run:
   ~700 tokens, up to 128 new tokens), and plain batched `model.generate` at 64 for reference;
 - training: Actor.train_rollout tokens/s on MemAgent-shaped rows (prompt 500-900, response 16-128 tokens),
   with model FLOPs utilization (6·N·T over all tokens, N = non-embedding parameters, + LM head on
-  response tokens, + the reference model's forward; H200 dense bf16 peak taken as 989 TFLOP/s).
+  response tokens, + the reference model's forward; H200 dense bf16 peak taken as 989 TFLOP/s), before vs
+  after chunked log-probs and packing (TRAIN_VARIANTS), each at growing `train.micro_batch_tokens` until one
+  runs out of memory, with the ratios against `before`.
 Run: `bash bench/gpu.sh` on a CUDA machine (a few minutes).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import time
@@ -84,9 +87,20 @@ def memagent_rows(n: int, rng: random.Random) -> list[TrainRow]:
     return rows
 
 
-def bench_training(n_rows: int, steps: int, micro_batch_tokens: int, rng: random.Random) -> dict:
+# Training rows, before vs after (issue 14): (name, train overrides, micro-batch token budgets to try). `before`
+# is the former path (whole [tokens x vocab] fp32 logits kept for the backward, padded micro-batches) at the
+# budget it was measured at; the others go up in budget until the GPU runs out of memory.
+TRAIN_VARIANTS: list[tuple[str, dict, list[int]]] = [
+    ("before", {"logprob_chunk_tokens": None, "packing": False}, [16384]),
+    ("chunked", {"packing": False}, [16384, 32768, 65536, 131072]),
+    ("chunked+packed", {"packing": True}, [16384, 32768, 65536, 131072]),
+]
+
+
+def bench_training(n_rows: int, steps: int, micro_batch_tokens: int, rng: random.Random,
+                   train: dict | None = None) -> dict:
     model = build_model(torch.float32)
-    cfg = Config.model_validate({"train": {"lr": 1e-6, "micro_batch_tokens": micro_batch_tokens},
+    cfg = Config.model_validate({"train": {"lr": 1e-6, "micro_batch_tokens": micro_batch_tokens, **(train or {})},
                                  "algorithm": {"kl_coef": 0.001}})
     actor = Actor(model, cfg, pad_token_id=0, device=torch.device("cuda"))
     rows = memagent_rows(n_rows, rng)
@@ -109,6 +123,36 @@ def bench_training(n_rows: int, steps: int, micro_batch_tokens: int, rng: random
     return {"rows": n_rows, "steps": steps, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
             "mfu": flops / elapsed / PEAK_BF16_FLOPS, "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
             "padding_fraction": metrics.get("padding_fraction"), "micro_batches": metrics.get("micro_batches")}
+
+
+def training_rows(n_rows: int) -> list[dict]:
+    """Every TRAIN_VARIANTS row on the same rows (same seed), each budget until one runs out of memory; then
+    each variant's best against `before`."""
+    out = []
+    for name, train, budgets in TRAIN_VARIANTS:
+        for budget in budgets:
+            try:
+                r = bench_training(n_rows, 2, budget, random.Random(1), train)
+            except torch.cuda.OutOfMemoryError:
+                out.append({"variant": name, "micro_batch_tokens": budget, "oom": True})
+                print(f"train {name:<15} micro_batch_tokens {budget:6d}: out of memory", flush=True)
+                break
+            finally:
+                gc.collect()
+                torch.cuda.empty_cache()
+            out.append({"variant": name, "micro_batch_tokens": budget, **train, **r})
+            print(f"train {name:<15} micro_batch_tokens {budget:6d}: {r['tokens_per_s']:9.0f} tokens/s, MFU "
+                  f"{100 * r['mfu']:.1f}%, peak {r['peak_memory_gb']:.1f} GiB, padding {r['padding_fraction']:.3f}",
+                  flush=True)
+    before = next(r for r in out if r["variant"] == "before" and not r.get("oom"))
+    for name, _, _ in TRAIN_VARIANTS[1:]:
+        ran = [r for r in out if r["variant"] == name and not r.get("oom")]
+        if ran:
+            best = max(ran, key=lambda r: r["tokens_per_s"])
+            print(f"train {name} (best, micro_batch_tokens {best['micro_batch_tokens']}) vs before: "
+                  f"{best['tokens_per_s'] / before['tokens_per_s']:.2f}x tokens/s (goal >= 3x), MFU "
+                  f"{100 * best['mfu']:.1f}% vs {100 * before['mfu']:.1f}% (goal >= 30%)", flush=True)
+    return out
 
 
 def main() -> None:
@@ -137,14 +181,7 @@ def main() -> None:
     print(f"plain model.generate batch 64: {r['tokens_per_s']:9.0f} tokens/s", flush=True)
     del model
     torch.cuda.empty_cache()
-    results["training"] = []
-    # A 65536-token budget ran out of the H200's memory (fp32 logits of ~10k response tokens, twice).
-    for budget in [16384]:
-        r = bench_training(256 if not args.quick else 128, 2, budget, rng)
-        results["training"].append({"micro_batch_tokens": budget, **r})
-        print(f"train micro_batch_tokens {budget}: {r['tokens_per_s']:9.0f} tokens/s, MFU {100 * r['mfu']:.1f}%, "
-              f"peak {r['peak_memory_gb']:.1f} GiB, padding {r['padding_fraction']:.3f}", flush=True)
-        torch.cuda.empty_cache()
+    results["training"] = training_rows(256 if not args.quick else 128)
     base = results["generation"][0]["tokens_per_s"]
     print("generation speed-up vs 1 request: " + ", ".join(
         f"{g['concurrency']}: {g['tokens_per_s'] / base:.1f}x" for g in results["generation"]))

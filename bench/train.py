@@ -1,9 +1,20 @@
-"""Actor training throughput side by side in one run: token-budget micro-batches vs naive padded batches.
+"""Actor training throughput side by side in one run: token-budget micro-batches vs naive padded batches;
+and (`--logprob-memory`) the peak memory of one micro-batch's log-prob and loss computation, before vs after.
 
     python bench/train.py                 # 0.85M-parameter random Qwen3 on CPU, about 2 minutes on a shared 2-core machine
     python bench/train.py --quick
     python bench/train.py --device cuda --model-shape qwen3-0.6b     # random-init Qwen3-0.6B shape, bf16 autocast
     python bench/train.py --lora-vs-full 16   # instead: the actor with LoRA rank 16 vs full fine-tuning (`lora_vs_full`)
+    python bench/train.py --logprob-memory [--profile]               # real 151,936-token vocabulary, ~4 GB of RAM
+
+`--logprob-memory`: one micro-batch (`--logprob-rows` 4 memory-turn rows, ~800 response tokens) through
+`Actor.train_rollout` (forward, PPO + KL loss, backward, AdamW) on a random Qwen3 with Qwen3's vocabulary
+and a small body (hidden 64, 2 layers), each variant in a fresh subprocess so its peak RSS
+(`ru_maxrss`) is its own: `before` is the former path (`train.logprob_chunk_tokens` unset: the whole
+[tokens x vocab] float32 logits kept for the backward), then the chunked, recomputed path at several chunk
+sizes, padded and packed. Printed: peak RSS growth over the process before the step, tokens/s (median of
+the repeats), and both as ratios to `before`. `--profile` also prints a torch.profiler table of one step of
+`before` and of the default.
 
 Both variants run one optimizer step (AdamW, grad clipping) over the same MemAgent-shaped rows, from
 the same initial weights:
@@ -31,10 +42,13 @@ import argparse
 import contextlib
 import copy
 import gc
+import json
 import math
 import random
 import resource
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +57,8 @@ from dataclasses import dataclass
 
 import psutil
 import torch
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from memrl.config import AlgorithmConfig, Config, RolloutConfig, TrainConfig
@@ -249,6 +265,97 @@ def lora_vs_full(args: argparse.Namespace, rows: list[TrainRow], cfg: Config, ba
           f"state {totals['lora']:.1f} MB vs {totals['full']:.1f} MB ({totals['lora'] / totals['full']:.2f}x)")
 
 
+LOGPROB_SHAPE = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+# (name, train.logprob_chunk_tokens, train.packing); None = the former whole-[tokens x vocab] path
+LOGPROB_VARIANTS: list[tuple[str, int | None, bool]] = [
+    ("before", None, False), ("chunk1024", 1024, False), ("chunk512", 512, False), ("chunk256", 256, False),
+    ("chunk512+packed", 512, True)]
+
+
+def logprob_rows(seed: int, n_rows: int) -> list[TrainRow]:
+    """One micro-batch of memory-turn rows: prompts of 300-500 tokens, responses of 128-256."""
+    rng = random.Random(seed)
+    rows = []
+    for k in range(n_rows):
+        p, r = rng.randint(300, 500), rng.randint(128, 256)
+        rows.append(TrainRow(tokens=[rng.randrange(1, LOGPROB_SHAPE["vocab_size"]) for _ in range(p + r)],
+                             response_length=r, loss_mask=[1] * r,
+                             rollout_log_probs=[-rng.uniform(0.5, 6.0) for _ in range(r)],
+                             advantage=rng.gauss(0.0, 1.0), group_id="q0", trajectory_id=f"q0:s{k}", turn_index=0,
+                             rollout_id=0))
+    return rows
+
+
+def logprob_child(variant: str, repeats: int, profile: bool, seed: int, n_rows: int) -> None:
+    """One variant in this (fresh) process; prints one JSON line."""
+    _, chunk, packed = next(v for v in LOGPROB_VARIANTS if v[0] == variant)
+    config = Qwen3Config(**LOGPROB_SHAPE, tie_word_embeddings=True, max_position_embeddings=4096,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=PAD_ID)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float()
+    cfg = Config(algorithm=AlgorithmConfig(kl_coef=0.01),
+                 train=TrainConfig(micro_batch_tokens=1 << 20, lr=1e-6, logprob_chunk_tokens=chunk, packing=packed))
+    actor = Actor(model, cfg, pad_token_id=PAD_ID, device=torch.device("cpu"))
+    rows = logprob_rows(seed, n_rows)
+    gc.collect()
+    rss_before = psutil.Process().memory_info().rss / 2**20
+    times = []
+    for k in range(repeats):
+        start = time.perf_counter()
+        if profile and k == 0:
+            with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                metrics = actor.train_rollout(rows, rollout_id=0)
+        else:
+            metrics = actor.train_rollout(rows, rollout_id=0)
+        times.append(time.perf_counter() - start)
+        if k == 0:  # the first step's peak, before any profiler or timing noise could add to it
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    tokens = sum(len(r.tokens) for r in rows)
+    print(json.dumps({"variant": variant, "rss_before_mb": rss_before, "peak_rss_mb": peak,
+                      "growth_mb": peak - rss_before, "seconds": times, "tokens": tokens,
+                      "response_tokens": sum(r.response_length for r in rows),
+                      "micro_batches": metrics["micro_batches"], "loss": metrics["loss/total"]}))
+    if profile:
+        print(f"PROFILE {variant}")
+        print(prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=12, max_name_column_width=40))
+
+
+def logprob_memory(args: argparse.Namespace) -> None:
+    """Every variant in its own subprocess (a process's peak RSS never goes down), then the ratios."""
+    results = []
+    for name, *_ in LOGPROB_VARIANTS:
+        profile = args.profile and name in ("before", "chunk512")
+        out = subprocess.run([sys.executable, __file__, "--logprob-child", name, "--repeats", str(args.repeats),
+                              "--seed", str(args.seed), "--threads", str(args.threads), "--logprob-rows",
+                              str(args.logprob_rows), *(["--profile"] if profile else [])],
+                             capture_output=True, text=True, timeout=1800, check=False)
+        if out.returncode != 0:
+            raise BenchError(f"variant {name} failed:\n{out.stderr[-3000:]}")
+        lines = out.stdout.splitlines()
+        results.append(json.loads(lines[0]))
+        if profile:
+            print("\n".join(lines[1:]))
+    first = results[0]
+    print(f"one micro-batch: {first['tokens']} tokens, {first['response_tokens']} response tokens, vocab "
+          f"{LOGPROB_SHAPE['vocab_size']}, hidden {LOGPROB_SHAPE['hidden_size']}, float32 CPU, torch threads "
+          f"{args.threads}; one fp32 [response x vocab] copy = "
+          f"{first['response_tokens'] * LOGPROB_SHAPE['vocab_size'] * 4 / 2**20:.0f} MB")
+    print(f"\n{'variant':<16} {'chunk':>6} {'packed':>6} {'peak_rss_MB':>11} {'growth_MB':>10} {'less_memory':>11} "
+          f"{'tokens/s':>9} {'speed':>6} {'loss':>12}  per-repeat seconds")
+    base_tps = first["tokens"] / statistics.median(first["seconds"])
+    for r, (name, chunk, packed) in zip(results, LOGPROB_VARIANTS, strict=True):
+        tps = r["tokens"] / statistics.median(r["seconds"])
+        print(f"{name:<16} {chunk or '-':>6} {packed!s:>6} {r['peak_rss_mb']:>11.0f} {r['growth_mb']:>10.0f} "
+              f"{first['growth_mb'] / r['growth_mb']:>10.2f}x {tps:>9.0f} {tps / base_tps:>5.2f}x {r['loss']:>12.8f}  "
+              + " ".join(f"{t:.2f}" for t in r["seconds"]))
+    default = TrainConfig().logprob_chunk_tokens
+    after = next(r for r, v in zip(results, LOGPROB_VARIANTS, strict=True) if v[1] == default and not v[2])
+    print(f"\ndefault (train.logprob_chunk_tokens={default}) vs before: "
+          f"{first['growth_mb'] / after['growth_mb']:.2f}x less peak memory growth (goal >= 4x), "
+          f"{statistics.median(first['seconds']) / statistics.median(after['seconds']):.2f}x tokens/s (goal >= 1)")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half the questions, 1 repeat")
@@ -269,6 +376,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora-vs-full", type=int, metavar="RANK",
                         help="compare the actor with LoRA of this rank (KL on: its reference is the base with "
                              "adapters off) to full fine-tuning (KL on: a reference copy)")
+    parser.add_argument("--logprob-memory", action="store_true",
+                        help="peak memory of one micro-batch's log-prob + loss step, before vs after (see above)")
+    parser.add_argument("--profile", action="store_true", help="with --logprob-memory: torch.profiler tables")
+    parser.add_argument("--logprob-rows", type=int, default=4,
+                        help="with --logprob-memory: rows in the micro-batch (4: ~800 response tokens, `before` ~4 GB)")
+    parser.add_argument("--logprob-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     chunk, memory, final = ROW_SHAPES[args.model_shape]
     args.chunk_tokens = args.chunk_tokens or chunk
@@ -286,6 +399,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    if args.logprob_child:
+        return logprob_child(args.logprob_child, args.repeats, args.profile, args.seed, args.logprob_rows)
+    if args.logprob_memory:
+        return logprob_memory(args)
     device = torch.device(args.device)
     vocab = MODEL_SHAPES[args.model_shape]["vocab_size"]
     rows = memagent_rows(args.questions, args.samples, args.max_chunks, args.chunk_tokens, args.memory_tokens,

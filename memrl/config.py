@@ -295,6 +295,17 @@ class TrainConfig(Section):
     seed: int = Field(1234, description="Seed of data order and trainer RNG.")
     runtime: Literal["local", "ray"] = Field("local", description="One process (`local`) or Ray workers.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor.")
+    logprob_chunk_tokens: int | None = Field(
+        512, gt=0, description="Response tokens whose log-probs and entropy go through the LM head at once, "
+        "recomputed in the backward (verl's entropy checkpointing): bounds the float32 [tokens x vocab] logits "
+        "to this many rows. Unset: all of a micro-batch's response tokens at once, kept for the backward."
+    )
+    packing: bool = Field(
+        False, description="Padding-free micro-batches: rows concatenated into one sequence with per-row "
+        "position ids instead of [rows x longest], attention kept within each row by a variable-length kernel "
+        "(torch's varlen flash attention on CUDA under bf16, FlashAttention if the model uses it, one causal sdpa "
+        "call per row otherwise), never a dense mask; the token budget then counts real tokens."
+    )
     max_staleness: int = Field(
         0, ge=0, description="Overlap rollout and training: rollout n+k may generate while step n trains, with "
         "weights at most k steps old (PPO ratios against the rollout's own log-probs; algorithm.tis_cap corrects "

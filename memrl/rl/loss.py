@@ -321,6 +321,18 @@ def truncated_importance_weights(old_log_probs: Tensor, rollout_log_probs: Tenso
     return torch.exp(log_w).clamp(max=cap)
 
 
+def entropy_from_log_probs(log_p: Tensor, inplace: bool = False) -> Tensor:
+    """Entropy -sum(p * log p) over the last dim from log-probabilities (a log_softmax output).
+
+    `inplace` (no autograd; `log_p` is overwritten) holds two [positions, vocab] tensors instead of four.
+    """
+    # The clamp keeps -inf logits (masked vocabulary) from making 0 * -inf = NaN, forward and backward.
+    low = torch.finfo(log_p.dtype).min
+    log_p = log_p.clamp_(min=low) if inplace else log_p.clamp(min=low)
+    p = log_p.exp()
+    return -(p.mul_(log_p) if inplace else p * log_p).sum(-1)
+
+
 def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor:
     """Entropy of softmax(logits) over the last dim, per position: -sum(p * log p), from log_softmax.
 
@@ -332,9 +344,7 @@ def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor
         raise LossError(f"chunk_size must be > 0, got {chunk_size}")
 
     def _entropy(x: Tensor) -> Tensor:
-        # The clamp keeps -inf logits (masked vocabulary) from making 0 * -inf = NaN, forward and backward.
-        log_p = torch.log_softmax(x.float(), dim=-1).clamp(min=torch.finfo(torch.float32).min)
-        return -(log_p.exp() * log_p).sum(-1)
+        return entropy_from_log_probs(torch.log_softmax(x.float(), dim=-1))
 
     if chunk_size is None:
         return _entropy(logits)

@@ -18,7 +18,9 @@ Two ways to run the ranks of a plan:
   micro-batch (accumulating unsharded gradients would cost the memory sharding saves).
 
 Only response positions go through the LM head: prompt tokens carry no loss, and MemAgent prompts are
-most of every row (docs/design.md, pitfall "Prompt-heavy actor update").
+most of every row (docs/design.md, pitfall "Prompt-heavy actor update"); and they go through it a chunk
+at a time (`train.logprob_chunk_tokens`, `memrl.train.logprobs`), never as one [tokens x vocab] float32
+tensor. `train.packing` concatenates a micro-batch's rows instead of padding them (`memrl.train.packing`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -42,12 +45,11 @@ from memrl.config import Config
 from memrl.rl.correction import RolloutCorrection, per_row, trajectory_totals
 from memrl.rl.loss import (
     compute_token_weights,
-    entropy_from_logits,
     kl_penalty,
     policy_loss,
 )
 from memrl.rl.validate import validate_train_rows
-from memrl.train import fsdp, lora
+from memrl.train import fsdp, lora, packing
 from memrl.train.checkpoint import (
     OPTIMIZER_FILE,
     SCHEDULER_FILE,
@@ -57,6 +59,7 @@ from memrl.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from memrl.train.logprobs import TokenStats, response_token_stats
 from memrl.train.lr_schedule import build_scheduler
 from memrl.train.partition import (
     equalize_micro_batch_counts,
@@ -105,7 +108,7 @@ def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: 
     weights = dict(zip(map(id, all_rows), compute_token_weights(
         [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg,
         loss_scale_factor(config)), strict=True))
-    batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens) for rank in ranks],
+    batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens, t.packing) for rank in ranks],
                                           pad_token_id, rollout_id)
     return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]
 
@@ -126,42 +129,70 @@ def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, ro
 
 @dataclass
 class MicroBatch:
-    """Right-padded tensors of a micro-batch; response values live in [rows, max_response] tensors."""
+    """The tensors of a micro-batch; response values live in [rows, max_response] tensors.
 
-    input_ids: Tensor          # [B, L]
-    attention_mask: Tensor     # [B, L]
-    positions: Tensor          # [N, 2]: (row, position) of the logits predicting each response token
-    targets: Tensor            # [N]
-    resp_index: Tensor         # [N, 2]: (row, k) of each response token in the [B, R] tensors
-    loss_mask: Tensor          # [B, R]
-    rollout_log_probs: Tensor  # [B, R]
-    advantages: Tensor         # [B]
-    row_weights: Tensor        # [B]
+    Padded (`packed=False`): rows right-padded to the longest, [B, L] with a 2-D attention mask.
+    Packed: rows concatenated into one [1, T] sequence, T = their total length, no padding; each row's
+    position ids restart at 0 and the attention gets the row boundaries (`memrl.train.packing`: a
+    variable-length kernel, no mask), so every token sees exactly the tokens it sees in the padded layout.
+    """
+
+    input_ids: Tensor              # [B, L] padded, [1, T] packed
+    attention_mask: Tensor | None  # [B, L] padded; None packed
+    position_ids: Tensor | None    # [1, T] packed; None padded (the model counts 0..L-1)
+    row_lengths: list[int] | None  # packed: each row's length, in order (the attention's row boundaries)
+    cu_seq_lens: Tensor | None     # packed: [B + 1] int32 cumulative lengths (FlashAttention's argument)
+    positions: Tensor              # [N, 2]: (row, position) of the hidden state predicting each response token
+    targets: Tensor                # [N]
+    resp_index: Tensor             # [N, 2]: (row, k) of each response token in the [B, R] tensors
+    loss_mask: Tensor              # [B, R]
+    rollout_log_probs: Tensor      # [B, R]
+    advantages: Tensor             # [B]
+    row_weights: Tensor            # [B]
 
     @classmethod
-    def build(cls, rows: list[TrainRow], weights: list[float], pad_id: int, device: torch.device) -> MicroBatch:
-        width = max(len(r.tokens) for r in rows)
+    def build(cls, rows: list[TrainRow], weights: list[float], pad_id: int, device: torch.device,
+              packed: bool = False) -> MicroBatch:
         resp_width = max(r.response_length for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), resp_width))
         old = torch.zeros((len(rows), resp_width))
         pos, tgt, ridx = [], [], []
+        offset = 0  # where row b starts: in its own row (padded) or in the one packed sequence
         for b, r in enumerate(rows):
-            n, p = len(r.tokens), r.prompt_length
-            ids[b, :n] = torch.tensor(r.tokens)
-            attn[b, :n] = 1
+            p = r.prompt_length
             mask[b, : r.response_length] = torch.tensor(r.loss_mask, dtype=torch.float)
             old[b, : r.response_length] = torch.tensor(r.rollout_log_probs, dtype=torch.float)
             for k in range(r.response_length):
-                pos.append((b, p + k - 1))  # the logits at position t predict token t + 1
+                # the hidden state at position t predicts token t + 1
+                pos.append((0, offset + p + k - 1) if packed else (b, p + k - 1))
                 tgt.append(r.tokens[p + k])
                 ridx.append((b, k))
-        return cls(ids.to(device), attn.to(device), torch.tensor(pos, dtype=torch.long, device=device).reshape(-1, 2),
-                   torch.tensor(tgt, dtype=torch.long, device=device),
-                   torch.tensor(ridx, dtype=torch.long, device=device).reshape(-1, 2), mask.to(device),
-                   old.to(device), torch.tensor([r.advantage for r in rows], device=device),
-                   torch.tensor(weights, dtype=torch.float, device=device))
+            offset += len(r.tokens)
+        lengths = [len(r.tokens) for r in rows]
+        if packed:
+            ids = torch.tensor([[t for r in rows for t in r.tokens]], dtype=torch.long)
+            position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+            cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            attn = None
+        else:
+            ids = torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long)
+            attn = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
+            for b, r in enumerate(rows):
+                ids[b, : len(r.tokens)] = torch.tensor(r.tokens)
+                attn[b, : len(r.tokens)] = 1
+            position_ids = cu_seq_lens = None
+
+        def put(t: Tensor | None) -> Tensor | None:
+            # From pinned memory without blocking: a pageable host-to-GPU copy waits for every kernel queued
+            # before it, a host sync per tensor per micro-batch.
+            if t is None or device.type != "cuda":
+                return None if t is None else t.to(device)
+            return t.pin_memory().to(device, non_blocking=True)
+
+        return cls(put(ids), put(attn), put(position_ids), lengths if packed else None, put(cu_seq_lens),
+                   put(torch.tensor(pos, dtype=torch.long).reshape(-1, 2)), put(torch.tensor(tgt, dtype=torch.long)),
+                   put(torch.tensor(ridx, dtype=torch.long).reshape(-1, 2)), put(mask), put(old),
+                   put(torch.tensor([r.advantage for r in rows])), put(torch.tensor(weights, dtype=torch.float)))
 
     def scatter(self, flat: Tensor) -> Tensor:
         out = flat.new_zeros(self.loss_mask.shape)
@@ -169,35 +200,58 @@ class MicroBatch:
         return out
 
 
-def response_logits(model: torch.nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
-    """Logits (divided by the sampling temperature) at the positions that predict response tokens: [N, V]."""
-    return _response_logits(model, mb.input_ids, mb.attention_mask, mb.positions, temperature)
-
-
-def _response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
-                     temperature: float) -> Tensor:
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+def _response_stats(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
+                    position_ids: Tensor | None, row_lengths: list[int] | None, cu_seq_lens: Tensor | None,
+                    positions: Tensor, targets: Tensor, temperature: float, chunk_tokens: int | None,
+                    with_entropy: bool = True) -> TokenStats:
+    if row_lengths is None:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids).last_hidden_state
+    else:  # packed: the attention gets the row boundaries and no mask (memrl.train.packing)
+        packing.check_enabled(model)
+        hidden = model.base_model(input_ids=input_ids, attention_mask=packing.no_masks(), position_ids=position_ids,
+                                  **packing.packed_kwargs(row_lengths, cu_seq_lens)).last_hidden_state
     selected = hidden[positions[:, 0], positions[:, 1]]
-    logits = model.get_output_embeddings()(selected).float()
-    return logits / temperature if temperature > 0 else logits
+    return response_token_stats(selected, targets, model.get_output_embeddings(), temperature, chunk_tokens,
+                                with_entropy)
 
 
-class ResponseLogits(torch.nn.Module):
-    """`response_logits` as a module's forward, so DDP (whose gradient hooks are armed by its own
-    forward) and FSDP (which gathers the root's parameters in a hook on it) can wrap it; `self.model` is the
-    plain Hugging Face model, shared, never copied."""
+def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_tokens: int | None) -> Tensor:
+    """Log-probs [N] of the micro-batch's response tokens under `model` at the sampling temperature."""
+    return _response_stats(model, mb.input_ids, mb.attention_mask, mb.position_ids, mb.row_lengths, mb.cu_seq_lens,
+                           mb.positions, mb.targets, temperature, chunk_tokens).log_probs
 
-    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
+
+class ResponseStats(torch.nn.Module):
+    """Response tokens' log-probs and entropy (`memrl.train.logprobs`) as a module's forward, so DDP (whose
+    gradient hooks are armed by its own forward) and FSDP (which gathers the root's parameters, the LM head
+    among them, in a hook on it) can wrap it; `self.model` is the plain Hugging Face model, shared, never
+    copied."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float, chunk_tokens: int | None,
+                 with_entropy: bool = True) -> None:
         super().__init__()
-        self.model, self.temperature = model, temperature
+        self.model, self.temperature, self.chunk_tokens = model, temperature, chunk_tokens
+        self.with_entropy = with_entropy  # the reference model needs log-probs only
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
-        return _response_logits(self.model, input_ids, attention_mask, positions, self.temperature)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
+                row_lengths: list[int] | None, cu_seq_lens: Tensor | None, positions: Tensor,
+                targets: Tensor) -> TokenStats:
+        return _response_stats(self.model, input_ids, attention_mask, position_ids, row_lengths, cu_seq_lens,
+                               positions, targets, self.temperature, self.chunk_tokens, self.with_entropy)
 
 
-def _nan_max(a: float, b: float) -> float:
-    """max() that keeps NaN: Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+def _fused_adamw(device: torch.device, strategy: str) -> dict[str, bool]:
+    """One fused kernel per step for the whole AdamW update on CUDA (torch's default there is `foreach`). Not
+    under FSDP, whose sharded DTensor parameters this has not been run with yet; on the CPU torch's default."""
+    return {"fused": True} if device.type == "cuda" and strategy != "fsdp" else {}
+
+
+def _metrics_to_host(sums: dict[str, Any]) -> None:
+    """Turn the device-tensor metrics of a step into Python floats, in one transfer."""
+    keys = [k for k, v in sums.items() if isinstance(v, Tensor)]
+    if keys:
+        sums.update(zip(keys, torch.stack([sums[k] for k in keys]).tolist(), strict=True))
 
 
 def _non_finite_message(rollout_id: int, step: int, loss: float, grad_norm: float) -> str:
@@ -208,10 +262,6 @@ def _non_finite_message(rollout_id: int, step: int, loss: float, grad_norm: floa
             f"validation, so the model's own outputs overflowed: if grad_norm or logprob_gap grew over the "
             f"last steps, lower train.lr; otherwise check the starting weights "
             f"(model.path / --load) and model.dtype")
-
-
-def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 class Actor:
@@ -246,6 +296,8 @@ class Actor:
             self.model.gradient_checkpointing_enable()
             if self.peft is not None:  # frozen embeddings: checkpointed blocks need inputs that require grad
                 self.model.enable_input_require_grads()
+        if config.train.packing:  # before the reference copy, which then attends the same way
+            packing.enable(self.model)
         self.ref_model = None
         if config.algorithm.kl_coef > 0 and self.peft is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -254,12 +306,15 @@ class Actor:
         if checkpoint is not None:  # whole weights into the plain model, before any wrapping or sharding
             self.loaded_state = load_checkpoint(checkpoint, self._saved_model, restore_rng=False)
         self.pad_token_id = pad_token_id
-        temperature = config.rollout.temperature
-        # What the optimizer step calls: (input_ids, attention_mask, positions) -> response logits.
-        self.policy: torch.nn.Module = ResponseLogits(self.model, temperature)
-        self.reference = ResponseLogits(self.ref_model, temperature) if self.ref_model is not None else None
+        temperature, chunk = config.rollout.temperature, config.train.logprob_chunk_tokens
+        # What the optimizer step calls: (input_ids, attention_mask, position_ids, positions, targets) ->
+        # the response tokens' log-probs and entropy.
+        self.policy: torch.nn.Module = ResponseStats(self.model, temperature, chunk)
+        self.reference = ResponseStats(self.ref_model, temperature, chunk, with_entropy=False) \
+            if self.ref_model is not None else None
         if self.peft is not None and config.algorithm.kl_coef > 0:  # the base model: the same weights, adapters off
-            self.reference = lora.WithoutAdapters(ResponseLogits(self.model, temperature), self.peft)
+            self.reference = lora.WithoutAdapters(ResponseStats(self.model, temperature, chunk, with_entropy=False),
+                                                  self.peft)
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -278,7 +333,8 @@ class Actor:
         t = config.train
         # After sharding: FSDP replaces the parameters by sharded ones, which the optimizer must hold.
         trained = self.model.parameters() if self.peft is None else [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+        self.optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
+                                           **_fused_adamw(self.device, self.strategy))
         self.scheduler = build_scheduler(self.optimizer, t)
         self.global_step = 0
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
@@ -292,10 +348,14 @@ class Actor:
             restore_rng(checkpoint)
             self.global_step = int(self.loaded_state.get("global_step") or 0)
 
-    def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> TokenStats:
         """`module` is `self.policy` or `self.reference` (whatever wraps them: DDP, FSDP, nothing)."""
         with self.autocast if self.autocast is not None else contextlib.nullcontext():
-            return module(mb.input_ids, mb.attention_mask, mb.positions)
+            return module(mb.input_ids, mb.attention_mask, mb.position_ids, mb.row_lengths, mb.cu_seq_lens,
+                          mb.positions, mb.targets)
+
+    def _build(self, rows: list[TrainRow], weights: list[float]) -> MicroBatch:
+        return MicroBatch.build(rows, weights, self.pad_token_id, self.device, packed=self.cfg.train.packing)
 
     # ------------------------------------------------------------------ whole weights out, checkpoints
     # Under FSDP these are collectives: every rank calls them; only rank 0 gets (or writes) anything.
@@ -400,9 +460,8 @@ class Actor:
         olds = []
         for share in shares:
             for mb_rows, mb_weights in zip(share.micro_batches, share.weights, strict=True):
-                mb = MicroBatch.build(mb_rows, mb_weights, self.pad_token_id, self.device)
-                logits = self._forward(self.policy, mb)
-                olds.append(mb.scatter(token_log_probs(logits, mb.targets)))
+                mb = self._build(mb_rows, mb_weights)
+                olds.append(mb.scatter(self._forward(self.policy, mb).log_probs))
         self._reshard_after_inference(self.policy)
         return olds
 
@@ -426,7 +485,7 @@ class Actor:
                 for k, (mb_rows, _) in enumerate(work):
                     terms[k]["gspo"] = torch.zeros(len(mb_rows), device=self.device)
             return terms
-        built = [MicroBatch.build(rows, w, self.pad_token_id, self.device) for rows, w in work]
+        built = [self._build(rows, w) for rows, w in work]
         ids = [[r.trajectory_id for r in rows] for rows, _ in work]
         masks = [mb.loss_mask for mb in built]
         if correction is not None and correction.needs_trajectory_totals:
@@ -453,7 +512,7 @@ class Actor:
         trajectory_terms = self._trajectory_terms(shares, work, old_log_probs, fresh_old)
         # DDP averages the gradients of the world; our loss is already the exact share of the step's sum.
         loss_scale = float(self.world_size)
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}  # device tensors until the loop ends, then floats
         self.optimizer.zero_grad(set_to_none=True)
         for k, (mb_rows, mb_weights) in enumerate(work):
             # DDP all-reduces gradients once, on the last micro-batch (every rank has as many).
@@ -461,6 +520,7 @@ class Actor:
             with self.policy.no_sync() if defer else contextlib.nullcontext():
                 self._micro_batch(mb_rows, mb_weights, sums, loss_scale,
                                   None if old_log_probs is None else old_log_probs[k], trajectory_terms[k])
+        _metrics_to_host(sums)
         if self.world_size > 1:
             self._all_reduce_metrics(sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
@@ -490,7 +550,7 @@ class Actor:
             **{key: sums[key] for key in sums if key.startswith("rollout_corr/") and key.endswith("_max")},
         }
 
-    def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, float],
+    def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, Any],
                      loss_scale: float, old: Tensor | None = None,
                      trajectory_terms: dict[str, Tensor] | None = None) -> None:
         """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums.
@@ -498,13 +558,16 @@ class Actor:
         a = self.cfg.algorithm
         terms = trajectory_terms or {}
 
-        def add(key: str, value: Tensor | float, w: float = 1.0) -> None:
-            sums[key] = sums.get(key, 0.0) + float(value) * w
+        def add(key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
+            # Tensors stay on the device (float64, as the Python floats they become): one host sync per
+            # optimizer step (`_metrics_to_host`), not one per metric per micro-batch.
+            value = value.detach().double() if isinstance(value, Tensor) else value
+            sums[key] = sums.get(key, 0.0) + value * w
 
-        mb = MicroBatch.build(mb_rows, mb_weights, self.pad_token_id, self.device)
-        logits = self._forward(self.policy, mb)
-        logp = mb.scatter(token_log_probs(logits, mb.targets))
-        entropy = mb.scatter(entropy_from_logits(logits.detach()))
+        mb = self._build(mb_rows, mb_weights)
+        stats = self._forward(self.policy, mb)
+        logp = mb.scatter(stats.log_probs)
+        entropy = mb.scatter(stats.entropy.detach())
         # `old`: the policy before this rollout's first update; with one optimizer step per rollout that
         # is this very forward (ratio 1), so no extra pass is needed.
         old = logp.detach() if old is None else old
@@ -514,10 +577,11 @@ class Actor:
             iw, keep, rc_metrics = correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
                                                     terms.get("rc_sum"), terms.get("rc_tokens"))
             loss_mask = mb.loss_mask * keep
-            n_mb = float(mb.loss_mask.sum())
+            n_mb = mb.loss_mask.sum().double()
             for key, value in rc_metrics.items():
-                if key.endswith("_max"):
-                    sums[key] = max(sums.get(key, 0.0), float(value))
+                if key.endswith("_max"):  # kept on the device, as every metric of the loop (`_metrics_to_host`)
+                    value = torch.as_tensor(value, dtype=torch.float64, device=n_mb.device)
+                    sums[key] = torch.maximum(sums[key], value) if key in sums else value
                 else:
                     add(key, value, n_mb)
         pg, m = policy_loss(logp, old, mb.advantages, loss_mask, a.clip_low, a.clip_high, a.dual_clip,
@@ -526,30 +590,32 @@ class Actor:
         w_tokens = (loss_mask * mb.row_weights.unsqueeze(-1))
         if self.reference is not None:
             with torch.no_grad():
-                ref = mb.scatter(token_log_probs(self._forward(self.reference, mb), mb.targets))
+                ref = mb.scatter(self._forward(self.reference, mb).log_probs)
             self._reshard_after_inference(self.reference)
             kl = kl_penalty(logp, ref, a.kl_estimator)
             kl_term = (kl * w_tokens).sum()
             loss = loss + a.kl_coef * kl_term
             add("kl/mean", kl_term.detach())
         if a.entropy_coef > 0:
-            with_grad_entropy = mb.scatter(entropy_from_logits(logits))
+            with_grad_entropy = mb.scatter(stats.entropy)
             loss = loss - a.entropy_coef * (with_grad_entropy * w_tokens).sum()
         (loss * loss_scale).backward()
-        n_tok = float(mb.loss_mask.sum())
+        n_tok = mb.loss_mask.sum().double()
         # where(), not a product: a masked-out token's gap must not count, not even as inf * 0 = NaN.
         gap = torch.where(mb.loss_mask > 0, (old - mb.rollout_log_probs).abs(), 0.0)
         add("loss/policy", pg.detach())
         add("loss/total", loss.detach())
         add("entropy/mean", (entropy * w_tokens).sum())
         add("logprob_gap/sum_abs", gap.sum())
-        add("logprob_gap/max_abs", 0.0)
-        sums["logprob_gap/max_abs"] = _nan_max(sums["logprob_gap/max_abs"], float(gap.max()) if gap.numel() else 0.0)
+        # torch.maximum keeps NaN (Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean)
+        top = gap.max().double() if gap.numel() else torch.zeros((), dtype=torch.float64, device=gap.device)
+        sums["logprob_gap/max_abs"] = torch.maximum(sums["logprob_gap/max_abs"], top) \
+            if "logprob_gap/max_abs" in sums else top
         add("tokens/loss", n_tok)
         add("clip_fraction_tokens", m["clip_fraction"], n_tok)
         add("micro_batches", 1.0)
         add("tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
-        add("tokens/padded", max(len(r.tokens) for r in mb_rows) * len(mb_rows))
+        add("tokens/padded", mb.input_ids.numel())  # processed positions: rows x longest, or all rows packed
 
     def _all_reduce_metrics(self, sums: dict[str, float]) -> None:
         """Sum every metric over the ranks (max for the maxima); all ranks have the same keys."""
@@ -569,8 +635,8 @@ class Actor:
         under FSDP)."""
         out = []
         for r in rows:
-            mb = MicroBatch.build([r], [0.0], self.pad_token_id, self.device)
-            out.append(token_log_probs(self._forward(self.policy, mb), mb.targets).tolist())
+            mb = self._build([r], [0.0])
+            out.append(self._forward(self.policy, mb).log_probs.tolist())
         self._reshard_after_inference(self.policy)
         return out
 

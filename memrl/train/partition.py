@@ -6,8 +6,8 @@ Invariants (asserted by tests/train/test_partition.py):
 - the rows of one prompt group (`group_id`) stay in one optimizer step;
 - every rank of an optimizer step gets the same number of rows (divisibility is checked, or padded when
   `pad_to_dp` is set), and rows are balanced across ranks by token count;
-- a micro-batch holds at most `micro_batch_tokens` padded tokens (rows sorted by length), except a
-  single row longer than the budget, which runs alone.
+- a micro-batch holds at most `micro_batch_tokens` padded tokens (rows sorted by length; real tokens when
+  packed), except a single row longer than the budget, which runs alone.
 """
 
 from __future__ import annotations
@@ -82,16 +82,20 @@ def split_ranks(rows: Sequence[TrainRow], dp_size: int, pad_to_dp: bool, pad_tok
     return ranks
 
 
-def micro_batches(rows: Sequence[TrainRow], micro_batch_tokens: int) -> list[list[TrainRow]]:
-    """Length-sorted micro-batches whose padded size (rows x longest row) stays within the budget."""
+def micro_batches(rows: Sequence[TrainRow], micro_batch_tokens: int, packed: bool = False) -> list[list[TrainRow]]:
+    """Length-sorted micro-batches whose padded size (rows x longest row), or with `packed` their total
+    length (rows concatenated, `train.packing`), stays within the budget."""
     batches: list[list[TrainRow]] = []
     current: list[TrainRow] = []
+    total = 0
     for row in sorted(rows, key=lambda r: len(r.tokens)):
-        longest = max(len(row.tokens), max((len(r.tokens) for r in current), default=0))
-        if current and longest * (len(current) + 1) > micro_batch_tokens:
+        # sorted by length: this row is the longest so far
+        size = total + len(row.tokens) if packed else len(row.tokens) * (len(current) + 1)
+        if current and size > micro_batch_tokens:
             batches.append(current)
-            current = []
+            current, total = [], 0
         current.append(row)
+        total += len(row.tokens)
     if current:
         batches.append(current)
     return batches

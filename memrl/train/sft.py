@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from memrl.config import Config
+from memrl.config import Config, TrainConfig
 from memrl.types import TrainRow
 
 Demonstration = Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -76,11 +76,11 @@ def sft_config(cfg: Config, options: SFTOptions) -> Config:
 @torch.no_grad()
 def mean_nll(model: torch.nn.Module, rows: Sequence[TrainRow], pad_token_id: int) -> float:
     """Token-mean negative log-likelihood of the rows' response tokens (one batched forward)."""
-    from memrl.train.actor import MicroBatch, response_logits, token_log_probs
+    from memrl.train.actor import MicroBatch, response_log_probs
 
     device = next(model.parameters()).device
     mb = MicroBatch.build(list(rows), [0.0] * len(rows), pad_token_id, device)
-    return -float(token_log_probs(response_logits(model, mb, 1.0), mb.targets).mean())
+    return -float(response_log_probs(model, mb, 1.0, TrainConfig().logprob_chunk_tokens).mean())
 
 
 def run_sft(model: torch.nn.Module, tokenizer: Any, cfg: Config, demonstrations: Sequence[Demonstration],

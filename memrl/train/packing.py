@@ -1,0 +1,113 @@
+"""Padding-free (packed) micro-batches: attention that keeps each packed row to itself, without an L x L mask.
+
+A packed micro-batch (`MicroBatch.build(..., packed=True)`) is one [1, T] sequence of whole rows whose
+position ids restart at 0 at each row. Attention must then be causal *within* each row. transformers can
+do that two ways: FlashAttention's variable-length kernel (`attn_implementation="flash_attention_2"`,
+when the flash-attn package is installed), or, for sdpa, a dense [T x T] block-diagonal mask built from
+the position ids, which costs T^2 attention for sum(len^2) of useful work (16x more at 16 rows of 1,000).
+
+`enable(model)` therefore switches a model that is not on FlashAttention to `memrl_packed`, registered
+here, which takes the row boundaries (`cu_seq_lens`, FlashAttention's own argument names, passed by the
+actor) and runs torch's variable-length flash kernel (`torch.nn.attention.varlen.varlen_attn`, CUDA,
+bf16/fp16), else one causal sdpa call per row (CPU, float32). Neither library path exists for torch's
+own varlen kernel inside transformers, hence these few lines. Calls without row boundaries (a padded
+batch, generation) go to transformers' sdpa unchanged, with the usual sdpa masks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+log = logging.getLogger(__name__)
+
+PACKED_ATTENTION = "memrl_packed"
+_VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class PackingError(ValueError):
+    """A model or batch that packed micro-batches cannot serve; the message says what to change."""
+
+
+def _varlen_attn() -> Any:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # older torch: per-row sdpa
+        return None
+    return varlen_attn
+
+
+def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                     dropout: float = 0.0, scaling: float | None = None, cu_seq_lens_q: Tensor | None = None,
+                     max_length_q: int | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention signature: query [1, H, T, D], key/value [1, H_kv, T, D] -> [1, T, H, D]."""
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if getattr(module, "sliding_window", None):
+        raise PackingError("train.packing does not support sliding-window attention layers; set train.packing "
+                           "to false for this model")
+    if query.shape[0] != 1:
+        raise PackingError(f"a packed batch is one sequence, got a batch of {query.shape[0]}")
+    varlen = _varlen_attn()
+    # Under autocast the rotary product leaves q and k in float32; sdpa would cast them itself, varlen does not.
+    dtype = torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
+    if varlen is not None and query.is_cuda and dtype in _VARLEN_DTYPES:
+        q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, heads, D]
+        out = varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
+                     window_size=(-1, 0), enable_gqa=key.shape[1] != query.shape[1])
+        return out.unsqueeze(0), None
+    # One causal sdpa call per row; the lengths come from the host (`packed_kwargs`), so no device sync.
+    bounds = kwargs.get("packed_lengths") or torch.diff(cu_seq_lens_q).tolist()
+    outs, start = [], 0
+    for n in bounds:
+        outs.append(F.scaled_dot_product_attention(
+            query[:, :, start:start + n], key[:, :, start:start + n], value[:, :, start:start + n],
+            is_causal=True, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]))
+        start += n
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # unpacked calls get sdpa's masks
+
+
+def enable(model: torch.nn.Module) -> str:
+    """Make `model` attend within packed rows without a dense mask; returns the implementation it now uses."""
+    config = model.config
+    current = config._attn_implementation
+    if current is not None and current.startswith("flash_attention"):
+        return current  # FlashAttention's varlen path takes the same cu_seq_lens arguments
+    config._attn_implementation = PACKED_ATTENTION
+    log.info("train.packing: attention %s -> %s (variable-length attention per packed row)", current,
+             PACKED_ATTENTION)
+    return PACKED_ATTENTION
+
+
+def check_enabled(model: torch.nn.Module) -> None:
+    """A packed forward through plain sdpa would attend across rows: refuse it."""
+    current = model.config._attn_implementation
+    if current != PACKED_ATTENTION and not (current or "").startswith("flash_attention"):
+        raise PackingError(f"a packed micro-batch needs memrl.train.packing.enable(model) first (attention "
+                           f"{current!r} would attend across the packed rows)")
+
+
+def packed_kwargs(row_lengths: list[int], cu_seq_lens: Tensor) -> dict[str, Any]:
+    """A packed sequence's row boundaries as the attention kwargs transformers passes down to every layer
+    (FlashAttention's names, so `flash_attention_2` uses them as they are; the lengths stay on the host)."""
+    longest = max(row_lengths)
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
+            "max_length_k": longest, "packed_lengths": row_lengths}
+
+
+def no_masks() -> dict[str, None]:
+    """An already-"prepared" mask mapping (None for each layer type): a packed forward needs no mask (the
+    kernel has the row boundaries), and letting transformers build one would make a dense [T x T] tensor."""
+    return {"full_attention": None, "sliding_attention": None}
