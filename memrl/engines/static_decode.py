@@ -14,7 +14,9 @@ logits, and sampling runs on the device with the exact rules and random draws of
 (`sampling_log_probs` / `sample_tokens`; each request's uniforms are drawn up front from its own seeded
 CPU generator, the same numbers in the same order as the dynamic path draws one per step, and uploaded
 once). The only device->host transfer per step is the sampled tokens and their log-probs, which the
-finished-row check needs (stop tokens, length); everything else stays on the device.
+finished-row check needs (stop tokens, length); everything else stays on the device. That transfer is
+queued before the next step's forward is launched, so the host's bookkeeping of step n (results,
+finished rows, admissions) runs while the device computes step n + 1 (`StaticBatch.sample`).
 
 Continuous batching. Admission prefills the newcomers eagerly (the engine's own `_prefill`, the same
 call and numbers as the dynamic path) and copies each one's keys/values into a free slot, left-aligned;
@@ -185,6 +187,7 @@ class StaticBatch:
         self.bucket = (0, 0)  # (slots, columns) of the current views; (0, 0) before the first admission
         self._free: list[int] = []
         self._slot_index: torch.Tensor | None = None
+        self._ahead = False  # the next step's forward was launched by `sample`
 
     @property
     def width(self) -> int:
@@ -276,6 +279,7 @@ class StaticBatch:
         index = torch.tensor(self.slots, device=storage.device) if n else None
         if n and not in_place:  # the allocation is replaced: copy everything out first
             moved = [(k[index, :, :live], v[index, :, :live]) for k, v in old_views]
+            old_views = []  # let the old allocation go before the new one exists
         if storage.ensure(slots, capacity):
             self.decoder.storage_moved()
         self.decoder.ensure_inputs(slots)
@@ -301,14 +305,33 @@ class StaticBatch:
 
     # ------------------------------------------------------------------------------ steps
     def sample(self) -> list[_Row]:
-        """One token for every row from its pending logits; returns the rows that finished with it."""
+        """One token for every row from its pending logits; returns the rows that finished with it.
+
+        Overlap: the next step's forward is launched on the device (for every row, before the host knows
+        which rows just finished) before the host waits for the sampled tokens, so the finished-row check,
+        the results and the admissions of step n run while the device computes step n + 1. A row that
+        finished wastes that one row-step; when every row is sure to finish by length, none is launched."""
         uniforms = self.uniforms.gather(1, self.steps[:, None]).squeeze(1)
         row_log_probs = sampling_log_probs(self.logits, self.temperatures, self.top_ps, any_nucleus=self.any_nucleus)
         self.tokens = sample_tokens(row_log_probs, self.temperatures, uniforms)
         token_log_probs = row_log_probs.gather(1, self.tokens[:, None]).squeeze(1)
         self.steps = self.steps + 1
-        # The step's one device->host transfer: what the finished-row check (stop, length) needs.
-        return record_samples(self.rows, self.tokens.tolist(), token_log_probs.tolist())
+        # The step's one device->host transfer: what the finished-row check (stop, length) needs, queued
+        # before the next forward so that waiting for it does not wait for that forward.
+        on_cuda = self.tokens.device.type == "cuda"
+        tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=on_cuda)
+        log_probs = torch.empty(token_log_probs.shape, dtype=token_log_probs.dtype, pin_memory=on_cuda)
+        tokens.copy_(self.tokens, non_blocking=True)
+        log_probs.copy_(token_log_probs, non_blocking=True)
+        copied = torch.cuda.Event() if on_cuda else None
+        if copied is not None:
+            copied.record()
+        self._ahead = not all(len(r.output_ids) + 1 >= r.request.max_tokens for r in self.rows)
+        if self._ahead:
+            self._forward()
+        if copied is not None:
+            copied.synchronize()
+        return record_samples(self.rows, tokens.tolist(), log_probs.tolist())
 
     def keep(self, keep: list[int]) -> None:
         """Keep only the rows at positions `keep` (after `sample`); the others' slots become free."""
@@ -324,13 +347,22 @@ class StaticBatch:
             return
         index = torch.tensor(keep, device=self.tokens.device)
         self.uniforms, self.steps, self.tokens = self.uniforms[index], self.steps[index], self.tokens[index]
+        if self._ahead:
+            self.logits = self.logits[index]
         self._set_sampling(self.host_temperatures[keep], self.host_top_ps[keep], self.tokens.device)
         self._fit(len(self.rows), self._columns_needed(), shrink=True)
 
     def advance(self) -> None:
-        """Feed every row its sampled token (one static-shape step); no-op when no row is left."""
+        """Feed every row its sampled token (one static-shape step, normally launched by `sample`
+        already); no-op when no row is left."""
         if not self.rows:
             return
+        if not self._ahead:
+            self._forward()
+        self._ahead = False
+        self.runner.count_decode_step(len(self.rows))
+
+    def _forward(self) -> None:
         index = self._slots_tensor()
         decoder = self.decoder
         decoder.tokens_in.index_copy_(0, index, self.tokens)
@@ -338,4 +370,3 @@ class StaticBatch:
         self.logits = logits.index_select(0, index)  # a copy: the next replay overwrites the graph's output
         decoder.positions_in.index_add_(0, index, self._ones)
         self.lengths = [n + 1 for n in self.lengths]
-        self.runner.count_decode_step(len(self.rows))
