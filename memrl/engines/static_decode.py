@@ -146,7 +146,8 @@ class StaticDecoder:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()  # one pool: graphs never run concurrently
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a trainer thread may use the same GPU meanwhile (the overlapped pipeline).
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 logits = self._eager(slots, capacity)
             graph.replay()
             # A gross-error guard, once per bucket: a replay over stale pointers gives garbage, not a
