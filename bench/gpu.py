@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -97,7 +98,11 @@ def bench_generation(model: torch.nn.Module, path: str, concurrency: int, rng: r
     stats = engine.stats
     prefill_s, _ = _timed_generate(engine, prompts, 1)
     decoder = engine.static_decoder
-    asyncio.run(engine.close())
+    asyncio.run(engine.close())  # frees the static path's KV storage and graphs before the next engine
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"path": path, "concurrency": concurrency, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds, "decode_ms_per_step": 1000 * (seconds - prefill_s) / max(max_tokens - 1, 1),
             "prefill_s": prefill_s, "decode_steps": stats.decode_steps, "rows_per_step": stats.mean_decode_batch,

@@ -267,6 +267,13 @@ class HFEngine:
         if self._loop is asyncio.get_running_loop() or self._loop is None or self._loop.is_closed():
             self._fail_pending("engine closed")
         self._executor.shutdown(wait=False)
+        # The static path's KV storage and graphs can hold much of a GPU: free them now, unless a batch
+        # still runs on them (it frees them as it ends: `_release_if_closed`).
+        if self._decoder is not None and self._lock.acquire(blocking=False):
+            try:
+                self._decoder.release()
+            finally:
+                self._lock.release()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -356,12 +363,24 @@ class HFEngine:
     def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Whole-request batching: decode `requests` together until every one has finished."""
         with self._lock, torch.inference_mode(), self._attention_backends(), self._timed():
-            return self._decode(requests)
+            try:
+                return self._decode(requests)
+            finally:
+                self._release_if_closed()
 
     def _run_session(self, first: list[_Pending]) -> None:
         """Continuous batching: decode `first` and admit newcomers between steps until none is left."""
         with self._lock, torch.inference_mode(), self._attention_backends():
-            self._decode_continuously(first)
+            try:
+                self._decode_continuously(first)
+            finally:
+                self._release_if_closed()
+
+    def _release_if_closed(self) -> None:
+        """Under the lock, at a batch's end: a closed engine frees the static path's storage and graphs
+        (close() could not while this batch held them)."""
+        if self._closed and self._decoder is not None:
+            self._decoder.release()
 
     @contextlib.contextmanager
     def _timed(self):

@@ -84,6 +84,10 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
+    def release(self) -> None:
+        """Free the storage and the graphs (the engine is closing); the next batch would start afresh."""
+        self.reset(self.model, self.cache_kwarg)
+
     def bind(self, keys: torch.Tensor, layers: int) -> None:
         """Size the storage from a prefill's keys [B, H_kv, L, D] (once, or again for another shape)."""
         _, kv_heads, _, head_dim = keys.shape

@@ -88,6 +88,28 @@ def test_static_path_gives_the_dynamic_paths_tokens_and_log_probs(model, continu
     static = generate(engine, requests)
     assert_same(dynamic, static, logprob_atol(model, [r.prompt_ids for r in requests]))
     assert {r.finish_reason for r in static} == {"length"}
+    assert engine._lock.acquire(timeout=5)  # the decode thread left its session (it may outlive the results)
+    engine._lock.release()
+    assert engine.static_decoder.storage is None  # closing freed the KV storage
+
+
+def test_a_timed_out_row_leaves_and_its_slot_is_reused(model):
+    engine = HFEngine(model, request_timeout_s=0.3, static_kv="on")
+    decoder, seen = engine.static_decoder, []
+    original = decoder.forward
+
+    def slow(slots, capacity):
+        seen.append(slots)
+        threading.Event().wait(0.02)  # 20 ms per step: 50 steps outlast the timeout
+        return original(slots, capacity)
+
+    decoder.forward = slow
+    requests = [GenerationRequest(prompt(50, 5), max_tokens=50, seed=0),
+                GenerationRequest(prompt(51, 5), max_tokens=5, seed=1)]
+    results = generate(engine, requests)
+    assert results[0].finish_reason == "error" and "timed out" in results[0].error
+    assert results[1].finish_reason == "length" and len(results[1].output_ids) == 5
+    assert len(seen) < 40  # the abandoned row left instead of decoding 50 steps
 
 
 def test_cpu_default_is_the_dynamic_path(model):
