@@ -94,13 +94,13 @@ def test_static_path_gives_the_dynamic_paths_tokens_and_log_probs(model, continu
 
 
 def test_a_timed_out_row_leaves_and_its_slot_is_reused(model):
-    engine = HFEngine(model, request_timeout_s=0.3, static_kv="on")
+    engine = HFEngine(model, request_timeout_s=1.0, static_kv="on")
     decoder, seen = engine.static_decoder, []
     original = decoder.forward
 
     def slow(slots, capacity):
         seen.append(slots)
-        threading.Event().wait(0.02)  # 20 ms per step: 50 steps outlast the timeout
+        threading.Event().wait(0.05)  # 50 ms per step: 50 steps outlast the timeout
         return original(slots, capacity)
 
     decoder.forward = slow
