@@ -24,6 +24,11 @@ a leaving row frees its slot. When the rows or their lengths outgrow the bucket,
 of it (hysteresis, so a batch hovering at a bucket's edge does not relayout every step), the live rows
 are copied into a new bucket (`_relayout`), compacted into its first slots.
 
+Memory. A bucket holds slots x columns token positions of keys/values: up to 2x the rows and 2x the
+longest row's need, so up to 4x what `max_batch_tokens` bounds for the dynamic path. The storage is
+kept between batches (captured graphs point into it; it grows, never shrinks, while the engine lives)
+and freed when the engine closes.
+
 Numbers. The prefill and the first token's log-prob are bitwise those of the dynamic path; later steps
 attend over C columns with the rows left-aligned instead of right-aligned, so float32 reductions run in
 another order: log-probs agree within the float32 bound of tests/engines/numerics.py, and tokens agree
