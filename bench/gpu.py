@@ -154,7 +154,12 @@ def generation_section(args: argparse.Namespace, results: dict, rng: random.Rand
     results["generation"] = []
     for conc in concurrencies:
         for path in paths:
-            r = bench_generation(model, path, conc, rng, max_tokens, lengths, max_batch_size=max(concurrencies))
+            try:
+                r = bench_generation(model, path, conc, rng, max_tokens, lengths, max_batch_size=max(concurrencies))
+            except Exception as error:  # noqa: BLE001 - one failed row must not cost the run's other rows
+                results["generation"].append({"path": path, "concurrency": conc, "error": f"{type(error).__name__}: {error}"})
+                print(f"generate {path:<8} concurrency {conc:4d}: FAILED ({type(error).__name__}: {error})", flush=True)
+                continue
             results["generation"].append(r)
             print(f"generate {path:<8} concurrency {conc:4d}: {r['tokens_per_s']:9.0f} tokens/s, decode "
                   f"{r['decode_ms_per_step']:6.2f} ms/step ({r['tokens']} tokens, {r['seconds']:.2f} s, "
@@ -170,13 +175,15 @@ def generation_section(args: argparse.Namespace, results: dict, rng: random.Rand
     except Exception as error:  # noqa: BLE001 - a reference row; the engine rows above stand without it
         results["transformers_generate_batch"] = {"error": f"{type(error).__name__}: {error}"}
         print(f"transformers generate_batch: did not run ({type(error).__name__}: {error})", flush=True)
-    by = {(g["path"], g["concurrency"]): g for g in results["generation"]}
+    by = {(g["path"], g["concurrency"]): g for g in results["generation"] if "error" not in g}
     for path in paths[1:]:
         print(f"{path} vs dynamic: " + ", ".join(
-            f"{c}: {by[path, c]['tokens_per_s'] / by['dynamic', c]['tokens_per_s']:.2f}x" for c in concurrencies))
+            f"{c}: {by[path, c]['tokens_per_s'] / by['dynamic', c]['tokens_per_s']:.2f}x" if (path, c) in by and
+            ("dynamic", c) in by else f"{c}: n/a" for c in concurrencies))
     if not args.smoke and on_cuda:
         g64, g256 = by.get(("graphs", 64)), by.get(("graphs", 256))
-        checks = [("tokens/s at 64 >= 4x the dynamic path", g64 and g64["tokens_per_s"] / by["dynamic", 64]["tokens_per_s"],
+        d64 = by.get(("dynamic", 64))
+        checks = [("tokens/s at 64 >= 4x the dynamic path", g64 and d64 and g64["tokens_per_s"] / d64["tokens_per_s"],
                    GOALS["speedup_at_64"]),
                   ("tokens/s at 256 >= 10,000", g256 and g256["tokens_per_s"], GOALS["tokens_per_s_at_256"])]
         for name, value, goal in checks:

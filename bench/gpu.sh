@@ -16,6 +16,9 @@ if [ "${1:-}" = "--smoke" ]; then
   exit 0
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+echo "== GPU-only engine tests (CUDA graphs + weight sync, CUDA log-probs) =="
+"$PY" -m pytest -q -p no:cacheprovider tests/engines/test_static_decode.py tests/engines/test_hf.py -k cuda \
+  || echo "GPU engine tests FAILED (see above); the benchmarks still run"
 "$PY" bench/gpu.py --out "${1:-bench/gpu_results.json}"
 echo "== rollout schedules on the GPU (bench/rollout.py --device cuda) =="
 "$PY" bench/rollout.py --device cuda --questions 64 --samples 8 --repeats 3
