@@ -1,14 +1,20 @@
 """GPU throughput of memrl's own engine and actor on a random-initialised Qwen3-0.6B-shaped model (bf16).
 
 Prints (and writes as JSON with --out) from one run:
-- generation: HFEngine tokens/s at 1, 16, 64 and 256 concurrent requests (MemAgent-shaped: prompts of
-  ~700 tokens, up to 128 new tokens), and plain batched `model.generate` at 64 for reference;
+- generation: HFEngine tokens/s and decode ms/step at 1, 16, 64 and 256 concurrent requests
+  (MemAgent-shaped: prompts of 600-800 tokens, 128 new tokens), for each decode path side by side:
+  `dynamic` (the growing DynamicCache-style cache, static_kv=off), `static` (slotted static-shape KV,
+  eager, cuda_graphs=off) and `graphs` (the same, each bucket's step a CUDA graph); plain batched
+  `model.generate` at 64 and, when it runs, transformers' own continuous batching (`generate_batch`,
+  paged attention, its CUDA graphs) at 64 for reference;
 - training: Actor.train_rollout tokens/s on MemAgent-shaped rows (prompt 500-900, response 16-128 tokens),
   with model FLOPs utilization (6·N·T over all tokens, N = non-embedding parameters, + LM head on
   response tokens, + the reference model's forward; H200 dense bf16 peak taken as 989 TFLOP/s), before vs
   after chunked log-probs and packing (TRAIN_VARIANTS), each at growing `train.micro_batch_tokens` until one
   runs out of memory, with the ratios against `before`.
-Run: `bash bench/gpu.sh` on a CUDA machine (a few minutes).
+Run: `bash bench/gpu.sh` on a CUDA machine (a few minutes). `--smoke` runs the generation part on a tiny
+model (on CPU when there is no GPU; the `graphs` rows need CUDA and are skipped there) to check the
+script itself, in well under a minute.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import random
 import time
 
@@ -26,6 +33,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from memrl.config import Config
 from memrl.engines.base import GenerationRequest
 from memrl.engines.hf import HFEngine
+from memrl.tiny import build_tiny_model
 from memrl.train.actor import Actor
 from memrl.types import TrainRow
 
@@ -45,32 +53,162 @@ def build_model(dtype: torch.dtype) -> Qwen3ForCausalLM:
     return model.to(dtype)
 
 
-def bench_generation(model: Qwen3ForCausalLM, concurrency: int, rng: random.Random, max_tokens: int = 128) -> dict:
-    engine = HFEngine(model, None, max_batch_size=256, max_batch_tokens=256 * 1024)
-    requests = [GenerationRequest([rng.randrange(1000, 150000) for _ in range(rng.randint(600, 800))], max_tokens,
-                                  temperature=1.0, top_p=1.0, stop_token_ids=[], seed=k) for k in range(concurrency)]
+GENERATION_PATHS = {  # HFEngine settings of each decode path compared
+    "dynamic": {"static_kv": "off", "cuda_graphs": "off"},
+    "static": {"static_kv": "on", "cuda_graphs": "off"},
+    "graphs": {"static_kv": "on", "cuda_graphs": "on"},
+}
+GOALS = {"speedup_at_64": 4.0, "tokens_per_s_at_256": 10_000.0, "decode_ms_at_64": 5.0}  # issue 13
+
+
+def memagent_prompts(n: int, rng: random.Random, lengths: tuple[int, int], vocab: int) -> list[list[int]]:
+    low = min(1000, vocab // 2)  # ordinary-token ids (a real tokenizer's specials sit at the top)
+    return [[rng.randrange(low, min(150000, vocab)) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def _timed_generate(engine: HFEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    """Wall seconds and generated tokens of one request per prompt, all sent concurrently."""
+    requests = [GenerationRequest(p, max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=[], seed=k)
+                for k, p in enumerate(prompts)]
 
     async def run() -> list:
         return await asyncio.gather(*(engine.generate([r]) for r in requests))
 
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     results = asyncio.run(run())
-    torch.cuda.synchronize()
+    sync()
+    failed = [r[0].error for r in results if r[0].finish_reason == "error"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
+    return time.perf_counter() - start, sum(len(r[0].output_ids) for r in results)
+
+
+def bench_generation(model: torch.nn.Module, path: str, concurrency: int, rng: random.Random, max_tokens: int = 128,
+                     prompt_lengths: tuple[int, int] = (600, 800), max_batch_size: int = 256) -> dict:
+    """One decode path at one concurrency. An untimed run first (allocator, kernels, and for `graphs` the
+    captures of the buckets this run uses), then the timed run, then the same prompts with one new token
+    each: decode ms/step = (full - one token) / (max_tokens - 1), since every row is admitted in one
+    prefill and decodes max_tokens - 1 steps with all rows (no stop tokens)."""
+    engine = HFEngine(model, None, max_batch_size=max_batch_size, max_batch_tokens=max_batch_size * 1024,
+                      **GENERATION_PATHS[path])
+    prompts = memagent_prompts(concurrency, rng, prompt_lengths, model.config.vocab_size)
+    _timed_generate(engine, prompts, max_tokens)  # warm-up
+    engine.reset_stats()
+    seconds, tokens = _timed_generate(engine, prompts, max_tokens)
+    stats = engine.stats
+    prefill_s, _ = _timed_generate(engine, prompts, 1)
+    decoder = engine.static_decoder
+    asyncio.run(engine.close())  # frees the static path's KV storage and graphs before the next engine
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"path": path, "concurrency": concurrency, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "decode_ms_per_step": 1000 * (seconds - prefill_s) / max(max_tokens - 1, 1),
+            "prefill_s": prefill_s, "decode_steps": stats.decode_steps, "rows_per_step": stats.mean_decode_batch,
+            "graph_captures": decoder.captures if decoder is not None else 0,
+            "graphs_used": bool(decoder is not None and decoder.graphs)}
+
+
+def bench_transformers_continuous(model: torch.nn.Module, concurrency: int, rng: random.Random, max_tokens: int,
+                                  prompt_lengths: tuple[int, int]) -> dict:
+    """transformers' own continuous batching (`generate_batch`: paged attention, its CUDA graphs), timed
+    after one warm-up call; sampling at temperature 1 as the engine rows do."""
+    import copy
+
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    cb_model = copy.deepcopy(model)  # generate_batch switches the model's attention implementation
+    prompts = memagent_prompts(concurrency, rng, prompt_lengths, model.config.vocab_size)
+    gen = GenerationConfig(max_new_tokens=max_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                           eos_token_id=None, pad_token_id=0)
+    cb = ContinuousBatchingConfig(use_cuda_graph=torch.cuda.is_available(), max_memory_percent=0.5)
+    cb_model.generate_batch(prompts[:4], generation_config=gen, continuous_batching_config=cb)  # warm-up
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    out = cb_model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    sync()
     elapsed = time.perf_counter() - start
-    tokens = sum(len(r[0].output_ids) for r in results)
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    del cb_model
     return {"concurrency": concurrency, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
 
 
-def bench_plain_generate(model: Qwen3ForCausalLM, batch: int, rng: random.Random, max_tokens: int = 128) -> dict:
-    prompt_len = 700
-    ids = torch.tensor([[rng.randrange(1000, 150000) for _ in range(prompt_len)] for _ in range(batch)], device="cuda")
-    torch.cuda.synchronize()
+def generation_section(args: argparse.Namespace, results: dict, rng: random.Random) -> None:
+    """Every decode path at every concurrency, the speed-ups against the dynamic path and the goals."""
+    on_cuda = torch.cuda.is_available()
+    if args.smoke:
+        if not on_cuda:
+            torch.set_num_threads(1)  # a tiny model on a shared CPU: extra OpenMP threads only spin-wait
+        model = build_tiny_model(151936 if on_cuda else 4096, layers=2, hidden=64, seed=0)
+        model = model.to("cuda", torch.bfloat16) if on_cuda else model
+        concurrencies, max_tokens, lengths = [1, 4, 16], 8, (20, 40)
+    else:
+        model = build_model(torch.bfloat16)
+        concurrencies, max_tokens, lengths = ([1, 16, 64] if args.quick else [1, 16, 64, 256]), 128, (600, 800)
+    results["parameters"] = sum(p.numel() for p in model.parameters())
+    paths = [p for p in GENERATION_PATHS if on_cuda or p != "graphs"]
+    if not on_cuda:
+        print("no CUDA device: the `graphs` rows are skipped (CUDA graphs need one)", flush=True)
+    results["generation"] = []
+    for conc in concurrencies:
+        for path in paths:
+            try:
+                r = bench_generation(model, path, conc, rng, max_tokens, lengths, max_batch_size=max(concurrencies))
+            except Exception as error:  # noqa: BLE001 - one failed row must not cost the run's other rows
+                results["generation"].append({"path": path, "concurrency": conc, "error": f"{type(error).__name__}: {error}"})
+                print(f"generate {path:<8} concurrency {conc:4d}: FAILED ({type(error).__name__}: {error})", flush=True)
+                continue
+            results["generation"].append(r)
+            print(f"generate {path:<8} concurrency {conc:4d}: {r['tokens_per_s']:9.0f} tokens/s, decode "
+                  f"{r['decode_ms_per_step']:6.2f} ms/step ({r['tokens']} tokens, {r['seconds']:.2f} s, "
+                  f"{r['rows_per_step']:.1f} rows/step, graphs captured {r['graph_captures']})", flush=True)
+    r = bench_plain_generate(model, min(64, max(concurrencies)), rng, max_tokens, lengths[1])
+    results["plain_generate"] = r
+    print(f"plain model.generate batch {r['batch']}: {r['tokens_per_s']:9.0f} tokens/s", flush=True)
+    conc = 64 if 64 in concurrencies else max(concurrencies)
+    try:
+        r = bench_transformers_continuous(model, conc, rng, max_tokens, lengths)
+        results["transformers_generate_batch"] = r
+        print(f"transformers generate_batch concurrency {conc}: {r['tokens_per_s']:9.0f} tokens/s", flush=True)
+    except Exception as error:  # noqa: BLE001 - a reference row; the engine rows above stand without it
+        results["transformers_generate_batch"] = {"error": f"{type(error).__name__}: {error}"}
+        print(f"transformers generate_batch: did not run ({type(error).__name__}: {error})", flush=True)
+    by = {(g["path"], g["concurrency"]): g for g in results["generation"] if "error" not in g}
+    for path in paths[1:]:
+        print(f"{path} vs dynamic: " + ", ".join(
+            f"{c}: {by[path, c]['tokens_per_s'] / by['dynamic', c]['tokens_per_s']:.2f}x" if (path, c) in by and
+            ("dynamic", c) in by else f"{c}: n/a" for c in concurrencies))
+    if not args.smoke and on_cuda:
+        g64, g256 = by.get(("graphs", 64)), by.get(("graphs", 256))
+        d64 = by.get(("dynamic", 64))
+        checks = [("tokens/s at 64 >= 4x the dynamic path", g64 and d64 and g64["tokens_per_s"] / d64["tokens_per_s"],
+                   GOALS["speedup_at_64"]),
+                  ("tokens/s at 256 >= 10,000", g256 and g256["tokens_per_s"], GOALS["tokens_per_s_at_256"])]
+        for name, value, goal in checks:
+            print(f"goal {name}: " + ("not measured" if not value else f"{value:.2f} -> {'met' if value >= goal else 'NOT met'}"))
+        if g64:
+            ms = g64["decode_ms_per_step"]
+            print(f"goal decode step at 64 rows <= 5 ms: {ms:.2f} ms -> {'met' if ms <= GOALS['decode_ms_at_64'] else 'NOT met'}")
+    del model
+    if on_cuda:
+        torch.cuda.empty_cache()
+
+
+def bench_plain_generate(model: Qwen3ForCausalLM, batch: int, rng: random.Random, max_tokens: int = 128,
+                         prompt_len: int = 700) -> dict:
+    device = next(model.parameters()).device
+    ids = torch.tensor(memagent_prompts(batch, rng, (prompt_len, prompt_len), model.config.vocab_size), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - start
     tokens = (out.shape[1] - prompt_len) * batch
     return {"batch": batch, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
@@ -159,35 +297,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="generation rows only, tiny model, CPU when there is no GPU: checks the script itself")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/gpu.py needs a CUDA device")
+    if not torch.cuda.is_available() and not args.smoke:
+        raise SystemExit("bench/gpu.py needs a CUDA device (or --smoke, which checks the script on a tiny model)")
     rng = random.Random(0)
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    results: dict = {"device": device, "torch": torch.__version__}
     import transformers
 
     results["transformers"] = transformers.__version__
-    model = build_model(torch.bfloat16)
-    results["parameters"] = sum(p.numel() for p in model.parameters())
-    bench_generation(model, 4, rng, max_tokens=8)  # warm-up
-    results["generation"] = []
-    for conc in ([1, 16, 64] if args.quick else [1, 16, 64, 256]):
-        r = bench_generation(model, conc, rng)
-        results["generation"].append(r)
-        print(f"generate  concurrency {conc:4d}: {r['tokens_per_s']:9.0f} tokens/s ({r['tokens']} tokens, {r['seconds']:.1f} s)",
-              flush=True)
-    r = bench_plain_generate(model, 64, rng)
-    results["plain_generate"] = r
-    print(f"plain model.generate batch 64: {r['tokens_per_s']:9.0f} tokens/s", flush=True)
-    del model
-    torch.cuda.empty_cache()
+    generation_section(args, results, rng)
+    if args.smoke:
+        _write(args.out, results)
+        return
     results["training"] = training_rows(256 if not args.quick else 128)
-    base = results["generation"][0]["tokens_per_s"]
-    print("generation speed-up vs 1 request: " + ", ".join(
-        f"{g['concurrency']}: {g['tokens_per_s'] / base:.1f}x" for g in results["generation"]))
-    if args.out:
-        with open(args.out, "w") as f:
+    _write(args.out, results)
+
+
+def _write(out: str | None, results: dict) -> None:
+    if out:
+        tmp = f"{out}.tmp"
+        with open(tmp, "w") as f:
             json.dump(results, f, indent=2)
+        os.replace(tmp, out)  # atomic: a killed run leaves no half-written results
 
 
 if __name__ == "__main__":

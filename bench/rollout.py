@@ -200,6 +200,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="1 repeat, half the questions")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--static-kv", default="auto", choices=["auto", "on", "off"],
+                        help="HFEngine static-shape decode (rollout.static_kv; auto: on with CUDA)")
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                        help="CUDA graph per decode bucket (rollout.cuda_graphs; auto: on with CUDA)")
     parser.add_argument("--questions", type=int, default=8, help="questions (documents) per rollout")
     parser.add_argument("--samples", type=int, default=4, help="trajectories per question")
     parser.add_argument("--max-chunks", type=int, default=4)
@@ -242,7 +246,8 @@ async def main_async(args: argparse.Namespace) -> None:
         chunk_tokens=args.chunk_tokens, memory_tokens=args.memory_tokens, final_tokens=args.final_tokens,
         max_chunks=args.max_chunks, n_samples=args.samples, temperature=1.0, seed=args.seed,
         max_batch_size=args.max_batch_size))
-    engine = TimedHFEngine(model, tokenizer, max_batch_size=args.max_batch_size, device=device, dtype=dtype)
+    engine = TimedHFEngine(model, tokenizer, max_batch_size=args.max_batch_size, device=device, dtype=dtype,
+                           static_kv=args.static_kv, cuda_graphs=args.cuda_graphs)
     ctx = RolloutContext(engine=engine, tokenizer=tokenizer, config=cfg, progress=False)
     bias = bias_stop_logits(engine.model, ctx.builder.stop_token_ids, args.mean_response)
     records = make_records(tokenizer, cfg.rollout, args.questions, args.seed)
@@ -251,6 +256,9 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"model: {params:.2f}M-parameter random Qwen3 ({args.layers} layers, hidden {args.hidden}), {device}, "
           f"{dtype}, torch threads {torch.get_num_threads()}; stop-logit bias {bias:+.2f} "
           f"(mean response ~{args.mean_response:g} tokens)")
+    decoder = engine.static_decoder
+    print(f"decode path: {'dynamic cache' if decoder is None else 'static slots, ' + ('CUDA graphs' if decoder.graphs else 'eager')}"
+          f" (--static-kv {args.static_kv}, --cuda-graphs {args.cuda_graphs})")
     print(f"workload: {len(records)} questions x {args.samples} samples = {len(records) * args.samples} "
           f"trajectories; chunks per document {sorted(chunk_counts)}; chunk {args.chunk_tokens} / memory "
           f"{args.memory_tokens} / final {args.final_tokens} tokens; engine max_batch_size {args.max_batch_size}")
@@ -291,6 +299,8 @@ async def main_async(args: argparse.Namespace) -> None:
         seq, conc = await batching(engine, requests, min(args.repeats, 2))
         print(f"  {label:<32} batch 1 {seq:>7.0f} tok/s, {args.concurrency} concurrent {conc:>7.0f} tok/s: "
               f"{conc / seq:.1f}x")
+    if decoder is not None:
+        print(f"\nstatic decode: {decoder.captures} CUDA graphs captured, graphs {'on' if decoder.graphs else 'off'} at the end")
     await engine.close()
 
 

@@ -167,6 +167,12 @@ class RolloutConfig(Section):
                                      "included (server client and local engine); a request past it fails.")
     max_batch_size: int = Field(32, gt=0, description="Local engine: most requests decoded together.")
     max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in one batch.")
+    static_kv: Literal["auto", "on", "off"] = Field(
+        "auto", description="Local engine: decode in preallocated KV slots bucketed by batch size and length "
+        "(static shapes); `auto` = on with CUDA, off on CPU (the dynamic cache), `on` also on CPU.")
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="Local engine: capture each bucket's static decode step as a CUDA graph; `auto` = on "
+        "with CUDA (eager fallback, with a warning, if a capture fails), `on` needs CUDA and static_kv auto/on.")
 
     @model_validator(mode="after")
     def _templates_have_placeholders(self) -> RolloutConfig:
@@ -176,6 +182,9 @@ class RolloutConfig(Section):
             missing = [p for p in needed if p not in text]
             if missing:
                 raise ValueError(f"rollout.{name} must contain {', '.join(needed)}; missing {', '.join(missing)}")
+        if self.cuda_graphs == "on" and self.static_kv == "off":
+            raise ValueError("rollout.cuda_graphs = 'on' captures the static-shape decode step; set rollout.static_kv "
+                             "to auto or on, or cuda_graphs to auto/off")
         if "{chunk}" in self.final_template:
             raise ValueError("rollout.final_template must not contain {chunk}: the final turn sees only question + memory")
         return self

@@ -34,6 +34,12 @@ seeded with `request.seed` (a random seed when None), so a seeded request's rand
 on its batch mates, when it was admitted, or the device (its tokens are the same alone or in any
 batch, as far as padded fp32 logits agree; tested on CPU).
 
+Static-shape decode (`static_kv`, `cuda_graphs`; memrl/engines/static_decode.py). With `static_kv` on
+(`auto`: on CUDA), rows decode in slots of preallocated KV buffers bucketed by batch size and length,
+and with `cuda_graphs` on (`auto`: whenever the static path runs on CUDA) each bucket's decode step is
+a captured CUDA graph: launch overhead gone, same sampling rules and random draws. On CPU the default
+stays the dynamic path above; `static_kv="on"` runs the static one eagerly (what the CPU tests check).
+
 Failure rules: a request with out-of-vocabulary ids fails alone; a batch that raises fails each of its
 unfinished waiters with `GenerationResult.failed(...)` and the engine keeps serving; if the worker stops
 (or `close()` is called, even mid-batch), every pending request is failed; with `request_timeout_s`
@@ -62,6 +68,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, WeightSource
 from memrl.engines.hf_batch import EngineStats, _Pending, _Row, _RunningBatch
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
+from memrl.engines.static_decode import StaticBatch, StaticDecoder
+from memrl.engines.static_kv import supports_static_decode
 
 # Re-exported: callers and tests import these from memrl.engines.hf, where they used to live.
 __all__ = ["EngineStats", "HFEngine", "resolve_device_dtype", "sample_tokens", "sampling_log_probs"]
@@ -125,9 +133,14 @@ class HFEngine:
         progress: bool = False,
         request_timeout_s: float | None = None,
         continuous_batching: bool = True,
+        static_kv: str = "auto",
+        cuda_graphs: str = "auto",
     ) -> None:
         if max_batch_size <= 0 or max_batch_tokens <= 0:
             raise EngineError(f"max_batch_size ({max_batch_size}) and max_batch_tokens ({max_batch_tokens}) must be > 0")
+        for name, value in (("static_kv", static_kv), ("cuda_graphs", cuda_graphs)):
+            if value not in ("auto", "on", "off"):
+                raise EngineError(f"{name} must be auto, on or off, got {value!r}")
         if device is None:
             device = next(model.parameters()).device
         if dtype is None:
@@ -142,6 +155,7 @@ class HFEngine:
         self.continuous_batching = continuous_batching
         self.stats = EngineStats()
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._decoder = self._static_decoder(static_kv, cuda_graphs)
         self._lock = threading.Lock()  # one batch (or session) or one weight update at a time
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._seed_rng = random.Random()
@@ -154,6 +168,32 @@ class HFEngine:
         self._in_flight: list[_Pending] = []  # replaced (never mutated) by the worker thread
         self._bar: tqdm | None = None
         self._closed = False
+
+    def _static_decoder(self, static_kv: str, cuda_graphs: str) -> StaticDecoder | None:
+        """The static-shape decoder these settings ask for, or None for the dynamic path."""
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs == "on" and not on_cuda:
+            raise EngineError(f"cuda_graphs = 'on' needs a CUDA device, but the engine runs on {self.device}; "
+                              "set rollout.cuda_graphs to auto or off")
+        if cuda_graphs == "on" and static_kv == "off":
+            raise EngineError("cuda_graphs = 'on' captures the static-shape decode step; it needs static_kv auto or on")
+        unsupported = supports_static_decode(self.model)
+        if static_kv == "on" and unsupported:
+            raise EngineError(f"static_kv = 'on' cannot serve this model: {unsupported}; set rollout.static_kv to auto or off")
+        if static_kv == "off" or unsupported or (static_kv == "auto" and not on_cuda):
+            return None
+        graphs = on_cuda and cuda_graphs != "off"
+        return StaticDecoder(self.model, self._cache_kwarg, self.max_batch_size, graphs=graphs,
+                             strict=cuda_graphs == "on")
+
+    @property
+    def static_decoder(self) -> StaticDecoder | None:
+        """The static-shape decoder (None on the dynamic path); benches and tests read its `captures`."""
+        return self._decoder
+
+    def _new_batch(self):
+        runner = _EngineRunner(self)
+        return StaticBatch(runner, self._decoder) if self._decoder is not None else _RunningBatch(runner)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto",
@@ -227,6 +267,13 @@ class HFEngine:
         if self._loop is asyncio.get_running_loop() or self._loop is None or self._loop.is_closed():
             self._fail_pending("engine closed")
         self._executor.shutdown(wait=False)
+        # The static path's KV storage and graphs can hold much of a GPU: free them now, unless a batch
+        # still runs on them (it frees them as it ends: `_release_if_closed`).
+        if self._decoder is not None and self._lock.acquire(blocking=False):
+            try:
+                self._decoder.release()
+            finally:
+                self._lock.release()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -316,12 +363,24 @@ class HFEngine:
     def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Whole-request batching: decode `requests` together until every one has finished."""
         with self._lock, torch.inference_mode(), self._attention_backends(), self._timed():
-            return self._decode(requests)
+            try:
+                return self._decode(requests)
+            finally:
+                self._release_if_closed()
 
     def _run_session(self, first: list[_Pending]) -> None:
         """Continuous batching: decode `first` and admit newcomers between steps until none is left."""
         with self._lock, torch.inference_mode(), self._attention_backends():
-            self._decode_continuously(first)
+            try:
+                self._decode_continuously(first)
+            finally:
+                self._release_if_closed()
+
+    def _release_if_closed(self) -> None:
+        """Under the lock, at a batch's end: a closed engine frees the static path's storage and graphs
+        (close() could not while this batch held them)."""
+        if self._closed and self._decoder is not None:
+            self._decoder.release()
 
     @contextlib.contextmanager
     def _timed(self):
@@ -374,7 +433,7 @@ class HFEngine:
 
     def _decode(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         rows = [self._new_row(r) for r in requests]
-        batch = _RunningBatch(_EngineRunner(self))
+        batch = self._new_batch()
         batch.admit(rows)
         while batch.rows:
             if self._closed:
@@ -385,7 +444,7 @@ class HFEngine:
         return [row.result() for row in rows]
 
     def _decode_continuously(self, first: list[_Pending]) -> None:
-        batch, newcomers, owner = _RunningBatch(_EngineRunner(self)), first, self._loop
+        batch, newcomers, owner = self._new_batch(), first, self._loop
         # Stops when nothing is running or waiting (the worker then takes over the queue again), or on
         # close(), whose waiters are already failed. Compute time is counted per step, since a session
         # can span a whole rollout.
@@ -407,7 +466,8 @@ class HFEngine:
 
     # ------------------------------------------------------------------------------ weight sync
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy weights into the engine's own model (cast to its dtype/device); waits for a running batch."""
+        """Copy weights into the engine's own model (cast to its dtype/device); waits for a running batch.
+        The copy is in place (the parameters keep their storage), so captured CUDA graphs stay valid."""
         with self._lock:
             try:
                 self.model.load_state_dict(dict(state_dict), strict=True)
@@ -428,3 +488,5 @@ class HFEngine:
         with self._lock:
             self.model = model
             self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+            if self._decoder is not None:  # new parameters: graphs captured over the old ones are stale
+                self._decoder.reset(model, self._cache_kwarg)

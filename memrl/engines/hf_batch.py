@@ -175,17 +175,7 @@ class _RunningBatch:
         row_log_probs = sampling_log_probs(self.logits, self.temperatures, self.top_ps)
         self.tokens = sample_tokens(row_log_probs, self.temperatures, uniforms)
         token_log_probs = row_log_probs.gather(1, self.tokens[:, None]).squeeze(1)
-        finished = []
-        for row, token, lp in zip(self.rows, self.tokens.tolist(), token_log_probs.tolist(), strict=True):
-            row.output_ids.append(token)
-            row.log_probs.append(lp)
-            if token in row.stops:
-                row.finish = "stop"
-            elif len(row.output_ids) >= row.request.max_tokens:
-                row.finish = "length"
-            if row.finish is not None:
-                finished.append(row)
-        return finished
+        return record_samples(self.rows, self.tokens.tolist(), token_log_probs.tolist())
 
     def keep(self, keep: list[int]) -> None:
         """Keep only the rows at positions `keep` (after `sample`); trims padding no kept row needs."""
@@ -216,6 +206,22 @@ class _RunningBatch:
                                           self.cache)
         self.next_position = self.next_position + 1
         self.runner.count_decode_step(len(self.rows))
+
+
+def record_samples(rows: list[_Row], tokens: list[int], log_probs: list[float]) -> list[_Row]:
+    """Append each row's sampled token and log-prob and decide its finish (the one rule, for both the
+    dynamic and the static batch): `stop` on a stop token (kept), `length` at max_tokens."""
+    finished = []
+    for row, token, lp in zip(rows, tokens, log_probs, strict=True):
+        row.output_ids.append(token)
+        row.log_probs.append(lp)
+        if token in row.stops:
+            row.finish = "stop"
+        elif len(row.output_ids) >= row.request.max_tokens:
+            row.finish = "length"
+        if row.finish is not None:
+            finished.append(row)
+    return finished
 
 
 def _mergeable(cache) -> bool:

@@ -17,19 +17,21 @@ from __future__ import annotations
 import torch
 
 
-def sampling_log_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+def sampling_log_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, *,
+                       any_nucleus: bool | None = None) -> torch.Tensor:
     """Log-probs (N, V) of the distributions each row samples from; every row is computed independently.
 
     Row i: log_softmax(logits_i / T_i), and when 0 < T_i and top_p_i < 1, tokens outside the smallest
     most-likely set whose probability reaches top_p_i get -inf and the rest are renormalized. Rows with
-    T_i == 0 (greedy) get the raw log_softmax(logits_i). Computed in float32.
+    T_i == 0 (greedy) get the raw log_softmax(logits_i). Computed in float32. `any_nucleus`: whether some
+    row has T_i > 0 and top_p_i < 1, when the caller knows it (asking the device would sync with it).
     """
     logits = logits.float()
     greedy = temperatures <= 0
     scale = torch.where(greedy, torch.ones_like(temperatures), temperatures).to(logits)
     log_probs = torch.log_softmax(logits / scale[:, None], dim=-1)
     nucleus = (~greedy) & (top_ps < 1.0)
-    if bool(nucleus.any()):
+    if any_nucleus if any_nucleus is not None else bool(nucleus.any()):
         sorted_lp, order = torch.sort(log_probs, dim=-1, descending=True)
         sorted_p = sorted_lp.exp()
         mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
