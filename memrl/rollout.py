@@ -125,6 +125,14 @@ def finish_rollout(groups: Sequence[Sequence[Trajectory]], metrics: dict[str, fl
     return RolloutOutput(trajectories=kept, metrics=out, train_row_count=row_count, dropped=dropped)
 
 
+def turn_log_records(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]]:
+    """Each turn as the logs keep it (training rollout logs, eval results, read by `memrl view`): kind,
+    token lengths, finish reason and the decoded response (a memory turn's text is the memory it wrote)."""
+    return [{"kind": t.kind, "prompt_length": len(t.prompt_ids), "response_length": t.response_length,
+             "finish_reason": t.finish_reason, "text": tokenizer.decode(t.response_ids, skip_special_tokens=True)}
+            for t in traj.turns]
+
+
 def rows_per_trajectory(cfg: Any) -> int:
     """The most rows one trajectory may expand to: `queue.train_sample_expansion_factor`, else the task's
     `max_rows_per_trajectory(cfg)`, else 1 (a 1:1 task)."""
