@@ -313,7 +313,8 @@ def compare_cmd(
 def view_cmd(
     path: Annotated[Path, typer.Argument(help="An eval folder, a rollout log (rollout_XXXXXXX.jsonl) or a training run root.")],
     compare: Annotated[Path | None, typer.Option(help="A second eval folder: both side by side, with EM flips.")] = None,
-    out: Annotated[Path | None, typer.Option(help="HTML file to write (default: viewer.html in PATH).")] = None,
+    out: Annotated[Path | None, typer.Option(help="HTML file to write (default: PATH/viewer.html; with --compare, "
+                                                  "viewer_A_vs_B.html beside the folders).")] = None,
 ) -> None:
     """Write one self-contained HTML page of questions, memories turn by turn, answers and GRPO groups."""
     from memrl.viewer.build import write_viewer

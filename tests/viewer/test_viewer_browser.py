@@ -11,13 +11,16 @@ import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from viewer_fixtures import INJECTED, N_QUESTIONS, eval_pair, train_run
 
 from memrl.eval.compare import compare_results
+from memrl.eval.results import RESULTS_FILE, read_results
 from memrl.viewer.build import write_viewer
 
+pytestmark = pytest.mark.slow  # a browser start per check (~3-10 s each here); CI runs them
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 BROWSER_TIMEOUT_S = 120
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
@@ -123,6 +126,20 @@ def test_html_in_model_outputs_is_shown_as_text_and_never_run(browser, pages, tm
         assert [attrs.get("type") for tag, attrs in dom.tags if tag == "script"] == ["application/json", None]
         assert INJECTED in dom.text("detail")  # the whole text, verbatim, as text
         assert "&lt;script&gt;document.title='PWNED'&lt;/script&gt;" in html  # serialized as escaped text
+    # q2's memories note the gold: highlighted, and the first memory is all new words.
+    marked = [n for n in dom._nodes if n["tag"] == "span" and "gold" in n["attrs"].get("class", "").split()]
+    assert any(n["text"] == "alpha2" and "add" in n["attrs"]["class"] for n in marked)
+
+
+def test_filters_by_search_chunks_and_truncation(browser, pages, tmp_path):
+    base, trained, page = pages
+    lines = read_results(trained / RESULTS_FILE)
+    dom = Dom(run_browser(browser, page, "search=" + quote("what is item 1?"), tmp_path, "--dump-dom"))
+    assert [row["text"] for row in dom.rows] == ["q1"]
+    dom = Dom(run_browser(browser, page, "cmin=3&trunc=none", tmp_path, "--dump-dom"))
+    untruncated = [line["id"] for line in lines if line["num_chunks"] >= 3 and not line["document_truncated"]
+                   and not line["memory_truncations"] and line["status"] != "truncated"]
+    assert 0 < len(untruncated) < len(lines) and [row["text"] for row in dom.rows] == untruncated
 
 
 def test_screenshot_and_training_steps(browser, pages, tiny_tokenizer, tmp_path):

@@ -56,6 +56,7 @@ def test_rollout_logs_keep_groups_advantages_and_credit(run_root):
         credits = [t["advantage"] for t in r["turns"]]
         assert credits == pytest.approx([r["advantage"] / len(r["turns"])] * len(r["turns"]), rel=1e-6)
         assert r["question"] == "What is fact0?" and len(r["chunk_golds"]) == r["num_chunks"] == 3
+        assert any(hits for hits in r["chunk_golds"])  # "Paris" is in the document
 
 
 def test_view_data_of_a_compare_and_of_a_run(evals, run_root):
