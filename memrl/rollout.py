@@ -127,7 +127,7 @@ def finish_rollout(groups: Sequence[Sequence[Trajectory]], metrics: dict[str, fl
 
 def turn_log_records(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]]:
     """Each turn as the logs keep it (training rollout logs, eval results, read by `memrl view`): kind,
-    token lengths, finish reason and the decoded response (a memory turn's text is the memory it wrote)."""
+    token lengths, finish reason and the decoded response (a memory turn's: the memory it wrote, before any re-cut)."""
     return [{"kind": t.kind, "prompt_length": len(t.prompt_ids), "response_length": t.response_length,
              "finish_reason": t.finish_reason, "text": tokenizer.decode(t.response_ids, skip_special_tokens=True)}
             for t in traj.turns]

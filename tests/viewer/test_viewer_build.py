@@ -70,6 +70,8 @@ def test_view_data_of_a_compare_and_of_a_run(evals, run_root):
     (step,) = train["steps"]
     assert step["id"] == 0 and len(step["groups"]) == 1 and step["groups"][0]["items"] == list(range(8))
     assert step["reward"] == pytest.approx(sum(it["r"][0]["rw"] for it in train["items"]) / 8)
+    one_log = view_data(run_root / "logs" / "rollouts" / "rollout_0000000.jsonl")  # a log file alone
+    assert [it["r"] for it in one_log["items"]] == [it["r"] for it in train["items"]] and one_log["steps"][0]["id"] == 0
 
 
 def test_embedded_json_cannot_close_its_script_element(evals, tmp_path):
