@@ -33,7 +33,7 @@ EXPECTED_ERRORS = (
     "memrl.train.report:ReportError", "memrl.train.actor:ActorError", "memrl.train.partition:PartitionError",
     "memrl.eval.results:EvalError", "memrl.eval.compare:CompareError", "memrl.engines.base:EngineError",
     "memrl.memagent.prompts:PromptError", "memrl.distributed.workers:WorkerError", "memrl.tiny:TinyModelError",
-    "memrl.demo:DemoError",
+    "memrl.demo:DemoError", "memrl.viewer.build:ViewerError",
 )
 
 
@@ -313,6 +313,20 @@ def compare_cmd(
         failed = [f"{c.metric} {c.a},{c.b}: {c.diff:.2f} > {c.limit:g} pp" for c in result.checks if not c.passed]
         typer.secho("threshold failed: " + "; ".join(failed), fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
+
+
+@app.command("view")
+def view_cmd(
+    path: Annotated[Path, typer.Argument(help="An eval folder, a rollout log (rollout_XXXXXXX.jsonl) or a training run root.")],
+    compare: Annotated[Path | None, typer.Option(help="A second eval folder: both side by side, with EM flips.")] = None,
+    out: Annotated[Path | None, typer.Option(help="HTML file to write (default: PATH/viewer.html; with --compare, "
+                                                  "viewer_A_vs_B.html beside the folders).")] = None,
+) -> None:
+    """Write one self-contained HTML page of questions, memories turn by turn, answers and GRPO groups."""
+    from memrl.viewer.build import write_viewer
+
+    target, data = write_viewer(path, compare, out)
+    typer.echo(f"wrote {target}: {len(data['items'])} {'trajectories' if data['kind'] == 'train' else 'questions'}")
 
 
 # ------------------------------------------------------------------------------------------ prepare-data

@@ -9,7 +9,8 @@ teaches a model to keep the right fact in its memory (docs/demo.md).
     train     GRPO with the real controller (queue, converter 1:N, checkpoints, logs, TensorBoard)
     (validation during training: the same held-out evaluation every `eval_interval` GRPO steps)
     eval_trained  the same held-out questions, the same sampling settings and seeds
-    compare   memrl compare (flips, McNemar p); report: memrl report plots of the training run
+    compare   memrl compare (flips, McNemar p); report: memrl report plots of the training run;
+              view: memrl view pages of base vs trained (viewer.html) and of the training run
 
 Why temperature 1.0 for both evaluations: it is the recipe's sampling (docs/design.md §6) and the distribution
 GRPO optimizes; seeds are per question and turn, independent of the model, so base and trained see
@@ -128,6 +129,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     from memrl.train.report import write_report
     from memrl.train.setup import seed_everything
     from memrl.train.sft import SFTOptions, run_sft
+    from memrl.viewer.build import write_viewer
 
     run_root = Path(run_root)
     if run_root.exists() and any(run_root.iterdir()):
@@ -200,6 +202,9 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     report = compare_results([run_root / "eval_base", run_root / "eval_trained"], names=["base", "trained"])
     report.write(run_root / "compare")
     plots = write_report(run_root / "train")
+    # memrl view: base vs trained question by question, and the training run's steps and groups.
+    write_viewer(run_root / "eval_base", run_root / "eval_trained", run_root / "viewer.html")
+    write_viewer(run_root / "train")
 
     rewards = [float(m.get("reward/mean", 0.0)) for m in history]
     first, last, window = _window_means(rewards)
@@ -223,7 +228,8 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
         "targets": {"em_gain_pp": {"target": EM_TARGET_PP, "met": trained_em - base_em >= EM_TARGET_PP},
                     "reward_gain": {"target": REWARD_TARGET, "met": last - first >= REWARD_TARGET}},
         "paths": {"eval_base": "eval_base", "eval_trained": "eval_trained", "compare": "compare/report.md",
-                  "train": "train", "report": "train/report/report.md", "plots": [str(p) for p in plots]},
+                  "train": "train", "report": "train/report/report.md", "plots": [str(p) for p in plots],
+                  "viewer": "viewer.html", "train_viewer": "train/viewer.html"},
         "times_s": {**times, "total_s": time.perf_counter() - started},
     }
     (run_root / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -259,7 +265,7 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
         f"({r['gain']:+.3f}; target >= +{tg['reward_gain']['target']:g})",
         "",
         f"time: {summary['times_s']['total_s'] / 60:.1f} min. Results in {run_root}: eval_base/, eval_trained/, "
-        "compare/report.md, train/report/*.png, demo_summary.json",
+        "compare/report.md, train/report/*.png, viewer.html (memrl view), demo_summary.json",
     ]
     return "\n".join(lines)
 

@@ -134,6 +134,14 @@ def record_weight_version(out: RolloutOutput, version: int | None) -> RolloutOut
     return out
 
 
+def turn_log_records(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]]:
+    """Each turn as the logs keep it (training rollout logs, eval results, read by `memrl view`): kind,
+    token lengths, finish reason and the decoded response (a memory turn's: the memory it wrote, before any re-cut)."""
+    return [{"kind": t.kind, "prompt_length": len(t.prompt_ids), "response_length": t.response_length,
+             "finish_reason": t.finish_reason, "text": tokenizer.decode(t.response_ids, skip_special_tokens=True)}
+            for t in traj.turns]
+
+
 def rows_per_trajectory(cfg: Any) -> int:
     """The most rows one trajectory may expand to: `queue.train_sample_expansion_factor`, else the task's
     `max_rows_per_trajectory(cfg)`, else 1 (a 1:1 task)."""

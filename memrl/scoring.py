@@ -250,6 +250,37 @@ def score_answer(text: str, golds: Iterable[str] | str, extractor: str = "boxed"
         return _NO_ANSWER
 
 
+_WORD = re.compile(r"\S+")
+_DROP_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def gold_spans(text: str, golds: Iterable[str] | str) -> list[tuple[int, int, int]]:
+    """Where each gold answer occurs in `text` (a chunk, a memory): `(gold index, start, end)` character
+    ranges, sorted. An occurrence is the gold's normalized words (`normalize_answer`) as consecutive
+    whole words of the normalized text, so "1" is not found in "1990" and "the U.S." is found in "US".
+
+    Each whitespace-separated word is normalized on its own; joined, these are exactly
+    `normalize_answer(text)`, and each normalized word keeps the character range of the word it came from.
+    A cheap exact pre-check (the lowered, punctuation-free text must contain every gold word) skips the
+    word-by-word pass for long chunks that cannot hold a gold. Golds of a bad type find nothing.
+    """
+    if not isinstance(text, str):
+        return []
+    targets = [(g, normalize_answer(gold).split()) for g, gold in enumerate(_golds_or_empty(golds))]
+    plain = text.lower().translate(_DROP_PUNCTUATION)  # normalize_answer's first step, at C speed
+    targets = [(g, words) for g, words in targets if words and all(w in plain for w in words)]
+    if not targets:
+        return []
+    words = [(m.start(), m.end(), part) for m in _WORD.finditer(text) for part in normalize_answer(m.group()).split()]
+    normalized = [w[2] for w in words]
+    spans = []
+    for g, target in targets:
+        n = len(target)
+        spans += [(g, words[i][0], words[i + n - 1][1]) for i in range(len(words) - n + 1)
+                  if normalized[i] == target[0] and normalized[i:i + n] == target]
+    return sorted(spans)
+
+
 def reward_from_text(text: str, golds: Iterable[str] | str, extractor: str = "boxed") -> float:
     """The training reward: 1.0 if the extracted answer exactly matches a gold answer, else 0.0."""
     return 1.0 if score_answer(text, golds, extractor).em == 1.0 else 0.0

@@ -34,7 +34,8 @@ def test_quick_demo_trains_the_memory(tmp_path):
     # Everything the README promises is in the run root.
     for path in ("eval_base/summary.json", "eval_trained/summary.json", "compare/report.md",
                  "compare/comparison.json", "train/report/report.md", "train/logs/metrics.jsonl",
-                 "sft/clean/metrics.jsonl", "sft/imperfect/metrics.jsonl", "demo_summary.json"):
+                 "sft/clean/metrics.jsonl", "sft/imperfect/metrics.jsonl", "demo_summary.json", "viewer.html",
+                 "train/viewer.html"):
         assert (root / path).is_file(), path
     assert list((root / "train" / "report").glob("*.png"))
     # Validation during training (every 10 steps): the held-out EM curve is in the report, and the last

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from memrl.eval.stats import metric_summary
 from memrl.memagent.reward import score_trajectory
+from memrl.rollout import turn_log_records
 from memrl.scoring import score_answer
 
 if TYPE_CHECKING:
@@ -74,8 +75,13 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
 
 # ------------------------------------------------------------------------------------------ results file
 
-def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, error: str | None = None) -> dict[str, Any]:
-    """One results.jsonl line. `traj` None (with `error`) = the sample failed before generating."""
+def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, error: str | None = None, *,
+                tokenizer: Any = None) -> dict[str, Any]:
+    """One results.jsonl line. `traj` None (with `error`) = the sample failed before generating.
+
+    With `tokenizer`, the line also keeps every turn (`trace`: memory texts, lengths, finish reasons) and
+    where the golds occur in each chunk (`chunk_golds`), which `memrl view` shows; lines written before
+    these fields existed simply lack them."""
     failed = traj is None or traj.status == "failed"
     answer = "" if traj is None else traj.answer
     # The training reward's scorer: a truncated answer (hit final_tokens) scores 0 here too (docs/design.md §2).
@@ -97,6 +103,8 @@ def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, erro
                          and traj.turns[-1].kind == "final" else None),
         "turns": 0 if traj is None else traj.num_turns,
         "latency_s": round(latency_s, 4),
+        **({"trace": turn_log_records(traj, tokenizer), "chunk_golds": meta.get("chunk_golds")}
+           if traj is not None and tokenizer is not None else {}),
     }
 
 

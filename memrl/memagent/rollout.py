@@ -24,6 +24,7 @@ from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, input_text
 from memrl.rollout import QuestionLike, RolloutContext, finish_rollout, request_seed
+from memrl.scoring import gold_spans
 from memrl.types import RolloutOutput, Trajectory, Turn
 
 
@@ -100,6 +101,30 @@ async def run_trajectory(
     return traj
 
 
+# Characters of chunk text kept on each side of a gold answer found in it (what `memrl view` shows).
+GOLD_EXCERPT_CHARS = 80
+
+
+def chunk_gold_hits(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) -> list[list[list[Any]]]:
+    """Where the gold answers occur in each chunk (`memrl.scoring.gold_spans`), recorded with the
+    trajectory because logs keep no chunk text: per chunk, one `[gold index, occurrences, excerpt, start,
+    end]` per gold found, the excerpt around its first occurrence and `start:end` the gold within it."""
+    hits = []
+    for chunk in chunks.chunks:
+        text = tokenizer.decode(chunk, skip_special_tokens=True)
+        first: dict[int, tuple[int, int]] = {}
+        counts: dict[int, int] = {}
+        for g, start, end in gold_spans(text, golds):
+            first.setdefault(g, (start, end))
+            counts[g] = counts.get(g, 0) + 1
+        row = []
+        for g, (start, end) in first.items():
+            lo, hi = max(0, start - GOLD_EXCERPT_CHARS), end + GOLD_EXCERPT_CHARS
+            row.append([g, counts[g], text[lo:hi], start - lo, end - lo])
+        hits.append(row)
+    return hits
+
+
 def document_chunks(tokenizer: Any, cfg: RolloutConfig, context: str) -> Chunks:
     """Tokenize a document once and cut it into the chunks every sample of the group reads."""
     ids = tokenize_document(tokenizer, input_text(cfg, context))
@@ -116,6 +141,7 @@ async def generate_group(ctx: RolloutContext, record: QuestionLike, n_samples: i
     cfg = ctx.config.rollout
     n = n_samples or cfg.n_samples
     chunks = document_chunks(ctx.tokenizer, cfg, record.context)
+    gold_hits = chunk_gold_hits(ctx.tokenizer, chunks, record.answers)
     key = f"{ctx.rollout_id}:{record.id}" if slot is None else f"{ctx.rollout_id}:{slot}:{record.id}"
     group_id = f"r{key}"
 
@@ -123,7 +149,8 @@ async def generate_group(ctx: RolloutContext, record: QuestionLike, n_samples: i
         traj = await run_trajectory(ctx.engine, ctx.builder, cfg, record.question, chunks,
                                     trajectory_id=f"{group_id}:s{k}", group_id=group_id, sample_index=k,
                                     seed_key=key)
-        traj.metadata.update(question_id=record.id, golds=list(record.answers))
+        traj.metadata.update(question_id=record.id, question=record.question, golds=list(record.answers),
+                             chunk_golds=gold_hits)
         traj.reward = ctx.reward(traj, record.answers)
         if on_done is not None:
             on_done(traj)

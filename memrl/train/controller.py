@@ -41,8 +41,11 @@ from tqdm.auto import tqdm
 from memrl.config import Config
 from memrl.engines.base import Engine, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import training_engine
+from memrl.rl.advantages import AdvantageError, trajectory_advantages
 from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
-from memrl.rollout import RolloutContext, record_weight_version, rows_per_trajectory
+from memrl.rl.shaping import shaped_rewards
+from memrl.rl.validate import TrajectoryError
+from memrl.rollout import RolloutContext, record_weight_version, rows_per_trajectory, turn_log_records
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.checkpoint import prune_checkpoints, read_best, write_best
 from memrl.train.pipeline import Producer, WeightBoard, sampling_version
@@ -137,17 +140,35 @@ class TrainingParts:
     release: Callable[[], None] = field(default=lambda: None)
 
 
-def trajectory_log_record(traj: Trajectory, tokenizer: Any) -> dict[str, Any]:
-    """What a researcher reads per trajectory: the memory texts and answer, lengths, reward, status."""
+def trajectory_log_record(traj: Trajectory, tokenizer: Any, advantage: float | None = None,
+                          turn_advantages: dict[tuple[str, int], float] | None = None) -> dict[str, Any]:
+    """What a researcher reads per trajectory (and `memrl view` shows): the memory texts and answer,
+    lengths, reward, status, its GRPO group and advantage, each turn's credit (the advantage of its
+    training row; None when not trained on), and where the golds occur in each chunk."""
+    turns = turn_log_records(traj, tokenizer)
+    chunks = traj.metadata.get("chunks", {})
+    if turn_advantages is not None:
+        for turn, record in zip(traj.turns, turns, strict=True):
+            record["advantage"] = turn_advantages.get((traj.trajectory_id, turn.index))
     return {
         "trajectory_id": traj.trajectory_id, "question_id": traj.metadata.get("question_id"),
-        "sample_index": traj.sample_index, "weight_version": traj.metadata.get("weight_version"),
-        "status": traj.status, "reward": traj.reward, "answer": traj.answer,
-        "golds": traj.metadata.get("golds"), "error": traj.error,
-        "turns": [{"kind": t.kind, "prompt_length": len(t.prompt_ids), "response_length": t.response_length,
-                   "finish_reason": t.finish_reason,
-                   "text": tokenizer.decode(t.response_ids, skip_special_tokens=True)} for t in traj.turns],
+        "question": traj.metadata.get("question"), "group_id": traj.group_id, "sample_index": traj.sample_index,
+        "weight_version": traj.metadata.get("weight_version"), "status": traj.status, "reward": traj.reward,
+        "advantage": advantage, "answer": traj.answer, "golds": traj.metadata.get("golds"), "error": traj.error,
+        "num_chunks": chunks.get("num_chunks"), "document_tokens": chunks.get("total_tokens"),
+        "document_truncated": chunks.get("truncated"), "chunk_golds": traj.metadata.get("chunk_golds"), "turns": turns,
     }
+
+
+def _trajectory_advantages(cfg: Config, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """GRPO advantage per trajectory id, for the logs (the rows carry the per-turn credit); empty when a
+    custom task's trajectories have no reward to compute it from."""
+    algorithm = cfg.algorithm
+    try:
+        return trajectory_advantages(trajectories, std_normalize=algorithm.std_normalize, eps=algorithm.eps,
+                                     std_ddof=algorithm.std_ddof, rewards=shaped_rewards(trajectories, algorithm))
+    except (AdvantageError, TrajectoryError):
+        return {}
 
 
 def save_raw_rollout(directory: Path, rollout_id: int, out: RolloutOutput) -> Path:
@@ -360,7 +381,12 @@ class Trainer:
         metrics["perf/tokens_per_s"] = out.metrics.get("tokens/generated", 0.0) / max(seconds["rollout"], 1e-9)
         metrics.update(device_stats())
         logger.log_metrics(rollout_id, metrics)
-        logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer) for t in out.trajectories + out.dropped])
+        advantages = _trajectory_advantages(self.cfg, out.trajectories)
+        # Rows left on Ray rollout workers (RowRefs) are not here: their turns' credit is not logged.
+        turn_advantages = {(r.trajectory_id, r.turn_index): r.advantage for r in rows if isinstance(r, TrainRow)}
+        logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer, advantages.get(t.trajectory_id),
+                                                              turn_advantages)
+                                        for t in out.trajectories + out.dropped])
         return metrics
 
     def _version_of(self, rollout_id: int) -> int:

@@ -1,0 +1,1 @@
+"""`memrl view`: a static HTML viewer of trajectories and evaluations (memrl.viewer.build)."""
