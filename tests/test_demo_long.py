@@ -40,6 +40,7 @@ def test_every_length_is_evaluated_for_both_models_on_documents_of_that_length(t
         assert row["wrong_to_right"] + row["right_to_wrong"] <= 5 and 0.0 <= row["mcnemar_p"] <= 1.0
         assert (tmp_path / f"len{length}" / "compare" / "report.md").is_file()
         assert (tmp_path / "data" / f"length_{length}.jsonl").is_file()
+        assert set(row["first_match"]) == {"base", "trained"}
     table = format_table(rows)
     assert table.count("\n") == 3 and "| 8 | 168 |" in table
     assert plot_lengths(rows, ["base", "trained"], tmp_path / "em.png").stat().st_size > 0
@@ -67,3 +68,19 @@ def test_demo_long_errors_are_one_line_before_any_training(tmp_path):
         result = CliRunner().invoke(app, ["demo-long", "--run-root", str(tmp_path / "new"), *args])
         assert result.exit_code == 2 and needle in result.output, result.output
         assert not (tmp_path / "new").exists()
+
+
+def test_first_match_rates_spot_a_reader_that_keeps_the_first_attribute_match():
+    from memrl.data.synthetic import make_length_set
+    from memrl.demo_long import first_match_rates
+
+    records = make_length_set(60, 8, seed=0)
+    firsts = [next(f for f in r.metadata["facts"] if f[0] == r.metadata["attribute"]) for r in records]
+    lines = {r.id: {"boxed": f" {first[2]} "} for r, first in zip(records, firsts, strict=True)}
+    rates = first_match_rates(records, lines)
+    assert rates["answers_first_match_pct"] == 100.0
+    expected = 100 * sum(first[1] == r.metadata["entity"] for r, first in zip(records, firsts, strict=True)) / 60
+    assert rates["first_match_is_answer_pct"] == expected and 0 < expected < 100
+    # A reader that always answers right matches the first fact only where that fact is the answer.
+    right = first_match_rates(records, {r.id: {"boxed": r.answers[0]} for r in records})
+    assert right["answers_first_match_pct"] == expected
