@@ -85,6 +85,22 @@ def demo(
     raise typer.Exit(demo_command(run_root, quick, list(set_ or []), eval_interval))
 
 
+@app.command("demo-long")
+def demo_long(
+    run_root: Annotated[Path, typer.Option(help="Output folder (new or empty).")] = Path("runs/demo-long"),
+    quick: Annotated[bool, typer.Option(help="The quick demo's training and 4 lengths x 100 questions.")] = False,
+    lengths: Annotated[list[int] | None, typer.Option(
+        "--length", help="A document length to evaluate, in chunks (repeat; default 1 2 3 8 16 32 64).")] = None,
+    questions: Annotated[int | None, typer.Option(help="Held-out questions per length (default 400).")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")] = None,
+) -> None:
+    """Train short, read long: `memrl demo`'s training, then base vs trained EM at each document length."""
+    from memrl.demo_long import demo_long_command
+
+    raise typer.Exit(demo_long_command(run_root, quick, list(set_ or []), questions, lengths))
+
+
 @app.command()
 def sft(
     model: Annotated[str, typer.Option(help="Model folder to warm-start.")],

@@ -23,6 +23,12 @@ expansion, can raise the keep rate.
 
 Training and held-out sets come from disjoint seeded streams (`make_splits`); a held-out document is
 never identical to a training one (checked), and the held-out set never depends on any model.
+
+Long documents (`make_long_record`, `make_length_set`; the length-generalization demo, `memrl demo-long`):
+exactly `num_chunks` chunks, at most `related` distractors of the kind above and every other fact filler
+about another entity *and* another attribute (RULER pads with unrelated documents the same way), the
+answering fact at a given position, spread evenly over a held-out set. They use separate seeded streams,
+so the short task's generation is unchanged by them (pinned by a test).
 """
 
 from __future__ import annotations
@@ -102,6 +108,35 @@ class TaskSpec:
                                      f"distractors than the {capacity} available; lower max_chunks or facts_per_chunk")
 
 
+def _related_distractors(rng: random.Random, attribute: str, entity: str, value: str,
+                         count: int) -> list[tuple[str, str, str]]:
+    """`count` distractors: same entity + other attribute, or same attribute + other entity (a coin decides
+    which, while both kinds remain); a same-attribute distractor never has the answer's value."""
+    same_entity = rng.sample([a for a in ATTRIBUTES if a != attribute], len(ATTRIBUTES) - 1)
+    same_attribute = rng.sample([e for e in ENTITIES if e != entity], len(ENTITIES) - 1)
+    facts = []
+    for _ in range(count):
+        if same_entity and (not same_attribute or rng.random() < 0.5):
+            a = same_entity.pop()
+            facts.append((a, entity, rng.choice(ATTRIBUTES[a])))
+        else:
+            facts.append((attribute, same_attribute.pop(), rng.choice([v for v in ATTRIBUTES[attribute] if v != value])))
+    return facts
+
+
+def _record(record_id: str, key: tuple[str, str, str], facts: list[tuple[str, str, str]], answer_index: int,
+            facts_per_chunk: int, **extra: Any) -> QuestionRecord:
+    attribute, entity, value = key
+    return QuestionRecord(
+        id=record_id, question=question_text(attribute, entity), answers=[value],
+        context=" ".join(fact_text(*f) for f in facts),
+        metadata={"task": "synthetic-memory", "attribute": attribute, "entity": entity,
+                  "facts": [list(f) for f in facts], "answer_index": answer_index,
+                  "answer_chunk": answer_index // facts_per_chunk, "num_chunks": len(facts) // facts_per_chunk,
+                  "facts_per_chunk": facts_per_chunk, **extra},
+    )
+
+
 def make_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionRecord:
     """One question and its document, drawn from `rng` (see the module docstring for the rules)."""
     spec.check()
@@ -110,27 +145,73 @@ def make_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionR
     value = rng.choice(ATTRIBUTES[attribute])
     num_chunks = rng.randint(1, spec.max_chunks)
     num_facts = num_chunks * spec.facts_per_chunk
-    # Distractors: same entity + other attribute, or same attribute + other entity (a coin decides
-    # which, while both kinds remain); a same-attribute distractor never has the answer's value.
-    same_entity = rng.sample([a for a in ATTRIBUTES if a != attribute], len(ATTRIBUTES) - 1)
-    same_attribute = rng.sample([e for e in ENTITIES if e != entity], len(ENTITIES) - 1)
-    facts = []
-    for _ in range(num_facts - 1):
-        if same_entity and (not same_attribute or rng.random() < 0.5):
-            a = same_entity.pop()
-            facts.append((a, entity, rng.choice(ATTRIBUTES[a])))
-        else:
-            facts.append((attribute, same_attribute.pop(), rng.choice([v for v in ATTRIBUTES[attribute] if v != value])))
+    facts = _related_distractors(rng, attribute, entity, value, num_facts - 1)
     answer_index = rng.randrange(num_facts)
     facts.insert(answer_index, (attribute, entity, value))
-    return QuestionRecord(
-        id=record_id, question=question_text(attribute, entity), answers=[value],
-        context=" ".join(fact_text(*f) for f in facts),
-        metadata={"task": "synthetic-memory", "attribute": attribute, "entity": entity,
-                  "facts": [list(f) for f in facts], "answer_index": answer_index,
-                  "answer_chunk": answer_index // spec.facts_per_chunk, "num_chunks": num_chunks,
-                  "facts_per_chunk": spec.facts_per_chunk},
-    )
+    return _record(record_id, (attribute, entity, value), facts, answer_index, spec.facts_per_chunk)
+
+
+# ---- long documents: the short task padded with unrelated facts (`memrl demo-long`) ---------------------------
+RELATED_CAPACITY = (len(ATTRIBUTES) - 1) + (len(ENTITIES) - 1)  # distractors sharing entity or attribute
+
+
+def make_long_record(rng: random.Random, record_id: str, *, num_chunks: int, position: float,
+                     facts_per_chunk: int = 3, related: int = 8) -> QuestionRecord:
+    """A document of exactly `num_chunks` chunks, the answering fact at `position` (0 = first fact, 1 = last).
+
+    At most `related` facts are distractors of the short task (sharing the entity or the attribute); every
+    other fact is filler that shares neither with the question, as RULER pads a question's documents with
+    unrelated ones. So a longer document is harder only by its length: more turns through which the
+    memory must carry the fact, and more text it must not be distracted by. Filler keys run through the
+    unrelated (attribute, entity) pairs in a seeded order before any repeats (a repeated filler key may
+    carry another value; it is about neither the question's entity nor its attribute). Distractors and
+    filler are shuffled together, then the answering fact is placed at `position`.
+    """
+    if num_chunks < 1 or facts_per_chunk < 1:
+        raise SyntheticTaskError(f"num_chunks ({num_chunks}) and facts_per_chunk ({facts_per_chunk}) must be >= 1")
+    if not 0.0 <= position <= 1.0:
+        raise SyntheticTaskError(f"position must be in [0, 1] (0 = first fact, 1 = last), got {position}")
+    if not 0 <= related <= RELATED_CAPACITY:
+        raise SyntheticTaskError(f"related must be in [0, {RELATED_CAPACITY}] (the distractors sharing the entity "
+                                 f"or the attribute), got {related}")
+    attribute = rng.choice(list(ATTRIBUTES))
+    entity = rng.choice(ENTITIES)
+    value = rng.choice(ATTRIBUTES[attribute])
+    num_facts = num_chunks * facts_per_chunk
+    num_related = min(related, num_facts - 1)
+    others = _related_distractors(rng, attribute, entity, value, num_related)
+    unrelated = [(a, e) for a in ATTRIBUTES if a != attribute for e in ENTITIES if e != entity]
+    pool: list[tuple[str, str]] = []
+    for _ in range(num_facts - 1 - num_related):
+        if not pool:
+            pool = rng.sample(unrelated, len(unrelated))
+        a, e = pool.pop()
+        others.append((a, e, rng.choice(ATTRIBUTES[a])))
+    rng.shuffle(others)
+    answer_index = round(position * (num_facts - 1))
+    others.insert(answer_index, (attribute, entity, value))
+    return _record(record_id, (attribute, entity, value), others, answer_index, facts_per_chunk,
+                   answer_position=position, related_distractors=num_related,
+                   filler_facts=num_facts - 1 - num_related)
+
+
+def make_length_set(n: int, num_chunks: int, seed: int = 0, *, facts_per_chunk: int = 3, related: int = 8,
+                    exclude: set[tuple[str, str]] | frozenset = frozenset()) -> list[QuestionRecord]:
+    """`n` held-out questions whose documents are all `num_chunks` chunks long, the answering fact's position
+    spread evenly over the document (question i at (i + 0.5) / n of it), deterministic by (num_chunks, seed).
+
+    A draw whose (question, document) is in `exclude` (the training set) is redrawn at the same position.
+    """
+    rng = random.Random(f"memrl-synthetic:length:{num_chunks}:{seed}")
+    records = []
+    for i in range(n):
+        while True:
+            record = make_long_record(rng, f"len{num_chunks}-{i:05d}", num_chunks=num_chunks,
+                                      position=(i + 0.5) / n, facts_per_chunk=facts_per_chunk, related=related)
+            if (record.question, record.context) not in exclude:
+                break
+        records.append(record)
+    return records
 
 
 def make_records(n: int, spec: TaskSpec, seed: int, prefix: str) -> list[QuestionRecord]:

@@ -154,3 +154,84 @@ def test_prepare_data_synthetic_command(tmp_path):
     result = CliRunner().invoke(app, ["prepare-data", "synthetic", "--out", str(tmp_path / "bad"),
                                       "--max-chunks", "20"])
     assert result.exit_code == 2 and result.output.startswith("error: ") and "distractors" in result.output
+
+
+# ---- long documents (the length-generalization demo) ----------------------------------------------------
+def test_default_generation_is_unchanged_bit_for_bit():
+    # The demo's data (and so its figures) depend on this stream: pinned to the SHA-256 of the records
+    # the generator made before long documents existed.
+    import hashlib
+    import json
+
+    train, heldout = make_splits(2000, 200, TaskSpec(), seed=0)
+    digest = hashlib.sha256(json.dumps([r.to_dict() for r in train + heldout], sort_keys=True).encode()).hexdigest()
+    assert digest == "7d5ef82e93a2c41e2f059864a65f2172e91c3d36501a767e597e2fec4a1c275e"
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 8, 64])
+def test_long_documents_have_one_answer_few_related_distractors_and_unrelated_filler(num_chunks):
+    from memrl.data.synthetic import make_length_set
+
+    records = make_length_set(40, num_chunks, seed=1, related=8)
+    for r in records:
+        m = r.metadata
+        facts = [tuple(f) for f in m["facts"]]
+        assert len(facts) == num_chunks * 3 == m["num_chunks"] * 3
+        answering = [f for f in facts if f[:2] == (m["attribute"], m["entity"])]
+        assert answering == [facts[m["answer_index"]]] and answering[0][2] == r.answers[0]
+        related = [f for f in facts if (f[0] == m["attribute"]) != (f[1] == m["entity"])]
+        filler = [f for f in facts if f[0] != m["attribute"] and f[1] != m["entity"]]
+        assert len(related) == m["related_distractors"] == min(8, len(facts) - 1)
+        assert len(filler) == m["filler_facts"] == len(facts) - 1 - len(related)
+        assert all(v != r.answers[0] for a, _, v in related if a == m["attribute"])
+        assert m["answer_chunk"] == m["answer_index"] // 3
+    # Positions spread evenly: question i sits at (i + 0.5) / n of its document.
+    assert [r.metadata["answer_position"] for r in records] == [(i + 0.5) / 40 for i in range(40)]
+    assert [r.metadata["answer_index"] for r in records] == [round((i + 0.5) / 40 * (num_chunks * 3 - 1))
+                                                             for i in range(40)]
+
+
+def test_long_filler_runs_through_every_unrelated_key_before_repeating():
+    from memrl.data.synthetic import make_long_record
+
+    r = make_long_record(random.Random(0), "x", num_chunks=64, position=0.5, related=0)
+    filler = [tuple(f[:2]) for i, f in enumerate(r.metadata["facts"]) if i != r.metadata["answer_index"]]
+    # 191 filler facts over the 4 x 11 = 44 unrelated keys: each key 4 or 5 times.
+    counts = {k: filler.count(k) for k in set(filler)}
+    assert len(counts) == 44 and set(counts.values()) <= {4, 5}
+
+
+def test_length_sets_are_deterministic_per_length_and_exclude_training_documents():
+    from memrl.data.synthetic import make_length_set
+
+    a, b = make_length_set(30, 8, seed=2), make_length_set(30, 8, seed=2)
+    assert [r.to_dict() for r in a] == [r.to_dict() for r in b]
+    assert [r.context for r in make_length_set(30, 8, seed=3)] != [r.context for r in a]
+    one = make_length_set(50, 1, seed=0)
+    banned = {(one[0].question, one[0].context)}
+    redrawn = make_length_set(50, 1, seed=0, exclude=banned)
+    assert (redrawn[0].question, redrawn[0].context) not in banned and redrawn[0].metadata["answer_position"] == 0.01
+
+
+def test_long_record_refuses_bad_parameters():
+    from memrl.data.synthetic import make_long_record
+
+    for kwargs, match in (({"num_chunks": 0, "position": 0.5}, "num_chunks"),
+                          ({"num_chunks": 4, "position": 1.5}, "position"),
+                          ({"num_chunks": 4, "position": 0.5, "related": 99}, "related")):
+        with pytest.raises(SyntheticTaskError, match=match):
+            make_long_record(random.Random(0), "x", **kwargs)
+
+
+def test_long_documents_chunk_into_whole_facts_and_demonstrate(tokenizer, rollout_cfg):
+    from memrl.data.synthetic import make_length_set
+
+    cfg = rollout_cfg.model_copy(update={"max_chunks": 64})
+    builder = PromptBuilder(tokenizer, cfg)
+    for r in make_length_set(5, 64, seed=0):
+        chunks = document_chunks(tokenizer, cfg, r.context)
+        assert chunks.num_chunks == 64 and not chunks.truncated
+        turns = demonstration_turns(r, tokenizer, builder, cfg, 1.0, random.Random(0))
+        assert len(turns) == 65
+        answer = tokenizer.decode(turns[-1][1], skip_special_tokens=True)
+        assert reward_from_text(answer, r.answers) == 1.0
