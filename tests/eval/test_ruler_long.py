@@ -11,11 +11,16 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import HOTPOT_DEV_FILE, QWEN3_TOKENIZER_DIR
 
 from memrl.config import load_config
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "ruler-hqa-eval.yaml"
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "ruler-hqa-eval.yaml"
+# `from conftest import ...` would find whichever conftest module pytest imported first (tests/engines has
+# its own): the shared data's paths are spelled out here, as tests/conftest.py spells them.
+SHARED_DIR = (REPO / ".." / "shared").resolve()
+QWEN3_TOKENIZER_DIR = SHARED_DIR / "assets" / "qwen3-tokenizer"
+HOTPOT_DEV_FILE = SHARED_DIR / "data" / "hotpotqa" / "hotpot_dev_distractor_first200.json"
 
 
 @pytest.mark.slow
