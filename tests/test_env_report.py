@@ -110,7 +110,7 @@ def test_extras_come_from_pyproject_when_memrl_is_not_installed(monkeypatch):
     monkeypatch.setattr(metadata, "requires", not_installed)
     declared = extras()
     assert declared["hub"]["packages"] == ["datasets"]
-    assert set(declared["all"]["includes"]) == {"serve", "ray", "hub"}
+    assert set(declared["all"]["includes"]) == {"serve", "ray", "hub", "lora", "wandb"}
 
 
 def test_the_all_extra_covers_every_optional_module_memrl_asks_for():
