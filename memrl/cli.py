@@ -94,11 +94,13 @@ def demo_long(
     questions: Annotated[int | None, typer.Option(help="Held-out questions per length (default 400).")] = None,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")] = None,
+    filler: Annotated[bool, typer.Option(
+        help="Train on short documents padded with filler, 1-4 chunks (--no-filler: the demo's own 1-3-chunk task).")] = True,
 ) -> None:
     """Train short, read long: `memrl demo`'s training, then base vs trained EM at each document length."""
     from memrl.demo_long import demo_long_command
 
-    raise typer.Exit(demo_long_command(run_root, quick, list(set_ or []), questions, lengths))
+    raise typer.Exit(demo_long_command(run_root, quick, list(set_ or []), questions, lengths, filler))
 
 
 @app.command()
@@ -392,12 +394,13 @@ def prepare_synthetic_cmd(
     max_chunks: int = typer.Option(3, help="Documents have 1..max_chunks chunks."),
     facts_per_chunk: int = typer.Option(3, help="Facts per chunk (chunk_tokens = 7 x this)."),
     seed: int = typer.Option(0, help="Seed of both streams."),
+    filler: bool = typer.Option(False, help="Pad documents with unrelated facts (memrl demo-long's training task)."),
 ) -> None:
     """Synthetic memory task (the CPU demo's data): facts scattered among distractors."""
     from memrl.data.synthetic import prepare_synthetic
 
     paths = prepare_synthetic(out, num_train=num_train, num_heldout=num_heldout, max_chunks=max_chunks,
-                              facts_per_chunk=facts_per_chunk, seed=seed)
+                              facts_per_chunk=facts_per_chunk, seed=seed, filler=filler)
     for p in paths.values():
         typer.echo(str(p))
 

@@ -51,6 +51,7 @@ class DemoSettings:
     num_heldout: int = 1000
     max_chunks: int = 3
     facts_per_chunk: int = 3
+    filler: bool = False          # documents padded with unrelated facts (memrl.data.synthetic.make_padded_record)
     # model (tiny Qwen3; word-level vocabulary of the task)
     layers: int = 3
     hidden: int = 128
@@ -145,7 +146,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     t = time.perf_counter()
     paths = prepare_synthetic(run_root / "data", num_train=settings.num_train, num_heldout=settings.num_heldout,
                               max_chunks=settings.max_chunks, facts_per_chunk=settings.facts_per_chunk,
-                              seed=settings.seed)
+                              seed=settings.seed, filler=settings.filler)
     train, heldout = load_questions(paths["train"]), load_questions(paths["heldout"])
     heldout_sha = sha256_file(paths["heldout"])
     tokenizer = task_tokenizer()

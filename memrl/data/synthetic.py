@@ -88,10 +88,14 @@ def answer_text(value: str) -> str:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """Size of the task. `chunk_tokens` (for the recipe) holds exactly `facts_per_chunk` facts."""
+    """Size of the task. `chunk_tokens` (for the recipe) holds exactly `facts_per_chunk` facts.
+
+    `filler=True` pads the task with unrelated facts (`make_padded_record`): the training documents of
+    `memrl demo-long`, in which the first chunks often say nothing about the question."""
 
     max_chunks: int = 3
     facts_per_chunk: int = 3
+    filler: bool = False
 
     @property
     def chunk_tokens(self) -> int:
@@ -101,6 +105,8 @@ class TaskSpec:
         if self.max_chunks < 1 or self.facts_per_chunk < 1:
             raise SyntheticTaskError(f"max_chunks ({self.max_chunks}) and facts_per_chunk ({self.facts_per_chunk}) "
                                      "must both be >= 1")
+        if self.filler:
+            return  # filler facts are unbounded; related distractors are capped by make_padded_record
         # Distractors share the entity (other attributes) or the attribute (other entities).
         capacity = (len(ATTRIBUTES) - 1) + (len(ENTITIES) - 1)
         if self.max_chunks * self.facts_per_chunk - 1 > capacity:
@@ -140,6 +146,8 @@ def _record(record_id: str, key: tuple[str, str, str], facts: list[tuple[str, st
 def make_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionRecord:
     """One question and its document, drawn from `rng` (see the module docstring for the rules)."""
     spec.check()
+    if spec.filler:
+        return make_padded_record(rng, spec, record_id)
     attribute = rng.choice(list(ATTRIBUTES))
     entity = rng.choice(ENTITIES)
     value = rng.choice(ATTRIBUTES[attribute])
@@ -193,6 +201,30 @@ def make_long_record(rng: random.Random, record_id: str, *, num_chunks: int, pos
     return _record(record_id, (attribute, entity, value), others, answer_index, facts_per_chunk,
                    answer_position=position, related_distractors=num_related,
                    filler_facts=num_facts - 1 - num_related)
+
+
+# A padded document's related distractors, drawn uniformly. Few enough that 28% of documents (against the
+# short task's 6%) have no fact with the question's attribute in their first chunk (measured on 3,000).
+PADDED_RELATED = (1, 4)
+
+
+def make_padded_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionRecord:
+    """A short document padded with filler (`TaskSpec(filler=True)`): 1..`max_chunks` chunks, `PADDED_RELATED`
+    related distractors (as many as fit), filler for the rest, the answering fact at any position.
+
+    Why (docs/demo.md, "Train short, read long"): in the short task the first chunk almost always holds a
+    fact with the question's attribute, so a reader trained on it learns to commit to a value at its first
+    memory turn and copy it, which at length is a guess (the first chunks of a long document are mostly
+    filler). Here the first chunks often hold nothing with the question's attribute, so committing at once
+    is punished and keeping "unknown" until a matching fact appears pays.
+    """
+    num_chunks = rng.randint(1, spec.max_chunks)
+    num_facts = num_chunks * spec.facts_per_chunk
+    related = rng.randint(min(PADDED_RELATED[0], num_facts - 1), min(PADDED_RELATED[1], num_facts - 1))
+    # Every fact index equally likely for the answer (make_long_record rounds position * (num_facts - 1)).
+    position = rng.randrange(num_facts) / (num_facts - 1) if num_facts > 1 else 0.0
+    return make_long_record(rng, record_id, num_chunks=num_chunks, position=position,
+                            facts_per_chunk=spec.facts_per_chunk, related=related)
 
 
 def make_length_set(n: int, num_chunks: int, seed: int = 0, *, facts_per_chunk: int = 3, related: int = 8,
@@ -304,14 +336,15 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ro
 
 # ---- `memrl prepare-data synthetic` ----------------------------------------------------------------------
 def prepare_synthetic(out: str | Path, *, num_train: int = 2000, num_heldout: int = 200, max_chunks: int = 3,
-                      facts_per_chunk: int = 3, seed: int = 0) -> dict[str, Path]:
-    """Write synthetic_train.jsonl / synthetic_heldout.jsonl and a SHA-256 manifest to `out`."""
+                      facts_per_chunk: int = 3, seed: int = 0, filler: bool = False) -> dict[str, Path]:
+    """Write synthetic_train.jsonl / synthetic_heldout.jsonl and a SHA-256 manifest to `out`
+    (`filler`: documents padded with unrelated facts, `make_padded_record`)."""
     from memrl.data.manifest import write_manifest
     from memrl.data.records import write_jsonl
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = TaskSpec(max_chunks=max_chunks, facts_per_chunk=facts_per_chunk)
+    spec = TaskSpec(max_chunks=max_chunks, facts_per_chunk=facts_per_chunk, filler=filler)
     train, heldout = make_splits(num_train, num_heldout, spec, seed)
     paths = {"train": out / "synthetic_train.jsonl", "heldout": out / "synthetic_heldout.jsonl"}
     write_jsonl(paths["train"], train)
@@ -320,6 +353,6 @@ def prepare_synthetic(out: str | Path, *, num_train: int = 2000, num_heldout: in
                    "memrl prepare-data synthetic",
                    {"task": "synthetic-memory", "num_train": num_train, "num_heldout": num_heldout,
                     "max_chunks": max_chunks, "facts_per_chunk": facts_per_chunk, "seed": seed,
-                    "chunk_tokens": spec.chunk_tokens})
+                    "filler": filler, "chunk_tokens": spec.chunk_tokens})
     return paths
 
