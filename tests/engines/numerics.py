@@ -1,4 +1,5 @@
-"""Tolerances for float32 results computed under different batch shapes, derived from the arithmetic.
+"""The engine tests' sharp tiny model, and tolerances for float32 results computed under different batch
+shapes, derived from the arithmetic.
 
 The same tokens decoded alone, with batch mates, after a mid-batch admission or in a full teacher-forced
 pass reduce in different orders: the CPU/GPU kernels block matrix products by shape, and padding changes
@@ -36,3 +37,21 @@ def logprob_atol(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> fl
     depth = cfg.num_hidden_layers + 1  # the layers and the LM head
     width = max(cfg.hidden_size, getattr(cfg, "intermediate_size", cfg.hidden_size))
     return 2 * FP32_EPS * max(1.0, max_abs_logit(model, prompts)) * depth * math.sqrt(width)
+
+
+def sharp_model(seed: int = 0) -> torch.nn.Module:
+    """A tiny model with peaked, context-dependent next-token distributions (entropy ~1.7 nats).
+
+    Random init gives near-uniform logits that just echo the input token; larger layer weights make
+    the layers matter and a larger final norm sharpens the logits, so top_p and stop tokens bite and
+    numerical errors show in tokens and log-probs.
+    """
+    from memrl.tiny import build_tiny_model, build_tiny_tokenizer
+
+    model = build_tiny_model(len(build_tiny_tokenizer()), seed=seed)
+    with torch.no_grad():
+        for weight in model.model.layers.parameters():
+            if weight.dim() == 2:
+                weight.mul_(10.0)
+        model.model.norm.weight.mul_(30.0)
+    return model

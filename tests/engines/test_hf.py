@@ -11,26 +11,11 @@ import time
 
 import pytest
 import torch
-from numerics import logprob_atol
+from numerics import logprob_atol, sharp_model
 
 from memrl.engines.base import Engine, EngineError, GenerationRequest, GenerationResult, WeightsInMemory
 from memrl.engines.hf import HFEngine, sample_tokens, sampling_log_probs
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model
-
-
-def sharp_model(seed: int = 0) -> torch.nn.Module:
-    """A tiny model with peaked, context-dependent next-token distributions (entropy ~1.7 nats).
-
-    Random init gives near-uniform logits that just echo the input token; larger layer weights make
-    the layers matter and a larger final norm sharpens the logits, so top_p and stop tokens bite.
-    """
-    model = build_tiny_model(len(build_tiny_tokenizer()), seed=seed)
-    with torch.no_grad():
-        for weight in model.model.layers.parameters():
-            if weight.dim() == 2:
-                weight.mul_(10.0)
-        model.model.norm.weight.mul_(30.0)
-    return model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -344,7 +329,6 @@ def test_cuda_float32_log_probs_and_bfloat16_default():
 def test_from_pretrained_pins_the_revision(monkeypatch, tmp_path):
     """A hub id is loaded at the recipe's pinned revision (checked without a download)."""
     import memrl.engines.hf as hf
-    from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 
     seen = {}
     tok = build_tiny_tokenizer()

@@ -11,12 +11,11 @@ import threading
 
 import pytest
 import torch
-from numerics import logprob_atol
+from numerics import logprob_atol, sharp_model
 
 import memrl.engines.hf_batch as hf_batch
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.engines.hf import HFEngine, sampling_log_probs
-from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,15 +25,9 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def model():
-    """Peaked, context-dependent next-token distributions (as in test_hf.py), so errors in the merged
-    cache change tokens and log-probs visibly."""
-    model = build_tiny_model(len(build_tiny_tokenizer()), seed=0)
-    with torch.no_grad():
-        for weight in model.model.layers.parameters():
-            if weight.dim() == 2:
-                weight.mul_(10.0)
-        model.model.norm.weight.mul_(30.0)
-    return model
+    """Peaked, context-dependent next-token distributions, so errors in the merged cache change tokens
+    and log-probs visibly."""
+    return sharp_model()
 
 
 def prompt(i: int, length: int) -> list[int]:

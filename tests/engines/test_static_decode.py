@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from numerics import logprob_atol
+from numerics import logprob_atol, sharp_model
 
 from memrl.config import Config, ConfigError, load_config
 from memrl.engines.base import EngineError, GenerationRequest, WeightsInMemory
 from memrl.engines.factory import build_engine
 from memrl.engines.hf import HFEngine
 from memrl.engines.static_decode import MIN_CAPACITY, length_bucket, slot_bucket
-from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml"
 
@@ -33,17 +32,6 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml"
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     """Every test here runs on one torch thread (the fixture is in tests/engines/conftest.py)."""
-
-
-def sharp_model(seed: int = 0) -> torch.nn.Module:
-    """Peaked, context-dependent next-token distributions (as in test_hf.py): errors show in tokens."""
-    model = build_tiny_model(len(build_tiny_tokenizer()), seed=seed)
-    with torch.no_grad():
-        for weight in model.model.layers.parameters():
-            if weight.dim() == 2:
-                weight.mul_(10.0)
-        model.model.norm.weight.mul_(30.0)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +81,10 @@ def test_static_path_gives_the_dynamic_paths_tokens_and_log_probs(model, continu
     assert engine.static_decoder.storage is None  # closing freed the KV storage
 
 
-def test_a_timed_out_row_leaves_and_its_slot_is_reused(model):
-    engine = HFEngine(model, request_timeout_s=1.0, static_kv="on")
+def test_a_timed_out_row_leaves_and_its_slot_is_reused():
+    # Its own model: the abandoned batch may still be decoding when generate returns, and a decode step
+    # switches the model's attention implementation (an engine owns its model; build_engine copies it).
+    engine = HFEngine(sharp_model(), request_timeout_s=1.0, static_kv="on")
     decoder, seen = engine.static_decoder, []
     original = decoder.forward
 
@@ -110,6 +100,8 @@ def test_a_timed_out_row_leaves_and_its_slot_is_reused(model):
     assert results[0].finish_reason == "error" and "timed out" in results[0].error
     assert results[1].finish_reason == "length" and len(results[1].output_ids) == 5
     assert len(seen) < 40  # the abandoned row left instead of decoding 50 steps
+    assert engine._lock.acquire(timeout=10)  # and its decode thread ends
+    engine._lock.release()
 
 
 def test_cpu_default_is_the_dynamic_path(model):
