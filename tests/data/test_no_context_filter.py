@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from typer.testing import CliRunner
 
 from memrl.data.hotpotqa import read_id_list
 from memrl.data.manifest import verify_manifest
-
-
-@pytest.fixture(scope="module")
-def train_file(shared_dir):
-    path = shared_dir / "data" / "hotpotqa" / "hotpot_train_sample100.json"
-    if not path.is_file():
-        pytest.skip(f"HotpotQA train sample not found at {path}")
-    return path
 
 
 def invoke(*args):

@@ -15,30 +15,6 @@ from memrl.data.ruler_hqa import RULER_LAYOUTS, load_ruler_file
 FILES = ["hotpotqa_train.jsonl", "hotpotqa_heldout.jsonl", "train_ids.txt", "heldout_ids.txt", "manifest.json"]
 
 
-@pytest.fixture(scope="module")
-def app():
-    """The `memrl` app itself: its handler turns expected errors into one line and exit 2."""
-    from memrl.cli import app
-
-    return app
-
-
-@pytest.fixture(scope="module")
-def train_file(shared_dir):
-    path = shared_dir / "data" / "hotpotqa" / "hotpot_train_sample100.json"
-    if not path.is_file():
-        pytest.skip(f"HotpotQA train sample not found at {path}")
-    return path
-
-
-@pytest.fixture(scope="module")
-def dev_file(shared_dir):
-    path = shared_dir / "data" / "hotpotqa" / "hotpot_dev_distractor_first200.json"
-    if not path.is_file():
-        pytest.skip(f"HotpotQA dev records not found at {path}")
-    return path
-
-
 def invoke(app, *args, env=None):
     return CliRunner().invoke(app, ["prepare-data", *map(str, args)], env=env)
 
