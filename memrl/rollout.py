@@ -136,10 +136,16 @@ def record_weight_version(out: RolloutOutput, version: int | None) -> RolloutOut
 
 def turn_log_records(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]]:
     """Each turn as the logs keep it (training rollout logs, eval results, read by `memrl view`): kind,
-    token lengths, finish reason and the decoded response (a memory turn's: the memory it wrote, before any re-cut)."""
+    token lengths, finish reason and the decoded response (a memory turn's: the memory it wrote, before any re-cut).
+    Training decoded the responses once already (`memrl.rl.turn_rewards.score_turns`, `metadata["turn_texts"]`)."""
+    texts = traj.metadata.get("turn_texts") or [decode_response(t, tokenizer) for t in traj.turns]
     return [{"kind": t.kind, "prompt_length": len(t.prompt_ids), "response_length": t.response_length,
-             "finish_reason": t.finish_reason, "text": tokenizer.decode(t.response_ids, skip_special_tokens=True)}
-            for t in traj.turns]
+             "finish_reason": t.finish_reason, "text": text} for t, text in zip(traj.turns, texts, strict=True)]
+
+
+def decode_response(turn: Any, tokenizer: Any) -> str:
+    """A turn's response as text: what the logs show and what per-turn rewards read."""
+    return tokenizer.decode(turn.response_ids, skip_special_tokens=True)
 
 
 def rows_per_trajectory(cfg: Any) -> int:

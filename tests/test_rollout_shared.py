@@ -85,3 +85,21 @@ def test_evaluation_recipes_need_no_queue_keys():
         assert "queue" not in (root / name).read_text()
         cfg = load_config(root / name)
         assert rows_per_trajectory(cfg) == cfg.rollout.max_chunks + 1
+
+
+def test_turn_logs_reuse_the_texts_training_decoded_once():
+    from memrl.rl.turn_rewards import score_turns
+    from memrl.rollout import turn_log_records
+
+    class CountingTokenizer:
+        calls = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            self.calls += 1
+            return " ".join(map(str, ids))
+
+    tok, t = CountingTokenizer(), traj("g", 0)
+    assert [r["text"] for r in turn_log_records(t, tok)] == ["3", "3"] and tok.calls == 2  # no scores yet: decodes
+    score_turns([t], tok, Config().algorithm)
+    tok.calls = 0
+    assert [r["text"] for r in turn_log_records(t, tok)] == ["3", "3"] and tok.calls == 0

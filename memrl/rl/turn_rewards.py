@@ -16,6 +16,7 @@ from typing import Any
 
 from memrl.config import import_object
 from memrl.memagent.reward import gold_in_text
+from memrl.rollout import decode_response
 from memrl.types import Trajectory
 
 
@@ -29,7 +30,7 @@ def score_turns(trajectories: Sequence[Trajectory], tokenizer: Any, algorithm: A
     reward_fn = load_turn_reward(algorithm.turn_reward_function) if algorithm.turn_reward_function else None
     hits: dict[int, list[float]] = {}
     for traj in trajectories:
-        texts = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in traj.turns]
+        texts = [decode_response(t, tokenizer) for t in traj.turns]
         traj.metadata["turn_texts"] = texts
         golds = list(traj.metadata.get("golds") or [])
         if reward_fn is not None:

@@ -162,7 +162,9 @@ def trajectory_log_record(traj: Trajectory, tokenizer: Any, advantage: float | N
 
 def _trajectory_advantages(cfg: Config, trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """GRPO advantage per trajectory id, for the logs (the rows carry the per-turn credit); empty when a
-    custom task's trajectories have no reward to compute it from."""
+    custom task's trajectories have no reward to compute it from. Recomputed with the converter's own
+    functions rather than handed over: a converter never writes to the trajectories (a test pins it), and
+    under Ray the rows stay on the workers."""
     algorithm = cfg.algorithm
     try:
         return trajectory_advantages(trajectories, std_normalize=algorithm.std_normalize, eps=algorithm.eps,
