@@ -509,20 +509,6 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _algorithm_runs_here(self) -> Config:
-        a, t = self.algorithm, self.train
-        if a.filter_groups and t.runtime == "ray":
-            raise ValueError("algorithm.filter_groups (dynamic sampling) runs with train.runtime = 'local' for now (its "
-                             "further generation batches are not sent to Ray rollout workers); set "
-                             "algorithm.filter_groups = false or train.runtime = 'local'")
-        per_trajectory = a.loss_mode == "gspo" or a.rollout_is == "sequence" or a.rollout_rs in ("sequence", "geometric")
-        if per_trajectory and t.runtime == "ray" and t.dp_size > 1:
-            raise ValueError("algorithm.loss_mode = gspo and sequence-level rollout_is / rollout_rs sum log-ratios over a "
-                             "trajectory's rows, which data-parallel trainer processes do not exchange yet; use "
-                             "train.dp_size = 1 on Ray (or train.runtime = 'local'), or token-level options")
-        return self
-
-    @model_validator(mode="after")
     def _fsdp_needs_workers(self) -> Config:
         if self.train.strategy == "fsdp" and self.train.runtime != "ray":
             raise ValueError("train.strategy = 'fsdp' shards the model across Ray trainer workers; set "

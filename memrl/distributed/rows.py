@@ -26,10 +26,12 @@ class RowFetchError(RuntimeError):
 
 @dataclass(frozen=True)
 class RowRef:
-    """Row `index` of the list of rows held in the object store under `slice_ref`."""
+    """Row `index` of the list of rows held in the object store under `slice_ref`; `group_id` is the row's
+    prompt group, so the driver can keep or drop a group's rows without fetching them (dynamic sampling)."""
 
     slice_ref: Any  # ray.ObjectRef of a list[TrainRow]
     index: int
+    group_id: str = ""
 
 
 def put_rows(rows: list[TrainRow]) -> list[RowRef]:
@@ -37,7 +39,7 @@ def put_rows(rows: list[TrainRow]) -> list[RowRef]:
     import ray
 
     ref = ray.put(rows)
-    return [RowRef(ref, k) for k in range(len(rows))]
+    return [RowRef(ref, k, row.group_id) for k, row in enumerate(rows)]
 
 
 def is_streamed(rows: Sequence[Any]) -> bool:

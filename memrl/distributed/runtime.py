@@ -198,12 +198,15 @@ class RolloutPool:
                           settings.startup_timeout_s, "rollout worker start")
         self.names = [f"{n} (pid {pids[n]})" for n in names]
 
-    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
-        """The step's batch cut into contiguous slices, one per worker, merged back in batch order."""
+    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,
+                 slot_offset: int = 0) -> RolloutOutput:
+        """The batch cut into contiguous slices, one per worker, merged back in batch order; `slot_offset`
+        is the batch's first slot in the step (dynamic sampling's further batches start after the first)."""
         n = min(len(self.workers), len(records))
         bounds = [k * len(records) // n for k in range(n + 1)]
         refs = {self.names[k]: self.workers[k].generate.remote(rollout_id, list(records[bounds[k]:bounds[k + 1]]),
-                                                                bounds[k], weight_version) for k in range(n)}
+                                                                slot_offset + bounds[k], weight_version)
+                for k in range(n)}
         results = wait_named(refs, self.settings.rollout_timeout_s, f"rollout {rollout_id}: generate")
         return merge_rollout_outputs([results[self.names[k]] for k in range(n)])
 

@@ -21,6 +21,8 @@ and request seeds are distinct from the step's first batch.
 
 Row accounting stays exact: a task that expands trajectories (`train_row_count` not None) must expand to
 one row per turn, so the kept groups' row count is the sum of their turns (checked, per generation batch).
+Where the batches arrive already converted (`RolloutOutput.rows`: a Ray run's rollout workers convert their
+slices and hand over row references), the kept groups' rows are kept with them, by `group_id`.
 """
 
 from __future__ import annotations
@@ -119,7 +121,23 @@ def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int
     })
     row_count = None if one_to_one else sum(t.num_turns for t in trajectories)
     dropped = [t for o in outs for t in o.dropped] + left_out
-    return RolloutOutput(trajectories=trajectories, metrics=metrics, train_row_count=row_count, dropped=dropped)
+    return RolloutOutput(trajectories=trajectories, metrics=metrics, train_row_count=row_count, dropped=dropped,
+                         rows=_rows_of_groups(outs, [g[0].group_id for g in kept]))
+
+
+def _rows_of_groups(outs: Sequence[RolloutOutput], group_ids: Sequence[str]) -> list | None:
+    """The converted rows of `group_ids`, group by group in that order; None when the batches came
+    unconverted (the loop converts the kept trajectories then)."""
+    if all(o.rows is None for o in outs):
+        return None
+    if any(o.rows is None for o in outs):
+        raise DynamicSamplingError("some generation batches of the step came converted (rows) and some did not; "
+                                   "a rollout source must hand over rows for every batch or for none")
+    by_group: dict[str, list] = {}
+    for out in outs:
+        for row in out.rows:
+            by_group.setdefault(row.group_id, []).append(row)
+    return [row for g in group_ids for row in by_group.get(g, [])]
 
 
 def _checked(out: RolloutOutput, batch: int, one_to_one: bool) -> RolloutOutput:

@@ -489,18 +489,34 @@ class Actor:
         ids = [[r.trajectory_id for r in rows] for rows, _ in work]
         masks = [mb.loss_mask for mb in built]
         if correction is not None and correction.needs_trajectory_totals:
-            totals = trajectory_totals([o - mb.rollout_log_probs for o, mb in zip(old_log_probs, built, strict=True)],
-                                       masks, ids)
+            totals = self._world_totals(trajectory_totals(
+                [o - mb.rollout_log_probs for o, mb in zip(old_log_probs, built, strict=True)], masks, ids))
             for k, row_ids in enumerate(ids):
                 terms[k]["rc_sum"], terms[k]["rc_tokens"] = per_row(totals, row_ids, self.device)
         if a.loss_mode == "gspo":
             # The first step's old log-probs are the current policy's: its mean log-ratio is 0 (no pass).
             current = old_log_probs if fresh_old else self._old_log_probs(shares)
-            totals = trajectory_totals([c - o for c, o in zip(current, old_log_probs, strict=True)], masks, ids)
+            totals = self._world_totals(
+                trajectory_totals([c - o for c, o in zip(current, old_log_probs, strict=True)], masks, ids))
             for k, row_ids in enumerate(ids):
                 total, count = per_row(totals, row_ids, self.device)
                 terms[k]["gspo"] = torch.where(count > 0, total / count.clamp(min=1), 0.0)
         return terms
+
+    def _world_totals(self, totals: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        """Per-trajectory (sum, count) over every rank's rows: the planner deals rows to ranks by tokens, so
+        one trajectory's rows may be trained on different ranks. One small object gather per optimizer step
+        (a float pair per trajectory), only when an option needs trajectory totals."""
+        if self.world_size == 1:
+            return totals
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, totals)
+        merged: dict[str, tuple[float, float]] = {}
+        for part in gathered:
+            for tid, (total, count) in part.items():
+                old = merged.get(tid, (0.0, 0.0))
+                merged[tid] = (old[0] + total, old[1] + count)
+        return merged
 
     def _optimizer_step(self, shares: list[RankShare], rollout_id: int,
                         old_log_probs: list[Tensor] | None = None, fresh_old: bool = False) -> dict[str, float]:

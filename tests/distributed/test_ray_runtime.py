@@ -136,6 +136,43 @@ def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_
     assert time.monotonic() - start < cfg.ray.train_timeout_s / 2
 
 
+def test_trajectory_level_options_on_two_ranks_give_the_single_process_weights(tokenizer, handles):
+    # GSPO and sequence-level rollout correction sum log-ratios over a trajectory's rows, which the planner
+    # may deal to different ranks: the ranks exchange their per-trajectory totals, so two ranks train as one.
+    from memrl.train.actor import plan_rollout
+
+    algorithm = {"loss_mode": "gspo", "rollout_is": "sequence", "rollout_is_threshold": 1.5,
+                 "rollout_rs": "geometric", "rollout_rs_threshold": 1.05}
+
+    def with_options(cfg):
+        for key, value in algorithm.items():
+            setattr(cfg.algorithm, key, value)
+        return cfg
+
+    train = {"pad_to_dp": True, "num_optimizer_steps": 2, "micro_batch_tokens": 40}
+    rows = random_rows(len(tokenizer), n_groups=4, seed=3)
+    # Engine log-probs near the trainer's (ratios near 1, as in a real run), so partial and whole trajectory
+    # sums give different weights and masks: far-off random ones would mask or zero every trajectory alike.
+    rng = random.Random(4)
+    for row, logp in zip(rows, Actor(tiny(tokenizer), config(**train), pad_token_id=0).log_probs(rows), strict=True):
+        row.rollout_log_probs = [x + rng.uniform(-0.3, 0.3) for x in logp]
+    cfg = with_options(config(dp_size=2, runtime="ray", **train))
+    plan = plan_rollout(rows, cfg, 0, 0)
+    on_rank = [{r.trajectory_id for step in plan for mb in step[k].micro_batches for r in mb if r.loss_mask[0]}
+               for k in (0, 1)]
+    assert on_rank[0] & on_rank[1], "the test needs a trajectory whose rows are trained on both ranks"
+    group = trainer_group(cfg, tokenizer, handles, tiny(tokenizer))
+    metrics = group.train_rollout(rows, 0)
+    one = Actor(tiny(tokenizer), with_options(config(**train)), pad_token_id=0)
+    expected = one.train_rollout(rows, 0)
+    assert metrics["loss/total"] == pytest.approx(expected["loss/total"], abs=1e-6)
+    assert 0 < expected["rollout_corr/rs_masked_fraction"] < 1  # the mask has work, and leaves rows to train
+    assert metrics["rollout_corr/rs_masked_fraction"] == pytest.approx(expected["rollout_corr/rs_masked_fraction"])
+    trained = group.state_dict()
+    for name, value in one.model.state_dict().items():
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0, msg=name)
+
+
 def test_rollout_workers_dead_or_hung_fail_the_step_within_their_timeout(tokenizer, handles):
     cfg = config(plugins={"generate_function": "ray_test_plugins:generate_or_hang"},
                  ray_section={"num_rollout_workers": 2, "rollout_timeout_s": 60})
@@ -338,3 +375,32 @@ def test_overlapped_ray_run_streams_row_references_and_matches_the_one_process_p
     want = weights(tmp_path / "local")
     for name, value in weights(tmp_path / "ray").items():
         torch.testing.assert_close(value, want[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_on_two_rollout_workers_matches_one_process(cluster, tokenizer, tmp_path):
+    # algorithm.filter_groups on Ray: the further generation batches go to the rollout workers (slots after
+    # the step's batch), the kept groups' row references go to the ranks, and the run equals one process's.
+    def filtered(cfg):
+        cfg.rollout.n_samples = 2  # groups of 2 under the parity reward: about half have equal rewards
+        cfg.algorithm.filter_groups, cfg.algorithm.over_sampling_batch_size = True, 2
+        cfg.algorithm.max_num_gen_batches = 6
+        return cfg
+
+    common = {"num_rollout": 2, "save_interval": 2, "rollout_batch_size": 2, "dp_size": 2, "pad_to_dp": True}
+    local = Trainer(filtered(config(**common)), TrainOptions(run_root=tmp_path / "local", progress=False),
+                    model=tiny(tokenizer), tokenizer=tokenizer, records=records()).run()
+    ray_run = run_ray_training(filtered(config(ray_section={"num_rollout_workers": 2}, runtime="ray", **common)),
+                               TrainOptions(run_root=tmp_path / "ray", progress=False),
+                               model=tiny(tokenizer), tokenizer=tokenizer, records=records())
+    assert sum(m["dynamic_sampling/groups_filtered_equal_reward"] for m in local) > 0  # the filter had work
+    for got, want in zip(ray_run, local, strict=True):
+        for key in ("dynamic_sampling/generation_batches", "dynamic_sampling/groups_kept",
+                    "dynamic_sampling/groups_filtered_equal_reward", "reward/mean"):
+            assert got[key] == want[key], key
+        assert got["rows/saved"] == got["rows/transferred"] == got["rows/consumed"] == want["rows/consumed"]
+        assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-6)
+    trained = [{json.loads(line)["group_id"] for line in
+                (root / "logs" / "rollouts" / "rollout_0000001.jsonl").read_text().splitlines()
+                if json.loads(line)["advantage"] is not None} for root in (tmp_path / "local", tmp_path / "ray")]
+    assert trained[0] == trained[1]

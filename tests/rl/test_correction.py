@@ -89,8 +89,6 @@ def test_rollout_correction_config():
     with pytest.raises(ConfigError, match="empty range"):
         config_from_dict({"algorithm": {"rollout_rs": "token", "rollout_rs_threshold": 2.0,
                                         "rollout_rs_threshold_lower": 3.0}})
-    with pytest.raises(ConfigError, match="dp_size"):
-        config_from_dict({"algorithm": {"loss_mode": "gspo"}, "train": {"runtime": "ray", "dp_size": 2}})
 
 
 def test_trajectory_totals_add_up_over_micro_batches():

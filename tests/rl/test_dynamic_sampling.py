@@ -86,8 +86,25 @@ def test_extra_chunks_are_a_pure_function_of_rollout_and_chunk():
     assert [data.batch(r) for r in range(4)] == main  # the main cursor never moves
 
 
-def test_the_ray_runtime_is_refused_with_the_fix():
-    from memrl.config import ConfigError, config_from_dict
+def test_batches_converted_where_they_were_made_keep_the_kept_groups_rows():
+    # A Ray run's rollout workers convert their slices: the rows (references there) arrive with the batches,
+    # and the step keeps exactly the rows of the groups it keeps, group by group in the kept order.
+    from dataclasses import dataclass
 
-    with pytest.raises(ConfigError, match="filter_groups"):
-        config_from_dict({"algorithm": {"filter_groups": True}, "train": {"runtime": "ray"}})
+    @dataclass
+    class Ref:
+        group_id: str
+        index: int
+
+    def converted(out):
+        out.rows = [Ref(t.group_id, k) for k, t in enumerate(t for t in out.trajectories for _ in t.turns)]
+        return out
+
+    first = converted(rollout("a", [[0, 0], [0, 1]]))
+    more, _ = scripted([converted(rollout("b", [[1, 0], [1, 1]]))])
+    out = sample_informative_groups(first, more, GroupFilter(target_groups=2, max_gen_batches=3))
+    assert [r.group_id for r in out.rows] == ["ag1"] * 4 + ["bg0"] * 4
+    assert len(out.rows) == out.train_row_count
+    plain = rollout("c", [[1, 0]])
+    with pytest.raises(DynamicSamplingError, match="rows for every batch"):
+        sample_informative_groups(converted(rollout("a", [[0, 0]])), scripted([plain])[0], GroupFilter(1, 2))
