@@ -242,8 +242,8 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
         lines.append(f"yardstick: two seeds of the local path differ by {abs(seed_pair['sub_em_diff_pp']):.1f} pp sub_EM, "
                      f"{abs(seed_pair['em_diff_pp']):.1f} pp EM")
     ts = summary["times_s"]
-    lines += ["", f"time: {ts['total_s'] / 60:.1f} min (" + ", ".join(f"{k} {v / 60:.1f}" for k, v in ts.items()
-                                                                    if k != "total_s") + f"). Results in {run_root}: "
+    stages = ", ".join(f"{k.removesuffix('_s')} {v / 60:.1f}" for k, v in ts.items() if k != "total_s")
+    lines += ["", f"time: {ts['total_s'] / 60:.1f} min (minutes: {stages}). Results in {run_root}: "
               "compare/report.md, consistency_summary.json, <run>/train, <run>/eval"]
     return "\n".join(lines)
 
