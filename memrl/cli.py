@@ -103,6 +103,25 @@ def demo_long(
     raise typer.Exit(demo_long_command(run_root, quick, list(set_ or []), questions, lengths, filler))
 
 
+@app.command("demo-consistency")
+def demo_consistency(
+    run_root: Annotated[Path, typer.Option(help="Output folder (new or empty).")] = Path("runs/demo-consistency"),
+    quick: Annotated[bool, typer.Option(help="The quick demo's sizes instead of the full demo's.")] = False,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml) of all three runs: "
+        "section.key=value.")] = None,
+    seed_offset: Annotated[int, typer.Option(
+        help="local-seed2 trains with train.seed and rollout.seed this much above the other runs'.")] = 1,
+    max_abs_diff: Annotated[list[str] | None, typer.Option(
+        "--max-abs-diff", help="METRIC=POINTS limit on |local - ray| (repeat; default sub_em=3).")] = None,
+) -> None:
+    """Two training paths agree: one base trained locally, on Ray (2+2 workers, overlapped) and with a 2nd seed."""
+    from memrl.demo_consistency import demo_consistency_command
+
+    raise typer.Exit(demo_consistency_command(run_root, quick, list(set_ or []), seed_offset,
+                                              list(max_abs_diff or [])))
+
+
 @app.command()
 def sft(
     model: Annotated[str, typer.Option(help="Model folder to warm-start.")],

@@ -117,31 +117,31 @@ def _window_means(rewards: list[float], window: int = 10) -> tuple[float, float,
     return sum(rewards[:w]) / w, sum(rewards[-w:]) / w, w
 
 
-def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = True) -> dict[str, Any]:
-    """Run every stage into `run_root` (which must be new or empty); returns the summary (also
-    written to run_root/demo_summary.json)."""
+@dataclass
+class WarmStart:
+    """The demo's stages 1-2: its data and the warm-started base (shared by `memrl demo-consistency`)."""
+
+    paths: dict[str, Path]
+    train: list
+    heldout: list
+    heldout_sha: str
+    tokenizer: Any
+    model: torch.nn.Module
+    seconds: float
+
+
+def warm_start(run_root: Path, settings: DemoSettings, cfg: Config, progress: bool = True) -> WarmStart:
+    """Seed, write the synthetic data into run_root/data and warm-start the base (run_root/sft/*), exactly as
+    `run_demo` does: the same calls in the same order, so the same RNG draws and the same base."""
     from memrl.data.manifest import sha256_file
     from memrl.data.records import load_questions
     from memrl.data.synthetic import demonstration_turns, prepare_synthetic, task_tokenizer
-    from memrl.eval.compare import compare_results
     from memrl.memagent.prompts import PromptBuilder
     from memrl.tiny import build_tiny_model
-    from memrl.train.controller import Trainer, TrainOptions
-    from memrl.train.report import write_report
     from memrl.train.setup import seed_everything
     from memrl.train.sft import SFTOptions, run_sft
-    from memrl.viewer.build import write_viewer
 
-    run_root = Path(run_root)
-    if run_root.exists() and any(run_root.iterdir()):
-        raise DemoError(f"{run_root} is not empty; pass a new --run-root (or delete the old run)")
-    run_root.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    times: dict[str, float] = {}
-    cfg = demo_config(settings, data_dir=run_root / "data")
-    (run_root / "demo_settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
     seed_everything(settings.seed)
-
     # 1. Data: training and held-out questions from disjoint streams, with a SHA-256 manifest.
     t = time.perf_counter()
     paths = prepare_synthetic(run_root / "data", num_train=settings.num_train, num_heldout=settings.num_heldout,
@@ -170,7 +170,39 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
         run_sft(model, tokenizer, cfg, demos,
                 SFTOptions(epochs=settings.sft_epochs, batch_size=settings.sft_batch_size, lr=settings.sft_lr,
                            seed=settings.seed, progress=progress), out_dir=run_root / phase)
-    times["data+sft_s"] = time.perf_counter() - t
+    return WarmStart(paths, train, heldout, heldout_sha, tokenizer, model, time.perf_counter() - t)
+
+
+def grpo_records(settings: DemoSettings, train: Sequence[Any]) -> Sequence[Any]:
+    """The GRPO questions: training questions the warm start never saw, so the reward curve is not
+    inflated by demonstrations the base may have memorized."""
+    start = settings.sft_clean_demos + settings.sft_demos
+    if len(train) - start < settings.rollout_batch_size:
+        raise DemoError(f"num_train ({settings.num_train}) leaves {max(0, len(train) - start)} questions for GRPO "
+                        f"after {start} warm-start demonstrations; raise num_train")
+    return train[start:]
+
+
+def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = True) -> dict[str, Any]:
+    """Run every stage into `run_root` (which must be new or empty); returns the summary (also
+    written to run_root/demo_summary.json)."""
+    from memrl.eval.compare import compare_results
+    from memrl.train.controller import Trainer, TrainOptions
+    from memrl.train.report import write_report
+    from memrl.viewer.build import write_viewer
+
+    run_root = Path(run_root)
+    if run_root.exists() and any(run_root.iterdir()):
+        raise DemoError(f"{run_root} is not empty; pass a new --run-root (or delete the old run)")
+    run_root.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    times: dict[str, float] = {}
+    cfg = demo_config(settings, data_dir=run_root / "data")
+    (run_root / "demo_settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
+    base = warm_start(run_root, settings, cfg, progress)
+    paths, train, heldout, heldout_sha = base.paths, base.train, base.heldout, base.heldout_sha
+    tokenizer, model = base.tokenizer, base.model
+    times["data+sft_s"] = base.seconds
 
     # 3. Held-out evaluation of the base.
     t = time.perf_counter()
@@ -179,14 +211,8 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
 
     # 4. GRPO through the real training controller (queue, converter, checkpoints, logs).
     t = time.perf_counter()
-    # GRPO questions are training questions the warm start never saw, so the reward curve is not
-    # inflated by demonstrations the base may have memorized.
-    grpo_records = train[settings.sft_clean_demos + settings.sft_demos:]
-    if len(grpo_records) < settings.rollout_batch_size:
-        raise DemoError(f"num_train ({settings.num_train}) leaves {len(grpo_records)} questions for GRPO after "
-                        f"{settings.sft_clean_demos + settings.sft_demos} warm-start demonstrations; raise num_train")
     trainer = Trainer(cfg, TrainOptions(run_root=run_root / "train", progress=progress),
-                      model=copy.deepcopy(model), tokenizer=tokenizer, records=grpo_records)
+                      model=copy.deepcopy(model), tokenizer=tokenizer, records=grpo_records(settings, train))
     history = trainer.run()
     trained_model = trainer.parts.policy.merged_model().eval()  # with model.lora: base + adapters, merged
     trained_model.save_pretrained(run_root / "trained_model")
