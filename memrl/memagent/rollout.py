@@ -108,7 +108,12 @@ GOLD_EXCERPT_CHARS = 80
 def chunk_gold_hits(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) -> list[list[list[Any]]]:
     """Where the gold answers occur in each chunk (`memrl.scoring.gold_spans`), recorded with the
     trajectory because logs keep no chunk text: per chunk, one `[gold index, occurrences, excerpt, start,
-    end]` per gold found, the excerpt around its first occurrence and `start:end` the gold within it."""
+    end]` per gold found, the excerpt around its first occurrence and `start:end` the gold within it.
+
+    Once per question (not per sample), on the rollout's event loop. Cost, measured with the Qwen3 tokenizer
+    on real HotpotQA text (2048-token chunks, golds present in half the chunks, 2 loaded cores): 34 ms for 4
+    chunks, 0.3 s for 64 (a decode and a lowercase pass per chunk; the word-by-word pass only where the
+    exact pre-check finds every gold word) - small against generating those chunks' memory turns."""
     hits = []
     for chunk in chunks.chunks:
         text = tokenizer.decode(chunk, skip_special_tokens=True)
