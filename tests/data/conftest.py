@@ -13,17 +13,18 @@ def app():
     return app
 
 
+def _hotpot_file(shared_dir, name: str, what: str):
+    path = shared_dir / "data" / "hotpotqa" / name
+    if not path.is_file():
+        pytest.skip(f"{what} not found at {path}")
+    return path
+
+
 @pytest.fixture(scope="module")
 def train_file(shared_dir):
-    path = shared_dir / "data" / "hotpotqa" / "hotpot_train_sample100.json"
-    if not path.is_file():
-        pytest.skip(f"HotpotQA train sample not found at {path}")
-    return path
+    return _hotpot_file(shared_dir, "hotpot_train_sample100.json", "HotpotQA train sample")
 
 
 @pytest.fixture(scope="module")
 def dev_file(shared_dir):
-    path = shared_dir / "data" / "hotpotqa" / "hotpot_dev_distractor_first200.json"
-    if not path.is_file():
-        pytest.skip(f"HotpotQA dev records not found at {path}")
-    return path
+    return _hotpot_file(shared_dir, "hotpot_dev_distractor_first200.json", "HotpotQA dev records")
