@@ -58,8 +58,8 @@ from memrl.train.setup import (
     checkpoint_state,
     load_policy,
     pad_token_id,
-    rows_of,
     run_start,
+    score_rollout,
     start_rollout_id,
     trainer_device,
 )
@@ -318,13 +318,14 @@ class Trainer:
         try:
             with timer("rollout"):
                 version = self._version_of(rollout_id)
-                out = parts.rollout.generate(rollout_id, parts.data.batch(rollout_id), weight_version=version)
+                out = self._scored(parts.rollout.generate(rollout_id, parts.data.batch(rollout_id),
+                                                          weight_version=version))
                 # A replay reads the step's saved rollout, which was filtered when it was generated.
                 if self.cfg.algorithm.filter_groups and not isinstance(parts.rollout, ReplayRollout):
                     out = self._sample_informative_groups(rollout_id, out, version)
             with timer("convert"):  # a source that converted where it generated hands over its rows
-                rows = out.rows if out.rows is not None else rows_of(out, parts.tokenizer, self.cfg.algorithm,
-                                                                     parts.convert, rollout_id)
+                rows = out.rows if out.rows is not None else parts.convert(out.trajectories, self.cfg.algorithm,
+                                                                           rollout_id)
             # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
             expected = out.train_row_count if out.train_row_count is not None else len(out.trajectories)
             if len(rows) != expected:
@@ -337,6 +338,11 @@ class Trainer:
             raise
         return out, rows, dict(timer.seconds)
 
+    def _scored(self, out: RolloutOutput) -> RolloutOutput:
+        """`out` with its per-turn scores (`score_rollout`), unless its source converted it where it was
+        generated (a Ray rollout worker scores before it converts)."""
+        return out if out.rows is not None else score_rollout(out, self.parts.tokenizer, self.cfg.algorithm)
+
     def _sample_informative_groups(self, rollout_id: int, first: RolloutOutput, version: int) -> RolloutOutput:
         """Dynamic sampling (memrl/rl/dynamic_sampling.py): chunk k takes the slots after the step's batch and
         the chunks before it, so its group ids and request seeds are its own."""
@@ -345,8 +351,8 @@ class Trainer:
 
         def generate_more(chunk: int) -> RolloutOutput:
             records = self.parts.data.extra_batch(rollout_id, chunk, size)
-            return self.parts.rollout.generate(rollout_id, records, weight_version=version,
-                                               slot_offset=t.rollout_batch_size + (chunk - 1) * size)
+            return self._scored(self.parts.rollout.generate(rollout_id, records, weight_version=version,
+                                                            slot_offset=t.rollout_batch_size + (chunk - 1) * size))
 
         return sample_informative_groups(first, generate_more, GroupFilter(
             t.rollout_batch_size, a.max_num_gen_batches, t.num_optimizer_steps))

@@ -126,14 +126,20 @@ class Plugins:
                    import_object(p.reward_function))
 
 
-def rows_of(out: Any, tokenizer: Any, algorithm: Any, convert: Callable[..., Any], rollout_id: int) -> list[Any]:
-    """A rollout's training rows, wherever it is converted (the loop, or a Ray rollout worker for its slice):
-    per-turn scores first (`memrl.rl.turn_rewards`: memory recall metrics into `out.metrics`, turn rewards
-    for the advantage), then the configured converter."""
+def score_rollout(out: Any, tokenizer: Any, algorithm: Any) -> Any:
+    """Per-turn scores of one generation batch, where it was generated and before dynamic sampling keeps
+    some of its groups (`memrl.rl.turn_rewards`: the memory-recall metrics into `out.metrics`, so they are
+    the whole batch's like every other metric of the step; turn texts and rewards for the advantage)."""
     from memrl.rl.turn_rewards import score_turns
 
     out.metrics.update(score_turns(out.trajectories, tokenizer, algorithm))
-    return convert(out.trajectories, algorithm, rollout_id)
+    return out
+
+
+def rows_of(out: Any, tokenizer: Any, algorithm: Any, convert: Callable[..., Any], rollout_id: int) -> list[Any]:
+    """A Ray rollout worker's rows of its slice: scored (`score_rollout`), then the configured converter. The
+    loop does the same in two steps, scoring each batch as it arrives and converting the groups it keeps."""
+    return convert(score_rollout(out, tokenizer, algorithm).trajectories, algorithm, rollout_id)
 
 
 def start_rollout_id(loaded_state: dict[str, Any] | None, requested: int | None) -> int:

@@ -213,9 +213,15 @@ def even_question_reward(traj, golds):
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
-def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path, max_staleness):
+def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path, max_staleness, monkeypatch):
     """algorithm.filter_groups, on the synchronous loop and the overlapped pipeline: the trained groups all
-    carry a signal, the step has rollout_batch_size of them, and the row ledger counts exactly their rows."""
+    carry a signal, the step has rollout_batch_size of them, and the row ledger counts exactly their rows.
+    Every generation batch is scored whole before the filter (the memory curve is the batch's, as on Ray)."""
+    import memrl.train.controller as controller
+
+    scored, real_score = [], controller.score_rollout
+    monkeypatch.setattr(controller, "score_rollout",
+                        lambda out, *a: (scored.append({t.group_id for t in out.trajectories}), real_score(out, *a))[1])
     cfg = config(rollout_batch_size=2, max_staleness=max_staleness)
     cfg.plugins.reward_function = f"{__name__}:even_question_reward"
     cfg.algorithm.filter_groups, cfg.algorithm.over_sampling_batch_size, cfg.algorithm.max_num_gen_batches = True, 2, 8
@@ -236,6 +242,8 @@ def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path,
         assert m["dynamic_sampling/generation_batches"] >= 2
         assert 0 <= m["memory/gold_recall/turn_0"] <= 1  # logged every step, used as a reward or not
     assert any(":2:" in g or ":3:" in g for rows in captured for g in {r.group_id for r in rows})  # chunk slots
+    trained = {r.group_id for rows in captured for r in rows}
+    assert trained <= set().union(*scored) and set().union(*scored) - trained  # filtered groups were scored too
 
 
 def parity_turn_reward(turn, trajectory, golds):
