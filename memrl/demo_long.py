@@ -248,6 +248,16 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
     ])
 
 
+def long_settings(quick: bool = False, overrides: Sequence[str] = (), questions_per_length: int | None = None,
+                  lengths: Sequence[int] | None = None, filler: bool = True) -> LongDemoSettings:
+    """The settings `memrl demo-long` runs with; `filler=False` trains on the demo's own task, as `memrl demo`."""
+    base = LONG_QUICK if quick else LONG_FULL
+    train = base.train if filler else (QUICK if quick else FULL)
+    return replace(base, train=replace(train, overrides=tuple(overrides)),
+                   questions_per_length=base.questions_per_length if questions_per_length is None else questions_per_length,
+                   lengths=tuple(lengths) if lengths else base.lengths)
+
+
 def demo_long_command(run_root: Path, quick: bool = False, overrides: Sequence[str] = (),
                       questions_per_length: int | None = None, lengths: Sequence[int] | None = None,
                       filler: bool = True) -> int:
@@ -261,11 +271,7 @@ def demo_long_command(run_root: Path, quick: bool = False, overrides: Sequence[s
     logging.getLogger("memrl").setLevel(logging.WARNING)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # as `memrl demo` (memrl.demo.demo_command): a tiny model, one thread is fastest
-    base = LONG_QUICK if quick else LONG_FULL
-    train = base.train if filler else replace(base.train, filler=False, max_chunks=(QUICK if quick else FULL).max_chunks)
-    settings = replace(base, train=replace(train, overrides=tuple(overrides)),
-                       questions_per_length=base.questions_per_length if questions_per_length is None else questions_per_length,
-                       lengths=tuple(lengths) if lengths else base.lengths)
+    settings = long_settings(quick, overrides, questions_per_length, lengths, filler)
     if min(settings.lengths) < 1 or settings.questions_per_length < 1:
         raise DemoError(f"--lengths ({list(settings.lengths)}) must be >= 1 and --questions ({settings.questions_per_length}) >= 1")
     demo_config(replace(settings.train, max_chunks=max(settings.lengths)))  # a bad override fails before training

@@ -84,3 +84,17 @@ def test_first_match_rates_spot_a_reader_that_keeps_the_first_attribute_match():
     # A reader that always answers right matches the first fact only where that fact is the answer.
     right = first_match_rates(records, {r.id: {"boxed": r.answers[0]} for r in records})
     assert right["answers_first_match_pct"] == expected
+
+
+def test_demo_long_trains_on_padded_documents_unless_told_otherwise():
+    from dataclasses import replace
+
+    from memrl.demo import FULL, QUICK
+    from memrl.demo_long import long_settings
+
+    padded = long_settings()
+    assert padded.train == replace(FULL, filler=True, max_chunks=4) and padded.lengths[-1] == 64
+    assert long_settings(filler=False).train == FULL  # exactly memrl demo's training
+    quick = long_settings(quick=True, filler=False, overrides=["train.lr=1e-4"], lengths=[8], questions_per_length=7)
+    assert quick.train == replace(QUICK, overrides=("train.lr=1e-4",)) and quick.lengths == (8,)
+    assert quick.questions_per_length == 7

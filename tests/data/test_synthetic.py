@@ -191,6 +191,28 @@ def test_long_documents_have_one_answer_few_related_distractors_and_unrelated_fi
                                                              for i in range(40)]
 
 
+def test_padded_training_documents_start_with_nothing_about_the_question_far_more_often():
+    # memrl demo-long's training task: 1..max_chunks chunks, PADDED_RELATED related distractors, filler for
+    # the rest, the answer anywhere; its point is first chunks without a fact of the question's attribute.
+    from memrl.data.synthetic import PADDED_RELATED
+
+    def no_attribute_first(records):
+        return sum(not any(f[0] == r.metadata["attribute"] for f in r.metadata["facts"][:3]) for r in records)
+
+    padded, heldout = make_splits(600, 50, TaskSpec(max_chunks=4, filler=True), seed=0)
+    for r in padded + heldout:
+        m = r.metadata
+        facts = [tuple(f) for f in m["facts"]]
+        assert 1 <= m["num_chunks"] <= 4 and len(facts) == 3 * m["num_chunks"]
+        assert [f for f in facts if f[:2] == (m["attribute"], m["entity"])] == [facts[m["answer_index"]]]
+        assert min(PADDED_RELATED[0], len(facts) - 1) <= m["related_distractors"] <= PADDED_RELATED[1]
+    assert {r.metadata["num_chunks"] for r in padded} == {1, 2, 3, 4}
+    assert {r.metadata["answer_index"] for r in padded if r.metadata["num_chunks"] == 4} == set(range(12))
+    short = make_splits(600, 0, TaskSpec(), seed=0)[0]
+    assert no_attribute_first(padded) > 3 * no_attribute_first(short)
+    assert make_splits(600, 50, TaskSpec(max_chunks=4, filler=True), seed=0) == (padded, heldout)
+
+
 def test_long_filler_runs_through_every_unrelated_key_before_repeating():
     from memrl.data.synthetic import make_long_record
 
