@@ -95,7 +95,7 @@ def demo_long(
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")] = None,
     filler: Annotated[bool, typer.Option(
-        help="Train on short documents padded with filler, 1-4 chunks (--no-filler: the demo's own 1-3-chunk task).")] = True,
+        help="Train on short documents padded with filler to 4 chunks (--no-filler: the demo's own 1-3-chunk task).")] = True,
 ) -> None:
     """Train short, read long: `memrl demo`'s training, then base vs trained EM at each document length."""
     from memrl.demo_long import demo_long_command

@@ -93,7 +93,7 @@ def test_demo_long_trains_on_padded_documents_unless_told_otherwise():
     from memrl.demo_long import long_settings
 
     padded = long_settings()
-    assert padded.train == replace(FULL, filler=True, max_chunks=4) and padded.lengths[-1] == 64
+    assert padded.train == replace(FULL, filler=True, max_chunks=4, eval_interval=0) and padded.lengths[-1] == 64
     assert long_settings(filler=False).train == FULL  # exactly memrl demo's training
     quick = long_settings(quick=True, filler=False, overrides=["train.lr=1e-4"], lengths=[8], questions_per_length=7)
     assert quick.train == replace(QUICK, overrides=("train.lr=1e-4",)) and quick.lengths == (8,)

@@ -90,8 +90,8 @@ def answer_text(value: str) -> str:
 class TaskSpec:
     """Size of the task. `chunk_tokens` (for the recipe) holds exactly `facts_per_chunk` facts.
 
-    `filler=True` pads the task with unrelated facts (`make_padded_record`): the training documents of
-    `memrl demo-long`, in which the first chunks often say nothing about the question."""
+    `filler=True` pads the task with unrelated facts to `max_chunks` chunks (`make_padded_record`): the
+    training documents of `memrl demo-long`, whose first chunks often say nothing about the question."""
 
     max_chunks: int = 3
     facts_per_chunk: int = 3
@@ -203,27 +203,29 @@ def make_long_record(rng: random.Random, record_id: str, *, num_chunks: int, pos
                    filler_facts=num_facts - 1 - num_related)
 
 
-# A padded document's related distractors, drawn uniformly. Few enough that 28% of documents (against the
-# short task's 6%) have no fact with the question's attribute in their first chunk (measured on 3,000).
-PADDED_RELATED = (1, 4)
+# A padded document's related distractors, drawn uniformly. Few, and every document `max_chunks` long, so
+# that a document has 1.2 filler chunks before its first fact with the question's attribute on average (the
+# short task: 0.1; 1-4 chunks with 1-4 related distractors: 0.4, which left the reader guessing at 64
+# chunks, docs/demo.md). Measured on 3,000 documents.
+PADDED_RELATED = (0, 2)
 
 
 def make_padded_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionRecord:
-    """A short document padded with filler (`TaskSpec(filler=True)`): 1..`max_chunks` chunks, `PADDED_RELATED`
-    related distractors (as many as fit), filler for the rest, the answering fact at any position.
+    """A short document padded with filler (`TaskSpec(filler=True)`): exactly `max_chunks` chunks,
+    `PADDED_RELATED` related distractors (as many as fit), filler for the rest, the answering fact at any
+    position (every fact index equally likely).
 
     Why (docs/demo.md, "Train short, read long"): in the short task the first chunk almost always holds a
     fact with the question's attribute, so a reader trained on it learns to commit to a value at its first
     memory turn and copy it, which at length is a guess (the first chunks of a long document are mostly
-    filler). Here the first chunks often hold nothing with the question's attribute, so committing at once
-    is punished and keeping "unknown" until a matching fact appears pays.
+    filler). Here a document often opens with chunks that hold nothing with the question's attribute, so
+    committing early is punished and keeping "unknown" until a matching fact appears pays.
     """
-    num_chunks = rng.randint(1, spec.max_chunks)
-    num_facts = num_chunks * spec.facts_per_chunk
+    num_facts = spec.max_chunks * spec.facts_per_chunk
     related = rng.randint(min(PADDED_RELATED[0], num_facts - 1), min(PADDED_RELATED[1], num_facts - 1))
-    # Every fact index equally likely for the answer (make_long_record rounds position * (num_facts - 1)).
+    # make_long_record puts the answer at round(position * (num_facts - 1)): an index drawn uniformly.
     position = rng.randrange(num_facts) / (num_facts - 1) if num_facts > 1 else 0.0
-    return make_long_record(rng, record_id, num_chunks=num_chunks, position=position,
+    return make_long_record(rng, record_id, num_chunks=spec.max_chunks, position=position,
                             facts_per_chunk=spec.facts_per_chunk, related=related)
 
 

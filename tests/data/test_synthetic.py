@@ -192,25 +192,29 @@ def test_long_documents_have_one_answer_few_related_distractors_and_unrelated_fi
 
 
 def test_padded_training_documents_start_with_nothing_about_the_question_far_more_often():
-    # memrl demo-long's training task: 1..max_chunks chunks, PADDED_RELATED related distractors, filler for
-    # the rest, the answer anywhere; its point is first chunks without a fact of the question's attribute.
+    # memrl demo-long's training task: max_chunks chunks, PADDED_RELATED related distractors, filler for the
+    # rest, the answer anywhere; its point is filler chunks before the first fact of the question's attribute.
     from memrl.data.synthetic import PADDED_RELATED
 
-    def no_attribute_first(records):
-        return sum(not any(f[0] == r.metadata["attribute"] for f in r.metadata["facts"][:3]) for r in records)
+    def filler_chunks_first(records):
+        return sum(next(i for i, f in enumerate(r.metadata["facts"]) if f[0] == r.metadata["attribute"]) // 3
+                   for r in records) / len(records)
 
     padded, heldout = make_splits(600, 50, TaskSpec(max_chunks=4, filler=True), seed=0)
     for r in padded + heldout:
         m = r.metadata
         facts = [tuple(f) for f in m["facts"]]
-        assert 1 <= m["num_chunks"] <= 4 and len(facts) == 3 * m["num_chunks"]
+        assert m["num_chunks"] == 4 and len(facts) == 12
         assert [f for f in facts if f[:2] == (m["attribute"], m["entity"])] == [facts[m["answer_index"]]]
-        assert min(PADDED_RELATED[0], len(facts) - 1) <= m["related_distractors"] <= PADDED_RELATED[1]
-    assert {r.metadata["num_chunks"] for r in padded} == {1, 2, 3, 4}
-    assert {r.metadata["answer_index"] for r in padded if r.metadata["num_chunks"] == 4} == set(range(12))
+        assert PADDED_RELATED[0] <= m["related_distractors"] <= PADDED_RELATED[1]
+        assert m["filler_facts"] == 11 - m["related_distractors"]
+    assert {r.metadata["answer_index"] for r in padded} == set(range(12))
+    assert {r.metadata["related_distractors"] for r in padded} == set(range(PADDED_RELATED[0], PADDED_RELATED[1] + 1))
     short = make_splits(600, 0, TaskSpec(), seed=0)[0]
-    assert no_attribute_first(padded) > 3 * no_attribute_first(short)
+    assert filler_chunks_first(padded) > 1.0 > 0.2 > filler_chunks_first(short)
     assert make_splits(600, 50, TaskSpec(max_chunks=4, filler=True), seed=0) == (padded, heldout)
+    one = make_splits(5, 0, TaskSpec(max_chunks=1, facts_per_chunk=1, filler=True), seed=0)[0]
+    assert all(r.metadata["num_chunks"] == 1 and r.metadata["related_distractors"] == 0 for r in one)
 
 
 def test_long_filler_runs_through_every_unrelated_key_before_repeating():
