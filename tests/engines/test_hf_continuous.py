@@ -12,9 +12,10 @@ import threading
 import pytest
 import torch
 from numerics import logprob_atol, sharp_model
+from staggering import staggered as hold_and_join
 
 import memrl.engines.hf_batch as hf_batch
-from memrl.engines.base import GenerationRequest, GenerationResult
+from memrl.engines.base import GenerationRequest
 from memrl.engines.hf import HFEngine, sampling_log_probs
 
 
@@ -43,42 +44,9 @@ def teacher_forced(model, request: GenerationRequest, output: list[int]) -> list
     return log_probs.gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()
 
 
-async def staggered(engine: HFEngine, first: list[GenerationRequest], later: list[GenerationRequest],
-                    after_steps: int = 3) -> tuple[list[GenerationResult], list[GenerationResult], list[str]]:
-    """Send `first`; when the batch reaches decode step `after_steps`, hold it there, send each of
-    `later` as its own call, then let it go on. Returns both result lists and the completion order
-    ('first:i' / 'later:i'), recorded as each call's result arrives."""
-    engine.reset_stats()  # the gate counts this call's decode steps
-    loop = asyncio.get_running_loop()
-    reached, gate = asyncio.Event(), threading.Event()
-    original = engine._forward
-
-    def gated_forward(*args):
-        if engine.stats.decode_steps == after_steps and not gate.is_set():
-            loop.call_soon_threadsafe(reached.set)
-            gate.wait(10)
-        return original(*args)
-
-    engine._forward = gated_forward
-    order: list[str] = []
-
-    async def call(tag: str, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        results = await engine.generate(requests)
-        order.append(tag)
-        return results
-
-    try:
-        first_task = asyncio.ensure_future(call("first", first))
-        await asyncio.wait_for(reached.wait(), 10)
-        later_tasks = [asyncio.ensure_future(call(f"later:{i}", [r])) for i, r in enumerate(later)]
-        await asyncio.sleep(0)  # the later calls run up to their await: they are queued
-        gate.set()
-        first_results = await asyncio.wait_for(first_task, 30)
-        later_results = [(await asyncio.wait_for(t, 30))[0] for t in later_tasks]
-    finally:
-        gate.set()
-        engine._forward = original
-    return first_results, later_results, order
+def staggered(engine: HFEngine, first: list[GenerationRequest], later: list[GenerationRequest], after_steps: int = 3):
+    """`staggering.staggered` on the dynamic path: the batch is held in `HFEngine._forward`."""
+    return hold_and_join(engine, first, later, hold=(engine, "_forward"), after_steps=after_steps)
 
 
 def test_newcomers_join_the_running_batch_and_log_probs_match_teacher_forcing(model):

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from numerics import logprob_atol, sharp_model
+from staggering import staggered
 
 from memrl.config import Config, ConfigError, load_config
 from memrl.engines.base import EngineError, GenerationRequest, WeightsInMemory
@@ -141,36 +142,6 @@ def recorded_buckets(engine: HFEngine) -> list[tuple[int, int]]:
     return seen
 
 
-async def staggered(engine: HFEngine, first, later, after_steps: int = 3):
-    """Send `first`; hold the batch at decode step `after_steps` while each of `later` is sent as its own
-    call (so they join the running batch at the next step boundary), then let it go on."""
-    engine.reset_stats()
-    loop = asyncio.get_running_loop()
-    reached, gate = asyncio.Event(), threading.Event()
-    decoder = engine.static_decoder
-    original = decoder.forward
-
-    def gated(slots, capacity):
-        if engine.stats.decode_steps == after_steps and not gate.is_set():
-            loop.call_soon_threadsafe(reached.set)
-            gate.wait(10)
-        return original(slots, capacity)
-
-    decoder.forward = gated
-    try:
-        first_task = asyncio.ensure_future(engine.generate(first))
-        await asyncio.wait_for(reached.wait(), 10)
-        later_tasks = [asyncio.ensure_future(engine.generate([r])) for r in later]
-        await asyncio.sleep(0)
-        gate.set()
-        first_results = await asyncio.wait_for(first_task, 30)
-        later_results = [(await asyncio.wait_for(t, 30))[0] for t in later_tasks]
-    finally:
-        gate.set()
-        decoder.forward = original
-    return first_results, later_results
-
-
 def test_rows_join_and_leave_mid_generation_with_the_same_results(model):
     first = [GenerationRequest(prompt(0, 5), max_tokens=40, temperature=1.0, seed=1),
              GenerationRequest(prompt(1, 12), max_tokens=6, temperature=0.7, top_p=0.9, seed=2)]  # leaves early
@@ -180,7 +151,7 @@ def test_rows_join_and_leave_mid_generation_with_the_same_results(model):
              GenerationRequest(prompt(5, 7), max_tokens=3, temperature=1.0, seed=6)]
     engine = HFEngine(model, max_batch_size=8, static_kv="on")
     buckets = recorded_buckets(engine)
-    first_results, later_results = asyncio.run(staggered(engine, first, later))
+    first_results, later_results, _ = asyncio.run(staggered(engine, first, later, hold=(engine.static_decoder, "forward")))
     asyncio.run(engine.close())
     assert engine.stats.prefills == 2 and engine.stats.prefill_requests == 6  # the later ones joined mid-batch
     # Each request alone on the dynamic path: the same tokens whatever batch it decoded in (its prefill
