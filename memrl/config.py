@@ -209,7 +209,8 @@ class AlgorithmConfig(Section):
                       "seq_mean_token_sum_norm"] = Field(
         "token_mean", description="How token losses are averaged (verl loss_agg_mode; formulas in memrl/rl/loss.py "
         "and docs/algorithms.md). `seq_mean_token_sum`: mean over rows of each row's token sum; "
-        "`seq_mean_token_sum_norm`: Dr. GRPO, the token sums over rows x loss_scale_factor."
+        "`seq_mean_token_sum_norm`: Dr. GRPO, the token sums over rows x loss_scale_factor (verl >= 0.7.1 "
+        "seq-mean-token-sum-norm, TRL loss_type=dr_grpo)."
     )
     loss_scale_factor: int | None = Field(
         None, gt=0, description="The fixed normaliser L of loss_agg=seq_mean_token_sum_norm (verl "
@@ -221,7 +222,8 @@ class AlgorithmConfig(Section):
     loss_mode: Literal["vanilla", "gspo"] = Field(
         "vanilla", description="`vanilla`: PPO's per-token ratio; `gspo`: GSPO's sequence ratio (verl "
         "policy_loss.loss_mode=gspo) taken over a whole trajectory, all its turns' tokens (memrl/rl/loss.py "
-        "gspo_log_ratio); GSPO's recipe: clip_low 3e-4, clip_high 4e-4, loss_agg trajectory_mean."
+        "gspo_log_ratio); needs credit share (every turn carries the trajectory's advantage); GSPO's recipe: "
+        "clip_low 3e-4, clip_high 4e-4, loss_agg trajectory_mean."
     )
     rollout_is: Literal["token", "sequence"] | None = Field(
         None, description="Importance weights for the engine/trainer gap (verl algorithm.rollout_correction."
@@ -263,9 +265,30 @@ class AlgorithmConfig(Section):
     )
     max_num_gen_batches: int = Field(
         10, gt=0, description="Most generation batches of one step under filter_groups, the first included (verl "
-        "algorithm.filter_groups.max_num_gen_batches); reached, the step trains on the groups it has."
+        "algorithm.filter_groups.max_num_gen_batches); reached, the step trains on the groups it has. At least 1: "
+        "verl's 0 (unlimited) is not offered."
     )
 
+    @field_validator("max_num_gen_batches", mode="before")
+    @classmethod
+    def _a_bounded_number_of_batches(cls, value: Any) -> Any:
+        # verl's 0 means "until the batch is full": a step whose questions all give equal rewards (all
+        # solved, or none) would then generate forever; every wait here has a bound. Before the `gt`
+        # check, so that a 0 gets this message instead of pydantic's bare "greater than 0".
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"must be at least 1 (got {value}); 0 would be verl's 'unlimited', which memrl does not "
+                             f"offer because a step whose groups all have equal rewards would never end: set a cap "
+                             f"such as 10 (reached, the step trains on the informative groups it has)")
+        return value
+
+    @model_validator(mode="after")
+    def _gspo_gives_every_turn_the_trajectory_advantage(self) -> AlgorithmConfig:
+        # GSPO's ratio is one per trajectory, so its sequence-level objective weighs every token by the
+        # trajectory's advantage A (verl's GSPO on one sequence); split credit would give each of T turns A/T.
+        if self.loss_mode == "gspo" and self.credit != "share":
+            raise ValueError("algorithm.loss_mode = 'gspo' takes one ratio per trajectory and gives every token the "
+                             "trajectory's advantage; set algorithm.credit = 'share' (split gives each of T turns A/T)")
+        return self
 
     @model_validator(mode="after")
     def _one_way_to_each_correction(self) -> AlgorithmConfig:
@@ -506,6 +529,16 @@ class Config(Section):
             if self.train.strategy == "fsdp" and self.train.runtime == "ray":
                 raise ValueError("model.lora with train.strategy = 'fsdp' is not supported yet; use ddp (adapters "
                                  "are small: the base weights are the only large replica)")
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_within_the_answer_limit(self) -> Config:
+        # DAPO's penalty ramps over the last B tokens of the answer's limit; a longer buffer has no meaning
+        # (verl refuses it too), and clamping it would shape rewards other than the ones configured.
+        buffer_len, limit = self.algorithm.overlong_buffer_len, self.rollout.final_tokens
+        if buffer_len is not None and buffer_len > limit:
+            raise ValueError(f"algorithm.overlong_buffer_len = {buffer_len} is longer than the final answer's limit "
+                             f"rollout.final_tokens = {limit}; set overlong_buffer_len <= {limit} or raise final_tokens")
         return self
 
     @model_validator(mode="after")

@@ -220,3 +220,19 @@ def test_assignment_is_checked_too():
 def test_every_recipe_validates():
     for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
         load_config(recipe)
+
+
+def test_an_overlong_buffer_longer_than_the_answer_limit_is_refused():
+    # It was clamped silently to the limit: B = 100 with rollout.final_tokens = 64 shaped a 32-token answer's
+    # reward to 1 - 32/64 = 0.5. verl refuses it too; B equal to the limit is allowed (penalty from 0 tokens).
+    with pytest.raises(ConfigError, match=r"overlong_buffer_len = 100 .*rollout\.final_tokens = 64"):
+        load_config(None, ["algorithm.overlong_buffer_len=100", "rollout.final_tokens=64"])
+    assert load_config(None, ["algorithm.overlong_buffer_len=64", "rollout.final_tokens=64"]).algorithm.overlong_buffer_len == 64
+
+
+def test_max_num_gen_batches_has_no_unlimited_setting():
+    # verl's 0 means "generate until the batch is full", which never ends when every group has equal
+    # rewards; memrl refuses it with what to set instead of pydantic's bare "greater than 0".
+    with pytest.raises(ConfigError, match=r"max_num_gen_batches = 0: .*'unlimited'.*set a cap such as 10"):
+        load_config(None, ["algorithm.max_num_gen_batches=0"])
+    assert load_config(None, ["algorithm.max_num_gen_batches=1"]).algorithm.max_num_gen_batches == 1

@@ -19,7 +19,9 @@ may be in different micro-batches: the trainer sums log rho per trajectory over 
 Dropped tokens keep their place in the loss normaliser (they add 0 to the sum; the step's row weights are
 fixed before any log-prob is known), like a zero importance weight: dropping tokens never raises the
 weight of the ones left. verl instead removes them from its response mask, and so from the denominator.
-Weights and masks are detached: they scale the policy-gradient, KL and entropy terms of a token.
+Both are detached and reach different terms, as in verl: the IS weights multiply the policy-gradient term
+only (`policy_loss(importance_weights=)`; verl hands rollout_is_weights to the policy loss alone), while a
+dropped token leaves every term, policy gradient, KL and entropy (the trainer multiplies the loss mask by it).
 
 Metrics (token means over the loss mask, so a step's micro-batches average by tokens):
 rollout_corr/ratio_mean and ratio_max (of the token ratio rho_t), is_clipped_fraction (tokens whose IS

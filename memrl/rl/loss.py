@@ -12,10 +12,11 @@ Aggregation modes (`mode`):
   then the mean over trajectories. Every trajectory counts once whatever its number of turns.
 - `seq_mean_token_sum`: each row's token *sum*, then the mean over rows with at least one masked token
   (verl `loss_agg_mode=seq-mean-token-sum`): (1/R) sum_r sum_t m[r,t] l[r,t].
-- `seq_mean_token_sum_norm`: Dr. GRPO's fixed normaliser (verl `seq-mean-token-sum-norm`, TRL
-  `loss_type=dr_grpo`): (1/(R L)) sum_r sum_t m[r,t] l[r,t] with L = `loss_scale_factor`, a constant
-  (the response-token limit), so neither a row's length nor the batch's longest row changes a token's
-  weight.
+- `seq_mean_token_sum_norm`: Dr. GRPO's fixed normaliser: (1/(R L)) sum_r sum_t m[r,t] l[r,t] with
+  L = `loss_scale_factor`, a constant (the response-token limit), so neither a row's length nor the
+  batch's longest row changes a token's weight. This is verl's `seq-mean-token-sum-norm` since v0.7.1
+  (agg_loss: the token sums over the step's non-empty sequences, then / loss_scale_factor) and TRL's
+  `loss_type=dr_grpo`; verl up to v0.7.0 divided one micro-batch's token sum by L only (docs/algorithms.md).
 
 Micro-batching. A step's loss must not depend on how its rows are cut into micro-batches. The exact
 way is a per-row weight computed once for the whole optimizer step:
@@ -53,10 +54,13 @@ AggMode = Literal["token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_m
 AGG_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
                               "seq_mean_token_sum_norm")
 
-# exp() of a log-ratio beyond this overflows float32 and turns a single bad token into inf/NaN for the
-# whole step; verl clamps at the same bound. Gradients are zero past it, which only touches tokens whose
-# ratio is e^20 -- tokens the PPO clip has already cut off anyway.
+# exp() of an unbounded log-ratio lets one bad token reach inf and turn the whole step into NaN; verl
+# clamps the token log-ratio at the same bound. Gradients are zero past it, which only touches tokens
+# whose ratio is e^20 -- tokens the PPO clip has already cut off anyway.
 _LOG_RATIO_BOUND = 20.0
+# GSPO's trajectory log-ratio is clamped above only, at verl's bound (compute_policy_loss_gspo): past it
+# the ratio stays e^10 and the token gets no gradient, so one runaway trajectory cannot outweigh the step.
+_GSPO_LOG_RATIO_MAX = 10.0
 
 
 class LossError(ValueError):
@@ -290,11 +294,14 @@ def gspo_log_ratio(log_probs: Tensor, sequence_log_ratio: Tensor) -> Tensor:
     gradient s_i * grad logp_t: summed with the trajectory's token weights (loss_agg trajectory_mean gives
     1/|y_i|) that is GSPO's gradient s_i A_i (1/|y_i|) sum_t grad logp_t, whatever the micro-batching.
     `sequence_log_ratio` is [batch] (one value per row, its trajectory's) or [batch, seq].
+
+    As verl, the sum is clamped above at 10 (s_i at most e^10, no gradient past it) and not below
+    (exp() of a very negative value is 0, harmless).
     """
     seq = sequence_log_ratio.detach().to(log_probs.dtype)
     if seq.dim() == 1:
         seq = seq.unsqueeze(-1).expand_as(log_probs)
-    return seq.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND) + log_probs - log_probs.detach()
+    return (seq + log_probs - log_probs.detach()).clamp(max=_GSPO_LOG_RATIO_MAX)
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: Literal["k1", "k3"] = "k3") -> Tensor:

@@ -9,7 +9,7 @@ Truncated answers (the final turn hit its token limit, `finish_reason == "length
   verl `reward_model.overlong_buffer`): with L the final turn's limit and n its length,
       penalty = min(0, -(n - (L - B)) / B * c)      (0 up to L - B tokens, -c at L)
   added to the reward *for the advantage only*; `Trajectory.reward` (the raw reward, which dynamic
-  sampling filters on and the logs report) is untouched.
+  sampling filters on and the logs report) is untouched. B > L is refused (ConfigError), as verl does.
 
 Per-turn rewards (`algorithm.turn_reward_function`, ReMemR1-style): `Trainer` stores
 `metadata["turn_rewards"]` (one float per turn, `memrl.rl.turn_rewards`); each turn's advantage becomes
@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from memrl.config import ConfigError
 from memrl.rl.advantages import (
     AdvantageError,
     assign_credit,
@@ -65,9 +66,14 @@ def shaped_rewards(trajectories: Sequence[Trajectory], a: Any) -> dict[str, floa
     out = {}
     for traj in trajectories:
         final = traj.turns[-1]
-        buffer_len = min(a.overlong_buffer_len, final.max_tokens)
+        # The config check compares B with rollout.final_tokens; a task whose final turn has another limit
+        # is checked here, never clamped (a clamped buffer shapes other rewards than the configured ones).
+        if a.overlong_buffer_len > final.max_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer_len = {a.overlong_buffer_len} is longer than the final "
+                              f"turn's limit {final.max_tokens} (trajectory '{traj.trajectory_id}'); set "
+                              f"overlong_buffer_len <= {final.max_tokens}")
         out[traj.trajectory_id] = float(traj.reward) + overlong_penalty(
-            final.response_length, final.max_tokens, buffer_len, a.overlong_penalty_factor)
+            final.response_length, final.max_tokens, a.overlong_buffer_len, a.overlong_penalty_factor)
     return out
 
 

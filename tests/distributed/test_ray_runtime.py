@@ -141,7 +141,7 @@ def test_trajectory_level_options_on_two_ranks_give_the_single_process_weights(t
     # may deal to different ranks: the ranks exchange their per-trajectory totals, so two ranks train as one.
     from memrl.train.actor import plan_rollout
 
-    algorithm = {"loss_mode": "gspo", "rollout_is": "sequence", "rollout_is_threshold": 1.5,
+    algorithm = {"credit": "share", "loss_mode": "gspo", "rollout_is": "sequence", "rollout_is_threshold": 1.5,
                  "rollout_rs": "geometric", "rollout_rs_threshold": 1.05}
 
     def with_options(cfg):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -336,6 +337,37 @@ def test_token_sum_modes_by_hand():
     assert compute_token_weights(n, None, "seq_mean_token_sum") == pytest.approx([1 / 3, 1 / 3, 0, 1 / 3])
     assert compute_token_weights(n, None, "seq_mean_token_sum_norm", 10) == pytest.approx([1 / 30, 1 / 30, 0, 1 / 30])
     assert global_normalizer([mask], "seq_mean_token_sum_norm", loss_scale_factor=4) == 8.0
+
+
+def verl_agg_loss_token_sum_norm(loss_mat, loss_mask, dp_size=1, global_batch_size=None, loss_scale_factor=None):
+    """verl's agg_loss(loss_agg_mode="seq-mean-token-sum-norm"), v0.7.1 to v0.9.0, ported."""
+    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+    seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()
+    if global_batch_size is None:
+        global_batch_size = seq_mask.sum()
+    loss = torch.sum(seq_losses * seq_mask) / global_batch_size * dp_size
+    return loss / (loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1])
+
+
+def test_seq_mean_token_sum_norm_is_verls_and_trls_dr_grpo_by_hand():
+    """4 rows x 5 tokens of loss 1, L = 64: sum / (R L) = 20 / 256 = 0.078125, as verl >= 0.7.1 (agg_loss over
+    the global batch, whatever the micro-batches) and TRL's dr_grpo (sum / (rows x max_completion_length)).
+    verl <= 0.7.0 divided one call's token sum by L only, 20 / 64 = 0.3125. A fifth, empty row (an all-zero
+    mask: padding, or a masked truncated answer) counts in neither R nor verl's global batch size."""
+    values = torch.ones(5, 64)
+    mask = torch.zeros(5, 64)
+    mask[:4, :5] = 1.0
+    ours = aggregate(values, mask, "seq_mean_token_sum_norm", loss_scale_factor=64).item()
+    assert ours == 0.078125  # exact: powers of two
+    weights = torch.tensor(compute_token_weights(mask.sum(-1).tolist(), None, "seq_mean_token_sum_norm", 64))
+    for cuts in ([0, 5], [0, 1, 3, 5], [0, 2, 4, 5]):  # any cut into micro-batches adds up to the same loss
+        parts = [weighted_token_sum(values[a:b], mask[a:b], weights[a:b]) for a, b in itertools.pairwise(cuts)]
+        assert float(sum(parts)) == ours
+    # verl: each of 2 ranks aggregates its own rows with the global batch size; DDP averages the ranks
+    ranks = [verl_agg_loss_token_sum_norm(values[r], mask[r], dp_size=2, global_batch_size=4, loss_scale_factor=64)
+             for r in (slice(0, 3), slice(3, 5))]
+    assert ours == float(sum(ranks) / 2) == verl_agg_loss_token_sum_norm(values, mask, loss_scale_factor=64).item()
+    assert ours == (mask[:4] * values[:4]).sum().item() / (4 * 64)  # TRL dr_grpo on the 4 non-empty rows
 
 
 def test_token_sum_norm_needs_its_normaliser():

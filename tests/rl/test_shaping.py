@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from traj_factory import make_group, make_trajectory
+from traj_factory import make_group, make_trajectory, make_turn
 
-from memrl.config import AlgorithmConfig
+from memrl.config import AlgorithmConfig, ConfigError
 from memrl.memagent.convert import convert_trajectories, count_train_rows
 from memrl.memagent.reward import gold_in_text, memory_recall
 from memrl.rl.advantages import AdvantageError
@@ -43,6 +43,18 @@ def test_overlong_penalty_by_hand():
     assert long.reward == 1.0  # the raw reward is untouched (dynamic sampling and logs read it)
     plain = by_key(convert_trajectories([short, long], AlgorithmConfig(std_normalize=False, credit="share"), 0))
     assert plain[("g/s0", 0)].advantage == 0.0
+
+
+def test_an_overlong_buffer_longer_than_the_final_turns_limit_is_refused_not_clamped():
+    # A task whose final turn has another limit than rollout.final_tokens (which the config checks): B = 100
+    # with a 64-token limit was clamped to 64, so a 32-token answer's reward became 1 - 32/64 = 0.5.
+    group = make_group("g", [1.0, 1.0], num_memory_turns=0)
+    for traj in group:
+        traj.turns[-1] = make_turn(0, "final", response_len=32, max_tokens=64)
+    with pytest.raises(ConfigError, match=r"overlong_buffer_len = 100 .*final turn's limit 64"):
+        convert_trajectories(group, AlgorithmConfig(overlong_buffer_len=100), 0)
+    rows = convert_trajectories(group, AlgorithmConfig(overlong_buffer_len=64), 0)  # B = L: allowed
+    assert len(rows) == 2
 
 
 def test_turn_rewards_reach_every_turn_by_hand():

@@ -390,8 +390,8 @@ def test_gspo_trajectory_ratio_is_exact_across_micro_batches():
     got = {}
     for budget in (10_000, 40):
         cfg = Config.model_validate({"train": {"lr": 1e-3, "grad_clip": 1e9, "micro_batch_tokens": budget},
-                                     "algorithm": {"kl_coef": 0.0, "loss_mode": "gspo", "clip_low": 0.9,
-                                                   "clip_high": 10.0}})
+                                     "algorithm": {"kl_coef": 0.0, "loss_mode": "gspo", "credit": "share",
+                                                   "clip_low": 0.9, "clip_high": 10.0}})
         actor = Actor(tiny_model(), cfg, pad_token_id=0)
         actor.optimizer.step = lambda *a, **k: None
         (shares,) = plan_rollout(rows, cfg, pad_token_id=0, rollout_id=0)
@@ -423,6 +423,55 @@ def test_gspo_trajectory_ratio_is_exact_across_micro_batches():
             torch.testing.assert_close(grads[name], ref[name], atol=1e-6, rtol=1e-4, msg=f"{budget} {name}")
     # and a real two-step run: GSPO's narrow range clips whole trajectories in the second step
     cfg = Config.model_validate({"train": {"lr": 0.05, "grad_clip": 1e9, "num_optimizer_steps": 2},
-                                 "algorithm": {"kl_coef": 0.0, "loss_mode": "gspo", "loss_agg": "trajectory_mean",
-                                               "clip_low": 3e-4, "clip_high": 4e-4}})
+                                 "algorithm": {"kl_coef": 0.0, "loss_mode": "gspo", "credit": "share",
+                                               "loss_agg": "trajectory_mean", "clip_low": 3e-4, "clip_high": 4e-4}})
     assert Actor(tiny_model(), cfg, pad_token_id=0).train_rollout(make_rows(n_groups=4), 0)["clip_fraction"] > 0
+
+
+def test_importance_weights_scale_the_policy_gradient_only():
+    """memrl/rl/correction.py: the rollout IS weights multiply the policy-gradient term, not the KL or entropy
+    terms (as verl, whose rollout_is_weights reach the policy loss only): the gradient is a plain loop's
+    token_mean of w_t PG_t + kl_coef KL_t - entropy_coef H_t, and not the one with w_t on all three."""
+    rows = make_rows()
+    own = Actor(tiny_model(), make_cfg(), pad_token_id=0).log_probs(rows)
+    rng = random.Random(7)
+    off = with_rollout_log_probs(rows, [[x + rng.uniform(-1, 1) for x in lp] for lp in own])
+    cap, kl_coef, entropy_coef = 1.5, 0.5, 0.1
+    cfg = Config.model_validate({"train": {"lr": 1e-3, "grad_clip": 1e9},
+                                 "algorithm": {"kl_coef": kl_coef, "entropy_coef": entropy_coef,
+                                               "rollout_is": "token", "rollout_is_threshold": cap}})
+    actor = Actor(tiny_model(), cfg, pad_token_id=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a reference away from the policy, so the KL term has a gradient
+        for p in actor.ref_model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    ref_model = actor.ref_model
+    got = grads_of(actor, off)
+
+    def reference(weigh_all):
+        model = tiny_model()
+        total_tokens = sum(sum(r.loss_mask) for r in off)
+        loss = 0.0
+        for r in off:
+            logp = torch.log_softmax(model(input_ids=torch.tensor([r.tokens])).logits[0].float(), -1)
+            with torch.no_grad():
+                ref_logp = torch.log_softmax(ref_model(input_ids=torch.tensor([r.tokens])).logits[0].float(), -1)
+            p = r.prompt_length
+            for k in range(r.response_length):
+                pos, tok = p + k - 1, r.tokens[p + k]
+                lp, diff = logp[pos, tok], ref_logp[pos, tok] - logp[pos, tok]
+                w = min(math.exp(lp.item() - r.rollout_log_probs[k]), cap)
+                pg = -r.advantage * torch.exp(lp - lp.detach())
+                kl = torch.expm1(diff) - diff  # k3
+                entropy = -(logp[pos].exp() * logp[pos]).sum()
+                other = kl_coef * kl - entropy_coef * entropy
+                loss = loss + r.loss_mask[k] * (w * pg + (w * other if weigh_all else other))
+        model.zero_grad()
+        (loss / total_tokens).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    pg_only = reference(weigh_all=False)
+    for name in pg_only:
+        torch.testing.assert_close(got[name], pg_only[name], atol=1e-6, rtol=1e-4, msg=name)
+    all_terms = reference(weigh_all=True)
+    assert (flat(all_terms) - flat(pg_only)).norm() > 0.01 * flat(pg_only).norm()  # the test tells them apart

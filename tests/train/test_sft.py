@@ -98,6 +98,6 @@ def test_sft_config_turns_off_rollout_correction_and_gspo():
     """Demonstrations carry rollout log-probs of 0: a recipe's rollout_is / rollout_rs would weigh or drop
     every token of them by the model's own probability."""
     cfg = sft_config(load_config(None, ["algorithm.rollout_rs=token", "algorithm.rollout_is=sequence",
-                                        "algorithm.loss_mode=gspo"]), SFTOptions(lr=5e-3))
+                                        "algorithm.credit=share", "algorithm.loss_mode=gspo"]), SFTOptions(lr=5e-3))
     assert cfg.algorithm.rollout_rs is None and cfg.algorithm.rollout_is is None
     assert cfg.algorithm.loss_mode == "vanilla"
