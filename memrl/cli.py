@@ -237,7 +237,7 @@ def convert_to_hf(
     """Export a training checkpoint as a plain Hugging Face model folder (LoRA adapters merged in)."""
     import json
 
-    from memrl.train.checkpoint import EXPORT_FILE, convert_to_hf_command
+    from memrl.train.export import EXPORT_FILE, convert_to_hf_command
 
     path = convert_to_hf_command(ckpt, out, base_model=base_model, allow_other_base=allow_other_base)
     typer.echo(f"wrote {path}")

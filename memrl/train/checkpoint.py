@@ -1,4 +1,5 @@
-"""Checkpoints `RUN_ROOT/checkpoints/iter_XXXXXXX/`: save atomically, resume exactly, export to Hugging Face.
+"""Checkpoints `RUN_ROOT/checkpoints/iter_XXXXXXX/`: save atomically, resume exactly (export to Hugging Face:
+memrl/train/export.py).
 
 Layout of one checkpoint (XXXXXXX = 7-digit rollout id of the last *completed* rollout step):
 
@@ -23,9 +24,8 @@ Invariants:
 - The tmp folders of killed writers (same host, pid no longer running) are removed at the next save
   and at a resume; those of live writers, and of other hosts (whose pids mean nothing here), are kept.
 - `list_checkpoints` / `find_latest_checkpoint` only return directories named `iter_\\d{7}` holding COMPLETE.
-- LoRA adapters are loaded (resume) or merged (`convert-to-hf`) only with the rank, alpha and layers, and
-  onto a base of the architecture, they were saved with; another base's weights (fingerprint) are refused
-  by convert-to-hf (unless `allow_other_base`) and warned about at a resume.
+- LoRA adapters are resumed only with the rank, alpha and layers, and onto a base of the architecture,
+  they were saved with; another base's weights (fingerprint) are warned about (convert-to-hf refuses them).
 - Saving is a single-process operation: in data-parallel training only rank 0 calls `save_checkpoint`
   (under FSDP after every rank helped gather the full weights and optimizer state: `memrl.train.fsdp`).
   The files are the same whichever strategy wrote them, so a run resumes under any strategy.
@@ -61,7 +61,6 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 STATE_FILE = "state.json"
-EXPORT_FILE = "memrl_export.json"  # an exported folder's provenance: checkpoint, rollout id, base model
 LORA_BASE = "lora_base"  # state.json: lora.base_record of the base model a LoRA run trained
 _CHECKPOINT_NAME = re.compile(r"^iter_(\d{7})$")
 _TMP_NAME = re.compile(r"^iter_\d{7}\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
@@ -423,7 +422,7 @@ def _check_adapters(peft_model: Any, ckpt: Path) -> None:
         raise CheckpointError(f"checkpoint {ckpt} holds other adapters than this run's model.lora: "
                               f"{'; '.join(differ)} (checkpoint vs this run); set model.lora as in the run that "
                               f"saved it")
-    recorded = _read_state_file(ckpt).get(LORA_BASE)
+    recorded = read_state_file(ckpt).get(LORA_BASE)
     now = getattr(peft_model, lora.BASE_RECORD, None)
     if recorded is None or now is None:  # saved before memrl recorded the base, or a hand-made PeftModel
         return
@@ -496,10 +495,11 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any = N
 
 def read_state(path: str | Path) -> dict[str, Any]:
     """A checkpoint's state.json (where to resume, the config); `path` as for `load_checkpoint`."""
-    return _read_state_file(resolve_checkpoint(path))
+    return read_state_file(resolve_checkpoint(path))
 
 
-def _read_state_file(ckpt: Path) -> dict[str, Any]:
+def read_state_file(ckpt: Path) -> dict[str, Any]:
+    """The state.json of a complete checkpoint dir."""
     return json.loads((ckpt / STATE_FILE).read_text())
 
 
@@ -513,121 +513,3 @@ def read_checkpoint_file(ckpt: Path, filename: str) -> Any:
 def restore_rng(ckpt: Path) -> None:
     """Restore the python, numpy, torch (and CUDA) generators saved in a complete checkpoint dir."""
     _restore_rng(read_checkpoint_file(ckpt, RNG_FILE))
-
-
-# ------------------------------------------------------------------------------------------- exporting
-
-
-def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: Any = None,
-                 base_model: str | None = None, allow_other_base: bool = False) -> Path:
-    """Write a plain Hugging Face folder (weights, config, tokenizer) that `from_pretrained` loads.
-
-    `tokenizer` (a tokenizer object or a folder/hub id) adds tokenizer files when the checkpoint was
-    saved without them. A LoRA checkpoint is merged into its base model (`_merge_adapters`): `base_model`,
-    else the one its run trained from. `out_dir` must be absent or empty; it is filled via a
-    temporary sibling and a rename, so an interrupted export never looks finished.
-    """
-    ckpt = resolve_checkpoint(checkpoint_path)
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"export target {out} exists and is not empty; pick a new or empty folder")
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    state = _read_state_file(ckpt)
-    provenance = {"checkpoint": str(ckpt.resolve()), "rollout_id": state.get("rollout_id"),
-                  "memrl_version": state.get("memrl_version")}
-    try:
-        if lora.is_adapter_folder(ckpt / MODEL_DIR):
-            provenance.update(_merge_adapters(ckpt, state, tmp, base_model, allow_other_base))
-            for file in (ckpt / MODEL_DIR).iterdir():  # the tokenizer files saved beside the adapters
-                if file.is_file() and not file.name.startswith("adapter_") and file.name != "README.md":
-                    shutil.copy2(file, tmp / file.name)
-        else:
-            shutil.copytree(ckpt / MODEL_DIR, tmp)
-        if tokenizer is not None:
-            if isinstance(tokenizer, str | Path):
-                from transformers import AutoTokenizer
-
-                from memrl.config import load_pretrained
-
-                tokenizer = load_pretrained(AutoTokenizer, tokenizer, "tokenizer")
-            tokenizer.save_pretrained(tmp)
-        (tmp / EXPORT_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    os.replace(tmp, out)
-    if not any(out.glob("tokenizer*")):
-        warnings.warn(f"{out} has no tokenizer files; pass a tokenizer to load it with AutoTokenizer", stacklevel=2)
-    return out
-
-
-def _lora_base_path(ckpt: Path, state: Mapping[str, Any]) -> tuple[str, str | None]:
-    """The base model (and hub revision) a LoRA run trained from: the absolute folder recorded at training
-    time, else its hub id; older checkpoints without the record: the run's model.path as written."""
-    recorded = state.get(LORA_BASE) or {}
-    model_cfg = (state.get("config") or {}).get("model") or {}
-    if recorded.get("folder"):
-        if not Path(recorded["folder"]).is_dir():
-            raise CheckpointError(f"the base model {recorded['path']} of {ckpt} (recorded at training time, relative "
-                                  f"to {recorded['cwd']}: {recorded['folder']}) is not found; pass --base-model DIR")
-        return recorded["folder"], None
-    path = recorded.get("path") or model_cfg.get("path")
-    if not path:
-        raise CheckpointError(f"{ckpt} holds LoRA adapters and its run names no model.path to merge them into; "
-                              f"pass --base-model DIR")
-    return path, model_cfg.get("revision")
-
-
-def _merge_adapters(ckpt: Path, state: Mapping[str, Any], tmp: Path, base_model: str | None,
-                    allow_other_base: bool) -> dict[str, Any]:
-    """Merge the adapters of `ckpt` into their base model, written to `tmp`; returns what was merged into
-    and checked, for memrl_export.json. The base must be of the recorded architecture (other shapes cannot
-    merge) and hold the recorded weights (fingerprint): adapters on other weights are another model."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from memrl.config import ConfigError, load_pretrained
-
-    path, revision = (base_model, None) if base_model else _lora_base_path(ckpt, state)
-    hint = "" if base_model else " (the base model recorded at training time); pass --base-model DIR"
-    recorded = state.get(LORA_BASE)
-    try:
-        if recorded is not None:  # before loading gigabytes of weights
-            other = lora.config_differences(recorded["architecture"],
-                                            load_pretrained(AutoConfig, path, "base model", revision=revision))
-            if other:
-                raise CheckpointError(f"base model {path} is another architecture than the one the adapters of {ckpt} "
-                                      f"were trained on ({recorded['path']}): {'; '.join(other)} (checkpoint vs "
-                                      f"{path}); pass that model as --base-model")
-        base = load_pretrained(AutoModelForCausalLM, path, "base model", revision=revision, dtype=torch.float32)
-    except ConfigError as error:
-        raise CheckpointError(f"{error}{hint}") from error
-    if recorded is None:
-        checked = "nothing: the checkpoint was saved before memrl recorded its base model"
-        warnings.warn(f"{ckpt} records no base model: not checked that {path} is the one its adapters were "
-                      f"trained on", stacklevel=3)
-    elif lora.weights_fingerprint(base) == recorded["fingerprint"]:
-        checked = "architecture and weights fingerprint match the checkpoint's record"
-    elif allow_other_base:
-        checked = "architecture only: other weights than at training time (--allow-other-base)"
-        warnings.warn(f"merging the adapters of {ckpt} into {path}, whose weights differ from the base they were "
-                      f"trained on ({recorded['path']}): --allow-other-base", stacklevel=3)
-    else:
-        raise CheckpointError(f"base model {path} has the architecture but not the weights of the one the adapters "
-                              f"of {ckpt} were trained on ({recorded['path']}; fingerprint of sampled weights "
-                              f"{lora.weights_fingerprint(base)} vs {recorded['fingerprint']}); pass that model as "
-                              f"--base-model, or --allow-other-base to merge anyway")
-    lora.export_merged(ckpt / MODEL_DIR, base, tmp)
-    return {"base_model": path, "base_model_checked": checked}
-
-
-def convert_to_hf_command(ckpt: Path, out: Path, tokenizer: str | None = None, base_model: str | None = None,
-                          allow_other_base: bool = False) -> Path:
-    """`memrl convert-to-hf CKPT OUT [--base-model DIR] [--allow-other-base]`: CKPT is a checkpoint dir or
-    a run root; a LoRA checkpoint is merged into its base model (memrl_export.json says what was checked).
-
-    Returns the folder written; printing is left to the CLI.
-    """
-    return export_to_hf(ckpt, out, tokenizer=tokenizer, base_model=base_model, allow_other_base=allow_other_base)

@@ -14,7 +14,8 @@ pytest.importorskip("peft")
 
 from memrl.config import Config, ConfigError, config_from_dict  # noqa: E402
 from memrl.train.actor import Actor  # noqa: E402
-from memrl.train.checkpoint import CheckpointError, convert_to_hf_command  # noqa: E402
+from memrl.train.checkpoint import CheckpointError  # noqa: E402
+from memrl.train.export import convert_to_hf_command  # noqa: E402
 from memrl.types import TrainRow  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
