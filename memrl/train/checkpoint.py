@@ -428,13 +428,14 @@ def _check_adapters(peft_model: Any, ckpt: Path) -> None:
         return
     other = lora.config_differences(recorded["architecture"], peft_model.base_model.model.config)
     if other:
-        raise CheckpointError(f"model.path {now['path']} is another architecture than the base model "
-                              f"{recorded['path']} that the adapters of {ckpt} were trained on: "
+        raise CheckpointError(f"this run's base model ({lora.describe_base(now)}) is another architecture than "
+                              f"the one the adapters of {ckpt} were trained on ({lora.describe_base(recorded)}): "
                               f"{'; '.join(other)} (checkpoint vs this run); set model.path to that base")
     if recorded["fingerprint"] != now["fingerprint"]:
-        warnings.warn(f"model.path {now['path']} has other weights than the base model {recorded['path']} that "
-                      f"the adapters of {ckpt} were trained on (fingerprint {recorded['fingerprint']} vs "
-                      f"{now['fingerprint']}); the resumed policy is not the saved one", stacklevel=2)
+        warnings.warn(f"this run's base model ({lora.describe_base(now)}) has other weights than the one the "
+                      f"adapters of {ckpt} were trained on ({lora.describe_base(recorded)}; fingerprint "
+                      f"{recorded['fingerprint']} vs {now['fingerprint']}); the resumed policy is not the saved one",
+                      stacklevel=2)
 
 
 def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:

@@ -78,8 +78,9 @@ def _lora_base_path(ckpt: Path, state: Mapping[str, Any]) -> tuple[str, str | No
     model_cfg = (state.get("config") or {}).get("model") or {}
     if recorded.get("folder"):
         if not Path(recorded["folder"]).is_dir():
-            raise CheckpointError(f"the base model {recorded['path']} of {ckpt} (recorded at training time, relative "
-                                  f"to {recorded['cwd']}: {recorded['folder']}) is not found; pass --base-model DIR")
+            relative = "" if Path(recorded["path"]).is_absolute() else f", relative to {recorded['cwd']}"
+            raise CheckpointError(f"the base model {recorded['path']} of {ckpt} (recorded at training time{relative}: "
+                                  f"{recorded['folder']}) is not found; pass --base-model DIR")
         return recorded["folder"], None
     path = recorded.get("path") or model_cfg.get("path")
     if not path:
@@ -105,7 +106,7 @@ def _merge_adapters(ckpt: Path, state: Mapping[str, Any], tmp: Path, base_model:
                                             load_pretrained(AutoConfig, path, "base model", revision=revision))
             if other:
                 raise CheckpointError(f"base model {path} is another architecture than the one the adapters of {ckpt} "
-                                      f"were trained on ({recorded['path']}): {'; '.join(other)} (checkpoint vs "
+                                      f"were trained on ({lora.describe_base(recorded)}): {'; '.join(other)} (checkpoint vs "
                                       f"{path}); pass that model as --base-model")
         base = load_pretrained(AutoModelForCausalLM, path, "base model", revision=revision, dtype=torch.float32)
     except ConfigError as error:
@@ -114,17 +115,17 @@ def _merge_adapters(ckpt: Path, state: Mapping[str, Any], tmp: Path, base_model:
         checked = "nothing: the checkpoint was saved before memrl recorded its base model"
         warnings.warn(f"{ckpt} records no base model: not checked that {path} is the one its adapters were "
                       f"trained on", stacklevel=3)
-    elif lora.weights_fingerprint(base) == recorded["fingerprint"]:
+    elif (fingerprint := lora.weights_fingerprint(base)) == recorded["fingerprint"]:
         checked = "architecture and weights fingerprint match the checkpoint's record"
     elif allow_other_base:
         checked = "architecture only: other weights than at training time (--allow-other-base)"
         warnings.warn(f"merging the adapters of {ckpt} into {path}, whose weights differ from the base they were "
-                      f"trained on ({recorded['path']}): --allow-other-base", stacklevel=3)
+                      f"trained on ({lora.describe_base(recorded)}): --allow-other-base", stacklevel=3)
     else:
         raise CheckpointError(f"base model {path} has the architecture but not the weights of the one the adapters "
-                              f"of {ckpt} were trained on ({recorded['path']}; fingerprint of sampled weights "
-                              f"{lora.weights_fingerprint(base)} vs {recorded['fingerprint']}); pass that model as "
-                              f"--base-model, or --allow-other-base to merge anyway")
+                              f"of {ckpt} were trained on ({lora.describe_base(recorded)}; fingerprint of sampled weights "
+                              f"{fingerprint} vs {recorded['fingerprint']}); pass that model as --base-model, or "
+                              f"--allow-other-base to merge anyway")
     lora.export_merged(ckpt / MODEL_DIR, base, tmp)
     return {"base_model": path, "base_model_checked": checked}
 

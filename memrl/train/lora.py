@@ -98,6 +98,11 @@ def base_record(model: torch.nn.Module) -> dict[str, Any]:
             "architecture": architecture(model.config), "fingerprint": weights_fingerprint(model)}
 
 
+def describe_base(record: Mapping[str, Any]) -> str:
+    """Where the base model of a `base_record` came from, for messages."""
+    return record.get("folder") or record.get("path") or "a model built in code, not loaded from a folder"
+
+
 def architecture(config: Any) -> dict[str, Any]:
     """The fields of a transformers config that fix the shapes of a model's weights."""
     return {key: getattr(config, key, None) for key in _ARCHITECTURE}

@@ -180,12 +180,12 @@ def test_a_resume_onto_another_base_is_refused_by_architecture_and_warned_about_
     assert json.loads((path / "state.json").read_text())["lora_base"]["architecture"]["hidden_size"] == 32
     one_line_error(CheckpointError, lambda: Actor(base_model(hidden_size=48), lora_cfg(), pad_token_id=0, load=path),
                    r"another architecture .*hidden_size 32 vs 48")
-    with pytest.warns(UserWarning, match="other weights than the base model"):
+    with pytest.warns(UserWarning, match="has other weights than the one the adapters"):
         Actor(base_model(seed=1), lora_cfg(), pad_token_id=0, load=path)
 
 
 def test_target_modules_naming_nothing_are_refused_before_peft():
-    with pytest.raises(ConfigError, match=r"model.lora.target_modules = \[\] names no layer"):
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules = \[\]: .*adapts no layer"):
         config_from_dict({"model": {"lora": {"target_modules": []}}})
     # Config load cannot know the model's layers: the actor checks them as it builds the adapters, also an
     # entry misspelt beside a good one (which peft ignores).
