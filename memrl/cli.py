@@ -228,13 +228,22 @@ def convert_to_hf(
     ckpt: Annotated[Path, typer.Argument(help="Checkpoint folder iter_XXXXXXX (or a run root: latest).")],
     out: Annotated[Path, typer.Argument(help="Output Hugging Face model folder.")],
     base_model: Annotated[str | None, typer.Option(
-        help="LoRA checkpoints: the base model to merge the adapters into (default: the run's model.path).")] = None,
+        help="LoRA checkpoints: the base model to merge the adapters into (default: the one the run trained "
+             "from, as recorded in the checkpoint).")] = None,
+    allow_other_base: Annotated[bool, typer.Option(
+        help="LoRA checkpoints: merge even into a base whose weights differ from those the adapters were "
+             "trained on (same architecture).")] = False,
 ) -> None:
     """Export a training checkpoint as a plain Hugging Face model folder (LoRA adapters merged in)."""
-    from memrl.train.checkpoint import convert_to_hf_command
+    import json
 
-    path = convert_to_hf_command(ckpt, out, base_model=base_model)
+    from memrl.train.export import EXPORT_FILE, convert_to_hf_command
+
+    path = convert_to_hf_command(ckpt, out, base_model=base_model, allow_other_base=allow_other_base)
     typer.echo(f"wrote {path}")
+    export = json.loads((path / EXPORT_FILE).read_text())
+    if "base_model" in export:
+        typer.echo(f"merged into {export['base_model']}; checked: {export['base_model_checked']}")
 
 
 @app.command()

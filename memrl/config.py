@@ -105,6 +105,15 @@ class LoraConfig(Section):
     target_modules: str | list[str] = Field("all-linear", description="Modules given adapters: peft's `all-linear` "
                                             "(every linear layer but the LM head) or a list of module names.")
 
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, targets: str | list[str]) -> str | list[str]:
+        # An empty list (or name) adapts nothing: peft refuses it only when the model is built. Whether the
+        # names exist in the model is checked there too (memrl.train.lora), before peft.
+        if not targets or (isinstance(targets, list) and not all(targets)):
+            raise ValueError("an empty list or name adapts no layer; list layer names such as [q_proj, v_proj], or all-linear")
+        return targets
+
 
 class ModelConfig(Section):
     path: str | None = Field(None, description="Hugging Face model folder or hub id of the policy.")

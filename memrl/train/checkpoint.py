@@ -1,4 +1,5 @@
-"""Checkpoints `RUN_ROOT/checkpoints/iter_XXXXXXX/`: save atomically, resume exactly, export to Hugging Face.
+"""Checkpoints `RUN_ROOT/checkpoints/iter_XXXXXXX/`: save atomically, resume exactly (export to Hugging Face:
+memrl/train/export.py).
 
 Layout of one checkpoint (XXXXXXX = 7-digit rollout id of the last *completed* rollout step):
 
@@ -8,6 +9,7 @@ Layout of one checkpoint (XXXXXXX = 7-digit rollout id of the last *completed* r
     scheduler.pt    scheduler.state_dict()
     rng.pt          python `random`, numpy, torch CPU and (when present) CUDA generator states
     state.json      {rollout_id, next_rollout_id, data_cursor, global_step, config, memrl_version, created}
+                    [+ lora_base with LoRA: the base model's folder, architecture and weights fingerprint]
     COMPLETE        written last; a directory without it is never loaded or listed
 
 `RUN_ROOT/checkpoints/latest` holds the name of the newest complete checkpoint; `best.json` (with
@@ -22,6 +24,8 @@ Invariants:
 - The tmp folders of killed writers (same host, pid no longer running) are removed at the next save
   and at a resume; those of live writers, and of other hosts (whose pids mean nothing here), are kept.
 - `list_checkpoints` / `find_latest_checkpoint` only return directories named `iter_\\d{7}` holding COMPLETE.
+- LoRA adapters are resumed only with the rank, alpha and layers, and onto a base of the architecture,
+  they were saved with; another base's weights (fingerprint) are warned about (convert-to-hf refuses them).
 - Saving is a single-process operation: in data-parallel training only rank 0 calls `save_checkpoint`
   (under FSDP after every rank helped gather the full weights and optimizer state: `memrl.train.fsdp`).
   The files are the same whichever strategy wrote them, so a run resumes under any strategy.
@@ -57,6 +61,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 STATE_FILE = "state.json"
+LORA_BASE = "lora_base"  # state.json: lora.base_record of the base model a LoRA run trained
 _CHECKPOINT_NAME = re.compile(r"^iter_(\d{7})$")
 _TMP_NAME = re.compile(r"^iter_\d{7}\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
 
@@ -269,6 +274,7 @@ def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Modul
         "global_step": None,
         "config": None,
         **state,
+        **({LORA_BASE: getattr(model, lora.BASE_RECORD)} if hasattr(model, lora.BASE_RECORD) else {}),
         "memrl_version": _memrl_version(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -406,6 +412,32 @@ def _check_shapes(weights: Mapping[str, torch.Tensor], params: Mapping[str, torc
             f"checkpoint was trained from, or --load a checkpoint of this model")
 
 
+def _check_adapters(peft_model: Any, ckpt: Path) -> None:
+    """A resume's adapters (model.lora) and base model (model.path) are those the checkpoint's were trained
+    with: refused otherwise, naming the checkpoint's value. Another base's weights of the same architecture
+    only warn: `memrl train` has no flag to allow it, and going on from adapters on an updated base is a
+    choice a user may make."""
+    differ = lora.adapter_differences(peft_model, ckpt / MODEL_DIR)
+    if differ:
+        raise CheckpointError(f"checkpoint {ckpt} holds other adapters than this run's model.lora: "
+                              f"{'; '.join(differ)} (checkpoint vs this run); set model.lora as in the run that "
+                              f"saved it")
+    recorded = read_state_file(ckpt).get(LORA_BASE)
+    now = getattr(peft_model, lora.BASE_RECORD, None)
+    if recorded is None or now is None:  # saved before memrl recorded the base, or a hand-made PeftModel
+        return
+    other = lora.config_differences(recorded["architecture"], peft_model.base_model.model.config)
+    if other:
+        raise CheckpointError(f"this run's base model ({lora.describe_base(now)}) is another architecture than "
+                              f"the one the adapters of {ckpt} were trained on ({lora.describe_base(recorded)}): "
+                              f"{'; '.join(other)} (checkpoint vs this run); set model.path to that base")
+    if recorded["fingerprint"] != now["fingerprint"]:
+        warnings.warn(f"this run's base model ({lora.describe_base(now)}) has other weights than the one the "
+                      f"adapters of {ckpt} were trained on ({lora.describe_base(recorded)}; fingerprint "
+                      f"{recorded['fingerprint']} vs {now['fingerprint']}); the resumed policy is not the saved one",
+                      stacklevel=2)
+
+
 def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     has_adapters = hasattr(model, "peft_config")
     if lora.is_adapter_folder(model_dir) != has_adapters:
@@ -414,6 +446,7 @@ def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
                               f"{'has' if has_adapters else 'has no'} adapters; set model.lora as in the run that "
                               f"saved it")
     if has_adapters:
+        _check_adapters(model, model_dir.parent)
         lora.load_adapters(model, model_dir)
         return
     files = sorted(model_dir.glob("*.safetensors"))
@@ -463,7 +496,12 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any = N
 
 def read_state(path: str | Path) -> dict[str, Any]:
     """A checkpoint's state.json (where to resume, the config); `path` as for `load_checkpoint`."""
-    return json.loads((resolve_checkpoint(path) / STATE_FILE).read_text())
+    return read_state_file(resolve_checkpoint(path))
+
+
+def read_state_file(ckpt: Path) -> dict[str, Any]:
+    """The state.json of a complete checkpoint dir."""
+    return json.loads((ckpt / STATE_FILE).read_text())
 
 
 def read_checkpoint_file(ckpt: Path, filename: str) -> Any:
@@ -476,65 +514,3 @@ def read_checkpoint_file(ckpt: Path, filename: str) -> Any:
 def restore_rng(ckpt: Path) -> None:
     """Restore the python, numpy, torch (and CUDA) generators saved in a complete checkpoint dir."""
     _restore_rng(read_checkpoint_file(ckpt, RNG_FILE))
-
-
-# ------------------------------------------------------------------------------------------- exporting
-
-
-def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: Any = None,
-                 base_model: str | None = None) -> Path:
-    """Write a plain Hugging Face folder (weights, config, tokenizer) that `from_pretrained` loads.
-
-    `tokenizer` (a tokenizer object or a folder/hub id) adds tokenizer files when the checkpoint was
-    saved without them. A LoRA checkpoint is merged into its base model: `base_model`, else the
-    `model.path` its run was configured with. `out_dir` must be absent or empty; it is filled via a
-    temporary sibling and a rename, so an interrupted export never looks finished.
-    """
-    ckpt = resolve_checkpoint(checkpoint_path)
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"export target {out} exists and is not empty; pick a new or empty folder")
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        if lora.is_adapter_folder(ckpt / MODEL_DIR):
-            base = base_model or (json.loads((ckpt / STATE_FILE).read_text()).get("config") or {}).get("model", {}).get("path")
-            if not base:
-                raise CheckpointError(f"{ckpt} holds LoRA adapters and its run names no model.path to merge them "
-                                      f"into; pass --base-model DIR")
-            lora.export_merged(ckpt / MODEL_DIR, base, tmp)
-            for file in (ckpt / MODEL_DIR).iterdir():  # the tokenizer files saved beside the adapters
-                if file.is_file() and not file.name.startswith("adapter_") and file.name != "README.md":
-                    shutil.copy2(file, tmp / file.name)
-        else:
-            shutil.copytree(ckpt / MODEL_DIR, tmp)
-        if tokenizer is not None:
-            if isinstance(tokenizer, str | Path):
-                from transformers import AutoTokenizer
-
-                from memrl.config import load_pretrained
-
-                tokenizer = load_pretrained(AutoTokenizer, tokenizer, "tokenizer")
-            tokenizer.save_pretrained(tmp)
-        state = json.loads((ckpt / STATE_FILE).read_text())
-        provenance = {"checkpoint": str(ckpt.resolve()), "rollout_id": state.get("rollout_id"),
-                      "memrl_version": state.get("memrl_version")}
-        (tmp / "memrl_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    os.replace(tmp, out)
-    if not any(out.glob("tokenizer*")):
-        warnings.warn(f"{out} has no tokenizer files; pass a tokenizer to load it with AutoTokenizer", stacklevel=2)
-    return out
-
-
-def convert_to_hf_command(ckpt: Path, out: Path, tokenizer: str | None = None, base_model: str | None = None) -> Path:
-    """`memrl convert-to-hf CKPT OUT [--tokenizer PATH] [--base-model DIR]`: CKPT is a checkpoint dir or a
-    run root; a LoRA checkpoint is merged into its base model.
-
-    Returns the folder written; printing is left to the CLI.
-    """
-    return export_to_hf(ckpt, out, tokenizer=tokenizer, base_model=base_model)

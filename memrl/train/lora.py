@@ -9,10 +9,19 @@
 - A checkpoint's `model/` holds the adapters (peft's `save_pretrained`: adapter_config.json +
   adapter_model.safetensors); resuming loads them onto the base model named by `model.path`.
   `convert-to-hf` merges them into a plain Hugging Face folder (`export_merged`).
+- Adapters mean something only on the base they were trained on, with the rank, alpha and layers they were
+  trained with: `add_adapters` records that base (`base_record`: its folder, architecture, a fingerprint of
+  its weights), the checkpoint keeps the record, and resume and `convert-to-hf` compare against it
+  (`adapter_differences`, `config_differences`, `weights_fingerprint`; memrl/train/checkpoint.py refuses).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +32,11 @@ from memrl.config import ConfigError, LoraConfig
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER = "default"  # peft's name of the one adapter memrl trains
+BASE_RECORD = "memrl_base_record"  # attribute of the PeftModel that add_adapters returns: its base_record
+# The config fields that make two bases the same architecture (adapter shapes follow from them).
+_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim")
+_FINGERPRINT_SAMPLES = 1024  # values of each tensor hashed by weights_fingerprint
 
 
 def _peft() -> Any:
@@ -34,11 +48,108 @@ def _peft() -> Any:
 
 
 def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> Any:
-    """`model` with LoRA adapters injected in place (its base weights frozen), as a peft `PeftModel`."""
+    """`model` with LoRA adapters injected in place (its base weights frozen), as a peft `PeftModel` that
+    carries the `base_record` of `model` (attribute BASE_RECORD) for its checkpoints."""
     peft = _peft()
+    _check_targets(model, lora.target_modules)
+    record = base_record(model)  # before injection: the plain model's names, as convert-to-hf loads it
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha if lora.alpha is not None else 2 * lora.rank,
                              lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type="CAUSAL_LM")
-    return peft.get_peft_model(model, config)
+    peft_model = peft.get_peft_model(model, config)
+    setattr(peft_model, BASE_RECORD, record)
+    return peft_model
+
+
+def _adaptable_layers(model: torch.nn.Module) -> list[str]:
+    """Names of the modules of the kinds peft's LoRA adapts."""
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+    return [name for name, module in model.named_modules() if isinstance(module, kinds)]
+
+
+def _check_targets(model: torch.nn.Module, targets: str | list[str]) -> None:
+    """Every entry of model.lora.target_modules names a layer of this model, by peft's rule (a list entry is
+    a module's name or its last dotted parts; a string other than all-linear a regex over whole names).
+    peft fails only when nothing matches, in a traceback, and ignores a misspelt entry beside good ones."""
+    if targets == "all-linear":
+        return
+    layers = _adaptable_layers(model)
+    if isinstance(targets, str):
+        unmatched = [] if any(re.fullmatch(targets, name) for name in layers) else [targets]
+    else:
+        unmatched = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in layers)]
+    if unmatched:
+        raise ConfigError(f"model.lora.target_modules: {unmatched} names no layer of this model that LoRA can "
+                          f"adapt; its layers: {', '.join(_leaf_names(layers))} (or use all-linear)")
+
+
+def _leaf_names(names: Any) -> list[str]:
+    return sorted({name.rsplit(".", 1)[-1] for name in names})
+
+
+def base_record(model: torch.nn.Module) -> dict[str, Any]:
+    """What a LoRA checkpoint keeps of the base model its adapters train on. `folder`: absolute when it was
+    loaded from a local folder (a relative model.path means nothing from another directory), with `cwd`
+    to say what it was relative to; `architecture`; `fingerprint` of its weights."""
+    source = getattr(model, "name_or_path", "") or ""
+    folder = Path(source).resolve() if source and Path(source).is_dir() else None
+    return {"path": source or None, "folder": str(folder) if folder else None, "cwd": os.getcwd(),
+            "architecture": architecture(model.config), "fingerprint": weights_fingerprint(model)}
+
+
+def describe_base(record: Mapping[str, Any]) -> str:
+    """Where the base model of a `base_record` came from, for messages."""
+    return record.get("folder") or record.get("path") or "a model built in code, not loaded from a folder"
+
+
+def architecture(config: Any) -> dict[str, Any]:
+    """The fields of a transformers config that fix the shapes of a model's weights."""
+    return {key: getattr(config, key, None) for key in _ARCHITECTURE}
+
+
+def config_differences(recorded: Mapping[str, Any], config: Any) -> list[str]:
+    """`key recorded vs now` for each architecture field of `config` that differs from `recorded`."""
+    now = architecture(config)
+    return [f"{key} {recorded.get(key)} vs {now[key]}" for key in _ARCHITECTURE if recorded.get(key) != now[key]]
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 of every weight's name and shape and of _FINGERPRINT_SAMPLES evenly spaced values of it, as
+    float32. Samples, not all bytes: seconds per GB otherwise, and a fine-tune differs from its base nearly
+    everywhere. float32 because training and convert-to-hf load the base in float32 whatever its files hold."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        count = min(flat.numel(), _FINGERPRINT_SAMPLES)
+        index = torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(flat[index.to(flat.device)].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def adapter_differences(peft_model: Any, folder: Path) -> list[str]:
+    """How the adapters of `peft_model` differ from those saved in `folder` (`model.lora.X saved vs now`):
+    another rank fails on shapes, another alpha silently scales every update (another policy), other
+    layers leave some untrained or unloaded. Dropout may change: it does not change what the weights mean."""
+    from peft.tuners.lora import LoraLayer
+    from safetensors import safe_open
+
+    saved = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+    now = peft_model.peft_config[ADAPTER]
+    differ = []
+    if saved.get("r") != now.r:
+        differ.append(f"model.lora.rank {saved.get('r')} vs {now.r}")
+    alpha = float(saved.get("lora_alpha") or 0)
+    if alpha != float(now.lora_alpha):
+        differ.append(f"model.lora.alpha {alpha:g} vs {float(now.lora_alpha):g}")
+    with safe_open(str(Path(folder) / ADAPTER_WEIGHTS), "pt") as f:
+        saved_layers = {key.split(".lora_")[0] for key in f.keys() if ".lora_" in key}
+    layers = {name for name, module in peft_model.named_modules() if isinstance(module, LoraLayer)}
+    if saved_layers != layers:
+        differ.append(f"model.lora.target_modules {len(saved_layers)} layers {_leaf_names(saved_layers)} vs "
+                      f"{len(layers)} layers {_leaf_names(layers)}")
+    return differ
 
 
 def is_adapter_folder(folder: Path) -> bool:
@@ -85,24 +196,15 @@ class WithoutAdapters(torch.nn.Module):
 
 
 def load_adapters(peft_model: Any, folder: Path) -> None:
-    """Load a checkpoint's adapter tensors into `peft_model` (which must have the same adapters)."""
+    """Load a checkpoint's adapter tensors into `peft_model`, whose adapters are those saved (no
+    `adapter_differences`: checked by the caller) on a base of the same architecture."""
     from safetensors.torch import load_file
 
-    peft = _peft()
-    result = peft.set_peft_model_state_dict(peft_model, load_file(str(Path(folder) / ADAPTER_WEIGHTS)))
-    missing = [k for k in result.missing_keys if ".lora_" in k]
-    if result.unexpected_keys or missing:
-        raise ConfigError(f"the adapters in {folder} do not fit this model's (unexpected {result.unexpected_keys[:3]}, "
-                          f"missing {missing[:3]}); set model.lora (rank, target_modules) as in the run that saved them")
+    _peft().set_peft_model_state_dict(peft_model, load_file(str(Path(folder) / ADAPTER_WEIGHTS)))
 
 
-def export_merged(adapter_folder: Path, base_model: str, out: Path) -> None:
-    """A plain Hugging Face folder at `out`: `base_model` (folder or hub id) with the adapters merged in."""
-    from transformers import AutoModelForCausalLM
-
-    from memrl.config import load_pretrained
-
-    peft = _peft()
-    base = load_pretrained(AutoModelForCausalLM, base_model, "base model", dtype=torch.float32)
-    peft_model = peft.PeftModel.from_pretrained(base, str(adapter_folder))
+def export_merged(adapter_folder: Path, base: torch.nn.Module, out: Path) -> None:
+    """A plain Hugging Face folder at `out`: the loaded `base` model with the adapters of `adapter_folder`
+    merged in."""
+    peft_model = _peft().PeftModel.from_pretrained(base, str(adapter_folder))
     peft_model.merge_and_unload().save_pretrained(out)

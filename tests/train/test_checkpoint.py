@@ -21,13 +21,12 @@ from memrl.train import checkpoint as ckpt_mod
 from memrl.train.checkpoint import (
     COMPLETE_MARKER,
     CheckpointError,
-    convert_to_hf_command,
-    export_to_hf,
     find_latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
+from memrl.train.export import convert_to_hf_command, export_to_hf
 
 
 def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
