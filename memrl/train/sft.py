@@ -43,6 +43,16 @@ class SFTOptions:
     seed: int = 0
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        # Checked when the options are made (`memrl sft` makes them before loading anything): `--lr nan`
+        # was a pydantic traceback from deep inside sft_config.
+        if self.epochs < 1 or self.batch_size < 1:
+            raise SFTError(f"epochs ({self.epochs}) and batch_size ({self.batch_size}) must be >= 1")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise SFTError(f"lr must be a finite number > 0, got {self.lr}; pass e.g. --lr 2e-3")
+        if self.warmup_steps < 0:
+            raise SFTError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
 
 def demonstration_rows(demonstrations: Sequence[Demonstration], prefix: str = "sft") -> list[TrainRow]:
     """One row per turn: tokens = prompt + response, loss on every response token, advantage 1.0.
@@ -93,8 +103,6 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, cfg: Config, demonstrations:
 
     if not demonstrations:
         raise SFTError("no demonstrations to train on")
-    if options.epochs < 1 or options.batch_size < 1:
-        raise SFTError(f"epochs ({options.epochs}) and batch_size ({options.batch_size}) must be >= 1")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = Actor(model, sft_config(cfg, options), pad_token_id=pad)
     by_demo: dict[str, list[TrainRow]] = {}
