@@ -83,6 +83,7 @@ def demo(
     """The CPU demo: warm start, held-out eval, GRPO through the MemAgent loop, eval, compare, plots."""
     from memrl.demo import demo_command
 
+    output_folder(run_root, "--run-root")
     raise typer.Exit(demo_command(run_root, quick, list(set_ or []), eval_interval))
 
 
@@ -101,6 +102,7 @@ def demo_long(
     """Train short, read long: `memrl demo`'s training, then base vs trained EM at each document length."""
     from memrl.demo_long import demo_long_command
 
+    output_folder(run_root, "--run-root")
     raise typer.Exit(demo_long_command(run_root, quick, list(set_ or []), questions, lengths, filler))
 
 
@@ -119,6 +121,7 @@ def demo_consistency(
     """Two training paths agree: one base trained locally, on Ray (2+2 workers, overlapped) and with a 2nd seed."""
     from memrl.demo_consistency import demo_consistency_command
 
+    output_folder(run_root, "--run-root")
     raise typer.Exit(demo_consistency_command(run_root, quick, list(set_ or []), seed_offset,
                                               list(max_abs_diff or [])))
 

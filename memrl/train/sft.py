@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from memrl.config import Config, TrainConfig
@@ -44,14 +45,15 @@ class SFTOptions:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        # Checked when the options are made (`memrl sft` makes them before loading anything): `--lr nan`
-        # was a pydantic traceback from deep inside sft_config.
+        # Checked when the options are made (`memrl sft` makes them before loading anything), lr and
+        # warmup by the training config's own rules: `--lr nan` was a pydantic traceback from sft_config.
         if self.epochs < 1 or self.batch_size < 1:
             raise SFTError(f"epochs ({self.epochs}) and batch_size ({self.batch_size}) must be >= 1")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise SFTError(f"lr must be a finite number > 0, got {self.lr}; pass e.g. --lr 2e-3")
-        if self.warmup_steps < 0:
-            raise SFTError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        try:
+            TrainConfig(lr=self.lr, warmup_steps=self.warmup_steps)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise SFTError(f"SFT option {err['loc'][0]} = {err['input']!r}: {err['msg']}") from None
 
 
 def demonstration_rows(demonstrations: Sequence[Demonstration], prefix: str = "sft") -> list[TrainRow]:
