@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 
 # Defaults shown by `prepare-data --help`; these data modules are light (no torch, transformers or numpy).
 from memrl.data.hotpotqa import HOTPOTQA_REVISION
+from memrl.data.manifest import output_folder
 from memrl.data.prepare import DEFAULT_SEED
 from memrl.data.ruler_hqa import RULER_LENGTHS, RULER_REPO, RULER_REVISION
 
@@ -33,7 +34,7 @@ EXPECTED_ERRORS = (
     "memrl.train.report:ReportError", "memrl.train.actor:ActorError", "memrl.train.partition:PartitionError",
     "memrl.eval.results:EvalError", "memrl.eval.compare:CompareError", "memrl.engines.base:EngineError",
     "memrl.memagent.prompts:PromptError", "memrl.distributed.workers:WorkerError", "memrl.tiny:TinyModelError",
-    "memrl.demo:DemoError", "memrl.viewer.build:ViewerError",
+    "memrl.demo:DemoError", "memrl.viewer.build:ViewerError", "memrl.data.manifest:OutputFolderError",
 )
 
 
@@ -82,6 +83,7 @@ def demo(
     """The CPU demo: warm start, held-out eval, GRPO through the MemAgent loop, eval, compare, plots."""
     from memrl.demo import demo_command
 
+    output_folder(run_root, "--run-root")
     raise typer.Exit(demo_command(run_root, quick, list(set_ or []), eval_interval))
 
 
@@ -100,6 +102,7 @@ def demo_long(
     """Train short, read long: `memrl demo`'s training, then base vs trained EM at each document length."""
     from memrl.demo_long import demo_long_command
 
+    output_folder(run_root, "--run-root")
     raise typer.Exit(demo_long_command(run_root, quick, list(set_ or []), questions, lengths, filler))
 
 
@@ -118,6 +121,7 @@ def demo_consistency(
     """Two training paths agree: one base trained locally, on Ray (2+2 workers, overlapped) and with a 2nd seed."""
     from memrl.demo_consistency import demo_consistency_command
 
+    output_folder(run_root, "--run-root")
     raise typer.Exit(demo_consistency_command(run_root, quick, list(set_ or []), seed_offset,
                                               list(max_abs_diff or [])))
 
@@ -140,11 +144,13 @@ def sft(
 
     if not data.is_file():
         raise SFTError(f"demonstrations file {data} does not exist; pass --data FILE (JSONL)")
+    options = SFTOptions(epochs=epochs, batch_size=batch_size, lr=lr)
+    output_folder(out, "--out")
     cfg = load_config(recipe, list(set_ or []))
     tokenizer = load_pretrained(AutoTokenizer, model, "model")
     demos = load_demonstrations(data, tokenizer, cfg.rollout.enable_thinking)
     policy = load_pretrained(AutoModelForCausalLM, model, "model", dtype="float32")
-    history = run_sft(policy, tokenizer, cfg, demos, SFTOptions(epochs=epochs, batch_size=batch_size, lr=lr), out)
+    history = run_sft(policy, tokenizer, cfg, demos, options, out)
     nll = [h["nll"] for h in history if "nll" in h]
     typer.echo(f"wrote {out / 'model'}: {len(history)} steps" + (f", NLL {nll[0]:.3f} -> {nll[-1]:.3f}" if nll else ""))
 
@@ -154,11 +160,14 @@ def make_tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write.")],
     tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder to use instead of the built-in one.")] = None,
     layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0,
+    overwrite: Annotated[bool, typer.Option(
+        help="Write into a non-empty folder, replacing the files of the same names.")] = False,
 ) -> None:
-    """Write a random-initialised tiny Qwen3 model folder (for tests and the CPU demo)."""
+    """Write a random-initialised tiny Qwen3 model folder (for tests and the CPU demo); OUT must be new or empty."""
     from memrl.tiny import make_tiny_model_command
 
-    make_tiny_model_command(out, tokenizer, layers, hidden, heads, kv_heads, intermediate, seed)
+    output_folder(out, "OUT")
+    make_tiny_model_command(out, tokenizer, layers, hidden, heads, kv_heads, intermediate, seed, overwrite=overwrite)
 
 
 @app.command()
@@ -180,6 +189,7 @@ def train(
     from memrl.train.controller import train as run_train
 
     overrides = list(set_ or []) + ([f"train.runtime={runtime}"] if runtime else [])
+    output_folder(run_root, "--run-root")
     cfg = load_config(recipe, overrides)
     options = TrainOptions(run_root=run_root, load=load, start_rollout_id=start_rollout_id,
                            save_rollouts=save_rollouts, replay_rollouts=replay_rollouts, progress=progress)
@@ -350,10 +360,11 @@ def compare_cmd(
     """Compare evaluation results: refuses incomparable sets, prints tables and flips, checks thresholds."""
     from memrl.eval.compare import compare_results, default_report_dir, parse_pairs, parse_thresholds
 
+    report_dir = output_folder(out or default_report_dir(result_dirs), "--out")
     result = compare_results(result_dirs, name, parse_thresholds(max_abs_diff or []), parse_pairs(pair or []),
                              allow_diff)
     typer.echo(result.to_text(max_ids=10))
-    for path in result.write(out or default_report_dir(result_dirs)):
+    for path in result.write(report_dir):
         typer.echo(f"wrote {path}")
     if not result.passed:
         failed = [f"{c.metric} {c.a},{c.b}: {c.diff:.2f} > {c.limit:g} pp" for c in result.checks if not c.passed]
@@ -427,6 +438,7 @@ def prepare_synthetic_cmd(
     """Synthetic memory task (the CPU demo's data): facts scattered among distractors."""
     from memrl.data.synthetic import prepare_synthetic
 
+    output_folder(out, "--out")
     paths = prepare_synthetic(out, num_train=num_train, num_heldout=num_heldout, max_chunks=max_chunks,
                               facts_per_chunk=facts_per_chunk, seed=seed, filler=filler)
     for p in paths.values():
@@ -452,6 +464,7 @@ def prepare_hotpotqa_cmd(
     """HotpotQA distractor → training and held-out questions, id lists, manifest."""
     from memrl.data.prepare import hotpotqa_command
 
+    output_folder(out, "--out")
     _wrote(hotpotqa_command(out, from_file=from_file, split=split, num_train=num_train, num_heldout=num_heldout,
                             seed=seed, pass_counts=pass_counts, pass_k=pass_k, revision=revision, cache_dir=cache_dir,
                             drop_answerable_without_context=drop_answerable_without_context))
@@ -471,6 +484,7 @@ def prepare_ruler_hqa_cmd(
     from memrl.data.prepare import ruler_hqa_command
 
     ns = _int_list(lengths, ctx.args, "--lengths", RULER_LENGTHS)
+    output_folder(out, "--out")
     _wrote(ruler_hqa_command(out, ns, from_dir=from_dir, pool=pool, revision=revision, cache_dir=cache_dir))
 
 
@@ -493,6 +507,7 @@ def prepare_build_ruler_cmd(
     from memrl.data.prepare import build_ruler_command
 
     ns = _int_list(num_docs, ctx.args, "--num-docs", RULER_LENGTHS)
+    output_folder(out, "--out")
     _wrote(build_ruler_command(from_file, out, ns, seed=seed, limit=limit, layout=layout.value))
 
 

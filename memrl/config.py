@@ -333,7 +333,10 @@ class TrainConfig(Section):
     dp_size: int = Field(1, gt=0, description="Data-parallel size the rows of a step are split across.")
     pad_to_dp: bool = Field(False, description="Pad a step's rows to a multiple of dp_size with all-zero-mask rows.")
     save_interval: int = Field(50, gt=0, description="Save a checkpoint every this many rollout steps (and at the end).")
-    seed: int = Field(1234, description="Seed of data order and trainer RNG.")
+    # Bounded because torch.manual_seed takes at most 64 bits: 2**64 was an overflow traceback at the
+    # first step. 2**63 - 1 is also the largest seed `memrl serve` accepts, so one range holds for both.
+    seed: int = Field(1234, ge=0, le=2**63 - 1, description="Seed of data order and trainer RNG, "
+                      "in [0, 2**63 - 1].")
     runtime: Literal["local", "ray"] = Field("local", description="One process (`local`) or Ray workers.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor.")
     logprob_chunk_tokens: int | None = Field(
@@ -600,12 +603,41 @@ def task_hook(generate_function: str, name: str) -> Any:
     return hook if callable(hook) else None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: plain YAML keeps the last one, so a
+    second `train:` block silently dropped the first. Merge keys (`<<: *base`) may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:  # the mapping's own keys, before merges are flattened into it
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first_line:
+                    where = f"line {line}" if first_line[key] == line else f"lines {first_line[key]} and {line}"
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"duplicate key {key!r} on {where}: the second would silently replace the first; "
+                        f"merge them into one")
+                first_line[key] = line
+            except TypeError:  # an unhashable key: SafeLoader's own error names it
+                pass
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML config text (a recipe, an override's value) as yaml.safe_load does, refusing duplicate
+    keys; raises yaml.YAMLError."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override '{text}' must look like section.key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override '{text}': value is not valid YAML: {e}") from e
     return key.strip().split("."), value
@@ -669,9 +701,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"recipe '{p}' does not exist")
+            raise ConfigError(f"recipe '{p}' does not exist" if not p.exists() else f"recipe '{p}' is not a file")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = load_yaml(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"recipe '{p}' is not UTF-8 text (byte {e.start}: {e.reason}); "
+                              f"save it as UTF-8") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe '{p}' is not valid YAML: {e}") from e
         if not isinstance(raw, dict):

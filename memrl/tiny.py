@@ -133,6 +133,14 @@ def build_tiny_model(
     return model.float().eval()
 
 
+def _check_target(out: Path, overwrite: bool) -> None:
+    """Refuse a non-empty folder unless `overwrite`: writing into a folder that holds a model replaced
+    its config.json and weights without a word."""
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise TinyModelError(f"{out} is not empty; pass a new or empty folder (or --overwrite to replace "
+                             f"the files it would write)")
+
+
 def save_tiny_model(
     out: str | Path,
     tokenizer_dir: str | Path | None = None,
@@ -143,14 +151,17 @@ def save_tiny_model(
     intermediate: int = 128,
     seed: int = 0,
     words: list[str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write a Hugging Face model folder (weights, config, tokenizer with chat template) to `out`.
 
     The tokenizer is `tokenizer_dir` when given (its own chat template is kept; the Qwen-style one is
     added only when it has none), else `build_tiny_tokenizer(words)`. The folder loads with
-    `AutoModelForCausalLM` / `AutoTokenizer` and with every memrl command. Returns `out` as a Path.
+    `AutoModelForCausalLM` / `AutoTokenizer` and with every memrl command. `out` must be new or empty
+    unless `overwrite` (then files of the same names are replaced, others kept). Returns `out` as a Path.
     """
     out = Path(out)
+    _check_target(out, overwrite)
     if tokenizer_dir is not None:
         if not Path(tokenizer_dir).is_dir():
             raise TinyModelError(f"tokenizer folder {tokenizer_dir} does not exist; pass a folder with tokenizer.json")
@@ -179,9 +190,10 @@ def make_tiny_model_command(
     kv_heads: int = 2,
     intermediate: int = 128,
     seed: int = 0,
+    overwrite: bool = False,
 ) -> None:
     """Write a random-initialised tiny Qwen3 model folder to OUT (for tests and the CPU demo)."""
     path = save_tiny_model(out, tokenizer_dir=tokenizer, layers=layers, hidden=hidden, heads=heads,
-                           kv_heads=kv_heads, intermediate=intermediate, seed=seed)
+                           kv_heads=kv_heads, intermediate=intermediate, seed=seed, overwrite=overwrite)
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(path)).parameters())
     print(f"wrote {path} ({n_params:,} parameters, {layers} layers, hidden {hidden})")

@@ -80,6 +80,16 @@ def test_words_tokenizer_and_command(tmp_path, capsys):
         save_tiny_model(tmp_path / "x", tokenizer_dir=tmp_path / "missing")
 
 
+def test_a_folder_that_holds_files_is_kept_unless_overwrite(tmp_path):
+    folder = save_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, seed=1)
+    weights = (folder / "model.safetensors").read_bytes()
+    with pytest.raises(TinyModelError, match="is not empty"):
+        save_tiny_model(folder, layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, seed=2)
+    assert (folder / "model.safetensors").read_bytes() == weights
+    save_tiny_model(folder, layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, seed=2, overwrite=True)
+    assert (folder / "model.safetensors").read_bytes() != weights
+
+
 def test_real_qwen3_tokenizer_folder(tmp_path):
     if not QWEN3_TOKENIZER.is_dir():
         pytest.skip(f"real Qwen3 tokenizer not found at {QWEN3_TOKENIZER}")

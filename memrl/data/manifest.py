@@ -1,4 +1,4 @@
-"""SHA-256 manifests for prepared data, and atomic file writes.
+"""SHA-256 manifests for prepared data, atomic file writes, and the check of an output folder option.
 
 Every folder that `memrl prepare-data` writes holds a `manifest.json`:
 
@@ -28,6 +28,22 @@ _HASH_BLOCK = 1 << 20
 
 class ManifestError(ValueError):
     """A prepared file is missing, changed, or not listed in its folder's manifest."""
+
+
+class OutputFolderError(ValueError):
+    """An output folder (a command's --out, --run-root) that names an existing file, or a path under one."""
+
+
+def output_folder(path: str | Path, option: str) -> Path:
+    """`path` as a Path if a folder can be made there (it is one, or its first existing parent is one).
+    Commands check it before reading their inputs: a file there was a FileExistsError traceback at the
+    first write, after the work. `option` names the flag in the message."""
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == path else f"is under {existing}, which is a file"
+        raise OutputFolderError(f"{option} {path} {where}; pass a new or existing folder")
+    return path
 
 
 def sha256_file(path: str | Path) -> str:
@@ -75,9 +91,25 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ManifestError(f"'{path}' is not valid JSON ({e}); re-run `memrl prepare-data`") from e
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise ManifestError(f"'{path}' has no 'files' mapping; re-run `memrl prepare-data`")
+    problem = _shape_problem(manifest)
+    if problem is not None:
+        raise ManifestError(f"'{path}' {problem}; re-run `memrl prepare-data`")
     return manifest
+
+
+def _shape_problem(manifest: Any) -> str | None:
+    """What makes a parsed manifest unusable (None if nothing): checked once, where it is read, so that
+    an edited entry (`"a.jsonl": 5`, `"history": 5`) is named here instead of failing in a reader."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return "has no 'files' mapping"
+    for name, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                and type(entry.get("bytes")) is int):
+            return (f"has a malformed entry for '{name}' (expected {{\"sha256\": \"...\", \"bytes\": N}}, "
+                    f"got {json.dumps(entry)})")
+    if not isinstance(manifest.get("history", []), list):
+        return f"has a 'history' that is not a list (got {json.dumps(manifest['history'])})"
+    return None
 
 
 def write_manifest(folder: str | Path, records: dict[str, int | None], created_by: str,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,18 +320,22 @@ def default_report_dir(dirs: list[Path]) -> Path:
 # ------------------------------------------------------------------------------------------ command-line values
 
 def parse_thresholds(items: list[str]) -> dict[str, float]:
-    """["sub_em=3", "em=2.5"] -> {"sub_em": 3.0, "em": 2.5} (percentage points)."""
+    """["sub_em=3", "em=2.5"] -> {"sub_em": 3.0, "em": 2.5} (percentage points).
+
+    A limit is a finite number >= 0: `nan` failed every check (nothing compares <= nan) and `inf`
+    passed every one, so both would only look like a check."""
     out: dict[str, float] = {}
     for item in items:
         metric, sep, value = item.partition("=")
         try:
             if not sep:
                 raise ValueError
-            out[metric.strip().lower()] = float(value)
+            limit = float(value)
         except ValueError:
             raise CompareError(f"--max-abs-diff {item!r}: write METRIC=POINTS, e.g. sub_em=3") from None
-        if out[metric.strip().lower()] < 0:
-            raise CompareError(f"--max-abs-diff {item!r}: the limit must be >= 0 percentage points")
+        if not (math.isfinite(limit) and limit >= 0):
+            raise CompareError(f"--max-abs-diff {item!r}: the limit must be a finite number >= 0 percentage points")
+        out[metric.strip().lower()] = limit
     return out
 
 

@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from memrl.config import Config
+from memrl.data.records import DataError, read_jsonl_lines
 from memrl.engines.base import Engine, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import training_engine
 from memrl.rl.advantages import AdvantageError, trajectory_advantages
@@ -188,13 +189,29 @@ def save_raw_rollout(directory: Path, rollout_id: int, out: RolloutOutput) -> Pa
 
 
 def load_raw_rollout(directory: Path, rollout_id: int) -> RolloutOutput:
+    """One step of a `--save-rollouts` folder read back. An empty, torn or edited file is a TrainingError
+    naming the file and line (it was an IndexError or JSONDecodeError traceback)."""
     path = Path(directory) / f"rollout_{rollout_id:07d}.jsonl"
     if not path.is_file():
         raise TrainingError(f"replay: {path} does not exist (saved with --save-rollouts?)")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    header = json.loads(lines[0])
-    return RolloutOutput([Trajectory.from_dict(json.loads(line)) for line in lines[1:]],
-                         metrics=header.get("metrics", {}), train_row_count=header["train_row_count"])
+    damaged = "replay from a folder that --save-rollouts wrote, unedited"
+    try:
+        lines = read_jsonl_lines(path)
+    except DataError as e:
+        raise TrainingError(f"replay: {e}; {damaged}") from None
+    if not lines:
+        raise TrainingError(f"replay: {path} is empty; {damaged}")
+    (_, header), *records = lines
+    count = header.get("train_row_count", "missing") if isinstance(header, dict) else "missing"
+    if not (count is None or type(count) is int):
+        raise TrainingError(f"replay: {path}: line 1 is not a rollout header with a train_row_count; {damaged}")
+    trajectories = []
+    for line, record in records:
+        try:
+            trajectories.append(Trajectory.from_dict(record))
+        except (TypeError, ValueError) as e:  # not an object, or fields missing or unknown
+            raise TrainingError(f"replay: {path}: line {line} is not a saved trajectory ({e}); {damaged}") from None
+    return RolloutOutput(trajectories, metrics=header.get("metrics", {}), train_row_count=count)
 
 
 class LocalRollout:

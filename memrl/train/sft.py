@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from memrl.config import Config, TrainConfig
@@ -42,6 +43,17 @@ class SFTOptions:
     warmup_steps: int = 10
     seed: int = 0
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        # Checked when the options are made (`memrl sft` makes them before loading anything), lr and
+        # warmup by the training config's own rules: `--lr nan` was a pydantic traceback from sft_config.
+        if self.epochs < 1 or self.batch_size < 1:
+            raise SFTError(f"epochs ({self.epochs}) and batch_size ({self.batch_size}) must be >= 1")
+        try:
+            TrainConfig(lr=self.lr, warmup_steps=self.warmup_steps)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise SFTError(f"SFT option {err['loc'][0]} = {err['input']!r}: {err['msg']}") from None
 
 
 def demonstration_rows(demonstrations: Sequence[Demonstration], prefix: str = "sft") -> list[TrainRow]:
@@ -93,8 +105,6 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, cfg: Config, demonstrations:
 
     if not demonstrations:
         raise SFTError("no demonstrations to train on")
-    if options.epochs < 1 or options.batch_size < 1:
-        raise SFTError(f"epochs ({options.epochs}) and batch_size ({options.batch_size}) must be >= 1")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor = Actor(model, sft_config(cfg, options), pad_token_id=pad)
     by_demo: dict[str, list[TrainRow]] = {}

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 
 from memrl.data.manifest import (
     MANIFEST_NAME,
     ManifestError,
+    OutputFolderError,
     atomic_write_json,
     atomic_write_text,
+    output_folder,
     read_manifest,
     sha256_file,
     verify_manifest,
@@ -73,6 +76,37 @@ def test_second_writer_keeps_other_entries_and_history(prepared):
     assert set(manifest["files"]) == {"a.jsonl", "sub/b.json", "c.txt"}
     assert manifest["created_by"] == "second"
     assert manifest["history"] == [{"created_by": "test", "args": {"seed": 1}}]
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    (lambda m: m["files"].update({"a.jsonl": 5}), "malformed entry for 'a.jsonl'"),
+    (lambda m: m["files"]["a.jsonl"].pop("sha256"), "malformed entry for 'a.jsonl'"),
+    (lambda m: m["files"]["a.jsonl"].update(bytes="24"), "malformed entry for 'a.jsonl'"),
+    (lambda m: m["files"]["a.jsonl"].update(bytes=True), "malformed entry for 'a.jsonl'"),
+    (lambda m: m.update(history=5), "'history' that is not a list"),
+])
+def test_an_edited_manifest_is_named_where_it_is_read(prepared, edit, words):
+    manifest = json.loads((prepared / MANIFEST_NAME).read_text())
+    edit(manifest)
+    (prepared / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=words):
+        verify_manifest(prepared)
+
+
+def test_a_writer_replaces_a_manifest_with_a_broken_history(prepared):
+    manifest = json.loads((prepared / MANIFEST_NAME).read_text())
+    (prepared / MANIFEST_NAME).write_text(json.dumps({**manifest, "history": 5}))
+    write_manifest(prepared, {"a.jsonl": 2}, "again", {})
+    assert verify_manifest(prepared)["history"] == []
+
+
+def test_output_folder_takes_a_folder_or_a_new_path_and_refuses_a_file(tmp_path):
+    assert output_folder(tmp_path, "--out") == tmp_path
+    assert output_folder(str(tmp_path / "new" / "deeper"), "--out") == tmp_path / "new" / "deeper"
+    (tmp_path / "f").write_text("")
+    for path, words in [(tmp_path / "f", "is a file"), (tmp_path / "f" / "x" / "y", f"is under {tmp_path / 'f'}")]:
+        with pytest.raises(OutputFolderError, match=re.escape(f"--out {path} {words}")):
+            output_folder(path, "--out")
 
 
 def test_listing_a_missing_file_is_an_error(tmp_path):

@@ -187,6 +187,8 @@ def test_every_problem_is_named_at_once(tiny_tokenizer, results, tmp_path):
     (lambda r: compare_results([r["base"]], max_abs_diff={"em": 3}), "needs two result folders"),
     (lambda r: parse_thresholds(["sub_em:3"]), "METRIC=POINTS"),
     (lambda r: parse_thresholds(["sub_em=-1"]), ">= 0"),
+    (lambda r: parse_thresholds(["sub_em=nan"]), "finite number >= 0"),  # nan failed every check
+    (lambda r: parse_thresholds(["em=inf"]), "finite number >= 0"),  # inf passed every check
     (lambda r: parse_pairs(["a;b"]), "NAME_A,NAME_B"),
 ])
 def test_usage_errors_say_what_to_write(results, call, words):

@@ -94,6 +94,17 @@ def test_bad_inputs_are_refused(tokenizer):
         demonstration_rows([[([], [1])]])
 
 
+@pytest.mark.parametrize(("options", "words"), [
+    ({"lr": float("nan")}, "lr = nan: Input should be a finite number"), ({"lr": float("inf")}, "lr = inf"),
+    ({"lr": 0.0}, "lr = 0.0: Input should be greater than 0"), ({"epochs": 0}, "epochs"),
+    ({"batch_size": 0}, "batch_size"), ({"warmup_steps": -1}, "warmup_steps = -1"),
+])
+def test_options_that_cannot_train_are_refused_when_made(options, words):
+    # Made before the model loads (`memrl sft`); lr=nan was a pydantic traceback from sft_config.
+    with pytest.raises(SFTError, match=words):
+        SFTOptions(**options)
+
+
 def test_sft_config_turns_off_rollout_correction_and_gspo():
     """Demonstrations carry rollout log-probs of 0: a recipe's rollout_is / rollout_rs would weigh or drop
     every token of them by the model's own probability."""
