@@ -231,14 +231,6 @@ def test_the_served_config_defaults_to_the_engines_own(tiny, tmp_path):
 # ---------------------------------------------------------------------------------------- command line
 
 
-def test_reload_roots_reach_serve_from_python_m(monkeypatch, tiny):
-    seen: list[dict] = []
-    monkeypatch.setattr(server, "serve", lambda model, **options: seen.append(options))
-    server.main(["--model", str(tiny), "--reload-root", "/runs/a", "--reload-root", "/runs/b"])
-    server.main(["--model", str(tiny)])
-    assert [s["reload_roots"] for s in seen] == [["/runs/a", "/runs/b"], None]
-
-
 def test_reload_roots_reach_serve_from_memrl_serve(monkeypatch, tiny):
     from memrl.cli import app
 
