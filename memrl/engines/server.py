@@ -82,11 +82,6 @@ MAX_TEMPERATURE = 100.0
 DISCONNECT_POLL_S = 0.5
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
-RELOAD_ROOT_HELP = (
-    "folder POST /v1/reload_weights may load weights from (repeatable; symlinks and .. resolved). "
-    "Default: none, reloads disabled. To train against this server, give the run root (or a folder above "
-    "it): training writes RUN_ROOT/weights_sync and asks for a reload of it after every step"
-)
 TEXT_PROMPT_MESSAGE = (
     "memrl serve takes token-id prompts only: send `prompt` as a list of ints (or a list of lists of "
     "ints for a batch), tokenized on the client with the model's tokenizer and chat template"
@@ -412,6 +407,12 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _error_response(APIError(400, _validation_message(exc)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A server bug: its client still gets the JSON error body of every other failure, not plain text
+        # (starlette logs the traceback after this answer).
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
     def check_key(request: Request) -> None:
         if api_key is None:
