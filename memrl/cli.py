@@ -213,24 +213,42 @@ def train(
 @app.command()
 def serve(
     model: Annotated[str, typer.Option(help="Model folder (Hugging Face format).")],
-    port: int = 8000,
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port).")] = 8000,
     host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
     api_key: Annotated[str | None, typer.Option(help="Require this bearer key (or set MEMRL_API_KEY).")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        help="Name in /v1/models and in requests (default: the model folder's name).")] = None,
     device: str = "auto", dtype: str = "auto",
-    gate_timeout_s: Annotated[float, typer.Option(
-        help="Longest wait of a generation for a weight reload (or of a reload for generations); then 503.")] = 600.0,
+    max_prompt_tokens: Annotated[int | None, typer.Option(
+        help="Longest prompt accepted, in tokens (default 32768).")] = None,
+    max_tokens_limit: Annotated[int | None, typer.Option(
+        help="Largest max_tokens a request may ask for (default 8192).")] = None,
+    gate_timeout_s: Annotated[float | None, typer.Option(
+        help="Longest wait of a generation for a weight reload (or of a reload for generations); then 503 "
+             "(default 600).")] = None,
     reload_root: Annotated[list[Path] | None, typer.Option(
         help="Folder POST /v1/reload_weights may load weights from (repeatable; symlinks and .. resolved). "
              "Default: none, reloads disabled. To train against this server, give the run root (or a folder "
              "above it): training writes RUN_ROOT/weights_sync and asks for a reload of it every step.")] = None,
+    shutdown_timeout_s: Annotated[float | None, typer.Option(
+        help="On SIGTERM or Ctrl-C, the longest wait for running requests before they are cancelled "
+             "(default 10).")] = None,
+    engine: Annotated[str | None, typer.Option(
+        help="'module:function' building the Engine from the model path (default: the local HFEngine).")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error or critical.")] = "info",
 ) -> None:
     """Serve a local model over an OpenAI-compatible completions API (token ids in and out, log-probs)."""
     from memrl.config import check_model_path
-    from memrl.engines.server import serve_command
+    from memrl.engines.server import serve as serve_model
 
-    check_model_path(model)  # before the server starts, not as a traceback from its startup
-    serve_command(model, port=port, host=host, api_key=api_key, device=device, dtype=dtype,
-                  gate_timeout_s=gate_timeout_s, reload_roots=reload_root)
+    if engine is None:  # (an --engine factory reads the path its own way)
+        check_model_path(model)  # before the server starts, not as a traceback from its startup
+    # Unset options keep serve()'s defaults, so each default is written in one place.
+    given = {"max_prompt_tokens": max_prompt_tokens, "max_tokens_limit": max_tokens_limit,
+             "gate_timeout_s": gate_timeout_s, "shutdown_timeout_s": shutdown_timeout_s}
+    serve_model(model, host=host, port=port, api_key=api_key, served_model_name=served_model_name, device=device,
+                dtype=dtype, engine_factory=engine, log_level=log_level, reload_roots=reload_root,
+                **{k: v for k, v in given.items() if v is not None})
 
 
 @app.command("convert-to-hf")

@@ -89,6 +89,10 @@ def resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.d
     return device, dtype
 
 
+def _weight_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
 class _EngineRunner:
     """An engine's model calls as its running batches see them (`hf_batch.ModelRunner`).
 
@@ -244,13 +248,16 @@ class HFEngine:
         return list(await asyncio.gather(*(self._wait(f) for f in futures)))
 
     async def _wait(self, future: asyncio.Future) -> GenerationResult:
-        if self.request_timeout_s is None:
-            return await future
         try:
+            if self.request_timeout_s is None:
+                return await future
             return await asyncio.wait_for(asyncio.shield(future), self.request_timeout_s)
         except TimeoutError:
             future.cancel()  # the worker skips cancelled requests (and drops their rows between steps)
             return GenerationResult.failed(f"request timed out after {self.request_timeout_s} s")
+        except asyncio.CancelledError:
+            future.cancel()  # the caller gave up (e.g. a server's client left): its row leaves the batch too
+            raise
 
     async def close(self) -> None:
         """Stop the worker; pending requests are failed, a running batch stops at its next step. Idempotent."""
@@ -485,6 +492,11 @@ class HFEngine:
         except OSError as error:
             raise EngineError(f"cannot load a model from {path}: {error}") from error
         model = model.to(self.device).eval()
+        # Whatever a caller checked before, this is what was read: a folder swapped meanwhile for another
+        # architecture must not replace the served model (nor the static decoder's buffers sized for it).
+        if _weight_shapes(model) != _weight_shapes(self.model):
+            raise EngineError(f"the model in {path} has other weight names or shapes than the served one; "
+                              "reload only checkpoints of the served architecture")
         with self._lock:
             self.model = model
             self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -2,9 +2,11 @@
 
 Reloads are disabled unless the operator names folders (`--reload-root`). A path outside them gets one
 refusal (403) whether or not it exists (`..` collapsed as text, then symlinks resolved and checked
-again); a folder whose config or tokenizer differs from the served model's gets a 409, never a silent
-swap (token ids are checked against, and decoded with, the served tokenizer). Kept apart from the HTTP
-app so the rules read on their own; the server turns `ReloadRefused` into its error response.
+again), and so does a folder inside them holding a link (file or folder, at any depth) that resolves
+outside them; a folder whose config or tokenizer differs from the served model's gets a 409, never a
+silent swap (token ids are checked against, and decoded with, the served tokenizer). A path the OS
+cannot look at (a name too long, a permission denied) is a 400. Kept apart from the HTTP app so the
+rules read on their own; the server turns `ReloadRefused` into its error response.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from memrl.config import ConfigError
 
 logger = logging.getLogger("memrl.engines.server")  # the server's log, where refusals are explained
 
@@ -36,6 +40,10 @@ RELOAD_DISABLED_MESSAGE = (
 RELOAD_FORBIDDEN_MESSAGE = (
     "reload path is outside the folders this server may reload from; write the weights under one of "
     "them, or restart memrl serve with a --reload-root that covers this path"
+)
+LINK_OUT_MESSAGE = (
+    "reload folder {given!r} holds {entry!r}, a link that leads outside the folders this server may "
+    "reload from; copy the file into the folder instead of linking it"
 )
 # Config fields that decide the shapes of a model's weights (or, model_type/architectures, which module
 # holds them). Names differ between model families, so each is compared only where a config has it.
@@ -112,6 +120,18 @@ def _first_vocab_difference(served: Mapping[str, int], other: Mapping[str, int])
     return f"{extra!r} (id {other[extra]}) is not in the served tokenizer"
 
 
+def check_reload_roots(roots: Sequence[str | os.PathLike] | None) -> None:
+    """ConfigError for a root that exists but is not a folder (one that does not exist yet is fine:
+    training creates its run root after the server starts)."""
+    for root in roots or ():
+        real = Path(os.path.realpath(root))
+        if real.exists() and not real.is_dir():
+            raise ConfigError(
+                f"reload root {str(root)!r} is not a folder; pass the folder that holds the weights "
+                "(e.g. the training run root)"
+            )
+
+
 class ReloadPolicy:
     """Which folders /v1/reload_weights may load, and what they must hold to fit the served model.
 
@@ -123,18 +143,60 @@ class ReloadPolicy:
     def __init__(
         self, roots: Sequence[str | os.PathLike] | None, config: Mapping[str, Any] | None, tokenizer: Any
     ) -> None:
-        self.roots: list[tuple[Path, Path]] = []
-        for root in roots or ():
-            real = Path(os.path.realpath(root))
-            if real.exists() and not real.is_dir():
-                raise ValueError(
-                    f"reload root {str(root)!r} is not a folder; pass the folder that holds the weights"
-                )
-            self.roots.append((Path(os.path.abspath(root)), real))
+        check_reload_roots(roots)
+        self.roots = [(Path(os.path.abspath(root)), Path(os.path.realpath(root))) for root in roots or ()]
         self.config = dict(config) if config is not None else None
         get_vocab = getattr(tokenizer, "get_vocab", None)
         self.vocab = dict(get_vocab()) if callable(get_vocab) else None
         self._matching_tokenizers: set[str] = set()  # digests of tokenizer files found to match
+
+    def check(self, path: str) -> Path:
+        """The real folder `path` names, if the engine may load it (blocking I/O); ReloadRefused if not.
+
+        403 outside the roots (`resolve`) or with a link out of them; 400 unless a model folder, or when
+        the OS refuses to look at the path; 409 unless it matches the served model. The server calls it
+        again right before the engine loads the folder, so what is loaded is what was checked.
+        """
+        folder = self.resolve(path)
+        try:
+            if not folder.is_dir():
+                raise ReloadRefused(400, f"reload path {path!r} is not a folder on the server's machine")
+            self._check_links(folder, path)
+            if self.config is not None:
+                self._check_config(folder, path)
+            if self.vocab is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
+                self._check_vocab(folder, path)
+        except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP: the path is unusable, whatever it names
+            raise ReloadRefused(
+                400, f"reload path {path!r} cannot be read on the server's machine: {exc.strerror or exc}"
+            ) from exc
+        return folder
+
+    def _inside_roots(self, real: Path) -> bool:
+        return any(real.is_relative_to(root) for _, root in self.roots)
+
+    def _check_links(self, folder: Path, given: str) -> None:
+        """403 if any entry under `folder` resolves outside every root: the engine follows symlinks, so a
+        link to a file elsewhere would be loaded though the folder itself lies in a root. Linked
+        folders are walked too (each real folder once, so a link loop ends)."""
+        seen: set[str] = set()
+        pending = [folder]
+        while pending:
+            current = pending.pop()
+            real = os.path.realpath(current)
+            if real in seen:
+                continue
+            seen.add(real)
+            with os.scandir(current) as entries:
+                for entry in entries:
+                    if not self._inside_roots(Path(os.path.realpath(entry.path))):
+                        relative = os.path.relpath(entry.path, folder)
+                        logger.warning("refused a reload from %r: %s links outside the roots", given, relative)
+                        raise ReloadRefused(
+                            403, LINK_OUT_MESSAGE.format(given=given, entry=relative), "permission_denied"
+                        )
+                    if entry.is_dir():  # follows links, which now lie inside a root
+                        pending.append(Path(entry.path))
 
     def resolve(self, path: str) -> Path:
         """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not.
@@ -153,7 +215,7 @@ class ReloadPolicy:
             real = Path(os.path.realpath(lexical))
         except (OSError, ValueError):
             self._forbid(path)
-        if not any(real.is_relative_to(root) for _, root in self.roots):
+        if not self._inside_roots(real):
             self._forbid(path)
         return real
 
@@ -163,15 +225,6 @@ class ReloadPolicy:
             "refused a reload from %r: outside --reload-root %s", path, [str(r) for r, _ in self.roots]
         )
         raise ReloadRefused(403, RELOAD_FORBIDDEN_MESSAGE, "permission_denied")
-
-    def check_folder(self, folder: Path, given: str) -> None:
-        """400 unless `folder` is a model folder; 409 unless it matches the served model (blocking I/O)."""
-        if not folder.is_dir():
-            raise ReloadRefused(400, f"reload path {given!r} is not a folder on the server's machine")
-        if self.config is not None:
-            self._check_config(folder, given)
-        if self.vocab is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
-            self._check_vocab(folder, given)
 
     def _check_config(self, folder: Path, given: str) -> None:
         if not (folder / "config.json").is_file():

@@ -14,6 +14,9 @@ Invariants:
 - Text prompts are refused (400): memrl serves token ids only, so nothing is re-tokenized.
 - Every malformed request gets a 4xx with an OpenAI-style body {"error": {"message", "type", "code"}};
   an engine failure gets a 500 with the engine's message. The server never drops a request silently.
+- A generation whose client has disconnected is cancelled (the engine drops its rows), so a client
+  that timed out costs no further compute. A shutdown (SIGTERM, Ctrl-C) waits at most
+  `shutdown_timeout_s` for running requests, then cancels them.
 - A reload waits for in-flight generations to finish and holds new ones back until it is done, so no
   response mixes two weight versions. Every wait at that gate is bounded by `gate_timeout_s`: past it,
   the waiting request gets a 503 (which clients retry) naming the setting, never a hang. The gate is
@@ -21,24 +24,25 @@ Invariants:
 - Numeric request fields are finite and in range (400 otherwise), so no request reaches the engine with
   a value it would overflow on (a seed past int64) or sample nonsense from (an infinite temperature).
 - Reloads are disabled unless the operator names folders (`reload_roots`, `--reload-root`). A path
-  outside them gets one 403 whether or not it exists (`..` and symlinks are resolved first); a folder
-  whose config or tokenizer differs from the served model's gets a 409, never a silent swap.
+  outside them gets one 403 whether or not it exists (`..` and symlinks are resolved first), as does a
+  folder holding a link out of them; a folder whose config or tokenizer differs from the served model's
+  gets a 409, never a silent swap. The folder is checked again once the reload holds the gate, right
+  before the engine reads it, so files changed while it waited are not loaded unchecked.
 - Bound to 127.0.0.1 unless told otherwise; with an API key, every /v1 route needs
   `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import importlib
 import inspect
 import logging
 import os
 import secrets
+import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -48,10 +52,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
 
-from memrl.engines.base import Engine, GenerationRequest
+from memrl.config import ConfigError, import_object
+from memrl.engines.base import Engine, EngineError, GenerationRequest, GenerationResult
 from memrl.engines.reload_policy import (
     ReloadPolicy,
     ReloadRefused,
+    check_reload_roots,
     read_model_config,
 )
 
@@ -71,12 +77,11 @@ MAX_TOKEN_ID = 2**63 - 1
 # Above the maximum the distribution is uniform to float precision: no sampling setting needs more.
 MIN_TEMPERATURE = 1e-6
 MAX_TEMPERATURE = 100.0
+# How often a running generation asks whether its client is still connected: a gone client's work
+# stops within this (uvicorn never cancels a handler whose client left).
+DISCONNECT_POLL_S = 0.5
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
-RELOAD_ROOT_HELP = (
-    "folder POST /v1/reload_weights may load weights from (repeatable; symlinks and .. resolved). "
-    "Default: none, reloads disabled. To train against this server, give the run root (or a folder above "
-    "it): training writes RUN_ROOT/weights_sync and asks for a reload of it after every step"
-)
 TEXT_PROMPT_MESSAGE = (
     "memrl serve takes token-id prompts only: send `prompt` as a list of ints (or a list of lists of "
     "ints for a batch), tokenized on the client with the model's tokenizer and chat template"
@@ -328,6 +333,28 @@ def _token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
     return [f"token_id:{t}" for t in ids]  # vLLM's --return-tokens-as-token-ids format
 
 
+class _ClientGone(Exception):
+    """The client of a running generation disconnected; its work was cancelled."""
+
+
+async def _while_connected(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or `_ClientGone` once the client has disconnected (`work` is then cancelled).
+
+    If this handler is itself cancelled (a shutdown past its grace period), `work` is cancelled too:
+    the engine drops the cancelled requests' rows instead of generating for nobody.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise _ClientGone
+    finally:
+        task.cancel()  # a no-op once it is done
+
+
 def create_app(
     engine: Engine,
     model_name: str,
@@ -380,6 +407,12 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _error_response(APIError(400, _validation_message(exc)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A server bug: its client still gets the JSON error body of every other failure, not plain text
+        # (starlette logs the traceback after this answer).
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -436,12 +469,21 @@ def create_app(
             )
             for i, ids in enumerate(prompts)
         ]
-        async with gate.generation():
-            try:
-                results = await engine.generate(requests)
-            except Exception as exc:  # an engine bug must reach the client, not hang it
-                logger.exception("engine.generate failed")
-                raise APIError(500, f"engine error: {type(exc).__name__}: {exc}", "server_error") from exc
+
+        async def generate() -> list[GenerationResult]:
+            async with gate.generation():
+                try:
+                    return await engine.generate(requests)
+                except Exception as exc:  # an engine bug must reach the client, not hang it
+                    logger.exception("engine.generate failed")
+                    raise APIError(500, f"engine error: {type(exc).__name__}: {exc}", "server_error") from exc
+
+        try:
+            results = await _while_connected(request, generate())
+        except _ClientGone:
+            logger.info("client disconnected: cancelled its %d prompt(s)", len(requests))
+            # Nobody reads this answer; 499 is what nginx logs for a client that closed the request.
+            raise APIError(499, "client disconnected before the completion was ready", "client_closed") from None
         choices = []
         for i, result in enumerate(results):
             if result.finish_reason == "error":
@@ -483,20 +525,26 @@ def create_app(
             },
         }
 
+    async def checked_folder(path: str) -> Path:
+        try:
+            # In a thread: loading a tokenizer to compare vocabularies must not stall /health.
+            return await asyncio.to_thread(policy.check, path)
+        except ReloadRefused as refused:
+            raise APIError(refused.status, refused.message, refused.kind) from None
+
     @app.post("/v1/reload_weights")
     async def reload_weights(body: ReloadBody, request: Request) -> dict:
         check_key(request)
         reload = getattr(engine, "reload_from_path", None)
         if reload is None:
             raise APIError(501, f"{type(engine).__name__} cannot reload weights (no reload_from_path)")
-        try:
-            folder = policy.resolve(body.path)
-            # In a thread: loading a tokenizer to compare vocabularies must not stall /health.
-            await asyncio.to_thread(policy.check_folder, folder, body.path)
-        except ReloadRefused as refused:
-            raise APIError(refused.status, refused.message, refused.kind) from None
+        # Checked before the gate, so a refusal neither waits for generations nor holds them back (and a
+        # new tokenizer is loaded for comparison outside it), then again under the gate: the folder may
+        # change while this reload waits for in-flight generations.
+        await checked_folder(body.path)
         start = time.perf_counter()
         async with gate.reload():
+            folder = await checked_folder(body.path)
             try:
                 # The resolved folder that was checked, not the path as sent: its symlinks are not followed
                 # a second time, so the load reads what the root and architecture checks saw.
@@ -528,13 +576,13 @@ def create_app(
 
 def _load_engine(model_path: str, engine_factory: str | None, device: str, dtype: str) -> Engine:
     if engine_factory:
-        module_name, _, func_name = engine_factory.partition(":")
-        if not func_name:
-            raise ValueError(f"--engine must be 'module:function', got {engine_factory!r}")
-        return getattr(importlib.import_module(module_name), func_name)(model_path)
+        return import_object(engine_factory)(model_path)
     from memrl.engines.hf import HFEngine
 
-    return HFEngine.from_pretrained(model_path, device=device, dtype=dtype)
+    try:
+        return HFEngine.from_pretrained(model_path, device=device, dtype=dtype)
+    except ValueError as exc:  # transformers' word for a folder that holds no model it knows
+        raise EngineError(f"cannot load a model from {model_path}: {exc}") from exc
 
 
 def _vocab_size(engine: Any) -> int | None:
@@ -562,6 +610,23 @@ def _served_config(engine: Any, model_path: str) -> dict[str, Any] | None:
     return config
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # those both logging and uvicorn know
+
+
+def check_serve_options(
+    port: int, reload_roots: Sequence[str | os.PathLike] | None, shutdown_timeout_s: float, log_level: str
+) -> None:
+    """ConfigError for options uvicorn or the reload policy would refuse only with a traceback, and only
+    after the model has loaded."""
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a TCP port; pick one in 1-65535 (0: any free port)")
+    if not shutdown_timeout_s >= 0:
+        raise ConfigError(f"--shutdown-timeout-s must be >= 0 seconds, got {shutdown_timeout_s}")
+    check_reload_roots(reload_roots)
+
+
 def serve(
     model_path: str,
     host: str = "127.0.0.1",
@@ -578,15 +643,21 @@ def serve(
     log_level: str = "info",
     gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
     reload_roots: Sequence[str | os.PathLike] | None = None,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> None:
     """Load the model (HFEngine, or `engine_factory` 'module:function(model_path) -> Engine') and serve it
     until interrupted. The model is served under `served_model_name` (default: the folder's name).
     `gate_timeout_s`: see `create_app` (longest wait of a generation for a reload, and of a reload for
     in-flight generations, before a 503). `reload_roots`: the folders weights may be reloaded from;
     none (the default) disables reloads, since a served model has no business loading arbitrary folders
-    unless the operator says where training writes them."""
+    unless the operator says where training writes them. `shutdown_timeout_s`: on SIGTERM or Ctrl-C,
+    the longest wait for running requests before they are cancelled (a running weight load is not cut
+    short: see `create_app`)."""
     import uvicorn
 
+    check_serve_options(port, reload_roots, shutdown_timeout_s, log_level)
+    # As uvicorn.run does for its own loggers: this call is the process's entry point.
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning(
@@ -611,49 +682,15 @@ def serve(
         reload_roots=reload_roots,
         model_config=_served_config(engine, model_path),
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s)
 
 
-def serve_command(model: str, log_level: str = "info", engine: str | None = None, **options: Any) -> None:
-    """`memrl serve --model DIR [--port 8000] [--host 127.0.0.1] [--api-key KEY]`: `serve` with logging
-    set up; `options` are `serve`'s. The API key may also come from the MEMRL_API_KEY environment
-    variable (keeps it out of `ps`)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(model, engine_factory=engine, log_level=log_level, **options)
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m memrl.engines.server ARGS`, kept for scripts that start it so: the `memrl serve` command
+    itself (memrl/cli.py holds its only option parser). Exits as a command does."""
+    from memrl.cli import app as cli_app
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m memrl.engines.server", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--model", required=True, help="model folder (Hugging Face format)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--host", default="127.0.0.1", help="bind address; loopback by default")
-    parser.add_argument("--api-key", default=None, help=f"require this bearer key (or set {API_KEY_ENV})")
-    parser.add_argument("--served-model-name", default=None, help="name in /v1/models (default: folder name)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS)
-    parser.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT)
-    parser.add_argument(
-        "--gate-timeout-s",
-        type=float,
-        default=DEFAULT_GATE_TIMEOUT_S,
-        help="longest wait of a generation for a weight reload (or of a reload for generations); then 503",
-    )
-    parser.add_argument(
-        "--reload-root",
-        action="append",
-        dest="reload_roots",
-        default=None,
-        metavar="DIR",
-        help=RELOAD_ROOT_HELP,
-    )
-    parser.add_argument(
-        "--engine", default=None, help="'module:function' building the engine from the model path"
-    )
-    parser.add_argument("--log-level", default="info")
-    serve_command(**vars(parser.parse_args(argv)))
+    cli_app(["serve", *(sys.argv[1:] if argv is None else argv)], prog_name="python -m memrl.engines.server")
 
 
 if __name__ == "__main__":

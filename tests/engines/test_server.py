@@ -436,6 +436,17 @@ def test_text_is_decoded_with_the_tokenizer_honouring_skip_special_tokens():
     assert kept["logprobs"]["tokens"] == tokenizer.convert_ids_to_tokens(want)
 
 
+def test_an_unexpected_server_error_is_a_json_500():
+    class BrokenTokenizer(LetterTokenizer):
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a bug in the server's own code path")
+
+    with serve_in_thread(create_app(FakeEngine(), "fake", tokenizer=BrokenTokenizer())) as url:
+        r = post(url, {"prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error" and "UnicodeDecodeError" in r.json()["error"]["message"]
+
+
 def test_reload_calls_the_engine_and_checks_the_folder(served, reload_root):
     url, engine = served
     folder = reload_root / "step-1"

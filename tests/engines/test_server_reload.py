@@ -5,8 +5,12 @@ folders hold a real tiny model's config and tokenizer (no weights: FakeEngine ne
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,12 +20,16 @@ from transformers import AutoConfig, AutoTokenizer
 from typer.testing import CliRunner
 
 from memrl.engines import server
-from memrl.engines.reload_policy import RELOAD_DISABLED_MESSAGE, RELOAD_FORBIDDEN_MESSAGE
+from memrl.engines.base import EngineError
+from memrl.engines.hf import HFEngine
+from memrl.engines.reload_policy import RELOAD_DISABLED_MESSAGE, RELOAD_FORBIDDEN_MESSAGE, ReloadPolicy
 from memrl.engines.server import create_app
 from memrl.tiny import save_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))  # FakeEngine & co. live in the server's test file
-from test_server import FakeEngine, serve_in_thread  # noqa: E402
+from test_server import HOLD_TOKEN, FakeEngine, HeldEngine, post, serve_in_thread, wait_until  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -117,6 +125,102 @@ def test_a_nul_in_the_path_is_a_400_not_a_500(tmp_path):
     with serve_in_thread(create_app(FakeEngine(), "fake", reload_roots=[tmp_path])) as url:
         r = post_reload(url, f"{tmp_path}/a\x00b")
     assert r.status_code == 400 and "NUL" in r.json()["error"]["message"]
+
+
+def test_a_link_out_of_the_roots_anywhere_in_the_folder_is_a_403(rooted, tmp_path):
+    # The engine follows links: a folder inside a root whose weights file links elsewhere would load
+    # that file, so every entry (at any depth, through linked folders too) must resolve inside a root.
+    url, engine, root, outside = rooted
+    (outside / "model.safetensors").write_bytes(b"not the served weights")
+    file_link = root / "file_link"
+    file_link.mkdir()
+    (file_link / "config.json").write_text("{}")
+    (file_link / "model.safetensors").symlink_to(outside / "model.safetensors")
+    nested = root / "nested"
+    (nested / "sub").mkdir(parents=True)
+    (nested / "sub" / "weights.bin").symlink_to(outside / "model.safetensors")
+    through_inner_link = root / "through_inner_link"
+    through_inner_link.mkdir()
+    (through_inner_link / "shards").symlink_to(nested)  # a link inside the root, to a folder with a link out
+    replies = {p.name: post_reload(url, p) for p in (file_link, nested, through_inner_link)}
+    assert {name: r.status_code for name, r in replies.items()} == dict.fromkeys(replies, 403)
+    messages = {name: r.json()["error"]["message"] for name, r in replies.items()}
+    assert "'model.safetensors', a link that leads outside" in messages["file_link"]
+    assert "'sub/weights.bin'" in messages["nested"] and "'shards/sub/weights.bin'" in messages["through_inner_link"]
+    assert engine.reloads == []
+
+
+def test_links_inside_the_roots_and_link_loops_are_fine(rooted):
+    url, engine, root, _ = rooted
+    step = root / "step-1"
+    (root / "blob").write_text("weights")
+    (step / "model.safetensors").symlink_to(root / "blob")  # a Hugging Face cache snapshot looks like this
+    (step / "loop").symlink_to(step)  # walked once, not forever
+    r = post_reload(url, step)
+    assert r.status_code == 200, r.text
+    assert engine.reloads == [str(step)]
+
+
+def test_a_path_the_os_refuses_is_a_400_with_a_json_error(rooted):
+    # ENAMETOOLONG used to escape as a plain-text 500 and a reset connection.
+    url, engine, root, _ = rooted
+    too_long = root / ("a" * 300)
+    inside = post_reload(url, too_long)
+    below = post_reload(url, too_long / "step")
+    outside = post_reload(url, Path("/") / ("a" * 300))
+    for r in (inside, below):
+        assert r.status_code == 400, r.text
+        assert "cannot be read on the server's machine: File name too long" in r.json()["error"]["message"]
+    assert outside.status_code == 403  # outside the roots nothing is looked at, as for any other path
+    assert engine.reloads == []
+
+
+def test_a_folder_changed_while_the_reload_waits_is_checked_again_before_loading(tiny, tmp_path, monkeypatch):
+    # A reload first waits for in-flight generations (minutes, behind long ones); files swapped in the
+    # meantime must be checked, not loaded because the folder looked fine when the request came in.
+    first_check_done = threading.Event()
+    check = ReloadPolicy.check
+
+    def check_and_signal(self, path):
+        folder = check(self, path)
+        first_check_done.set()
+        return folder
+
+    monkeypatch.setattr(ReloadPolicy, "check", check_and_signal)
+    engine = HeldEngine()
+    app = create_app(
+        engine, "tiny", reload_roots=[tmp_path], model_config=AutoConfig.from_pretrained(tiny).to_dict()
+    )
+    folder = checkpoint(tiny, tmp_path / "step-1", tokenizer=False)
+    with serve_in_thread(app) as url, ThreadPoolExecutor(2) as pool:
+        try:
+            held = pool.submit(post, url, {"prompt": [HOLD_TOKEN], "max_tokens": 1})
+            wait_until(lambda: "held_generate_start" in engine.events)
+            reload = pool.submit(post_reload, url, folder)
+            assert first_check_done.wait(timeout=10)  # checked, now waiting for the held generation
+            wider = {**json.loads((folder / "config.json").read_text()), "hidden_size": 64}
+            (folder / "config.json").write_text(json.dumps(wider))
+        finally:
+            engine.release.set()
+        r = reload.result(timeout=30)
+        assert held.result(timeout=30).status_code == 200
+    assert r.status_code == 409, r.text
+    assert "hidden_size: 64 (served: 32)" in r.json()["error"]["message"]
+    assert "reload_start" not in engine.events and engine.reloads == []
+
+
+def test_hf_engine_refuses_to_load_another_architecture_and_keeps_serving(tiny, tmp_path, one_torch_thread):
+    # The engine's own check of what it read: whatever a caller checked before, another architecture
+    # (here: wider layers) never replaces the served model.
+    engine = HFEngine.from_pretrained(tiny, device="cpu")
+    served = engine.model
+    wider = save_tiny_model(tmp_path / "wider", layers=1, hidden=64, heads=4, kv_heads=2, intermediate=64)
+    with pytest.raises(EngineError, match="other weight names or shapes than the served one"):
+        engine.reload_from_path(wider)
+    assert engine.model is served
+    same = save_tiny_model(tmp_path / "same", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=5)
+    engine.reload_from_path(same)
+    assert engine.model is not served
 
 
 # ------------------------------------------------------------------------- architecture and vocabulary
@@ -231,14 +335,6 @@ def test_the_served_config_defaults_to_the_engines_own(tiny, tmp_path):
 # ---------------------------------------------------------------------------------------- command line
 
 
-def test_reload_roots_reach_serve_from_python_m(monkeypatch, tiny):
-    seen: list[dict] = []
-    monkeypatch.setattr(server, "serve", lambda model, **options: seen.append(options))
-    server.main(["--model", str(tiny), "--reload-root", "/runs/a", "--reload-root", "/runs/b"])
-    server.main(["--model", str(tiny)])
-    assert [s["reload_roots"] for s in seen] == [["/runs/a", "/runs/b"], None]
-
-
 def test_reload_roots_reach_serve_from_memrl_serve(monkeypatch, tiny):
     from memrl.cli import app
 
@@ -251,3 +347,51 @@ def test_reload_roots_reach_serve_from_memrl_serve(monkeypatch, tiny):
     assert seen[0]["reload_roots"] == [Path("/runs/a"), Path("/runs/b")]
     help_text = runner.invoke(app, ["serve", "--help"], terminal_width=200).output
     assert "--reload-root" in help_text and "reloads disabled" in help_text
+
+
+def one_line_exit_2(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), output
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--port", "99999"], "--port 99999 is not a TCP port"),
+        (["--port", "-1"], "--port -1 is not a TCP port"),
+        (["--reload-root", "{file}"], "is not a folder; pass the folder that holds the weights"),
+        (["--log-level", "loud"], "--log-level 'loud' is not one of"),
+        (["--shutdown-timeout-s", "-1"], "--shutdown-timeout-s must be >= 0"),
+    ],
+)
+def test_bad_serve_options_are_one_line_and_exit_2_before_the_model_loads(monkeypatch, tiny, tmp_path, args, words):
+    from memrl.cli import app
+
+    loads = []
+    monkeypatch.setattr(server, "_load_engine", lambda *a: loads.append(a) or FakeEngine())
+    (tmp_path / "file").write_text("x")
+    args = [a.replace("{file}", str(tmp_path / "file")) for a in args]
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny), *args])
+    assert result.exit_code == 2, result.output
+    assert words in one_line_exit_2(result.output)
+    assert loads == []  # refused before the model loads (minutes for a large one), not after
+
+
+def test_an_engine_factory_that_is_not_an_import_path_is_one_line(tiny):
+    from memrl.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny), "--engine", "nomodule"])
+    assert result.exit_code == 2
+    assert "'nomodule' is not an import path" in one_line_exit_2(result.output)
+
+
+def test_python_m_memrl_engines_server_is_memrl_serve(tiny):
+    # One option parser (memrl/cli.py); the module entry point older scripts use runs that command.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, "-m", "memrl.engines.server", "--model", str(tiny), "--port", "99999"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--port 99999 is not a TCP port" in one_line_exit_2(done.stdout + done.stderr)
+    helped = subprocess.run([*cmd[:3], "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert "--reload-root" in helped.stdout and "--shutdown-timeout-s" in helped.stdout
