@@ -34,6 +34,7 @@ EXPECTED_ERRORS = (
     "memrl.eval.results:EvalError", "memrl.eval.compare:CompareError", "memrl.engines.base:EngineError",
     "memrl.memagent.prompts:PromptError", "memrl.distributed.workers:WorkerError", "memrl.tiny:TinyModelError",
     "memrl.demo:DemoError", "memrl.viewer.build:ViewerError",
+    "memrl.rollout:RewardError",
 )
 
 
