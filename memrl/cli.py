@@ -35,6 +35,7 @@ EXPECTED_ERRORS = (
     "memrl.eval.results:EvalError", "memrl.eval.compare:CompareError", "memrl.engines.base:EngineError",
     "memrl.memagent.prompts:PromptError", "memrl.distributed.workers:WorkerError", "memrl.tiny:TinyModelError",
     "memrl.demo:DemoError", "memrl.viewer.build:ViewerError", "memrl.data.manifest:OutputFolderError",
+    "memrl.rollout:RewardError",
 )
 
 

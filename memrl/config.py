@@ -174,6 +174,9 @@ class RolloutConfig(Section):
     max_concurrency: int = Field(64, gt=0, description="Requests in flight at once (client engine).")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generation request, queueing "
                                      "included (server client and local engine); a request past it fails.")
+    reward_timeout_s: float = Field(
+        60.0, gt=0, description="Longest one call of plugins.reward_function may take; past it the rollout step "
+        "fails with RewardError. The call runs in a daemon thread, which is left running (a thread cannot be killed).")
     max_batch_size: int = Field(32, gt=0, description="Local engine: most requests decoded together.")
     max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in one batch.")
     static_kv: Literal["auto", "on", "off"] = Field(

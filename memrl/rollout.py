@@ -7,6 +7,8 @@ function `(ctx: RolloutContext, records) -> RolloutOutput`. It gets from here:
   ids and request seeds derive. A batch that wraps around the data set holds a question twice: the slot
   keeps their groups apart. Plugins never number slots themselves, so one process and Ray agree.
 - `request_seed(...)`: the per-request seed (same question, sample and turn: same draw on every run).
+- `ctx.reward(traj, golds)`: the configured reward function, checked (a finite real number, within
+  `rollout.reward_timeout_s`; else `RewardError`, which fails the rollout step).
 - `finish_rollout(...)`: groups with a failed trajectory are dropped (GRPO needs the whole group) and
   reported; the common metrics; the row count the rollout announces (`None` for a 1:1 task: then the
   loop expects one row per trajectory).
@@ -20,8 +22,11 @@ A task's module may also define hooks the framework calls by name:
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
 
@@ -41,6 +46,50 @@ def request_seed(base_seed: int, *parts: Any) -> int:
     """A stable per-request seed: the same (question, sample, turn) samples the same way on every run."""
     digest = hashlib.sha256(":".join(str(p) for p in (base_seed, *parts)).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class RewardError(ValueError):
+    """A reward function returned no finite real number, or did not return within `rollout.reward_timeout_s`:
+    the rollout step fails (in either training loop); the message names the function and what to fix."""
+
+
+def reward_name(fn: Callable[..., Any]) -> str:
+    """`module:function`, as `plugins.reward_function` names it."""
+    return f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def checked_reward(value: Any, name: str, trajectory_id: str) -> float:
+    """`value` as a float when it is a finite real number. `float()` alone would take a bool or a string
+    (True -> 1.0, "1.0" -> 1.0) and train on it silently: a reward function returning one has a bug."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise RewardError(f"reward function {name} returned {value!r} ({type(value).__name__}) for trajectory "
+                          f"{trajectory_id}; a reward must be a finite real number (an int or a float, not a bool "
+                          f"or a string): fix the function")
+    return float(value)
+
+
+def call_with_timeout(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, name: str) -> Any:
+    """`fn(*args)`, waited for at most `timeout_s` (its own exceptions re-raised). It runs in a daemon thread
+    because a call that hangs cannot be stopped (Python cannot kill a thread): past the timeout it is left
+    running, its result is dropped, and the process exits without waiting for it."""
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=call, name=f"memrl-reward {name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardError(f"reward function {name} did not return within {timeout_s:g} s (rollout.reward_timeout_s); "
+                          f"the call is left running in a background thread; fix the function or raise "
+                          f"rollout.reward_timeout_s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +121,9 @@ class RolloutContext:
     # Position of this batch's first question in the step's whole batch: a rollout worker that serves a
     # slice keeps the group ids and seeds the whole batch would have in one process.
     slot_offset: int = 0
+    # The first failed reward call of this rollout: the step is lost, so trajectories still in flight get
+    # the same error at once instead of calling a hung function again (one timeout per step, not per call).
+    _reward_failure: RewardError | None = field(default=None, init=False, repr=False)
 
     def groups(self, records: Sequence[Any]) -> list[GroupSlot]:
         """Each record with its slot (offset applied) and group key `{rollout_id}:{slot}:{id}`."""
@@ -90,10 +142,22 @@ class RolloutContext:
         return self.builder.stop_token_ids
 
     def reward(self, traj: Trajectory, golds: Sequence[str]) -> float | None:
-        """The configured reward of a finished trajectory; a failed one scores 0 (it is dropped anyway)."""
+        """The configured reward of a finished trajectory; a failed one scores 0 (it is dropped anyway). A
+        value that is no finite real number, or a call past `rollout.reward_timeout_s`, is a RewardError."""
         if self.reward_function is None:
             return None
-        return 0.0 if traj.status == "failed" else float(self.reward_function(traj, list(golds)))
+        if traj.status == "failed":
+            return 0.0
+        if self._reward_failure is not None:
+            raise self._reward_failure
+        name = reward_name(self.reward_function)
+        try:
+            value = call_with_timeout(self.reward_function, (traj, list(golds)),
+                                      self.config.rollout.reward_timeout_s, name)
+            return checked_reward(value, name, traj.trajectory_id)
+        except RewardError as error:
+            self._reward_failure = error
+            raise
 
 
 def common_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -1,8 +1,10 @@
 """The command line as a user meets it: help, config errors with the key named, exit codes."""
 
 import importlib
+import json
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -129,8 +131,60 @@ def test_train_checkpoint_of_another_architecture_names_the_mismatch(tiny, tmp_p
     from memrl.train.checkpoint import save_checkpoint
 
     ckpt = save_checkpoint(tmp_path / "old", 0, AutoModelForCausalLM.from_pretrained(str(other)), None, None, {})
-    line = one_error_line(train(tmp_path, model, "--set", f"data.dir={root / 'data'}", "--load", str(ckpt)))
+    line = one_error_line(train(tmp_path, model, "--set", f"data.dir={root / 'data'}", "--load", str(ckpt),
+                                "--set", "train.num_rollout=2"))  # a step left after the checkpoint's
     assert "another architecture" in line and "model.embed_tokens.weight" in line and "64) vs" in line
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--load", "{ckpt}"], "checkpoint {ckpt} is at rollout 1 and train.num_rollout is 1: nothing to train; "
+                           "raise train.num_rollout above 1"),
+    (["--start-rollout-id", "1"], "--start-rollout-id is 1 and train.num_rollout is 1: nothing to train"),
+    (["--start-rollout-id", "-1"], "--start-rollout-id is -1: rollout ids start at 0"),
+])
+def test_train_with_no_step_to_run_is_one_line_not_a_finished_run(tiny, tmp_path, extra, words):
+    # A 0-step run used to end "done" (exit 0) with nothing trained.
+    root, model, _ = tiny
+    from transformers import AutoModelForCausalLM
+
+    from memrl.train.checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(tmp_path / "old", 0, AutoModelForCausalLM.from_pretrained(str(model)), None, None, {})
+    line = one_error_line(train(tmp_path, model, "--set", f"data.dir={root / 'data'}",
+                                *[a.format(ckpt=ckpt) for a in extra]))
+    assert words.format(ckpt=ckpt) in line
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def refused_url() -> str:
+    """A loopback URL nothing listens at (a port just freed): connections to it are refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_train_against_a_server_that_refuses_every_connection_is_one_line(tiny, tmp_path, max_staleness):
+    # It used to end in a traceback of "QueueError: train_row_count must be > 0, got 0".
+    root, model, _ = tiny
+    url = refused_url()
+    line = one_error_line(train(tmp_path, model, "--set", f"data.dir={root / 'data'}", "--set", "rollout.engine=openai",
+                                "--set", f"rollout.server_url={url}", "--set", f"train.max_staleness={max_staleness}"))
+    assert "rollout 0: no trajectory to train on: 4 of 4 trajectories failed" in line
+    assert f"{url}/v1/models" in line and "connection refused" in line
+
+
+def test_eval_in_which_every_request_failed_is_one_line_and_keeps_its_results(tiny, tmp_path):
+    root, model, _ = tiny
+    url, out = refused_url(), tmp_path / "eval"
+    line = one_error_line(runner.invoke(app, ["eval", "--server-url", url, "--tokenizer", str(model), "--data",
+                                              str(root / "data" / "hotpotqa_train.jsonl"), "--out", str(out),
+                                              "--no-progress"]))
+    assert "all 4 questions failed" in line and f"{url}/v1/models" in line and "connection refused" in line
+    from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE, read_results
+
+    assert [r["status"] for r in read_results(out / RESULTS_FILE)] == ["failed"] * 4  # kept for --retry-failed
+    assert json.loads((out / SUMMARY_FILE).read_text())["failed"] == 4
 
 
 @pytest.mark.parametrize(("args", "words"), [

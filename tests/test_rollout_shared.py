@@ -1,12 +1,16 @@
 """memrl.rollout: what every task's rollout shares (slots, group keys, dropping failed groups, hooks)."""
 
+import re
 import sys
+import threading
 import types
+from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from memrl.config import Config, ConfigError, load_config, task_hook
-from memrl.rollout import RolloutContext, finish_rollout, rows_per_trajectory
+from memrl.rollout import RewardError, RolloutContext, finish_rollout, rows_per_trajectory
 from memrl.types import Trajectory, Turn
 
 
@@ -103,3 +107,56 @@ def test_turn_logs_reuse_the_texts_training_decoded_once():
     score_turns([t], tok, Config().algorithm)
     tok.calls = 0
     assert [r["text"] for r in turn_log_records(t, tok)] == ["3", "3"] and tok.calls == 0
+
+
+# ------------------------------------------------------------------------------------------ ctx.reward
+
+def reward_ctx(fn, timeout_s=60.0):
+    return RolloutContext(engine=None, tokenizer=None, config=Config.model_validate({"rollout": {
+        "reward_timeout_s": timeout_s}}), reward_function=fn)
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(False), "1.0", float("nan"), float("-inf"), None, [1.0]])
+def test_a_reward_that_is_no_finite_real_number_is_a_named_error(value):
+    # float() took True and "1.0" as 1.0: a reward function with a bug trained silently.
+    ctx = reward_ctx(lambda t, golds: value)
+    with pytest.raises(RewardError, match=rf"returned {re.escape(repr(value))} \({type(value).__name__}\) for "
+                                          r"trajectory g:s0; a reward must be a finite real number"):
+        ctx.reward(traj("g", 0), ["a"])
+
+
+@pytest.mark.parametrize(("value", "expected"), [(1, 1.0), (0.25, 0.25), (np.float32(0.5), 0.5),
+                                                 (Fraction(3, 4), 0.75)])
+def test_real_rewards_are_taken_as_floats(value, expected):
+    reward = reward_ctx(lambda t, golds: value).reward(traj("g", 0), ["a"])
+    assert type(reward) is float and reward == expected
+
+
+def test_a_failed_trajectory_scores_0_without_a_call_and_a_raising_function_keeps_its_error():
+    def broken(t, golds):
+        raise KeyError("bug in the reward function")
+
+    assert reward_ctx(broken).reward(traj("g", 0, status="failed"), ["a"]) == 0.0
+    with pytest.raises(KeyError, match="bug in the reward function"):  # a bug keeps its own traceback
+        reward_ctx(broken).reward(traj("g", 0), ["a"])
+
+
+def test_a_reward_call_past_its_timeout_fails_the_rollout_once_for_all_its_trajectories():
+    release, calls = threading.Event(), []
+
+    def hanging(t, golds):
+        calls.append(t.trajectory_id)
+        release.wait(60)  # "hangs" until the test releases it
+        return 1.0
+
+    ctx = reward_ctx(hanging, timeout_s=0.2)
+    try:
+        with pytest.raises(RewardError, match=r"reward function .*hanging did not return within 0.2 s "
+                                              r"\(rollout.reward_timeout_s\)"):
+            ctx.reward(traj("g", 0), ["a"])
+        # Trajectories still in flight get the same error without calling the hung function again.
+        with pytest.raises(RewardError, match="did not return within 0.2 s"):
+            ctx.reward(traj("g", 1), ["a"])
+        assert calls == ["g:s0"]
+    finally:
+        release.set()  # lets the abandoned call end

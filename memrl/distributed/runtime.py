@@ -43,7 +43,7 @@ from memrl.distributed.workers import (
 from memrl.engines.base import WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.rollout import rows_per_trajectory
 from memrl.train.actor import plan_rollout
-from memrl.train.checkpoint import read_state, resolve_checkpoint
+from memrl.train.checkpoint import resolve_checkpoint
 from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
 from memrl.train.queue import TransferQueue
 from memrl.train.setup import pad_token_id, run_start, start_rollout_id
@@ -233,6 +233,7 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
     policy weights (unless `model` is given, to be shipped to the workers): workers load `model.path`."""
     if model is None and not cfg.model.path:
         raise ConfigError("model.path is not set; pass --set model.path=DIR")
+    first = start_rollout_id(cfg, options.load, options.start_rollout_id)  # before any worker starts
     start = run_start(cfg, tokenizer, records)
     tokenizer, plugins = start.tokenizer, start.plugins
     load = resolve_checkpoint(options.load) if options.load is not None else None
@@ -250,7 +251,7 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
         rollout.sync_from(group.weight_source(options.run_root / "weights_sync", tokenizer))
     return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=group,
                          convert=plugins.convert,
-                         start_rollout_id=start_rollout_id(read_state(load) if load else None, options.start_rollout_id))
+                         start_rollout_id=first)
 
 
 def start_ray(ray_address: str | None, settings: RayConfig, dp_size: int) -> bool:

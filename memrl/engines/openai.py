@@ -146,7 +146,7 @@ class OpenAIEngine:
         try:
             response = await client.request(method, url, json=payload)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as err:
-            raise _Retryable(f"cannot reach the server ({type(err).__name__}: {err})") from err
+            raise _Retryable(f"cannot reach the server ({_connect_reason(err)})") from err
         except httpx.TimeoutException as err:
             raise TimeoutError from err
         except httpx.HTTPError as err:
@@ -283,6 +283,19 @@ class OpenAIEngine:
         state, self._state = self._state, None
         if state is not None and not state.loop.is_closed():
             await state.client.aclose()
+
+
+def _connect_reason(err: BaseException) -> str:
+    """An httpx connection error with what it came down to: httpx says "All connection attempts failed" and
+    keeps the OS error (connection refused, name not known) at the end of the error's cause chain."""
+    root, seen = err, {id(err)}
+    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
+        root = nxt
+        seen.add(id(root))
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(root, ConnectionRefusedError):
+        return f"{text}: connection refused"
+    return text if root is err else f"{text}: {type(root).__name__}: {root}"
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -293,7 +293,19 @@ def eval_command(model: str | None, server_url: str | None, recipe: Path | None,
         finally:
             await engine.close()
 
-    return asyncio.run(run())
+    summary = asyncio.run(run())
+    refuse_all_failed(summary, Path(out))
+    return summary
+
+
+def refuse_all_failed(summary: dict[str, Any], out_dir: Path) -> None:
+    """A run in which no question succeeded measured nothing (a dead server, a wrong URL): an EvalError with
+    the first error. Its results and summary stay written, so `--retry-failed` redoes them once it is fixed."""
+    if summary["succeeded"] or not summary["total"]:
+        return
+    first = next(line.get("error") for line in read_results(out_dir / RESULTS_FILE) if line.get("status") == "failed")
+    raise EvalError(f"all {summary['total']} questions failed, so nothing was measured; the first error: {first}; "
+                    f"fix it and rerun with --retry-failed (results in {out_dir / RESULTS_FILE})")
 
 
 def format_summary(summary: dict[str, Any]) -> str:

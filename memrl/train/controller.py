@@ -174,6 +174,21 @@ def _trajectory_advantages(cfg: Config, trajectories: Sequence[Trajectory]) -> d
         return {}
 
 
+def check_trainable(rollout_id: int, out: RolloutOutput, max_errors: int = 2) -> None:
+    """A step left with no trajectory to train on (every generation failed: a server that refuses connections,
+    a wrong URL) is a TrainingError with the counts and the first distinct errors, raised before the queue
+    would see a rollout of 0 rows (a QueueError that names neither)."""
+    if out.trajectories:
+        return
+    failed = [t for t in out.dropped if t.status == "failed"]
+    if not failed:
+        raise TrainingError(f"rollout {rollout_id}: the generate function returned no trajectory to train on")
+    errors = list(dict.fromkeys(t.error or "no error message" for t in failed))[:max_errors]
+    raise TrainingError(f"rollout {rollout_id}: no trajectory to train on: {len(failed)} of {len(out.dropped)} "
+                        f"trajectories failed (a group with a failure is dropped); first error"
+                        f"{'s' if len(errors) > 1 else ''}: {'; '.join(errors)}")
+
+
 def save_raw_rollout(directory: Path, rollout_id: int, out: RolloutOutput) -> Path:
     """Raw trajectories of one step (debug replay input), written atomically."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -260,6 +275,7 @@ class ReplayRollout:
 def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | None = None,
                 tokenizer: Any = None, records: Sequence[Any] | None = None) -> TrainingParts:
     """The parts of a one-process run; `model`, `tokenizer`, `records` replace what the config names."""
+    first = start_rollout_id(cfg, options.load, options.start_rollout_id)  # before anything loads
     start = run_start(cfg, tokenizer, records)
     tokenizer, plugins = start.tokenizer, start.plugins
     model = model if model is not None else load_policy(cfg)
@@ -276,8 +292,7 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     if options.load is not None and cfg.rollout.engine == "openai" and not options.replay_rollouts:
         rollout.sync_from(actor.weight_source(options.run_root / "weights_sync", tokenizer))
     return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=actor,
-                         convert=plugins.convert, start_rollout_id=start_rollout_id(actor.loaded_state,
-                                                                                     options.start_rollout_id))
+                         convert=plugins.convert, start_rollout_id=first)
 
 
 class Trainer:
@@ -340,6 +355,7 @@ class Trainer:
                 # A replay reads the step's saved rollout, which was filtered when it was generated.
                 if self.cfg.algorithm.filter_groups and not isinstance(parts.rollout, ReplayRollout):
                     out = self._sample_informative_groups(rollout_id, out, version)
+            check_trainable(rollout_id, out)
             with timer("convert"):  # a source that converted where it generated hands over its rows
                 rows = out.rows if out.rows is not None else parts.convert(out.trajectories, self.cfg.algorithm,
                                                                            rollout_id)

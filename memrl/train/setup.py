@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from memrl.config import Config, ConfigError, import_object, load_pretrained
+from memrl.train.checkpoint import read_state, resolve_checkpoint
 
 log = logging.getLogger("memrl.train")
 
@@ -75,7 +76,8 @@ class DataSource:
 
     Questions are taken in the file's frozen order; each pass over the set (an epoch) after the first is
     shuffled with a seed derived from `seed` and the epoch number, so the cursor is a pure function of
-    the rollout id.
+    the rollout id. It never runs out: every rollout id >= 0 has a batch, and a run's length is
+    `train.num_rollout` (`start_rollout_id` refuses a start with no step left before it).
     """
 
     def __init__(self, records: Sequence[Any], batch_size: int, seed: int) -> None:
@@ -142,13 +144,30 @@ def rows_of(out: Any, tokenizer: Any, algorithm: Any, convert: Callable[..., Any
     return convert(score_rollout(out, tokenizer, algorithm).trajectories, algorithm, rollout_id)
 
 
-def start_rollout_id(loaded_state: dict[str, Any] | None, requested: int | None) -> int:
-    """The first rollout step to run: `--start-rollout-id`, else the one after a loaded checkpoint, else 0."""
+def start_rollout_id(cfg: Config, load: Path | None, requested: int | None) -> int:
+    """The first rollout step to run: `--start-rollout-id`, else the one after the checkpoint `load` names
+    (its state.json), else 0; read before any model loads, so that a run with nothing to do stops at once.
+
+    A start at or past `train.num_rollout` (or below 0) is a TrainingError naming what to set: a run of 0 steps
+    would otherwise end "done" with nothing trained. The data never run out (`DataSource` wraps around in
+    reshuffled epochs), so `train.num_rollout` alone says where a run ends, whatever the data set's size.
+    """
+    checkpoint = resolve_checkpoint(load) if load is not None else None
     if requested is not None:
-        return requested
-    if loaded_state is None:
-        return 0
-    return int(loaded_state.get("next_rollout_id", loaded_state["rollout_id"] + 1))
+        start, origin = requested, f"--start-rollout-id is {requested}"
+    elif checkpoint is not None:
+        state = read_state(checkpoint)
+        start = int(state.get("next_rollout_id", state["rollout_id"] + 1))
+        origin = f"checkpoint {checkpoint} is at rollout {start}"
+    else:
+        start, origin = 0, "a new run starts at rollout 0"
+    if start < 0:
+        raise TrainingError(f"{origin}: rollout ids start at 0; pass --start-rollout-id 0 or more")
+    if start >= cfg.train.num_rollout:
+        lower = " or a lower --start-rollout-id" if requested is not None else ""
+        raise TrainingError(f"{origin} and train.num_rollout is {cfg.train.num_rollout}: nothing to train; raise "
+                            f"train.num_rollout above {start} (--set train.num_rollout=N){lower}")
+    return start
 
 
 def checkpoint_state(cfg: Config, rollout_id: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from memrl.config import Config
 from memrl.data.records import QuestionRecord, write_jsonl
 from memrl.engines.base import GenerationResult
 from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE, EvalError, read_results, sample_line
-from memrl.eval.runner import evaluate, evaluate_records, load_eval_data
+from memrl.eval.runner import evaluate, evaluate_records, load_eval_data, refuse_all_failed
 from memrl.eval.stats import bootstrap_interval, mcnemar_p, metric_summary, wilson_interval
 from memrl.rollout import request_seed
 
@@ -124,6 +124,17 @@ def test_one_line_per_question_and_counts_add_up(tiny_tokenizer, tmp_path):
     on_disk = json.loads((tmp_path / SUMMARY_FILE).read_text())
     assert on_disk["metrics"] == summary["metrics"] and on_disk["data"]["sha256"] == "sha-a"
     assert on_disk["format"]["chunk_tokens"] == 32 and "api_key" not in on_disk["config"]["rollout"]
+
+
+def test_a_run_without_one_success_is_refused_with_its_first_error(tiny_tokenizer, tmp_path):
+    # `memrl eval` against a dead server exited 0 with "0 succeeded": a run that measured nothing.
+    records = make_records(4)
+    summary = run_eval(tiny_tokenizer, AnswerEngine(tiny_tokenizer, fail=range(4)), tmp_path / "all", records)
+    with pytest.raises(EvalError, match="all 4 questions failed, so nothing was measured; the first error: "
+                                        "memory turn 0: injected failure; fix it and rerun with --retry-failed"):
+        refuse_all_failed(summary, tmp_path / "all")
+    one = run_eval(tiny_tokenizer, AnswerEngine(tiny_tokenizer, fail=range(1, 4)), tmp_path / "one", records)
+    refuse_all_failed(one, tmp_path / "one")  # one success is a measurement; its failures are in the summary
 
 
 def test_seeds_are_the_model_independent_eval_seeds_and_concurrency_is_bounded(tiny_tokenizer, tmp_path):

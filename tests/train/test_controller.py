@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import threading
 
 import pytest
 import torch
@@ -10,9 +11,18 @@ from memrl.config import Config
 from memrl.data.records import QuestionRecord
 from memrl.engines.base import GenerationRequest
 from memrl.memagent.convert import convert_trajectories
+from memrl.rollout import RewardError
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 from memrl.train.checkpoint import list_checkpoints
-from memrl.train.controller import ReplayRollout, Trainer, TrainingError, TrainOptions, load_raw_rollout
+from memrl.train.controller import (
+    ReplayRollout,
+    Trainer,
+    TrainingError,
+    TrainOptions,
+    check_trainable,
+    load_raw_rollout,
+)
+from memrl.types import RolloutOutput, Trajectory
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -285,7 +295,56 @@ def test_dynamic_sampling_resumes_exactly(tokenizer, tmp_path):
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [[m[k] for k in keys] for m in a] == [[m[k] for k in keys] for m in b]
     assert sum(m["dynamic_sampling/generation_batches"] for m in a) > 4  # some step drew further chunks
-    resumed = make_trainer(tokenizer, tmp_path / "c", cfg(4), load=tmp_path / "b" / "checkpoints" / "iter_0000003")
+    # Built, not run: its weights are the checkpoint's (a run needs a step left after it, hence 5).
+    resumed = make_trainer(tokenizer, tmp_path / "c", cfg(5), load=tmp_path / "b" / "checkpoints" / "iter_0000003")
     for (name, pa), pb in zip(straight.parts.policy.model.named_parameters(), resumed.parts.policy.model.parameters(),
                               strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)
+
+
+def boolean_reward(traj, golds):
+    return traj.turns[-1].response_ids[0] % 2 == 0  # a bool: float() made it 1.0 / 0.0 and trained on it
+
+
+RELEASE_HUNG_REWARDS = threading.Event()
+
+
+def hanging_reward(traj, golds):
+    RELEASE_HUNG_REWARDS.wait(60)  # "hangs" far past the test's rollout.reward_timeout_s
+    return 0.0
+
+
+@pytest.fixture
+def release_hung_rewards():
+    RELEASE_HUNG_REWARDS.clear()
+    yield
+    RELEASE_HUNG_REWARDS.set()  # the abandoned reward calls end
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+@pytest.mark.parametrize(("reward", "words"), [
+    ("boolean_reward", r"boolean_reward returned (True|False) \(bool\) for trajectory r0:0:q0:s"),
+    ("hanging_reward", r"hanging_reward did not return within 0.5 s \(rollout.reward_timeout_s\)"),
+])
+def test_a_bad_reward_function_fails_the_step_in_both_loops(tokenizer, tmp_path, release_hung_rewards,
+                                                             max_staleness, reward, words):
+    # The synchronous loop raises the RewardError itself, the overlapped one names it (the producer's error).
+    cfg = config(num_rollout=1, max_staleness=max_staleness)
+    cfg.plugins.reward_function = f"{__name__}:{reward}"
+    cfg.rollout.reward_timeout_s = 0.5
+    with pytest.raises(RewardError if max_staleness == 0 else TrainingError, match=words):
+        make_trainer(tokenizer, tmp_path / "run", cfg).run()
+    assert not list_checkpoints(tmp_path / "run")  # nothing was trained
+
+
+def test_a_step_with_nothing_to_train_names_its_failures_before_the_queue_sees_0_rows():
+    def failed(k, error):
+        return Trajectory(f"g:s{k}", "g", k, turns=[], status="failed", error=error)
+
+    dropped = [failed(0, "memory turn 0: connection refused"), failed(1, "memory turn 0: connection refused"),
+               failed(2, "final turn: timed out")]
+    with pytest.raises(TrainingError, match="rollout 3: no trajectory to train on: 3 of 3 trajectories failed .*; "
+                                            "first errors: memory turn 0: connection refused; final turn: timed out$"):
+        check_trainable(3, RolloutOutput([], {}, 0, dropped=dropped))
+    with pytest.raises(TrainingError, match="rollout 3: the generate function returned no trajectory"):
+        check_trainable(3, RolloutOutput([], {}, 0))

@@ -72,7 +72,7 @@ def test_a_resumed_run_first_syncs_the_served_engine_to_its_checkpoint(tmp_path)
         cfg = Config.model_validate({
             "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
                         "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
-            "train": {"num_rollout": 1, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
+            "train": {"num_rollout": 2, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},  # 1 step left
             "plugins": {"reward_function": f"{__name__}:parity_reward"}})
         Trainer(cfg, TrainOptions(run_root=tmp_path / "run", progress=False, load=tmp_path / "run"),
                 model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, records=records)
