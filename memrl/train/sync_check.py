@@ -92,12 +92,13 @@ def check_sync(probe: SyncProbe, scores: Mapping[str, ScoreResult], atol: float 
         limit = atol if atol is not None else default_atol(probe, score.dtype)
         if not diff <= limit:  # NaN fails too
             raise TrainingError(
-                f"weight-sync canary: after the sync to weight version {probe.version}, {engine} scores the probe at "
+                f"weight-sync canary: at weight version {probe.version}, {engine} scores the probe at "
                 f"{_rounded(score.log_probs)} where the trainer has {_rounded(probe.log_probs)}: max |difference| "
                 f"{diff:.3g} > tolerance {limit:.3g} (trainer {probe.dtype}, engine {score.dtype}, temperature "
                 f"{probe.temperature:g}). The engine does not generate with the trainer's weights: check that a "
-                f"served engine reloaded them (memrl serve --reload-root above the run root; the server's log), "
-                f"that it serves this model in the dtype it reports; set train.sync_check_atol if the difference "
-                f"is expected, or train.sync_check=false to train without the check")
+                f"served engine serves the model training started from and reloaded every version (memrl serve "
+                f"--reload-root above the run root; the server's log), in the dtype it reports; set "
+                f"train.sync_check_atol if the difference is expected, or train.sync_check=false to train without "
+                f"the check")
         worst = max(worst, diff)
     return worst
