@@ -495,7 +495,8 @@ class HFEngine:
         n = len(continuation_ids)
         ids = torch.tensor([prompt_ids + continuation_ids], device=self.device)
         with self._lock, torch.inference_mode(), self._attention_backends():
-            logits = self.model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1:-1]
+            # The positions predicting the continuation: the last n + 1 but the very last.
+            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1]
         # The sampling rule's distribution (top_p 1): what a rollout's log-probs are taken from.
         log_probs = sampling_log_probs(logits, torch.full((n,), float(temperature), device=self.device),
                                        torch.ones(n, device=self.device), any_nucleus=False)
