@@ -487,8 +487,13 @@ class HFEngine:
         if not prompt_ids or not continuation_ids or any(not 0 <= t < vocab for t in [*prompt_ids, *continuation_ids]):
             raise EngineError(f"score needs a prompt and a continuation, both of ids in the vocabulary [0, {vocab})")
         loop = asyncio.get_running_loop()
-        log_probs = await loop.run_in_executor(self._executor, self._score, list(prompt_ids),
-                                               list(continuation_ids), temperature)
+        scored = loop.run_in_executor(self._executor, self._score, list(prompt_ids), list(continuation_ids),
+                                      temperature)
+        try:  # bounded as a request is: behind a stuck batch it fails instead of waiting for ever
+            log_probs = await asyncio.wait_for(scored, self.request_timeout_s)
+        except TimeoutError:
+            raise EngineError(f"score timed out after {self.request_timeout_s} s behind a running batch "
+                              f"(rollout.request_timeout_s)") from None
         return ScoreResult(log_probs, str(self.dtype).removeprefix("torch."))
 
     def _score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> list[float]:

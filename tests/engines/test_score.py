@@ -47,6 +47,16 @@ def test_the_local_engine_scores_each_continuation_token_from_its_own_position(o
         asyncio.run(engine.score(PROMPT, [10**6], temperature))
 
 
+def test_a_score_behind_a_stuck_batch_fails_within_the_request_timeout(one_torch_thread):
+    engine = HFEngine(sharp_model(), device="cpu", dtype="float32", request_timeout_s=0.2)
+    engine._lock.acquire()  # what a running batch holds
+    try:
+        with pytest.raises(EngineError, match="score timed out after 0.2 s"):
+            asyncio.run(engine.score(PROMPT, CONTINUATION, 1.0))
+    finally:
+        engine._lock.release()
+
+
 def test_memrl_serve_scores_with_its_engine_and_the_client_reads_it(one_torch_thread):
     engine = HFEngine(sharp_model(), device="cpu", dtype="float32")
     direct = asyncio.run(engine.score(PROMPT, CONTINUATION, 1.0))
