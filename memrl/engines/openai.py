@@ -290,7 +290,8 @@ class OpenAIEngine:
                                                                  "temperature": float(temperature)})
                 return parse_score_response(body, len(continuation_ids))
         except RequestFailed as err:
-            raise EngineError(f"scoring the weight-sync probe failed: {err}") from err
+            raise EngineError(f"scoring the weight-sync probe failed: {err} (train.sync_check=false trains "
+                              f"without the check)") from err
         raise EngineError(
             f"server kind {self.server_kind!r} at {self.root_url} cannot score a given continuation, which the "
             "weight-sync canary needs after every weight sync (memrl serve can: POST /v1/score); set "
