@@ -360,6 +360,18 @@ class TrainConfig(Section):
         "bounds the trainer's wait for a rollout still generating. Any runtime and engine (a served engine reloads "
         "one folder per weight version, RUN_ROOT/weights_versions)."
     )
+    sync_check: bool = Field(
+        True, description="The weight-sync canary: before the first rollout and after every weight sync (any "
+        "runtime, engine and max_staleness), the rollout engine scores a fixed 12-token probe that the trainer "
+        "scored with the same weights; a difference beyond sync_check_atol stops the run with both numbers and the "
+        "weight version (a served engine that did not reload, a wrong dtype). Needs an engine that scores a given "
+        "continuation (the local engine, memrl serve); set false for vLLM or SGLang."
+    )
+    sync_check_atol: float | None = Field(
+        None, gt=0, description="Largest |engine - trainer| log-prob difference on the canary's probe. Unset: the "
+        "float error of two forwards of the same weights, from the dtypes and model size (memrl/train/sync_check.py; "
+        "Qwen3-0.6B: 1.2e-2 float32, 1.3 bfloat16); logs/metrics.jsonl sync_check/max_abs_diff shows the measured one."
+    )
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="How data-parallel trainer workers (runtime ray) hold the model: `ddp` keeps a full "
         "replica per rank; `fsdp` shards weights, gradients and optimizer state (FSDP2) for models that do not "

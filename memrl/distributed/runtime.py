@@ -40,7 +40,7 @@ from memrl.distributed.workers import (
     merge_rollout_outputs,
     wait_named,
 )
-from memrl.engines.base import WeightsInMemory, WeightsOnDisk, WeightSource
+from memrl.engines.base import ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.rollout import rows_per_trajectory
 from memrl.train.actor import plan_rollout
 from memrl.train.checkpoint import resolve_checkpoint
@@ -156,6 +156,11 @@ class TrainerGroup:
         """The whole weights as of now: rank 0's copy in the object store (immutable), for the pipeline."""
         return ObjectStoreWeights(self.publish_weights(), self.settings.sync_timeout_s)
 
+    def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> SyncProbe:
+        """The weight-sync canary's reference, rank 0's (every rank runs the forward: a collective under FSDP)."""
+        return self._on_every_rank(lambda w: w.sync_probe.remote(prompt_ids, continuation_ids, version),
+                                   "weight sync check")
+
     def save_pretrained(self, folder: Path, tokenizer: Any = None) -> str:
         return self._on_every_rank(lambda w: w.save_pretrained.remote(str(folder), tokenizer), "weight sync (save)")
 
@@ -219,6 +224,12 @@ class RolloutPool:
             payload = WeightsInMemory(source.whole_weights())  # an object-store reference travels, not tensors
         refs = {n: w.sync_from.remote(payload) for n, w in zip(self.names, self.workers, strict=True)}
         wait_named(refs, self.settings.sync_timeout_s, "weight sync")
+
+    def score_probe(self, probe: SyncProbe) -> dict[str, ScoreResult]:
+        """Every rollout worker's engine scores the weight-sync probe (each has its own engine or server)."""
+        refs = {n: w.score.remote(probe.prompt_ids, probe.continuation_ids, probe.temperature)
+                for n, w in zip(self.names, self.workers, strict=True)}
+        return wait_named(refs, self.settings.sync_timeout_s, "weight sync check")
 
     def close(self) -> None:
         # Killed, not asked: a worker stuck in a generation would make a polite close wait for it.

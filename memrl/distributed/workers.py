@@ -219,6 +219,10 @@ class TrainerWorker:
         weights = self.actor.full_state_dict()
         return None if weights is None else ray.put(weights)
 
+    def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> Any:
+        """The weight-sync canary's reference: this rank's log-probs of the probe (`Actor.sync_probe`)."""
+        return self.actor.sync_probe(prompt_ids, continuation_ids, version)
+
     def save_pretrained(self, path: str, tokenizer: Any = None) -> str | None:
         """A Hugging Face folder of the current weights (for served engines that reload from disk)."""
         saved = self.actor.save_pretrained(path, tokenizer)
@@ -285,6 +289,10 @@ class RolloutWorker:
     def sync_from(self, source: Any) -> None:
         """The engine to `source`'s weights (a `WeightSource`: an object-store reference, or a folder)."""
         self.loop.run_until_complete(self.engine.sync_from(source))
+
+    def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> Any:
+        """The engine's teacher-forced log-probs of the weight-sync probe (`Engine.score`)."""
+        return self.loop.run_until_complete(self.engine.score(prompt_ids, continuation_ids, temperature))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.engine.close())

@@ -10,6 +10,11 @@ Weight sync is part of the contract: `sync_from(source)` makes an engine generat
 current weights. The source offers them two ways, and each engine takes the one it can use: an
 in-process engine copies `whole_weights()`, a served one asks its server to reload `saved_folder()`.
 The loop never asks which kind of engine it holds.
+
+After a sync the trainer checks it (the weight-sync canary, memrl/train/sync_check.py): `score` gives the
+engine's teacher-forced log-probs of a fixed continuation, which must match the trainer's own (a
+`SyncProbe`) to float tolerance. A source the trainer froze for later (the overlapped pipeline) carries
+its probe with it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,31 @@ class EngineError(RuntimeError):
     """An engine cannot serve at all (model missing, server unreachable after retries)."""
 
 
+@dataclass(frozen=True)
+class SyncProbe:
+    """The trainer's log-probs of `continuation_ids` after `prompt_ids` (teacher-forced, at `temperature`, as it
+    computes old log-probs), taken while it held weight version `version` (the weights after step
+    version - 1). `dtype` is what the trainer's forward ran in; `layers` and `width` (the model's depth and
+    widest matrix product) scale the float tolerance of the comparison."""
+
+    prompt_ids: list[int]
+    continuation_ids: list[int]
+    temperature: float
+    log_probs: list[float]
+    version: int
+    dtype: str
+    layers: int
+    width: int
+
+
+@dataclass
+class ScoreResult:
+    """An engine's teacher-forced log-probs (one per continuation token) and the dtype its forward ran in."""
+
+    log_probs: list[float]
+    dtype: str
+
+
 class WeightSource(Protocol):
     """The trainer's current weights, in the two forms engines take them."""
 
@@ -71,6 +101,7 @@ class WeightsInMemory:
     """A `WeightSource` over a state dict already at hand (tests, tools); it has no folder."""
 
     weights: Mapping[str, Any]
+    probe: SyncProbe | None = None  # the trainer's canary for these weights, checked after an engine syncs
 
     def whole_weights(self) -> Mapping[str, Any]:
         return self.weights
@@ -84,6 +115,7 @@ class WeightsOnDisk:
     """A `WeightSource` that is a saved Hugging Face folder (what a served engine's server reloads)."""
 
     folder: str
+    probe: SyncProbe | None = None  # the trainer's canary for these weights, checked after an engine syncs
 
     def whole_weights(self) -> Mapping[str, Any]:
         raise EngineError(f"these weights are the folder {self.folder}; an in-process engine needs them in memory")
@@ -100,6 +132,12 @@ class Engine(Protocol):
 
     async def sync_from(self, source: WeightSource) -> None:
         """Generate with `source`'s weights from the next request on (called between rollout steps)."""
+        ...
+
+    async def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> ScoreResult:
+        """Log-probs of `continuation_ids` following `prompt_ids` under the current weights, teacher-forced
+        (nothing sampled), from softmax(logits / temperature) (raw logits at temperature 0; no top_p): the
+        weight-sync canary's engine side. An engine that cannot score raises EngineError saying so."""
         ...
 
     async def close(self) -> None:

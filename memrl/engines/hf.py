@@ -65,7 +65,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, WeightSource
+from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, ScoreResult, WeightSource
 from memrl.engines.hf_batch import EngineStats, _Pending, _Row, _RunningBatch
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 from memrl.engines.static_decode import StaticBatch, StaticDecoder
@@ -484,6 +484,35 @@ class HFEngine:
     async def sync_from(self, source: WeightSource) -> None:
         """The engine contract's weight sync: copy the source's whole weights into the engine's model."""
         self.load_weights(source.whole_weights())
+
+    async def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> ScoreResult:
+        """The engine contract's teacher-forced log-probs (the weight-sync canary): one forward of the
+        engine's model, on its batch thread, so it waits for a running batch as a weight sync does."""
+        if self._closed:
+            raise EngineError("HFEngine is closed; create a new engine")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if not prompt_ids or not continuation_ids or any(not 0 <= t < vocab for t in [*prompt_ids, *continuation_ids]):
+            raise EngineError(f"score needs a prompt and a continuation, both of ids in the vocabulary [0, {vocab})")
+        loop = asyncio.get_running_loop()
+        scored = loop.run_in_executor(self._executor, self._score, list(prompt_ids), list(continuation_ids),
+                                      temperature)
+        try:  # bounded as a request is: behind a stuck batch it fails instead of waiting for ever
+            log_probs = await asyncio.wait_for(scored, self.request_timeout_s)
+        except TimeoutError:
+            raise EngineError(f"score timed out after {self.request_timeout_s} s behind a running batch "
+                              f"(rollout.request_timeout_s)") from None
+        return ScoreResult(log_probs, str(self.dtype).removeprefix("torch."))
+
+    def _score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> list[float]:
+        n = len(continuation_ids)
+        ids = torch.tensor([prompt_ids + continuation_ids], device=self.device)
+        with self._lock, torch.inference_mode(), self._attention_backends():
+            # The positions predicting the continuation: the last n + 1 but the very last.
+            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1]
+        # The sampling rule's distribution (top_p 1): what a rollout's log-probs are taken from.
+        log_probs = sampling_log_probs(logits, torch.full((n,), float(temperature), device=self.device),
+                                       torch.ones(n, device=self.device), any_nucleus=False)
+        return log_probs.gather(-1, torch.tensor(continuation_ids, device=self.device)[:, None]).squeeze(-1).tolist()
 
     def reload_from_path(self, path: str | Path) -> None:
         """Replace the model with the Hugging Face folder at `path` (same device and dtype)."""

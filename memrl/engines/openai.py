@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import httpx
 
-from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, WeightSource
+from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, ScoreResult, WeightSource
 
 ServerKind = Literal["auto", "vllm", "sglang", "memrl"]
 _RETRY_STATUSES = (502, 503, 504)  # a server starting up or a proxy in front of one
@@ -279,6 +279,25 @@ class OpenAIEngine:
             "`memrl serve` or SGLang to sync weights from disk, or restart the server on the new folder"
         )
 
+    async def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> ScoreResult:
+        """The engine contract's teacher-forced log-probs (the weight-sync canary): memrl serve's POST /v1/score.
+        vLLM and SGLang have no such endpoint here (docs/servers.md says how they could): EngineError."""
+        try:
+            await self._ensure_ready()
+            if self.server_kind == "memrl":
+                body = await self._request("POST", "/v1/score", {"prompt_ids": list(prompt_ids),
+                                                                 "continuation_ids": list(continuation_ids),
+                                                                 "temperature": float(temperature)})
+                return parse_score_response(body, len(continuation_ids))
+        except RequestFailed as err:
+            raise EngineError(f"scoring the weight-sync probe failed: {err} (train.sync_check=false trains "
+                              f"without the check)") from err
+        raise EngineError(
+            f"server kind {self.server_kind!r} at {self.root_url} cannot score a given continuation, which the "
+            "weight-sync canary needs after every weight sync (memrl serve can: POST /v1/score); set "
+            "train.sync_check=false to train against this server without it"
+        )
+
     async def close(self) -> None:
         state, self._state = self._state, None
         if state is not None and not state.loop.is_closed():
@@ -347,6 +366,18 @@ def parse_completions_response(body: Any) -> GenerationResult:
         log_probs=[float(lp) for lp in token_logprobs],
         finish_reason=_finish(choice.get("finish_reason")),
     )
+
+
+def parse_score_response(body: Any, expected: int) -> ScoreResult:
+    """A memrl serve /v1/score body -> ScoreResult; RequestFailed unless it has `expected` log-probs and a dtype."""
+    log_probs = body.get("log_probs") if isinstance(body, dict) else None
+    # null: a log-prob that was not finite (JSON has no NaN), which the canary then reports.
+    numbers = isinstance(log_probs, list) and all(v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+                                                  for v in log_probs)
+    if not numbers or len(log_probs) != expected or not isinstance(body.get("dtype"), str):
+        raise RequestFailed(f"expected {{log_probs: {expected} numbers, dtype}} from /v1/score, got "
+                            f"{_short(json.dumps(body))}")
+    return ScoreResult([float("nan") if lp is None else float(lp) for lp in log_probs], body["dtype"])
 
 
 def parse_sglang_response(body: Any) -> GenerationResult:

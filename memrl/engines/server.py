@@ -9,6 +9,9 @@ Endpoints (shapes follow vLLM's OpenAI server, so one client speaks to both):
     POST /v1/reload_weights      {"path": DIR}: the engine reloads its weights from DIR (trainer sync);
                                  DIR must lie under a --reload-root and hold the served model's
                                  architecture and vocabulary
+    POST /v1/score               {"prompt_ids", "continuation_ids", "temperature"}: the engine's
+                                 teacher-forced log-probs of the continuation, {"log_probs", "dtype"}
+                                 (the trainer's weight-sync canary checks a reload with it)
 
 Invariants:
 - Text prompts are refused (400): memrl serves token ids only, so nothing is re-tokenized.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import os
 import secrets
 import sys
@@ -119,6 +123,12 @@ def _parse_prompt(value: Any) -> list[list[int]]:
     return batch
 
 
+def _temperature_in_range(value: float) -> float:
+    if value != 0 and not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, got {value!r}")
+    return value
+
+
 class CompletionBody(BaseModel):
     """The /v1/completions request. Unknown OpenAI/vLLM fields are ignored; unsupported ones refused."""
 
@@ -147,11 +157,7 @@ class CompletionBody(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _temperature_in_range(cls, value: float) -> float:
-        if value != 0 and not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
-            raise ValueError(
-                f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, got {value!r}"
-            )
-        return value
+        return _temperature_in_range(value)
 
     @field_validator("seed")
     @classmethod
@@ -173,6 +179,20 @@ class CompletionBody(BaseModel):
         if value:
             raise ValueError("text stop strings are not supported; send `stop_token_ids` instead")
         return None
+
+
+class ScoreBody(BaseModel):
+    """The /v1/score request: log-probs of `continuation_ids` after `prompt_ids`, teacher-forced."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt_ids: list[StrictInt] = Field(min_length=1)
+    continuation_ids: list[StrictInt] = Field(min_length=1)
+    temperature: StrictFloat = Field(1.0, allow_inf_nan=False)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_in_range(cls, value: float) -> float:
+        return _temperature_in_range(value)
 
 
 class ReloadBody(BaseModel):
@@ -531,6 +551,25 @@ def create_app(
             return await asyncio.to_thread(policy.check, path)
         except ReloadRefused as refused:
             raise APIError(refused.status, refused.message, refused.kind) from None
+
+    @app.post("/v1/score")
+    async def score(body: ScoreBody, request: Request) -> dict:
+        check_key(request)
+        scorer = getattr(engine, "score", None)
+        if scorer is None:
+            raise APIError(501, f"{type(engine).__name__} cannot score a continuation (no score method)")
+        length = len(body.prompt_ids) + len(body.continuation_ids)
+        if length > max_prompt_tokens:
+            raise APIError(400, f"{length} tokens to score; this server accepts at most {max_prompt_tokens}")
+        _check_token_ids([body.prompt_ids, body.continuation_ids], vocab_size)
+        async with gate.generation():  # never with half-reloaded weights
+            try:
+                result = await scorer(body.prompt_ids, body.continuation_ids, body.temperature)
+            except Exception as exc:  # an engine failure must reach the client, not hang it
+                logger.exception("engine.score failed")
+                raise APIError(500, f"engine error: {type(exc).__name__}: {exc}", "server_error") from exc
+        # JSON has no NaN or infinity: such a log-prob goes out as null (the client reads it back as NaN).
+        return {"log_probs": [lp if math.isfinite(lp) else None for lp in result.log_probs], "dtype": result.dtype}
 
     @app.post("/v1/reload_weights")
     async def reload_weights(body: ReloadBody, request: Request) -> dict:

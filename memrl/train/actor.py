@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from memrl.config import Config
+from memrl.engines.base import SyncProbe
 from memrl.rl.correction import RolloutCorrection, per_row, trajectory_totals
 from memrl.rl.loss import (
     compute_token_weights,
@@ -655,6 +656,24 @@ class Actor:
             out.append(self._forward(self.policy, mb).log_probs.tolist())
         self._reshard_after_inference(self.policy)
         return out
+
+
+    def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> SyncProbe:
+        """The weight-sync canary's reference (memrl/train/sync_check.py): the policy's log-probs of the
+        continuation, computed as old log-probs are, while it holds weight version `version` (a collective
+        under FSDP)."""
+        tokens = [*prompt_ids, *continuation_ids]
+        n = len(continuation_ids)
+        row = TrainRow(tokens=tokens, response_length=n, loss_mask=[1] * n, rollout_log_probs=[0.0] * n,
+                       advantage=0.0, group_id="sync-probe", trajectory_id="sync-probe", turn_index=0,
+                       rollout_id=version)
+        (log_probs,) = self.log_probs([row])
+        config = self.model.config
+        dtype = "bfloat16" if self.autocast is not None else str(next(self.model.parameters()).dtype)
+        return SyncProbe(prompt_ids=list(prompt_ids), continuation_ids=list(continuation_ids),
+                         temperature=self.cfg.rollout.temperature, log_probs=log_probs, version=version,
+                         dtype=dtype.removeprefix("torch."), layers=config.num_hidden_layers,
+                         width=max(config.hidden_size, getattr(config, "intermediate_size", config.hidden_size)))
 
 
 class ActorWeights:

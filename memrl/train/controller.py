@@ -7,7 +7,7 @@
                                                              # rows a Ray rollout worker converted (refs)
         parts.rows.put(rollout_id, rows, out.train_row_count) # exact row count announced
         metrics = parts.policy.train_rollout(parts.rows.get_rollout(rollout_id), rollout_id)
-        parts.rollout.sync_from(parts.policy.weight_source(...)); log
+        parts.rollout.sync_from(parts.policy.weight_source(...)); check it (canary); log
         validate (train.eval_interval: memrl/train/validation.py); checkpoint (+ best.json, keep_last_n)
 
 `local_parts` builds them in one process (an engine with a private copy of the policy, or a client of
@@ -17,6 +17,10 @@ store). The loop neither knows nor asks which.
 
 Rows saved (converted), transferred (put in the queue) and consumed (trained on) are counted every step
 and must be equal; a mismatch stops the run with both numbers.
+
+After every weight sync, and once before the first rollout, the engine scores a fixed probe that the
+trainer scored when it held those weights (`train.sync_check`, memrl/train/sync_check.py); a difference
+beyond float tolerance stops the run with both numbers and the weight version.
 
 With `train.max_staleness = k >= 1` the first three lines run ahead in a producer thread (rollout n+k
 while step n trains; memrl/train/pipeline.py says which weights each rollout samples with), and the loop
@@ -40,7 +44,7 @@ from tqdm.auto import tqdm
 
 from memrl.config import Config
 from memrl.data.records import DataError, read_jsonl_lines
-from memrl.engines.base import Engine, WeightsInMemory, WeightsOnDisk, WeightSource
+from memrl.engines.base import Engine, ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import training_engine
 from memrl.rl.advantages import AdvantageError, trajectory_advantages
 from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
@@ -64,6 +68,7 @@ from memrl.train.setup import (
     start_rollout_id,
     trainer_device,
 )
+from memrl.train.sync_check import check_sync, probe_ids
 from memrl.train.validation import BestTracker, Validator
 from memrl.types import RolloutOutput, TrainRow, Trajectory
 
@@ -105,6 +110,10 @@ class RolloutSource(Protocol):
 
     def sync_from(self, source: WeightSource) -> None: ...
 
+    def score_probe(self, probe: SyncProbe) -> dict[str, ScoreResult]:
+        """Each engine's scores of the weight-sync probe, by engine name (a replay has no engine: never asked)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -123,6 +132,10 @@ class PolicyTrainer(Protocol):
     def weight_snapshot(self) -> Mapping[str, torch.Tensor]:
         """The whole weights frozen as they are now, for a rollout that samples with them while training
         goes on (the overlapped pipeline)."""
+        ...
+
+    def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> SyncProbe:
+        """The trainer's log-probs of the probe with the weights it holds now, version `version`."""
         ...
 
 
@@ -248,6 +261,10 @@ class LocalRollout:
     def sync_from(self, source: WeightSource) -> None:
         self.loop.run_until_complete(self.engine.sync_from(source))
 
+    def score_probe(self, probe: SyncProbe) -> dict[str, ScoreResult]:
+        score = self.engine.score(probe.prompt_ids, probe.continuation_ids, probe.temperature)
+        return {f"the rollout engine ({type(self.engine).__name__})": self.loop.run_until_complete(score)}
+
     def close(self) -> None:
         try:
             self.loop.run_until_complete(self.engine.close())
@@ -305,6 +322,9 @@ class Trainer:
         self._torch_threads = torch.get_num_threads()
         try:  # a missing eval file fails here, before the first step, with nothing left running
             self.validator = self._validator()
+            # The weight-sync canary's fixed probe; a replay has no engine to check.
+            checks = cfg.train.sync_check and not isinstance(self.parts.rollout, ReplayRollout)
+            self._probe_ids = probe_ids(self.parts.tokenizer) if checks else None
         except BaseException:
             self._close_parts()
             raise
@@ -342,6 +362,9 @@ class Trainer:
             # engines copy the weights and never touch it.
             self.parts.rollout.sync_from(self.parts.policy.weight_source(self.opt.run_root / "weights_sync",
                                                                          self.parts.tokenizer))
+        if self._probe_ids is not None:
+            with timer("sync_check"):  # the trainer still holds the weights the engine just synced to
+                metrics["sync_check/max_abs_diff"] = self._check_engine(self._probe(rollout_id + 1))
         return self._finish(rollout_id, out, rows, metrics, {**seconds, **timer.seconds}, logger)
 
     def _produce(self, rollout_id: int) -> tuple[RolloutOutput, list[TrainRow], dict[str, float]]:
@@ -430,6 +453,22 @@ class Trainer:
                                         for t in out.trajectories + out.dropped])
         return metrics
 
+    def _probe(self, version: int) -> SyncProbe:
+        """The trainer's side of the weight-sync canary, taken while it holds weight version `version`."""
+        assert self._probe_ids is not None  # callers check train.sync_check
+        return self.parts.policy.sync_probe(*self._probe_ids, version)
+
+    def _check_engine(self, probe: SyncProbe) -> float:
+        """The engine's side, once it synced to the probe's version: its scores must match the trainer's
+        (memrl/train/sync_check.py: TrainingError otherwise); returns the largest difference."""
+        return check_sync(probe, self.parts.rollout.score_probe(probe), self.cfg.train.sync_check_atol)
+
+    def _sync_checked(self, source: WeightsInMemory | WeightsOnDisk) -> None:
+        """The producer's sync to a published version, then the canary the version carries."""
+        self.parts.rollout.sync_from(source)
+        if source.probe is not None:
+            self._check_engine(source.probe)
+
     def _version_of(self, rollout_id: int) -> int:
         """The weight version rollout `rollout_id` samples with (its own id in the synchronous loop)."""
         return sampling_version(rollout_id, self.parts.start_rollout_id, self.cfg.train.max_staleness,
@@ -445,7 +484,7 @@ class Trainer:
         board = WeightBoard(start, cfg.queue.timeout_s, discard=_remove_version_folder)
 
         version_of = self._version_of
-        self._producer = Producer(range(start, end), self._produce, self._deliver, parts.rollout.sync_from,
+        self._producer = Producer(range(start, end), self._produce, self._deliver, self._sync_checked,
                                   version_of, board, parts.rows.fail)
         self._torch_threads = torch.get_num_threads()  # restored when the run ends
         if isinstance(parts.policy, Actor) and parts.policy.device.type == "cpu" and self._torch_threads > 1:
@@ -461,8 +500,12 @@ class Trainer:
                 raise TrainingError(f"pipeline: {error}") from error
             version = rollout_id + 1
             if any(version_of(r) == version for r in range(version, min(version + k, end - 1) + 1)):
+                probe = None
+                if self._probe_ids is not None:
+                    with timer("sync_check"):  # the trainer's side; the engine's runs in the producer
+                        probe = self._probe(version)
                 with timer("publish"):
-                    board.publish(version, self._frozen_weights(version))
+                    board.publish(version, self._frozen_weights(version, probe))
             produced = self._producer.take(rollout_id)
             metrics["pipeline/staleness"] = float(rollout_id - produced.version)
             metrics["pipeline/producer_wait_s"] = produced.waited_s
@@ -471,14 +514,14 @@ class Trainer:
 
         return trained_step
 
-    def _frozen_weights(self, version: int) -> WeightSource:
+    def _frozen_weights(self, version: int, probe: SyncProbe | None) -> WeightSource:
         """The policy's weights now, as a source that stays as it is while training goes on: a folder of
         this version's own for a served engine (its server reloads it), else a snapshot in memory (a copy,
-        or an object-store copy under Ray)."""
+        or an object-store copy under Ray); either carries the canary `probe` of these weights."""
         if self.cfg.rollout.engine == "openai":
             folder = self.opt.run_root / VERSIONS_DIR / f"v{version:07d}"
-            return WeightsOnDisk(self.parts.policy.weight_source(folder, self.parts.tokenizer).saved_folder())
-        return WeightsInMemory(self.parts.policy.weight_snapshot())
+            return WeightsOnDisk(self.parts.policy.weight_source(folder, self.parts.tokenizer).saved_folder(), probe)
+        return WeightsInMemory(self.parts.policy.weight_snapshot(), probe)
 
     def _validates_after(self, rollout_id: int) -> bool:
         interval = self.cfg.train.eval_interval
@@ -523,8 +566,10 @@ class Trainer:
         bar = tqdm(range(parts.start_rollout_id, cfg.train.num_rollout), desc="train", unit="step",
                    disable=not self.opt.progress)
         last_saved = None
-        steps = self.step if cfg.train.max_staleness == 0 else self._overlapped_steps()
         try:
+            if self._probe_ids is not None:  # the engine starts with the starting weights (local_parts, ray_parts)
+                self._check_engine(self._probe(parts.start_rollout_id))
+            steps = self.step if cfg.train.max_staleness == 0 else self._overlapped_steps()
             before = parts.start_rollout_id - 1
             if cfg.train.eval_before_train and not any(
                     r["rollout_id"] == before for r in read_metrics(self.opt.run_root, EVAL_METRICS_FILE)):

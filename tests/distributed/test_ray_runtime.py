@@ -232,6 +232,7 @@ def test_two_step_ray_run_matches_the_single_process_run_and_resumes(cluster, to
         assert got["rows/saved"] == got["rows/transferred"] == got["rows/consumed"] == want["rows/consumed"] == 32
         assert got["reward/mean"] == want["reward/mean"]  # same seeds, same weights synced: same trajectories
         assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-6)
+        assert got["sync_check/max_abs_diff"] >= 0  # the weight-sync canary checked every rollout worker's sync
     # the same kinds of logs and checkpoints
     assert [p.name for p in list_checkpoints(ray_root)] == [p.name for p in list_checkpoints(local_root)]
     for name in ("iter_0000000", "iter_0000001"):

@@ -9,10 +9,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from memrl.config import Config
 from memrl.data.records import QuestionRecord
+from memrl.engines.base import EngineError
 from memrl.engines.hf import HFEngine
 from memrl.engines.server import create_app
 from memrl.tiny import save_tiny_model
-from memrl.train.controller import Trainer, TrainOptions
+from memrl.train.controller import Trainer, TrainingError, TrainOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
 from test_server import serve_in_thread  # noqa: E402
@@ -115,3 +116,56 @@ def test_the_overlapped_pipeline_feeds_a_served_engine_one_folder_per_weight_ver
     assert [m["reward/mean"] for m in history] == [m["reward/mean"] for m in in_process]
     assert reloads == ["v0000001"]  # rollout 2 samples with version 1; rollouts 0 and 1 with the served model's
     assert not list((tmp_path / "run" / "weights_versions").iterdir())
+
+
+def test_a_served_engine_that_does_not_reload_is_caught_at_the_next_step(tmp_path):
+    # The weight-sync canary: the server answers every reload with success but keeps serving the starting
+    # weights. The check before the first rollout passes (it does serve them); the one after step 0 stops
+    # the run, naming weight version 1, before rollout 1 samples with stale weights.
+    model_dir = save_tiny_model(tmp_path / "model", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    served = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
+    reloads = []
+    served.reload_from_path = reloads.append  # "reloaded", weights unchanged
+    records = [QuestionRecord(id="q0", question="Which city?", answers=["Paris"],
+                              context="Document 1: Paris is the capital of France. " * 3, metadata={})]
+    rollouts = []
+    with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[tmp_path / "run"])) as url:
+        cfg = Config.model_validate({
+            "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
+                        "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+            "train": {"num_rollout": 2, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
+            "plugins": {"reward_function": f"{__name__}:parity_reward"}})
+        trainer = Trainer(cfg, TrainOptions(run_root=tmp_path / "run", progress=False),
+                          model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, records=records)
+        real_generate = trainer.parts.rollout.generate
+        trainer.parts.rollout.generate = lambda rollout_id, *a, **kw: (rollouts.append(rollout_id),
+                                                                       real_generate(rollout_id, *a, **kw))[1]
+        with pytest.raises(TrainingError, match=r"at weight version 1, the rollout engine "
+                                                r"\(OpenAIEngine\) scores the probe at .* > tolerance"):
+            trainer.run()
+    assert len(reloads) == 1 and rollouts == [0]  # asked to reload once; rollout 1 never generated
+
+
+def test_a_server_that_cannot_score_fails_at_start_saying_how_to_train_without_the_canary(tmp_path):
+    # vLLM's OpenAI server cannot score a given continuation: the run stops before its first rollout (not a
+    # silent skip of the check). With train.sync_check=false it generates, then fails where vLLM must reload.
+    from test_openai_client import vllm_like_app
+
+    model_dir = save_tiny_model(tmp_path / "model", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    records = [QuestionRecord(id="q0", question="Which city?", answers=["Paris"],
+                              context="Paris is the capital of France. " * 3, metadata={})]
+    for check, error in ((True, "server kind 'vllm' .* set train.sync_check=false"), (False, "no reload endpoint")):
+        completions = []
+        with serve_in_thread(vllm_like_app("ok", completions)) as url:
+            cfg = Config.model_validate({
+                "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
+                            "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+                "train": {"num_rollout": 1, "rollout_batch_size": 1, "save_interval": 10, "sync_check": check},
+                "plugins": {"reward_function": f"{__name__}:parity_reward"}})
+            trainer = Trainer(cfg, TrainOptions(run_root=tmp_path / f"run_{check}", progress=False),
+                              model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, records=records)
+            with pytest.raises(EngineError, match=error):
+                trainer.run()
+        assert bool(completions) is not check  # generated only without the check
