@@ -6,7 +6,8 @@
 Why one coroutine per trajectory: trajectories never wait for each other (no lockstep across a batch,
 docs/design.md, pitfall "Lockstep turns"); the engine batches whatever requests are waiting at the moment.
 Each turn stores exactly what was sampled (prompt ids, response ids, log-probs); the memory passed on is
-the response's token ids, stop tokens stripped and re-cut to `memory_tokens`, never re-tokenized text.
+the response's token ids, stop tokens stripped and re-cut to `memory_tokens`, never re-tokenized text
+(with `rollout.memory_after_think`, only what follows the last `</think>`: `memory_after_think`).
 A generation error marks the trajectory `failed` with its message; it never kills the batch.
 """
 
@@ -34,6 +35,48 @@ async def _generate_one(engine: Engine, request: GenerationRequest) -> Generatio
     except Exception as e:  # an engine should report errors as results; never let one kill the batch
         return GenerationResult.failed(f"{type(e).__name__}: {e}")
     return result
+
+
+THINK_END = "</think>"
+
+
+def _think_end_id(tokenizer: Any) -> int | None:
+    """The id of `</think>` when the tokenizer has it as one vocabulary entry (Qwen3 does), else None."""
+    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
+    # Unknown names map to None or to the unk id; only a real, exact entry counts.
+    return token_id if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == THINK_END else None
+
+
+def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
+    """The official MemAgent memory update (taskutils/memory_eval/utils/__init__.py `extract_solution`):
+    a response holding `</think>` is cut to `response.split("</think>")[-1].strip()`; one without it stays whole.
+
+    In ids where the tokenizer has `</think>` as one token: the ids after its last occurrence, then whole
+    whitespace tokens dropped at both ends. Text only at this edge: without that token (Qwen2.5) the split
+    point lies inside tokens, and a token mixing whitespace and text at an end (" Facts") cannot be stripped
+    in ids; only then is the stripped text encoded again. Either way the memory decodes to the official text.
+    """
+    think_end = _think_end_id(tokenizer)
+    if think_end is None:
+        text = tokenizer.decode(memory_ids)
+        if THINK_END not in text:
+            return memory_ids
+        return _encode(tokenizer, text.split(THINK_END)[-1].strip())
+    if think_end not in memory_ids:
+        return memory_ids
+    tail = memory_ids[len(memory_ids) - memory_ids[::-1].index(think_end):]
+    stripped = tokenizer.decode(tail).strip()
+    lo, hi = 0, len(tail)
+    while lo < hi and not tokenizer.decode(tail[lo:lo + 1]).strip():
+        lo += 1
+    while hi > lo and not tokenizer.decode(tail[hi - 1:hi]).strip():
+        hi -= 1
+    return tail[lo:hi] if tokenizer.decode(tail[lo:hi]) == stripped else _encode(tokenizer, stripped)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    # As the prompt builder encodes text: no special tokens added, special-token strings kept as one id.
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]) if text else []
 
 
 def _turn(index: int, kind: str, prompt_ids: list[int], result: GenerationResult, max_tokens: int) -> Turn:
@@ -83,6 +126,8 @@ async def run_trajectory(
         turns.append(_turn(i, "memory", prompt, result, cfg.memory_tokens))
         # The new memory always replaces the old one, even when empty; re-cut to memory_tokens.
         memory_ids, recut = builder.cap_memory(result.output_ids)
+        if cfg.memory_after_think:  # the memory only; the turn above keeps every sampled id for training
+            memory_ids = memory_after_think(builder.tokenizer, memory_ids)
         memory_truncations += int(recut or result.finish_reason == "length")
         memory_lengths.append(len(memory_ids))
     del chunks  # release the document before the final turn: it sees question + memory only
