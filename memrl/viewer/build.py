@@ -69,6 +69,9 @@ EVAL_FIELDS = {**_COMMON, "id": "str", "boxed": "str", "em": "number", "f1": "nu
 # A rollout log record (memrl.train.controller.trajectory_log_record).
 ROLLOUT_FIELDS = {**_COMMON, "trajectory_id": "id", "question_id": "id", "group_id": "str", "sample_index": "count",
                   "turns": "list"}
+# (fields, the id every record must have, the field holding its turns) of each kind of file.
+EVAL_LINE = (EVAL_FIELDS, "id", "trace")
+ROLLOUT_RECORD = (ROLLOUT_FIELDS, "trajectory_id", "turns")
 TURN_FIELDS = {"kind": "str", "text": "str", "prompt_length": "count", "response_length": "count",
                "finish_reason": "str", "advantage": "number"}
 
@@ -90,11 +93,12 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _check_record(record: Any, fields: dict[str, str], required: str, where: str) -> dict[str, Any]:
-    """`record` as the page reads it, or a ViewerError naming `where` and the field that is wrong."""
+def _check_record(record: Any, kind: tuple[dict[str, str], str, str], where: str) -> dict[str, Any]:
+    """`record` as the page reads it (`kind`: EVAL_LINE or ROLLOUT_RECORD), or a ViewerError naming `where`
+    and the field that is wrong."""
+    fields, required, turns_field = kind
     _check_fields(record, fields, where, required)
-    turns = record.get("trace") if fields is EVAL_FIELDS else record.get("turns")
-    for k, turn in enumerate(turns or []):
+    for k, turn in enumerate(record.get(turns_field) or []):
         _check_fields(turn, TURN_FIELDS, f"{where}, turn {k}")
     golds = record.get("golds") or []
     for c, hits in enumerate(record.get("chunk_golds") or []):
@@ -157,7 +161,7 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _read_jsonl(path: Path, fields: dict[str, str], required: str) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path, kind: tuple[dict[str, str], str, str]) -> list[dict[str, Any]]:
     """The checked records of a JSON-lines file memrl wrote (`_check_record`).
 
     Lines end at "\n" only: memrl writes text unescaped (ensure_ascii=False), and a document's U+2028 is no
@@ -178,14 +182,14 @@ def _read_jsonl(path: Path, fields: dict[str, str], required: str) -> list[dict[
         except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, NaN / Infinity, nested too deep
             raise ViewerError(f"{where} is not a JSON record memrl wrote ({type(e).__name__}: {e}); pass a file "
                               f"memrl wrote") from e
-        records.append(_check_record(record, fields, required, where))
+        records.append(_check_record(record, kind, where))
     return records
 
 
 # ------------------------------------------------------------------------------------------ sources
 
 def _eval_lines(folder: Path) -> list[dict[str, Any]]:
-    lines = _read_jsonl(folder / RESULTS_FILE, EVAL_FIELDS, "id")
+    lines = _read_jsonl(folder / RESULTS_FILE, EVAL_LINE)
     if not lines:
         raise ViewerError(f"{folder / RESULTS_FILE} holds no results; run `memrl eval --out {folder}` first")
     return lines
@@ -287,7 +291,7 @@ def _rollout_data(path: Path) -> dict[str, Any]:
     for file in files:
         rollout_id = int(file.stem.rpartition("_")[2]) if file.stem.rpartition("_")[2].isdigit() else len(steps)
         groups: dict[str, dict[str, Any]] = {}
-        for record in _read_jsonl(file, ROLLOUT_FIELDS, "trajectory_id"):
+        for record in _read_jsonl(file, ROLLOUT_RECORD):
             golds = _golds(record)
             # Logs written before group ids were recorded: the trajectory id is "<group id>:s<sample>".
             group_id = record.get("group_id") or str(record.get("trajectory_id", "")).rpartition(":s")[0]
