@@ -164,6 +164,11 @@ class RolloutConfig(Section):
         False, description="Strip whitespace around each question and document before prompting (str.strip(), as "
         "the official MemAgent evaluation does; some HotpotQA questions end in a space)."
     )
+    memory_after_think: bool = Field(
+        False, description="Pass on as memory only what a memory turn wrote after its last </think>, whitespace "
+        "stripped (the official MemAgent evaluation's rule; a response without </think> is kept whole). The turn "
+        "still trains on every sampled token. Set by recipes/memagent-official-eval.yaml."
+    )
     answer_extractor: Literal["boxed", "therefore"] = Field(
         "boxed", description="How the final answer is read for reward and evaluation: `boxed` the last \\boxed{}; "
         "`therefore` the line after the last \"the answer is\" (the official MemAgent non-boxed final prompt)."

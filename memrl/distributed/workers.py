@@ -198,7 +198,7 @@ class TrainerWorker:
         from memrl.train.actor import plan_rollout
 
         rows = fetch_rows(refs, timeout_s)
-        plan = plan_rollout(rows, self.cfg, self.actor.pad_token_id, rollout_id)
+        plan = plan_rollout(rows, self.cfg, self.actor.pad_token_id, rollout_id, self.actor.vocab_size)
         metrics = self.train([shares[self.rank] for shares in plan], rollout_id, len(rows),
                              sum(len(r.tokens) for r in rows))
         metrics["rows/fetched"] = float(len(rows))

@@ -70,6 +70,8 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
     # Only when on: stripping changes the prompts, and runs recorded before the option existed must resume.
     if r.strip_inputs:
         fmt["strip_inputs"] = True
+    if r.memory_after_think:  # the memories passed on, and so every later prompt, differ
+        fmt["memory_after_think"] = True
     return fmt
 
 

@@ -46,7 +46,7 @@ from memrl.eval.results import (
     summarize_lines,
 )
 from memrl.memagent.prompts import PromptBuilder
-from memrl.memagent.rollout import chunk_gold_hits, document_chunks, run_trajectory
+from memrl.memagent.rollout import chunk_gold_hits_later, document_chunks, run_trajectory
 
 # ------------------------------------------------------------------------------------------ resume
 
@@ -149,7 +149,7 @@ async def evaluate_records(engine: Engine, tokenizer: Any, cfg: Config, records:
                     traj = await run_trajectory(engine, builder, rollout, record.question, chunks,
                                                 trajectory_id=f"eval:{record.id}:s0", group_id=f"eval:{record.id}",
                                                 sample_index=0, seed_key=f"0:{record.id}")
-                    traj.metadata["chunk_golds"] = chunk_gold_hits(tokenizer, chunks, record.answers)
+                    traj.metadata["chunk_golds"] = await chunk_gold_hits_later(tokenizer, chunks, record.answers)
                     line = sample_line(record, traj, time.perf_counter() - t0, tokenizer=tokenizer)
                 except Exception as e:  # one odd record must not end the run; it is a failed line
                     line = sample_line(record, None, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")

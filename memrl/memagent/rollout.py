@@ -6,7 +6,8 @@
 Why one coroutine per trajectory: trajectories never wait for each other (no lockstep across a batch,
 docs/design.md, pitfall "Lockstep turns"); the engine batches whatever requests are waiting at the moment.
 Each turn stores exactly what was sampled (prompt ids, response ids, log-probs); the memory passed on is
-the response's token ids, stop tokens stripped and re-cut to `memory_tokens`, never re-tokenized text.
+the response's token ids, stop tokens stripped and re-cut to `memory_tokens`, never re-tokenized text
+(with `rollout.memory_after_think`, only what follows the last `</think>`: `memory_after_think`).
 A generation error marks the trajectory `failed` with its message; it never kills the batch.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -34,6 +36,48 @@ async def _generate_one(engine: Engine, request: GenerationRequest) -> Generatio
     except Exception as e:  # an engine should report errors as results; never let one kill the batch
         return GenerationResult.failed(f"{type(e).__name__}: {e}")
     return result
+
+
+THINK_END = "</think>"
+
+
+def _think_end_id(tokenizer: Any) -> int | None:
+    """The id of `</think>` when the tokenizer has it as one vocabulary entry (Qwen3 does), else None."""
+    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
+    # Unknown names map to None or to the unk id; only a real, exact entry counts.
+    return token_id if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == THINK_END else None
+
+
+def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
+    """The official MemAgent memory update (taskutils/memory_eval/utils/__init__.py `extract_solution`):
+    a response holding `</think>` is cut to `response.split("</think>")[-1].strip()`; one without it stays whole.
+
+    In ids where the tokenizer has `</think>` as one token: the ids after its last occurrence, then whole
+    whitespace tokens dropped at both ends. Text only at this edge: without that token (Qwen2.5) the split
+    point lies inside tokens, and a token mixing whitespace and text at an end (" Facts") cannot be stripped
+    in ids; only then is the stripped text encoded again. Either way the memory decodes to the official text.
+    """
+    think_end = _think_end_id(tokenizer)
+    if think_end is None:
+        text = tokenizer.decode(memory_ids)
+        if THINK_END not in text:
+            return memory_ids
+        return _encode(tokenizer, text.split(THINK_END)[-1].strip())
+    if think_end not in memory_ids:
+        return memory_ids
+    tail = memory_ids[len(memory_ids) - memory_ids[::-1].index(think_end):]
+    stripped = tokenizer.decode(tail).strip()
+    lo, hi = 0, len(tail)
+    while lo < hi and not tokenizer.decode(tail[lo:lo + 1]).strip():
+        lo += 1
+    while hi > lo and not tokenizer.decode(tail[hi - 1:hi]).strip():
+        hi -= 1
+    return tail[lo:hi] if tokenizer.decode(tail[lo:hi]) == stripped else _encode(tokenizer, stripped)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    # As the prompt builder encodes text: no special tokens added, special-token strings kept as one id.
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]) if text else []
 
 
 def _turn(index: int, kind: str, prompt_ids: list[int], result: GenerationResult, max_tokens: int) -> Turn:
@@ -83,6 +127,8 @@ async def run_trajectory(
         turns.append(_turn(i, "memory", prompt, result, cfg.memory_tokens))
         # The new memory always replaces the old one, even when empty; re-cut to memory_tokens.
         memory_ids, recut = builder.cap_memory(result.output_ids)
+        if cfg.memory_after_think:  # the memory only; the turn above keeps every sampled id for training
+            memory_ids = memory_after_think(builder.tokenizer, memory_ids)
         memory_truncations += int(recut or result.finish_reason == "length")
         memory_lengths.append(len(memory_ids))
     del chunks  # release the document before the final turn: it sees question + memory only
@@ -110,10 +156,12 @@ def chunk_gold_hits(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) -> lis
     trajectory because logs keep no chunk text: per chunk, one `[gold index, occurrences, excerpt, start,
     end]` per gold found, the excerpt around its first occurrence and `start:end` the gold within it.
 
-    Once per question (not per sample), on the rollout's event loop. Cost, measured with the Qwen3 tokenizer
-    on real HotpotQA text (2048-token chunks, golds present in half the chunks, 2 loaded cores): 34 ms for 4
-    chunks, 0.3 s for 64 (a decode and a lowercase pass per chunk; the word-by-word pass only where the
-    exact pre-check finds every gold word) - small against generating those chunks' memory turns."""
+    Once per question (not per sample), in the gold-search thread (`chunk_gold_hits_later`): a decode and a
+    lowercase pass per chunk, the word-by-word pass only where the exact pre-check finds every gold word.
+    Cost, with the Qwen3 tokenizer on real HotpotQA text: ~10 ms of CPU per document of 4 x 2048 tokens (40%
+    of it decoding); a step of 128 such groups took 1.3 s of CPU, 2.5-4 s on 2 loaded cores, which on the
+    event loop came before the engine's first request; 128 documents of the training recipe's size (~1,400
+    tokens) take 0.3 s."""
     hits = []
     for chunk in chunks.chunks:
         text = tokenizer.decode(chunk, skip_special_tokens=True)
@@ -128,6 +176,19 @@ def chunk_gold_hits(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) -> lis
             row.append([g, counts[g], text[lo:hi], start - lo, end - lo])
         hits.append(row)
     return hits
+
+
+# One thread runs the gold search of every group and eval question: it holds the GIL while it works, and
+# one such thread takes far less time from the event loop (and the engine's thread) than a pool would.
+_GOLD_SEARCH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memrl-gold-search")
+
+
+def chunk_gold_hits_later(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) -> asyncio.Future:
+    """`chunk_gold_hits` started in the gold-search thread; await the result where it is recorded.
+
+    Off the event loop, which keeps sending requests and taking results meanwhile (see `chunk_gold_hits`).
+    """
+    return asyncio.get_running_loop().run_in_executor(_GOLD_SEARCH, chunk_gold_hits, tokenizer, chunks, list(golds))
 
 
 def document_chunks(tokenizer: Any, cfg: RolloutConfig, context: str) -> Chunks:
@@ -146,7 +207,7 @@ async def generate_group(ctx: RolloutContext, record: QuestionLike, n_samples: i
     cfg = ctx.config.rollout
     n = n_samples or cfg.n_samples
     chunks = document_chunks(ctx.tokenizer, cfg, record.context)
-    gold_hits = chunk_gold_hits(ctx.tokenizer, chunks, record.answers)
+    gold_hits = chunk_gold_hits_later(ctx.tokenizer, chunks, record.answers)  # while the group generates
     key = f"{ctx.rollout_id}:{record.id}" if slot is None else f"{ctx.rollout_id}:{slot}:{record.id}"
     group_id = f"r{key}"
 
@@ -155,7 +216,7 @@ async def generate_group(ctx: RolloutContext, record: QuestionLike, n_samples: i
                                     trajectory_id=f"{group_id}:s{k}", group_id=group_id, sample_index=k,
                                     seed_key=key)
         traj.metadata.update(question_id=record.id, question=record.question, golds=list(record.answers),
-                             chunk_golds=gold_hits)
+                             chunk_golds=await gold_hits)
         traj.reward = ctx.reward(traj, record.answers)
         if on_done is not None:
             on_done(traj)

@@ -26,10 +26,16 @@ Across trajectories (`validate_groups`):
     group_turn_count          all trajectories of one group_id have the same number of turns
 Per training row (`validate_train_rows`): row_response_length, row_loss_mask_length,
 row_log_probs_length, row_loss_mask_binary, row_log_probs_finite, row_log_probs_nonpositive,
-row_advantage_finite, padding_mask_zero.
+row_advantage_finite, padding_mask_zero, row_token_id_type, row_token_id_range: every token id (prompt
+and response) an integer in [0, vocab_size).
+
+Token ids are checked on the rows, the one place every converter's output passes (`memrl.train.actor.
+plan_rollout`) and where the model's vocabulary size is known (its embedding's rows, past the tokenizer's
+own for padded vocabularies such as Qwen3's); a converter cannot know it.
 
 Values are checked, not only lengths: a NaN log-prob or a mask value of 0.5 trains silently on NaN or on
-a half-weighted token, and `reward=True` is a bool where a score belongs (it would count as 1).
+a half-weighted token, `reward=True` is a bool where a score belongs (it would count as 1), a token id of
+7.5 would train as token 7 and one of -1 or past the vocabulary ends the step in a bare IndexError.
 
 `response_length_tokens` is stricter than `<=`: the trainer scores response token j from the logits
 at position j-1, so the first response token needs at least one token before it.
@@ -163,9 +169,30 @@ def validate_groups(trajectories: Sequence[Trajectory]) -> None:
             )
 
 
-def validate_train_rows(rows: Iterable[TrainRow]) -> None:
+def _token_id_problem(ids: Sequence[object], vocab_size: int | None) -> tuple[str, str] | None:
+    """(rule, what was found) for the first of `ids` that is not an integer in [0, vocab_size) (>= 0 when
+    `vocab_size` is None), else None.
+
+    Fast path first: a step's rows hold millions of ids; the set of types and min/max run at C speed (~50
+    ns an id), and only rows that fail them are walked to name the first bad id.
+    """
+    if not ids:
+        return None
+    if not set(map(type, ids)) <= {int}:
+        for k, value in enumerate(ids):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                return "row_token_id_type", f"tokens[{k}] = {value!r}; every token id must be an integer"
+    if min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size):
+        return None
+    k, value = next((k, v) for k, v in enumerate(ids) if v < 0 or (vocab_size is not None and v >= vocab_size))
+    bound = "token ids are >= 0" if vocab_size is None else f"the model's vocabulary is [0, {vocab_size})"
+    return "row_token_id_range", f"tokens[{k}] = {value!r} is not a token id; {bound}"
+
+
+def validate_train_rows(rows: Iterable[TrainRow], vocab_size: int | None = None) -> None:
     """Check rows just before training: shapes agree with response_length; mask, log-prob and advantage
-    values are usable (the same value rules as for turns).
+    values are usable (the same value rules as for turns); token ids are integers in [0, vocab_size), the
+    rows of the trainer's embedding (>= 0 only when `vocab_size` is None).
 
     Padding rows (`is_padding`) obey the same shape rules and must have an all-zero loss mask, so they
     can never contribute a gradient.
@@ -187,3 +214,5 @@ def validate_train_rows(rows: Iterable[TrainRow]) -> None:
             fail("row_advantage_finite", f"advantage is {row.advantage!r}; it must be a finite real number")
         if row.is_padding and any(row.loss_mask):
             fail("padding_mask_zero", "a padding row has non-zero loss_mask entries; padding must never train")
+        if (problem := _token_id_problem(row.tokens, vocab_size)) is not None:
+            fail(*problem)

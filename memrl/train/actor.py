@@ -114,15 +114,17 @@ def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: 
     return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]
 
 
-def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[list[RankShare]]:
+def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int,
+                 vocab_size: int | None = None) -> list[list[RankShare]]:
     """`[optimizer step][rank] -> RankShare` for one rollout step's rows (prompt groups kept in one step),
-    after the rows are validated (`validate_train_rows`): whoever trains them plans them through here.
+    after the rows are validated (`validate_train_rows`, token ids against the model's `vocab_size`):
+    whoever trains them plans them through here.
 
     Rows are taken in `group_id` order (a stable sort, so a group's rows keep theirs): the plan depends on
     the step's rows, not on how the batch was cut across rollout workers. The converters already emit
     rows in that order, so for one process the sort changes nothing.
     """
-    validate_train_rows(rows)
+    validate_train_rows(rows, vocab_size)
     rows = sorted(rows, key=lambda r: r.group_id)
     return [plan_optimizer_step(step, config, pad_token_id, rollout_id)
             for step in split_optimizer_steps(rows, config.train.num_optimizer_steps)]
@@ -307,6 +309,7 @@ class Actor:
         if checkpoint is not None:  # whole weights into the plain model, before any wrapping or sharding
             self.loaded_state = load_checkpoint(checkpoint, self._saved_model, restore_rng=False)
         self.pad_token_id = pad_token_id
+        self.vocab_size = model.get_input_embeddings().num_embeddings  # rows' token ids are checked against it
         temperature, chunk = config.rollout.temperature, config.train.logprob_chunk_tokens
         # What the optimizer step calls: (input_ids, attention_mask, position_ids, positions, targets) ->
         # the response tokens' log-probs and entropy.
@@ -428,7 +431,7 @@ class Actor:
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
         """Run `train.num_optimizer_steps` optimizer steps over exactly these rows; return step metrics.
         With `world_size > 1` every rank is given all the rows and runs its own share of the plan."""
-        plan = plan_rollout(rows, self.cfg, self.pad_token_id, rollout_id)
+        plan = plan_rollout(rows, self.cfg, self.pad_token_id, rollout_id, self.vocab_size)
         own = plan if self.world_size == 1 else [[shares[self.rank]] for shares in plan]
         return self.train_planned(own, rollout_id, len(rows), sum(len(r.tokens) for r in rows))
 

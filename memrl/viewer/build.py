@@ -15,17 +15,24 @@ are escaped, so no string in it can close the element.
 
 Compact data: each result is a short-keyed object and each turn an array; a question's detail is only
 rendered when it is opened, and the list shows a page of rows at a time.
+
+Every record is checked against what the page reads (`EVAL_FIELDS`, `ROLLOUT_FIELDS`, `TURN_FIELDS`, the
+chunk gold hits) as it is read: a file that is not UTF-8 or not JSON lines, a record that is not an object,
+a missing id, a field of the wrong type or a non-finite number is a `ViewerError` naming the file, line and
+field, never a traceback or a page that breaks. Fields a record lacks (files written before them) are None.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from memrl.data.manifest import atomic_write_text
-from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE, read_results
-from memrl.scoring import gold_spans, score_answer
+from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE
+from memrl.scoring import ANSWER_EXTRACTORS, gold_spans, score_answer
 
 TEMPLATE = Path(__file__).with_name("template.html")
 DATA_MARKER = "__MEMRL_VIEW_DATA__"
@@ -34,7 +41,80 @@ VIEW_FILE = "viewer.html"
 
 
 class ViewerError(ValueError):
-    """A path the viewer cannot read; the message says what to pass instead."""
+    """A path or file the viewer cannot read; the message says what to pass instead."""
+
+
+# ------------------------------------------------------------------------------------------ record checks
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# kind -> (test, what the value must be); None (a field the record lacks) always passes.
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "id": (lambda v: isinstance(v, str) or _is_int(v), "a string or integer id"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "number": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v), "a finite number"),
+    "count": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+}
+_COMMON = {"question": "str", "golds": "strs", "answer": "str", "status": "str", "error": "str", "reward": "number",
+           "advantage": "number", "num_chunks": "count", "memory_truncations": "count", "document_tokens": "count",
+           "document_truncated": "bool", "chunk_golds": "list"}
+# An eval line (memrl.eval.results.sample_line): `trace` holds its turns, `turns` counts them.
+EVAL_FIELDS = {**_COMMON, "id": "str", "boxed": "str", "em": "number", "f1": "number", "sub_em": "number",
+               "trace": "list", "turns": "count"}
+# A rollout log record (memrl.train.controller.trajectory_log_record).
+ROLLOUT_FIELDS = {**_COMMON, "trajectory_id": "id", "question_id": "id", "group_id": "str", "sample_index": "count",
+                  "turns": "list"}
+# (fields, the id every record must have, the field holding its turns) of each kind of file.
+EVAL_LINE = (EVAL_FIELDS, "id", "trace")
+ROLLOUT_RECORD = (ROLLOUT_FIELDS, "trajectory_id", "turns")
+TURN_FIELDS = {"kind": "str", "text": "str", "prompt_length": "count", "response_length": "count",
+               "finish_reason": "str", "advantage": "number"}
+
+
+def _check_fields(record: Any, fields: dict[str, str], where: str, required: str | None = None) -> None:
+    if not isinstance(record, dict):
+        raise ViewerError(f"{where} is {type(record).__name__}, not an object; pass a file memrl wrote")
+    if required is not None and record.get(required) is None:
+        raise ViewerError(f"{where} has no '{required}'; pass a file memrl wrote")
+    for name, kind in fields.items():
+        value = record.get(name)
+        test, what = _KINDS[kind]
+        if value is not None and not test(value):
+            raise ViewerError(f"{where}: '{name}' is {_short(value)}, expected {what}; pass a file memrl wrote")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_record(record: Any, kind: tuple[dict[str, str], str, str], where: str) -> dict[str, Any]:
+    """`record` as the page reads it (`kind`: EVAL_LINE or ROLLOUT_RECORD), or a ViewerError naming `where`
+    and the field that is wrong."""
+    fields, required, turns_field = kind
+    _check_fields(record, fields, where, required)
+    for k, turn in enumerate(record.get(turns_field) or []):
+        _check_fields(turn, TURN_FIELDS, f"{where}, turn {k}")
+    golds = record.get("golds") or []
+    for c, hits in enumerate(record.get("chunk_golds") or []):
+        if not isinstance(hits, list) or not all(_is_hit(h, len(golds)) for h in hits):
+            raise ViewerError(f"{where}: chunk_golds[{c}] is {_short(hits)}, expected a list of [gold index, count, "
+                              f"excerpt, start, end]; pass a file memrl wrote")
+    return record
+
+
+def _is_hit(hit: Any, num_golds: int) -> bool:
+    """One `[gold index, occurrences, excerpt, start, end]` of memrl.memagent.rollout.chunk_gold_hits."""
+    if not (isinstance(hit, list) and len(hit) == 5 and isinstance(hit[2], str)
+            and all(_is_int(hit[k]) for k in (0, 1, 3, 4))):
+        return False
+    g, count, excerpt, start, end = hit
+    return 0 <= g < num_golds and count >= 1 and 0 <= start <= end <= len(excerpt)
 
 
 # ------------------------------------------------------------------------------------------ records
@@ -74,25 +154,42 @@ def _result(line: dict[str, Any], golds: list[str], extractor: str) -> dict[str,
 
 
 def _golds(line: dict[str, Any]) -> list[str]:
-    golds = line.get("golds")
-    return [g for g in golds if isinstance(g, str)] if isinstance(golds, list) else []
+    return list(line.get("golds") or [])
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    lines = []
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if raw.strip():
-            try:
-                lines.append(json.loads(raw))
-            except json.JSONDecodeError as e:
-                raise ViewerError(f"{path} line {number} is not valid JSON ({e}); pass a file memrl wrote") from e
-    return lines
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _read_jsonl(path: Path, kind: tuple[dict[str, str], str, str]) -> list[dict[str, Any]]:
+    """The checked records of a JSON-lines file memrl wrote (`_check_record`).
+
+    Lines end at "\n" only: memrl writes text unescaped (ensure_ascii=False), and a document's U+2028 is no
+    line break (`str.splitlines` would cut the record there). What follows the last "\n" is a torn write (a
+    run killed mid-line, as `memrl.eval.results.read_results` reads it) and is left out.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ViewerError(f"{path} cannot be read ({e.strerror}); pass a file memrl wrote") from e
+    records = []
+    for number, raw in enumerate(data[:data.rfind(b"\n") + 1].split(b"\n")[:-1], start=1):
+        if not raw.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            record = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, NaN / Infinity, nested too deep
+            raise ViewerError(f"{where} is not a JSON record memrl wrote ({type(e).__name__}: {e}); pass a file "
+                              f"memrl wrote") from e
+        records.append(_check_record(record, kind, where))
+    return records
 
 
 # ------------------------------------------------------------------------------------------ sources
 
 def _eval_lines(folder: Path) -> list[dict[str, Any]]:
-    lines = read_results(folder / RESULTS_FILE)
+    lines = _read_jsonl(folder / RESULTS_FILE, EVAL_LINE)
     if not lines:
         raise ViewerError(f"{folder / RESULTS_FILE} holds no results; run `memrl eval --out {folder}` first")
     return lines
@@ -119,11 +216,11 @@ def _eval_data(folder: Path, other: Path | None) -> dict[str, Any]:
 def _run_name(folder: Path) -> str:
     summary = folder / SUMMARY_FILE
     name = folder.resolve().name
-    try:
+    try:  # only the page's title: an unreadable summary leaves the folder's name alone
         model = json.loads(summary.read_text(encoding="utf-8")).get("model") if summary.is_file() else None
-    except json.JSONDecodeError:
+    except (OSError, ValueError, AttributeError):
         model = None
-    return f"{name} ({Path(str(model)).name})" if model else name
+    return f"{name} ({Path(model).name})" if isinstance(model, str) and model else name
 
 
 def _compare_warning(folder: Path, other: Path | None) -> str | None:
@@ -157,24 +254,44 @@ def _answer_extractor(run_root: Path | None) -> str:
     config = run_root / "config.yaml" if run_root is not None else None
     if config is None or not config.is_file():
         return "boxed"
-    rollout = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("rollout") or {}
-    return str(rollout.get("answer_extractor") or "boxed")
+    try:
+        values = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ViewerError(f"{config} is not a YAML config memrl wrote ({e}); pass a run root memrl wrote") from e
+    rollout = values.get("rollout") if isinstance(values, dict) else None
+    extractor = (rollout.get("answer_extractor") if isinstance(rollout, dict) else None) or "boxed"
+    if extractor not in ANSWER_EXTRACTORS:
+        raise ViewerError(f"{config}: rollout.answer_extractor is {_short(extractor)}, expected one of "
+                          f"{', '.join(ANSWER_EXTRACTORS)}; pass a run root memrl wrote")
+    return extractor
+
+
+def _step_rewards(run_root: Path | None) -> dict[int, float | None]:
+    """`reward/mean` of each logged step (logs/metrics.jsonl); a non-finite one is shown as missing."""
+    from memrl.train.run_log import read_metrics
+
+    if run_root is None:
+        return {}
+    try:
+        metrics = {int(m["rollout_id"]): m.get("reward/mean") for m in read_metrics(run_root)}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ViewerError(f"{run_root / 'logs' / 'metrics.jsonl'} cannot be read ({type(e).__name__}: {e}); pass a "
+                          f"run root memrl wrote") from e
+    return {k: v if _KINDS["number"][0](v) else None for k, v in metrics.items()}
 
 
 def _rollout_data(path: Path) -> dict[str, Any]:
     """Every trajectory of the rollout logs, one item each, and per step its GRPO groups."""
-    from memrl.train.run_log import read_metrics
-
     files = _rollout_files(path)
     run_root = path if path.is_dir() and (path / "logs").is_dir() else None
     extractor = _answer_extractor(run_root)
-    metrics = {int(m["rollout_id"]): m for m in read_metrics(run_root)} if run_root is not None else {}
+    rewards = _step_rewards(run_root)
     items: list[dict[str, Any]] = []
     steps = []
     for file in files:
         rollout_id = int(file.stem.rpartition("_")[2]) if file.stem.rpartition("_")[2].isdigit() else len(steps)
         groups: dict[str, dict[str, Any]] = {}
-        for record in _read_jsonl(file):
+        for record in _read_jsonl(file, ROLLOUT_RECORD):
             golds = _golds(record)
             # Logs written before group ids were recorded: the trajectory id is "<group id>:s<sample>".
             group_id = record.get("group_id") or str(record.get("trajectory_id", "")).rpartition(":s")[0]
@@ -183,8 +300,7 @@ def _rollout_data(path: Path) -> dict[str, Any]:
             items.append({"id": str(record.get("trajectory_id")), "qid": record.get("question_id"),
                           "q": record.get("question") or "", "g": golds, "step": rollout_id,
                           "r": [_result(record, golds, extractor)]})
-        reward = metrics.get(rollout_id, {}).get("reward/mean")
-        steps.append({"id": rollout_id, "reward": reward, "groups": list(groups.values())})
+        steps.append({"id": rollout_id, "reward": rewards.get(rollout_id), "groups": list(groups.values())})
     return {"kind": "train", "runs": [path.resolve().name], "items": items, "steps": steps, "warning": None}
 
 

@@ -25,9 +25,16 @@ from memrl.train.checkpoint import list_checkpoints  # noqa: E402
 from memrl.train.controller import Trainer, TrainOptions  # noqa: E402
 from memrl.types import TrainRow  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+# Worker start-up (a process per worker, imports, model load, process-group setup) takes ~10-40 s alone and
+# grows with the machine's load (120 s ran out at load ~6); no test measures it, so its bound is far above
+# any load, and each test's own limit (pytest-timeout, 600 s elsewhere) leaves room for it and the steps.
+# The step timeouts stay as they are: the dead/hung-worker tests measure against them.
+STARTUP_TIMEOUT_S = 900
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
+              pytest.mark.timeout(2 * STARTUP_TIMEOUT_S)]
 HERE = Path(__file__).resolve().parent
-TIMEOUTS = {"startup_timeout_s": 120, "rollout_timeout_s": 120, "train_timeout_s": 120, "sync_timeout_s": 60}
+TIMEOUTS = {"startup_timeout_s": STARTUP_TIMEOUT_S, "rollout_timeout_s": 120, "train_timeout_s": 120,
+            "sync_timeout_s": 60}
 
 
 @pytest.fixture(scope="module")

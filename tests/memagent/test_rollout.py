@@ -6,7 +6,13 @@ from fake_engine import FakeEngine
 
 from memrl.config import Config
 from memrl.engines.base import GenerationResult
-from memrl.memagent.rollout import document_chunks, generate_group, generate_rollout, rollout_metrics
+from memrl.memagent.rollout import (
+    chunk_gold_hits,
+    document_chunks,
+    generate_group,
+    generate_rollout,
+    rollout_metrics,
+)
 from memrl.rl.validate import validate_groups, validate_trajectory
 from memrl.rollout import RolloutContext, request_seed
 
@@ -265,3 +271,43 @@ def test_a_short_trajectory_does_not_wait_for_a_slow_turn_of_another(tiny_tokeni
     assert [len(t.turns) for t in out.trajectories] == [4, 2] and not out.dropped
     log = engine.log
     assert log.index(("start", "3:1:qb", 1)) < log.index(("end", "3:0:qa", 0)), log
+
+
+def test_rollout_records_the_gold_positions_the_search_finds(tiny_tokenizer):
+    """What the logs and `memrl view` read (`chunk_golds`) is the search of the group's own chunks."""
+    engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    ctx = make_ctx(tiny_tokenizer, engine)
+    rec = SimpleNamespace(**{**vars(record(n_words=6)), "answers": ["alpha0", "alpha5"]})
+    out = run(generate_rollout(ctx, [rec]))
+    expected = chunk_gold_hits(tiny_tokenizer, document_chunks(tiny_tokenizer, ctx.config.rollout, rec.context),
+                               rec.answers)
+    assert any(expected) and [t.metadata["chunk_golds"] for t in out.trajectories] == [expected] * 4
+
+
+@pytest.mark.timeout(120)
+def test_the_gold_search_runs_once_per_group_off_the_event_loop(tiny_tokenizer, monkeypatch):
+    """Once per group (its samples share the document), in another thread, and the group's requests go out
+    while it runs: the spy holds the search until the engine has a request (a no-hang bound of 30 s, not a
+    timing assertion; on the event loop the wait would block the very loop that sends requests)."""
+    import threading
+
+    from memrl.memagent import rollout
+
+    loop_threads, calls, first_request = set(), [], threading.Event()
+    search = rollout.chunk_gold_hits
+
+    def spy(tokenizer, chunks, golds):
+        calls.append((threading.get_ident(), first_request.wait(timeout=30.0)))
+        return search(tokenizer, chunks, golds)
+
+    class Engine(FakeEngine):
+        async def generate(self, requests):
+            loop_threads.add(threading.get_ident())
+            first_request.set()
+            return await super().generate(requests)
+
+    monkeypatch.setattr(rollout, "chunk_gold_hits", spy)
+    ctx = make_ctx(tiny_tokenizer, Engine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id))
+    out = run(generate_rollout(ctx, [record("q1"), record("q2"), record("q3")]))
+    assert len(out.trajectories) == 12 and len(calls) == 3  # 3 groups of 4 samples
+    assert all(ok for _, ok in calls) and not {ident for ident, _ in calls} & loop_threads

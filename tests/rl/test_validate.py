@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,6 +158,9 @@ def test_any_well_formed_trajectory_passes(num_memory, response_len, status, rew
                                         status=status, reward=reward))
 
 
+VOCAB = 50  # the model's vocabulary size in the row tests
+
+
 def _row(**overrides) -> TrainRow:
     values = dict(tokens=[1, 2, 3, 4, 5], response_length=2, loss_mask=[1, 0], rollout_log_probs=[-0.5, -1.0],
                   advantage=0.25, group_id="q1", trajectory_id="q1/s0", turn_index=1, rollout_id=3)
@@ -178,12 +182,53 @@ def _row(**overrides) -> TrainRow:
     (dict(rollout_log_probs=[math.inf, -1.0]), "row_log_probs_finite"),
     (dict(rollout_log_probs=[-0.5, 0.1]), "row_log_probs_nonpositive"),
     (dict(is_padding=True), "padding_mask_zero"),
+    (dict(tokens=[1, 2, -1, 4, 5]), "row_token_id_range"),
+    (dict(tokens=[1, 2, 3, 4, VOCAB]), "row_token_id_range"),  # one past the model's last embedding row
+    (dict(tokens=[1, 2.5, 3, 4, 5]), "row_token_id_type"),
+    (dict(tokens=[1, 2, 3, 4.0, 5]), "row_token_id_type"),
+    (dict(tokens=[1, 2, 3, False, 5]), "row_token_id_type"),
+    (dict(tokens=[1, "2", 3, 4, 5]), "row_token_id_type"),
 ])
 def test_train_row_rules(overrides, rule):
-    validate_train_rows([_row(turn_index=0), _row(trajectory_id="q1/s1")])
+    validate_train_rows([_row(turn_index=0), _row(trajectory_id="q1/s1")], VOCAB)
     with pytest.raises(TrajectoryError) as info:
-        validate_train_rows([_row(turn_index=0), _row(trajectory_id="q1/s1", **overrides)])
+        validate_train_rows([_row(turn_index=0), _row(trajectory_id="q1/s1", **overrides)], VOCAB)
     assert (info.value.trajectory_id, info.value.turn, info.value.rule) == ("q1/s1", 1, rule)
+
+
+def test_token_ids_up_to_the_last_embedding_row_pass():
+    validate_train_rows([_row(tokens=[0, 1, 2, 3, VOCAB - 1])], VOCAB)
+    validate_train_rows([_row(tokens=[0, 1, 2, 3, 10**9])])  # no vocabulary given: only ids < 0 are refused
+    with pytest.raises(TrajectoryError, match=r"tokens\[4\] = 6 is not a token id; the model's vocabulary is \[0, 6\)"):
+        validate_train_rows([_row(tokens=[0, 1, 2, 3, 6])], 6)
+
+
+@pytest.mark.parametrize("where, bad, rule", [("response", -1, "row_token_id_range"),
+                                             ("response", 7.5, "row_token_id_type"),
+                                             ("prompt", "vocab", "row_token_id_range")])
+def test_the_trainer_refuses_bad_token_ids_before_any_update(tiny_tokenizer, where, bad, rule):
+    """Converted rows reach the actor, which checks their ids against its embedding's rows before the
+    step (before: -1 and the vocabulary size ended it in a bare IndexError, 7.5 trained as token 7)."""
+    from memrl.config import Config
+    from memrl.memagent.convert import convert_trajectories
+    from memrl.tiny import build_tiny_model
+    from memrl.train.actor import Actor
+
+    cfg = Config.model_validate({"train": {"lr": 1e-3}, "algorithm": {"kl_coef": 0.0}})
+    model = build_tiny_model(len(tiny_tokenizer), layers=1, hidden=16, heads=2, kv_heads=1, intermediate=32)
+    group = make_group("g", [1.0, 0.0])
+    for traj in group:  # the factory's ids start at 1000: bring them into the tiny vocabulary
+        for turn in traj.turns:
+            turn.prompt_ids, turn.response_ids = [k % 100 for k in turn.prompt_ids], [k % 100 for k in turn.response_ids]
+    ids = group[1].turns[1].response_ids if where == "response" else group[1].turns[1].prompt_ids
+    ids[1] = len(tiny_tokenizer) if bad == "vocab" else bad
+    rows = convert_trajectories(group, cfg.algorithm, rollout_id=0)
+    actor = Actor(model, cfg, pad_token_id=tiny_tokenizer.pad_token_id)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TrajectoryError) as info:
+        actor.train_rollout(rows, rollout_id=0)
+    assert (info.value.trajectory_id, info.value.turn, info.value.rule) == ("g/s1", 1, rule)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_padding_row_with_zero_mask_passes():
@@ -198,3 +243,4 @@ def test_usual_value_types_pass():
     traj.turns[1].rollout_log_probs = [0.0, np.float64(-1.5), -1e-30]
     validate_trajectory(traj)
     validate_train_rows([_row(loss_mask=[np.int64(1), 0], rollout_log_probs=[0.0, -2.0], advantage=np.float32(1))])
+    validate_train_rows([_row(tokens=[np.int64(1), np.int32(2), 3, 4, 5])], VOCAB)  # numpy integers are ids

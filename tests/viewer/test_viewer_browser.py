@@ -142,16 +142,32 @@ def test_filters_by_search_chunks_and_truncation(browser, pages, tmp_path):
     assert 0 < len(untruncated) < len(lines) and [row["text"] for row in dom.rows] == untruncated
 
 
-def test_screenshot_and_training_steps(browser, pages, tiny_tokenizer, tmp_path):
+@pytest.fixture(scope="module")
+def train_page(tiny_tokenizer, tmp_path_factory):
+    return write_viewer(train_run(tiny_tokenizer, tmp_path_factory.mktemp("train")))
+
+
+def test_screenshot_and_training_steps(browser, pages, train_page, tmp_path):
     *_, page = pages
     shot = tmp_path / "viewer.png"
     run_browser(browser, page, "outcome=wr&q=q4", tmp_path, f"--screenshot={shot}")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
-    run_root = train_run(tiny_tokenizer, tmp_path)
-    train_page, data = write_viewer(run_root)
+    train_page, data = train_page
     dom = Dom(run_browser(browser, train_page, "step=0", tmp_path, "--dump-dom"))
     assert int(dom.text("n-total")) == 8
     steps = dom.text("steps")
     assert "rollout step 0: 1 GRPO groups" in steps
     for item in data["items"]:  # every sample's advantage is in the group's table
         assert f"{item['r'][0]['adv']:.4f}".rstrip("0").rstrip(".") in steps
+
+
+@pytest.mark.parametrize("fragment", ["outcome=constructor", "trunc=__proto__", "outcome=toString&trunc=hasOwnProperty",
+                                      "rmin=abc&cmin=%20&cmax=1e", "step=999", "step=abc&q=nope"])
+def test_fragments_the_page_does_not_know_are_ignored(browser, pages, train_page, tmp_path, fragment):
+    """An address typed or cut by hand: the page still starts and lists everything (before: a TypeError from
+    Object.prototype's keys or a step that does not exist, and an empty list)."""
+    for page, total in ((pages[2], N_QUESTIONS), (train_page[0], 8)):
+        dom = Dom(run_browser(browser, page, fragment, tmp_path, "--dump-dom"))
+        body = next(attrs for tag, attrs in dom.tags if tag == "body")
+        assert body.get("data-ready") == "1", fragment
+        assert int(dom.text("n-total")) == int(dom.text("n-match")) == total, fragment

@@ -66,7 +66,7 @@ def parity_reward(traj, golds):
     return float(traj.turns[-1].response_ids[0] % 2 == 0)
 
 
-def train_run(tokenizer, root: Path) -> Path:
+def train_run(tokenizer, root: Path, question: str = "What is fact0?") -> Path:
     cfg = Config.model_validate({
         "plugins": {"reward_function": f"{__name__}:parity_reward"},
         "rollout": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3, "n_samples": 8,
@@ -76,7 +76,7 @@ def train_run(tokenizer, root: Path) -> Path:
     })
     model = build_tiny_model(len(tokenizer), layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=0,
                              eos_token_id=tokenizer.eos_token_id)
-    records = [QuestionRecord("t0", "What is fact0?", ["Paris"],
+    records = [QuestionRecord("t0", question, ["Paris"],
                               " ".join(f"Document {j}: fact0{j} is the capital of France, Paris." for j in range(4)))]
     run_root = root / "run"
     Trainer(cfg, TrainOptions(run_root=run_root, progress=False), model=model, tokenizer=tokenizer, records=records).run()
