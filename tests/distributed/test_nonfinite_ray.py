@@ -22,7 +22,7 @@ def test_non_finite_loss_stops_both_ddp_ranks_with_weights_unchanged(tokenizer, 
     rows = random_rows(len(tokenizer))
     rows[0] = dataclasses.replace(rows[0], advantage=math.nan)
     # The driver validates rows as it plans them; skip that here to get a NaN loss onto the workers.
-    monkeypatch.setattr(actor_module, "validate_train_rows", lambda rows: None)
+    monkeypatch.setattr(actor_module, "validate_train_rows", lambda rows, *args, **kwargs: None)
     with pytest.raises(WorkerError, match=r"NonFiniteUpdateError: rollout 4, optimizer step 0: non-finite loss"):
         group.train_rollout(rows, 4)
     # Both ranks answer again (neither hangs in a collective) and the weights are the initial ones.
