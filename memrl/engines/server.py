@@ -43,7 +43,6 @@ import logging
 import math
 import os
 import secrets
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -723,14 +722,3 @@ def serve(
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s)
 
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m memrl.engines.server ARGS`, kept for scripts that start it so: the `memrl serve` command
-    itself (memrl/cli.py holds its only option parser). Exits as a command does."""
-    from memrl.cli import app as cli_app
-
-    cli_app(["serve", *(sys.argv[1:] if argv is None else argv)], prog_name="python -m memrl.engines.server")
-
-
-if __name__ == "__main__":
-    main()

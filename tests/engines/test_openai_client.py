@@ -304,10 +304,10 @@ def free_port() -> int:
 def start_server_process(
     args: list[str], env: dict[str, str], timeout_s: float = 60
 ) -> tuple[subprocess.Popen, str]:
-    """`python -m memrl.engines.server ARGS` on a free loopback port; waits for /health."""
+    """`python -m memrl.cli serve ARGS` on a free loopback port; waits for /health."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "memrl.engines.server", *args, "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "memrl.cli", "serve", *args, "--port", str(port), "--log-level", "warning"],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -5,9 +5,7 @@ folders hold a real tiny model's config and tokenizer (no weights: FakeEngine ne
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -385,13 +383,3 @@ def test_an_engine_factory_that_is_not_an_import_path_is_one_line(tiny):
     assert result.exit_code == 2
     assert "'nomodule' is not an import path" in one_line_exit_2(result.output)
 
-
-def test_python_m_memrl_engines_server_is_memrl_serve(tiny):
-    # One option parser (memrl/cli.py); the module entry point older scripts use runs that command.
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    cmd = [sys.executable, "-m", "memrl.engines.server", "--model", str(tiny), "--port", "99999"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert "--port 99999 is not a TCP port" in one_line_exit_2(done.stdout + done.stderr)
-    helped = subprocess.run([*cmd[:3], "--help"], env=env, capture_output=True, text=True, timeout=120)
-    assert "--reload-root" in helped.stdout and "--shutdown-timeout-s" in helped.stdout

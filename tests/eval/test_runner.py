@@ -2,7 +2,7 @@
 
 Most tests use `AnswerEngine`, a scripted engine that reads the question back from the final prompt and
 answers `\\boxed{alphaN}` (right) or `\\boxed{wrong}`, so scores are known in advance. The CLI tests run
-a tiny random Qwen3 model through the local engine and through `python -m memrl.engines.server`.
+a tiny random Qwen3 model through the local engine and through `python -m memrl.cli serve`.
 Also home of `make_records` / `AnswerEngine` / `run_eval`, which tests/eval/test_compare.py imports.
 """
 
@@ -351,7 +351,7 @@ def _free_port() -> int:
 def test_served_model_gives_the_same_greedy_results_as_the_local_engine(tiny_setup):
     root, model, local = tiny_setup
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "memrl.engines.server", "--model", str(model),
+    server = subprocess.Popen([sys.executable, "-m", "memrl.cli", "serve", "--model", str(model),
                                "--port", str(port), "--log-level", "warning"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ})
     try:
