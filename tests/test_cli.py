@@ -166,10 +166,16 @@ def refused_url() -> str:
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_train_against_a_server_that_refuses_every_connection_is_one_line(tiny, tmp_path, max_staleness):
     # It used to end in a traceback of "QueueError: train_row_count must be > 0, got 0".
+    # With the weight-sync check on (the default) its start-up probe is the first request to fail; without
+    # it, the step's generations fail, and the loop names them before the queue sees 0 rows.
     root, model, _ = tiny
     url = refused_url()
-    line = one_error_line(train(tmp_path, model, "--set", f"data.dir={root / 'data'}", "--set", "rollout.engine=openai",
-                                "--set", f"rollout.server_url={url}", "--set", f"train.max_staleness={max_staleness}"))
+    args = ["--set", f"data.dir={root / 'data'}", "--set", "rollout.engine=openai", "--set",
+            f"rollout.server_url={url}", "--set", f"train.max_staleness={max_staleness}"]
+    line = one_error_line(train(tmp_path / "checked", model, *args))
+    assert "scoring the weight-sync probe failed" in line
+    assert f"{url}/v1/models" in line and "connection refused" in line
+    line = one_error_line(train(tmp_path / "unchecked", model, *args, "--set", "train.sync_check=false"))
     assert "rollout 0: no trajectory to train on: 4 of 4 trajectories failed" in line
     assert f"{url}/v1/models" in line and "connection refused" in line
 

@@ -27,8 +27,6 @@ from memrl.tiny import save_tiny_model
 sys.path.insert(0, str(Path(__file__).parent))  # FakeEngine & co. live in the server's test file
 from test_server import HOLD_TOKEN, FakeEngine, HeldEngine, post, serve_in_thread, wait_until  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
