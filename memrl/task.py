@@ -1,31 +1,14 @@
-"""The Task: one object, named by `plugins.task` (`module:Class`), that owns everything task-specific.
+"""The Task: one object, named by `plugins.task` (`module:Class`), that owns everything task-specific
+(docs/custom-tasks.md lists its methods and defaults). Training (one process and Ray), validation during
+training, `memrl eval` and `memrl pass-at-k` all sample through `sample_group` (a training step: `generate`),
+so a new task plugs into every command at once. `ctx.phase` says who asks: "train" (training, pass@k: n
+samples per group, rewards) or "eval" (validation, `memrl eval`: one sample per question, `eval_group`).
 
-Training (one process and Ray), validation during training, `memrl eval` and `memrl pass-at-k` all
-sample through the same two methods, so a new task plugs into every command at once:
+The former per-function keys (`plugins.generate_function`, `plugins.convert_function`) are refused at
+config load naming `plugins.task` (memrl/config.py), so a half-migrated config cannot mix two tasks.
 
-    task.sample_group(ctx, group, n)  -> n trajectories of one question (scored with `ctx.reward`)
-    task.generate(ctx, records)       -> a training step's RolloutOutput (by default: every group at once)
-
-`ctx.phase` says who asks: "train" (training, pass@k: n samples per group, rewards) or "eval" (validation,
-`memrl eval`: one sample per question, group "eval:<id>", seed key "0:<id>"); the sampling settings of
-an eval set arrive in `ctx.config`. Besides sampling, a task says:
-- `reward(traj, golds)`: its reward (`plugins.reward_function`, when set, replaces it: `task_reward`);
-- `score(traj, golds)`: EM / sub-EM / F1 of an answer (what `memrl eval` reports);
-- `convert(trajectories, algorithm, rollout_id)`: trajectories -> rows (default: the framework's 1:1
-  converter, `memrl.rl.plain`); `max_rows_per_trajectory(cfg)` bounds how many rows one expands to;
-- `validate_config(cfg)`: raise ValueError for settings it cannot run with (config load time);
-- `stop_token_ids(tokenizer, cfg)`: the ids that end a turn (recorded in `memrl eval`'s format);
-- `turn_metrics(trajectories)`: per-turn diagnostics after the trainer decoded every turn
-  (`metadata["turn_texts"]`), e.g. MemAgent's gold recall per memory turn;
-- `log_fields(traj, phase)`: its own fields of a rollout log record (train) or an eval line (eval).
-
-The old per-function plugin keys (`plugins.generate_function`, `plugins.convert_function`) are refused at
-config load with a message naming `plugins.task` (memrl/config.py): one object replaces them, so a
-half-migrated config cannot mix two tasks' functions.
-
-The answer scorers below (`trajectory_reward`, `score_trajectory`) are the default of every task: the
-final answer (`Trajectory.answer`) read by the trajectory's extractor; a trajectory that did not finish
-scores 0 (docs/design.md §2), and `trajectory_reward(t, g) == score_trajectory(t, g).em` always.
+The answer scorers here are every task's default: the final answer read by the trajectory's extractor; an
+unfinished trajectory scores 0 (docs/design.md §2), and `trajectory_reward(t, g) == score_trajectory(t, g).em`.
 """
 
 from __future__ import annotations
