@@ -190,6 +190,8 @@ class GroupWeights:
 class RolloutPool:
     """The rollout source the loop sees: rollout workers generating slices of each step's batch."""
 
+    generates, in_process = True, False  # capabilities the loop reads (memrl.train.controller.RolloutSource)
+
     def __init__(self, ray: Any, cfg: Config, options: list[dict], tokenizer: Any, model_ref: Any,
                  handles: list[Any]) -> None:
         self.ray, self.cfg, self.settings = ray, cfg, cfg.ray

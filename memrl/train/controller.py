@@ -102,7 +102,13 @@ class RolloutSource(Protocol):
     """Where a step's trajectories come from (an engine in this process, a rollout pool, a replay).
 
     A source that serves dynamic sampling (`algorithm.filter_groups`) also takes `slot_offset=`, the
-    position of `records[0]` in the step's whole batch (memrl/rollout.py, `RolloutContext.slot_offset`)."""
+    position of `records[0]` in the step's whole batch (memrl/rollout.py, `RolloutContext.slot_offset`).
+    The loop asks what a source can do, never which kind it is: whether it samples (`generates`; a replay
+    does not, so there is nothing to sync-check or re-sample) and whether its engine runs in this process on
+    its own event loop (`in_process`: validation during training needs `engine` and `loop`)."""
+
+    generates: bool
+    in_process: bool
 
     def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
         """The step's trajectories (with rewards), sampled with weight version `weight_version`."""
@@ -245,6 +251,8 @@ class LocalRollout:
     """A rollout source in this process: the task's `generate` over one engine, on one event loop kept
     for the run (the engine's batching worker lives on it)."""
 
+    generates, in_process = True, True
+
     def __init__(self, cfg: Config, engine: Engine, tokenizer: Any, task: Task, progress: bool) -> None:
         self.cfg, self.engine, self.tokenizer, self.progress, self.task = cfg, engine, tokenizer, progress, task
         self.reward_fn = task_reward(cfg, task)
@@ -273,6 +281,8 @@ class LocalRollout:
 
 class ReplayRollout:
     """Debug replay: a step's trajectories read back from `--save-rollouts` files; nothing generates."""
+
+    generates, in_process = False, False
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
@@ -322,7 +332,7 @@ class Trainer:
         try:  # a missing eval file fails here, before the first step, with nothing left running
             self.validator = self._validator()
             # The weight-sync canary's fixed probe; a replay has no engine to check.
-            checks = cfg.train.sync_check and not isinstance(self.parts.rollout, ReplayRollout)
+            checks = cfg.train.sync_check and self.parts.rollout.generates
             self._probe_ids = probe_ids(self.parts.tokenizer) if checks else None
         except BaseException:
             self._close_parts()
@@ -333,7 +343,7 @@ class Trainer:
         t = self.cfg.train
         if t.eval_interval == 0 and not t.eval_before_train:
             return None
-        if not isinstance(self.parts.rollout, LocalRollout):
+        if not self.parts.rollout.in_process:
             raise TrainingError("validation during training (train.eval_interval, train.eval_before_train) runs "
                                 "on the in-process rollout engine of the local runtime; a replay has no engine. "
                                 "Set train.eval_interval = 0 and evaluate checkpoints with memrl eval")
@@ -375,7 +385,7 @@ class Trainer:
                 out = self._scored(parts.rollout.generate(rollout_id, parts.data.batch(rollout_id),
                                                           weight_version=version))
                 # A replay reads the step's saved rollout, which was filtered when it was generated.
-                if self.cfg.algorithm.filter_groups and not isinstance(parts.rollout, ReplayRollout):
+                if self.cfg.algorithm.filter_groups and parts.rollout.generates:
                     out = self._sample_informative_groups(rollout_id, out, version)
             check_trainable(rollout_id, out)
             with timer("convert"):  # a source that converted where it generated hands over its rows
@@ -529,7 +539,7 @@ class Trainer:
 
     def validate(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
         """Evaluate the eval sets with the engine's weights (those after step `rollout_id`) and log them."""
-        assert self.validator is not None and isinstance(self.parts.rollout, LocalRollout)
+        assert self.validator is not None and self.parts.rollout.in_process
         timer = StageTimer()
         with timer("eval"):
             metrics = self.validator.validate(rollout_id, self.parts.rollout.engine,
