@@ -13,7 +13,7 @@ the final turn sees only question + memory (docs/design.md §1.3), never the doc
 With the word-level tokenizer of `task_tokenizer` every word is one token, so a fact is `FACT_TOKENS`
 tokens and `chunk_tokens = FACT_TOKENS * facts_per_chunk` puts whole facts in every chunk (checked).
 
-Demonstrations (`memrl.memagent.demonstrations.demonstration_turns`) are the memory/answer turns a supervised warm start learns:
+Demonstrations (`demonstration_turns`, in memagent/demonstrations.py) are the memory/answer turns a supervised warm start learns:
 memory = the answer fact once seen, else the question's key with the value "unknown"
 ("the color of bram is unknown ."); final = `\\boxed{ value }` of the fact in memory (a guess among
 the attribute's values when it is unknown). With `keep_prob < 1` the memory turn at the answer chunk
