@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks
-from memrl.memagent.rollout import document_chunks, rollout_metrics
+from memrl.memagent.rollout import builder_of, document_chunks, rollout_metrics
 from memrl.rollout import QuestionLike, RolloutContext, finish_rollout, request_seed
 from memrl.types import RolloutOutput, Trajectory, Turn
 
@@ -53,12 +53,12 @@ async def _call(ctx: RolloutContext, requests: list[GenerationRequest]) -> list[
 
 
 async def generate_rollout_lockstep(ctx: RolloutContext, records: Sequence[QuestionLike]) -> RolloutOutput:
-    """Same output contract as `generate_rollout`, with every turn of the batch advanced together."""
+    """Same output contract as `MemAgentTask.generate`, with every turn of the batch advanced together."""
     start = time.perf_counter()
-    cfg, builder = ctx.config.rollout, ctx.builder
+    cfg, builder = ctx.config.rollout, builder_of(ctx)
     stop_ids = builder.stop_token_ids
     states: list[_State] = []
-    for group in ctx.groups(records):  # the framework's slots and keys: same ids and seeds as generate_rollout
+    for group in ctx.groups(records):  # the framework's slots and keys: same ids and seeds as MemAgentTask.generate
         record = group.record
         chunks = document_chunks(ctx.tokenizer, cfg, record.context)
         for k in range(cfg.n_samples):
@@ -105,7 +105,7 @@ async def generate_rollout_lockstep(ctx: RolloutContext, records: Sequence[Quest
         state.trajectory.metadata.update(memory_truncations=state.truncations,
                                          final_memory_length=len(state.memory_ids or []))
 
-    # As in generate_rollout: a group with a failed trajectory is left out whole (GRPO needs the group).
+    # As in MemAgentTask.generate: a group with a failed trajectory is left out whole (GRPO needs the group).
     trajectories = [s.trajectory for s in states]
     groups: dict[str, list[Trajectory]] = {}
     for traj in trajectories:

@@ -5,7 +5,7 @@
     python bench/rollout.py --device cuda --questions 64 --samples 8
 
 What it prints, all from this one process and the same engine:
-1. wall time and generated tokens/s of `generate_rollout` (one coroutine per trajectory; memrl's
+1. wall time and generated tokens/s of `MemAgentTask.generate` (one coroutine per trajectory; memrl's
    schedule) vs `bench/lockstep.py` (every active trajectory advances one turn per engine call, final
    turns after the longest document: the official MemAgent sync path), repeated and interleaved;
 2. the engine's batching: the same 16 (`--concurrency`) requests sent concurrently vs one at a time;
@@ -45,7 +45,8 @@ from memrl.config import Config, RolloutConfig  # noqa: E402
 from memrl.engines.base import GenerationRequest, GenerationResult  # noqa: E402
 from memrl.engines.hf import HFEngine, resolve_device_dtype  # noqa: E402
 from memrl.memagent.chunking import tokenize_document  # noqa: E402
-from memrl.memagent.rollout import document_chunks, generate_rollout  # noqa: E402
+from memrl.memagent.rollout import builder_of, document_chunks  # noqa: E402
+from memrl.memagent.task import MemAgentTask  # noqa: E402
 from memrl.rollout import RolloutContext  # noqa: E402
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from memrl.types import RolloutOutput  # noqa: E402
@@ -249,7 +250,7 @@ async def main_async(args: argparse.Namespace) -> None:
     engine = TimedHFEngine(model, tokenizer, max_batch_size=args.max_batch_size, device=device, dtype=dtype,
                            static_kv=args.static_kv, cuda_graphs=args.cuda_graphs)
     ctx = RolloutContext(engine=engine, tokenizer=tokenizer, config=cfg, progress=False)
-    bias = bias_stop_logits(engine.model, ctx.builder.stop_token_ids, args.mean_response)
+    bias = bias_stop_logits(engine.model, builder_of(ctx).stop_token_ids, args.mean_response)
     records = make_records(tokenizer, cfg.rollout, args.questions, args.seed)
     chunk_counts = [document_chunks(tokenizer, cfg.rollout, r.context).num_chunks for r in records]
     params = sum(p.numel() for p in model.parameters()) / 1e6
@@ -263,14 +264,14 @@ async def main_async(args: argparse.Namespace) -> None:
           f"trajectories; chunks per document {sorted(chunk_counts)}; chunk {args.chunk_tokens} / memory "
           f"{args.memory_tokens} / final {args.final_tokens} tokens; engine max_batch_size {args.max_batch_size}")
 
-    await generate_rollout(ctx, records[: args.max_chunks])  # warm-up (allocator, kernels, prompt caches)
+    await MemAgentTask().generate(ctx, records[: args.max_chunks])  # warm-up (allocator, kernels, prompt caches)
     pairs: list[tuple[Measurement, Measurement]] = []
     for repeat in range(args.repeats):
         ctx.rollout_id = 1  # same seeds every repeat: identical work, so repeats differ only by noise
         first, second = ("async", "lockstep") if repeat % 2 == 0 else ("lockstep", "async")
         runs = {}
         for name in (first, second):
-            fn = generate_rollout if name == "async" else generate_rollout_lockstep
+            fn = MemAgentTask().generate if name == "async" else generate_rollout_lockstep
             runs[name] = await run_schedule(name, fn, ctx, records, engine)
         pairs.append((runs["async"], runs["lockstep"]))
 
@@ -288,9 +289,9 @@ async def main_async(args: argparse.Namespace) -> None:
           f"{agreement(*pairs[0]):.0%} of turns")
 
     # Batching: the workload's first memory turns, fixed length (no stop) and with the sampled stops.
-    prompts = [ctx.builder.memory_prompt_ids(r.question, None, document_chunks(tokenizer, cfg.rollout, r.context)
+    prompts = [builder_of(ctx).memory_prompt_ids(r.question, None, document_chunks(tokenizer, cfg.rollout, r.context)
                                              .chunks[0]) for r in records]
-    stop_ids = ctx.builder.stop_token_ids
+    stop_ids = builder_of(ctx).stop_token_ids
     print(f"\nbatching, {args.concurrency} requests with memory-turn prompts, concurrent vs one at a time "
           f"(best of {min(args.repeats, 2)}):")
     for label, stops in (("fixed length (no stop tokens)", []), ("sampled lengths (stop tokens)", stop_ids)):

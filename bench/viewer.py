@@ -34,6 +34,7 @@ from memrl.data.records import QuestionRecord  # noqa: E402
 from memrl.eval.results import RESULTS_FILE, sample_line  # noqa: E402
 from memrl.memagent.chunking import chunk_context, tokenize_document  # noqa: E402
 from memrl.memagent.rollout import chunk_gold_hits  # noqa: E402
+from memrl.memagent.task import MemAgentTask  # noqa: E402
 from memrl.types import Trajectory, Turn  # noqa: E402
 from memrl.viewer.build import render_html, view_data  # noqa: E402
 
@@ -78,7 +79,7 @@ def write_evals(tokenizer, root: Path, args) -> tuple[list[Path], float]:
         for k, f in enumerate(files):
             traj = trajectory(tokenizer, rng, record, chunks, gold_hits, gold_chunk, args.memory_words,
                               rng.random() < 0.3 + 0.3 * k)
-            f.write(json.dumps(sample_line(record, traj, 0.0, tokenizer=tokenizer), ensure_ascii=False) + "\n")
+            f.write(json.dumps(sample_line(record, traj, 0.0, task=MemAgentTask(), tokenizer=tokenizer), ensure_ascii=False) + "\n")
     for f in files:
         f.close()
     return folders, sorted(gold_ms)[len(gold_ms) // 2]

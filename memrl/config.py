@@ -180,7 +180,7 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generation request, queueing "
                                      "included (server client and local engine); a request past it fails.")
     reward_timeout_s: float = Field(
-        60.0, gt=0, description="Longest one call of plugins.reward_function may take; past it the rollout step "
+        60.0, gt=0, description="Longest one call of the reward function may take; past it the rollout step "
         "fails with RewardError. The call runs in a daemon thread, which is left running (a thread cannot be killed).")
     max_batch_size: int = Field(32, gt=0, description="Local engine: most requests decoded together.")
     max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in one batch.")
@@ -498,15 +498,29 @@ class RayConfig(Section):
         return trainer, rollout
 
 
+# Per-function task plugins that one `plugins.task` object replaced (memrl/task.py): refused with its name,
+# so that a config written for them never half-works.
+REPLACED_PLUGIN_KEYS = ("generate_function", "convert_function")
+
+
 class PluginConfig(Section):
-    generate_function: str = Field(
-        "memrl.memagent.rollout:generate_rollout", description="`module:function` producing a RolloutOutput."
-    )
-    convert_function: str = Field(
-        "memrl.memagent.convert:convert_trajectories", description="`module:function` turning trajectories into rows."
-    )
-    reward_function: str = Field("memrl.memagent.reward:trajectory_reward", description="`module:function` scoring a trajectory.")
+    task: str = Field("memrl.memagent.task:MemAgentTask",
+                      description="`module:Class`, the Task (memrl/task.py) that samples, scores and converts: "
+                                  "training, validation, memrl eval and memrl pass-at-k all use it.")
+    reward_function: str | None = Field(
+        None, description="`module:function` `(trajectory, golds) -> float` replacing the task's own reward "
+                          "(training and pass@k); unset: the task's.")
     config_class: str | None = Field(None, description="`module:Class`, a Config subclass with extra sections.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, data: Any) -> Any:
+        old = [k for k in REPLACED_PLUGIN_KEYS if isinstance(data, dict) and k in data]
+        if old:
+            raise ValueError(f"plugins.{old[0]} is replaced by plugins.task, one Task class that samples, scores "
+                             f"and converts (docs/custom-tasks.md); e.g. plugins.task = "
+                             f"memrl.tasks.single_turn:SingleTurnTask")
+        return data
 
 
 class Config(Section):
@@ -523,14 +537,13 @@ class Config(Section):
     @model_validator(mode="after")
     def _task_accepts_the_config(self) -> Config:
         # The task validates its own settings (e.g. MemAgent: the queue holds max_chunks + 1 rows per
-        # trajectory): its generate function's module may define `validate_config` (memrl/rollout.py).
+        # trajectory): `Task.validate_config` (memrl/task.py).
         try:
-            check = task_hook(self.plugins.generate_function, "validate_config")
-        except ImportError as error:
-            raise ValueError(f"plugins.generate_function = '{self.plugins.generate_function}': its module does not "
-                             f"import ({error}); install what it needs or fix the path") from error
-        if check is not None:
-            check(self)
+            task = import_object(self.plugins.task)()
+        except ConfigError as error:
+            raise ValueError(f"plugins.task = '{self.plugins.task}': {error}; install what it needs or fix the path") \
+                from error
+        task.validate_config(self)
         return self
 
     @model_validator(mode="after")
@@ -605,22 +618,6 @@ def import_object(spec: str) -> Any:
         return getattr(module, attr)
     except AttributeError as e:
         raise ConfigError(f"module '{module_name}' has no '{attr}' (from '{spec}')") from e
-
-
-def task_hook(generate_function: str, name: str) -> Any:
-    """The hook `name` of the module that defines `generate_function` (`module:function`), if it has one
-    (memrl/rollout.py lists the hooks a task may define). Here, beside `import_object`, because config
-    validation calls it: the module it loads may import the config, never the other way round."""
-    module_name = _split_import_path(generate_function)[0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        missing = error.name or ""
-        if module_name != missing and not module_name.startswith(missing + "."):
-            raise  # the module exists but imports something missing: say so, not "no hook"
-        return None  # no such module: reported, with a clear message, where the plugin itself is loaded
-    hook = getattr(module, name, None)
-    return hook if callable(hook) else None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -135,7 +135,8 @@ def warm_start(run_root: Path, settings: DemoSettings, cfg: Config, progress: bo
     `run_demo` does: the same calls in the same order, so the same RNG draws and the same base."""
     from memrl.data.manifest import sha256_file
     from memrl.data.records import load_questions
-    from memrl.data.synthetic import demonstration_turns, prepare_synthetic, task_tokenizer
+    from memrl.data.synthetic import prepare_synthetic, task_tokenizer
+    from memrl.memagent.demonstrations import demonstration_turns
     from memrl.memagent.prompts import PromptBuilder
     from memrl.tiny import build_tiny_model
     from memrl.train.setup import seed_everything

@@ -1,22 +1,17 @@
-"""What every task's rollout shares, owned by the framework so that no plugin can get it wrong.
+"""What every task's rollout shares, owned by the framework so that no task can get it wrong.
 
-A task plugin (`plugins.generate_function`, e.g. `memrl.memagent.rollout:generate_rollout`) is an async
-function `(ctx: RolloutContext, records) -> RolloutOutput`. It gets from here:
+A task (`plugins.task`, memrl/task.py) samples with a `RolloutContext` and gets from here:
 - `ctx.groups(records)`: each question with its **slot** (its position in the rollout step's whole
   batch, also when a Ray rollout worker serves only a slice) and its **group key**, from which group
   ids and request seeds derive. A batch that wraps around the data set holds a question twice: the slot
-  keeps their groups apart. Plugins never number slots themselves, so one process and Ray agree.
+  keeps their groups apart. Tasks never number slots themselves, so one process and Ray agree.
 - `request_seed(...)`: the per-request seed (same question, sample and turn: same draw on every run).
-- `ctx.reward(traj, golds)`: the configured reward function, checked (a finite real number, within
-  `rollout.reward_timeout_s`; else `RewardError`, which fails the rollout step).
+- `ctx.reward(traj, golds)`: the task's reward (or `plugins.reward_function`), checked (a finite real
+  number, within `rollout.reward_timeout_s`; else `RewardError`, which fails the rollout step).
 - `finish_rollout(...)`: groups with a failed trajectory are dropped (GRPO needs the whole group) and
   reported; the common metrics; the row count the rollout announces (`None` for a 1:1 task: then the
   loop expects one row per trajectory).
-
-A task's module may also define hooks the framework calls by name:
-- `validate_config(cfg)`: raise ValueError for settings the task cannot run with (config load time);
-- `max_rows_per_trajectory(cfg) -> int`: the most training rows one trajectory expands to (sizes the
-  transfer queue when `queue.train_sample_expansion_factor` is unset).
+- `ctx.scratch`: a dict the task may cache per-context objects in (MemAgent: its prompt builder).
 """
 
 from __future__ import annotations
@@ -27,10 +22,8 @@ import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Protocol
 
-from memrl.config import task_hook
 from memrl.engines.base import Engine
 from memrl.types import RolloutOutput, Trajectory
 
@@ -99,10 +92,11 @@ class GroupSlot:
     slot: int
     record: Any
     key: str
+    name: str | None = None  # the group id, when not `r{key}` (an evaluated question's: memrl.task.eval_group)
 
     @property
     def group_id(self) -> str:
-        return f"r{self.key}"
+        return self.name or f"r{self.key}"
 
     def trajectory_id(self, sample_index: int) -> str:
         return f"{self.group_id}:s{sample_index}"
@@ -110,7 +104,7 @@ class GroupSlot:
 
 @dataclass
 class RolloutContext:
-    """Everything a generate function needs besides the questions."""
+    """Everything a task's sampling needs besides the questions."""
 
     engine: Engine
     tokenizer: Any
@@ -121,6 +115,8 @@ class RolloutContext:
     # Position of this batch's first question in the step's whole batch: a rollout worker that serves a
     # slice keeps the group ids and seeds the whole batch would have in one process.
     slot_offset: int = 0
+    phase: str = "train"  # or "eval" (memrl/task.py): who asks for the samples
+    scratch: dict[str, Any] = field(default_factory=dict, repr=False)
     # The first failed reward call of this rollout: the step is lost, so trajectories still in flight get
     # the same error at once instead of calling a hung function again (one timeout per step, not per call).
     _reward_failure: RewardError | None = field(default=None, init=False, repr=False)
@@ -129,17 +125,6 @@ class RolloutContext:
         """Each record with its slot (offset applied) and group key `{rollout_id}:{slot}:{id}`."""
         return [GroupSlot(self.slot_offset + k, record, f"{self.rollout_id}:{self.slot_offset + k}:{record.id}")
                 for k, record in enumerate(records)]
-
-    @cached_property
-    def builder(self) -> Any:
-        """The chat-template prompt builder for this tokenizer and rollout config (stop ids included)."""
-        from memrl.memagent.prompts import PromptBuilder
-
-        return PromptBuilder(self.tokenizer, self.config.rollout)
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        return self.builder.stop_token_ids
 
     def reward(self, traj: Trajectory, golds: Sequence[str]) -> float | None:
         """The configured reward of a finished trajectory; a failed one scores 0 (it is dropped anyway). A
@@ -211,11 +196,3 @@ def decode_response(turn: Any, tokenizer: Any) -> str:
     """A turn's response as text: what the logs show and what per-turn rewards read."""
     return tokenizer.decode(turn.response_ids, skip_special_tokens=True)
 
-
-def rows_per_trajectory(cfg: Any) -> int:
-    """The most rows one trajectory may expand to: `queue.train_sample_expansion_factor`, else the task's
-    `max_rows_per_trajectory(cfg)`, else 1 (a 1:1 task)."""
-    if cfg.queue.train_sample_expansion_factor is not None:
-        return cfg.queue.train_sample_expansion_factor
-    bound = task_hook(cfg.plugins.generate_function, "max_rows_per_trajectory")
-    return int(bound(cfg)) if bound is not None else 1

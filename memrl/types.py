@@ -114,7 +114,7 @@ class TrainRow:
 
 @dataclass
 class RolloutOutput:
-    """What `generate_function` returns for one rollout step.
+    """What a task's `generate` returns for one rollout step (memrl/task.py).
 
     `train_row_count` is the exact number of rows the converter will produce from `trajectories` (None on
     a plain 1:1 rollout, where it equals the number of trajectories).

@@ -9,8 +9,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from memrl.config import Config, ConfigError, load_config, task_hook
-from memrl.rollout import RewardError, RolloutContext, finish_rollout, rows_per_trajectory
+from memrl.config import Config, ConfigError, load_config
+from memrl.memagent.task import MemAgentTask
+from memrl.rollout import RewardError, RolloutContext, finish_rollout
+from memrl.task import Task, rows_per_trajectory
 from memrl.types import Trajectory, Turn
 
 
@@ -46,39 +48,38 @@ def test_finish_rollout_drops_whole_groups_and_counts_rows():
     assert finish_rollout([good], one_row_per_turn=False).train_row_count is None  # 1:1: no count announced
 
 
-def test_rows_per_trajectory_from_the_factor_the_task_or_one():
-    assert rows_per_trajectory(load_config(None, ["rollout.max_chunks=6"])) == 7  # MemAgent's hook
+def test_rows_per_trajectory_from_the_factor_or_the_task():
+    assert rows_per_trajectory(load_config(None, ["rollout.max_chunks=6"])) == 7  # MemAgent's
     assert rows_per_trajectory(load_config(None, ["queue.train_sample_expansion_factor=9"])) == 9
-    single = load_config(None, ["plugins.generate_function=memrl.tasks.single_turn:generate_single_turn",
-                                "plugins.convert_function=memrl.rl.plain:convert_one_row_per_trajectory"])
-    assert rows_per_trajectory(single) == 1
-    assert task_hook("no.such.module:fn", "validate_config") is None
+    assert rows_per_trajectory(load_config(None, ["plugins.task=memrl.tasks.single_turn:SingleTurnTask"])) == 1
 
 
-def test_a_plugin_module_that_fails_to_import_is_not_taken_for_one_without_hooks(monkeypatch, tmp_path):
+def test_a_task_module_that_fails_to_import_is_a_config_error_naming_the_dependency(monkeypatch, tmp_path):
     (tmp_path / "broken_task_for_test.py").write_text("import not_installed_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ModuleNotFoundError, match="not_installed_dependency_xyz"):
-        task_hook("broken_task_for_test:generate", "validate_config")
-    with pytest.raises(ConfigError, match="does not import.*not_installed_dependency_xyz"):
-        load_config(None, ["plugins.generate_function=broken_task_for_test:generate"])
+    with pytest.raises(ConfigError, match="plugins.task = 'broken_task_for_test:T'.*not_installed_dependency_xyz"):
+        load_config(None, ["plugins.task=broken_task_for_test:T"])
 
 
-def test_a_tasks_validate_config_hook_runs_at_load(monkeypatch):
+@pytest.mark.parametrize("key", ["generate_function", "convert_function"])
+def test_the_replaced_per_function_plugin_keys_are_refused_naming_plugins_task(key):
+    with pytest.raises(ConfigError, match=rf"plugins.{key} is replaced by plugins.task"):
+        load_config(None, [f"plugins.{key}=memrl.tasks.single_turn:generate_single_turn"])
+
+
+def test_a_tasks_validate_config_runs_at_load(monkeypatch):
     module = types.ModuleType("my_task_for_test")
 
-    async def generate(ctx, records):  # pragma: no cover - never called
-        raise AssertionError
+    class MyTask(Task):
+        def validate_config(self, cfg):
+            if cfg.rollout.n_samples < 2:
+                raise ValueError("my task needs rollout.n_samples >= 2")
 
-    def validate_config(cfg):
-        if cfg.rollout.n_samples < 2:
-            raise ValueError("my task needs rollout.n_samples >= 2")
-
-    module.generate, module.validate_config = generate, validate_config
+    module.MyTask = MyTask
     monkeypatch.setitem(sys.modules, "my_task_for_test", module)
     with pytest.raises(ConfigError, match="my task needs rollout.n_samples >= 2"):
-        load_config(None, ["plugins.generate_function=my_task_for_test:generate", "rollout.n_samples=1"])
-    assert load_config(None, ["plugins.generate_function=my_task_for_test:generate"]).rollout.n_samples == 8
+        load_config(None, ["plugins.task=my_task_for_test:MyTask", "rollout.n_samples=1"])
+    assert load_config(None, ["plugins.task=my_task_for_test:MyTask"]).rollout.n_samples == 8
 
 
 def test_evaluation_recipes_need_no_queue_keys():
@@ -104,7 +105,7 @@ def test_turn_logs_reuse_the_texts_training_decoded_once():
 
     tok, t = CountingTokenizer(), traj("g", 0)
     assert [r["text"] for r in turn_log_records(t, tok)] == ["3", "3"] and tok.calls == 2  # no scores yet: decodes
-    score_turns([t], tok, Config().algorithm)
+    score_turns([t], tok, Config().algorithm, MemAgentTask())
     tok.calls = 0
     assert [r["text"] for r in turn_log_records(t, tok)] == ["3", "3"] and tok.calls == 0
 

@@ -41,7 +41,7 @@ from memrl.distributed.workers import (
     wait_named,
 )
 from memrl.engines.base import ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
-from memrl.rollout import rows_per_trajectory
+from memrl.task import rows_per_trajectory
 from memrl.train.actor import plan_rollout
 from memrl.train.checkpoint import resolve_checkpoint
 from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
@@ -190,6 +190,8 @@ class GroupWeights:
 class RolloutPool:
     """The rollout source the loop sees: rollout workers generating slices of each step's batch."""
 
+    generates, in_process = True, False  # capabilities the loop reads (memrl.train.controller.RolloutSource)
+
     def __init__(self, ray: Any, cfg: Config, options: list[dict], tokenizer: Any, model_ref: Any,
                  handles: list[Any]) -> None:
         self.ray, self.cfg, self.settings = ray, cfg, cfg.ray
@@ -246,7 +248,7 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
         raise ConfigError("model.path is not set; pass --set model.path=DIR")
     first = start_rollout_id(cfg, options.load, options.start_rollout_id)  # before any worker starts
     start = run_start(cfg, tokenizer, records)
-    tokenizer, plugins = start.tokenizer, start.plugins
+    tokenizer = start.tokenizer
     load = resolve_checkpoint(options.load) if options.load is not None else None
     # The driver's queue holds row references (memrl/distributed/rows.py), the rows stay in the object store.
     queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1),
@@ -261,8 +263,7 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
         # Start from the trainer's weights (a loaded checkpoint's), as the one-process engine does.
         rollout.sync_from(group.weight_source(options.run_root / "weights_sync", tokenizer))
     return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=group,
-                         convert=plugins.convert,
-                         start_rollout_id=first)
+                         task=start.task, start_rollout_id=first)
 
 
 def start_ray(ray_address: str | None, settings: RayConfig, dp_size: int) -> bool:

@@ -5,7 +5,7 @@
   each optimizer step (DDP all-reduces gradients; FSDP reduce-scatters them). Weight hand-out and
   checkpoints run on every rank (FSDP gathers the shards); rank 0 returns the weights and writes files.
 - `RolloutWorker`: one engine (a local copy of the policy, or a client of its own server) and the
-  configured `generate_function`; generates the trajectories of its slice of a rollout step.
+  configured task (memrl/task.py); generates, scores and converts its slice of a rollout step.
 - `wait_named`: every remote wait of the runtime goes through it: a timeout, and an error that names
   the worker (died, raised, or did not answer in time). It returns on the first failure, so one rank that
   raises never leaves the driver waiting for peers stuck in a collective.
@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from memrl.config import Config
-from memrl.train.setup import Plugins, load_policy, load_tokenizer, rows_of, seed_everything
+from memrl.task import load_task, task_reward
+from memrl.train.setup import load_policy, load_tokenizer, rows_of, seed_everything
 from memrl.types import RolloutOutput
 
 
@@ -244,7 +245,7 @@ class TrainerWorker:
 
 
 class RolloutWorker:
-    """An engine plus the configured generate/reward functions; one event loop for the worker's life."""
+    """An engine plus the configured task; one event loop for the worker's life."""
 
     def __init__(self, cfg: Config, index: int, tokenizer: Any = None, model: torch.nn.Module | None = None,
                  server_url: str | None = None) -> None:
@@ -257,8 +258,8 @@ class RolloutWorker:
         self.tokenizer = _load_tokenizer(cfg, tokenizer)
         local = cfg.rollout.engine != "openai"
         self.engine = training_engine(cfg, _load_model(cfg, model) if local else None, self.tokenizer)
-        plugins = Plugins.from_config(cfg)
-        self.generate_fn, self.reward_fn, self.convert_fn = plugins.generate, plugins.reward, plugins.convert
+        self.task = load_task(cfg)
+        self.reward_fn = task_reward(cfg, self.task)
         self.loop = asyncio.new_event_loop()
 
     def ping(self) -> int:
@@ -280,9 +281,9 @@ class RolloutWorker:
                              reward_function=self.reward_fn, progress=False)
         # Slots (positions in the batch) name groups and seed requests: a slice keeps its batch positions.
         ctx.slot_offset = slot_offset
-        out = record_weight_version(self.loop.run_until_complete(self.generate_fn(ctx, records)), weight_version)
+        out = record_weight_version(self.loop.run_until_complete(self.task.generate(ctx, records)), weight_version)
         start = time.perf_counter()
-        out.rows = put_rows(rows_of(out, self.tokenizer, self.cfg.algorithm, self.convert_fn, rollout_id))
+        out.rows = put_rows(rows_of(out, self.tokenizer, self.cfg.algorithm, self.task, rollout_id))
         out.metrics["time/convert_in_worker_s"] = time.perf_counter() - start
         return out
 

@@ -3,7 +3,7 @@
 The seed's recipe ran the base model 8 times on each of 4,000 candidates (32,000 trajectories) and kept
 questions solved sometimes but not always. `memrl pass-at-k` writes `{k, pass_counts: {id: passes}, ...}`,
 the file `memrl prepare-data hotpotqa --pass-counts FILE --pass-k K` reads. Samples use the training
-loop itself (`generate_group`, the reward function), so "pass" means exactly what the reward means.
+task itself (`Task.sample_group`, its reward), so "pass" means exactly what the training reward means.
 A question with a failed request gets no count (it is listed under `failed`), never a made-up one.
 
 `--no-context` asks each question without its document (the final turn on the question alone, with
@@ -25,24 +25,26 @@ from tqdm.auto import tqdm
 from memrl.config import Config
 from memrl.data.manifest import atomic_write_json, sha256_file
 from memrl.data.records import QuestionRecord
-from memrl.memagent.reward import trajectory_reward
-from memrl.memagent.rollout import generate_group
-from memrl.rollout import RolloutContext
+from memrl.rollout import GroupSlot, RolloutContext
+from memrl.task import load_task, task_reward
 
 
 async def count_passes(engine: Any, tokenizer: Any, cfg: Config, records: Sequence[QuestionRecord], k: int,
                        progress: bool = True) -> tuple[dict[str, int], list[str]]:
-    """(passes per question id, ids with a failed sample). Questions run `cfg.eval.concurrency` at a time."""
+    """(passes per question id, ids with a failed sample). Questions run `cfg.eval.concurrency` at a time,
+    each as one group of rollout 0 at its position in `records` (as a training step would sample it)."""
+    task = load_task(cfg)
     ctx = RolloutContext(engine=engine, tokenizer=tokenizer, config=cfg, rollout_id=0,
-                         reward_function=trajectory_reward, progress=False)
+                         reward_function=task_reward(cfg, task), progress=False)
     limit = asyncio.Semaphore(cfg.eval.concurrency)
     counts: dict[str, int] = {}
     failed: list[str] = []
     bar = tqdm(total=len(records), desc=f"pass@{k}", unit="q", disable=not progress)
 
-    async def one(slot: int, record: QuestionRecord) -> None:
+    async def one(slot: GroupSlot) -> None:
+        record = slot.record
         async with limit:
-            group = await generate_group(ctx, record, n_samples=k, slot=slot)
+            group = await task.sample_group(ctx, slot, k)
         if any(t.status == "failed" for t in group):
             failed.append(record.id)
         else:
@@ -51,16 +53,17 @@ async def count_passes(engine: Any, tokenizer: Any, cfg: Config, records: Sequen
         bar.set_postfix(mixed=sum(0 < c < k for c in counts.values()), failed=len(failed))
 
     try:
-        await asyncio.gather(*(one(slot, r) for slot, r in enumerate(records)))
+        await asyncio.gather(*(one(slot) for slot in ctx.groups(records)))
     finally:
         bar.close()
     order = {r.id: i for i, r in enumerate(records)}
     return dict(sorted(counts.items(), key=lambda kv: order[kv[0]])), sorted(failed, key=order.__getitem__)
 
 
-# What Pass@k reads of a config: a `--set` of any other key (training's, or MemAgent's task plugins, which
-# Pass@k uses as they are) would be silently ignored, so it is refused. `eval.limit` is `--limit`.
-READ_KEYS = ("model.", "rollout.", "eval.limit", "eval.concurrency", "data.verify_manifest", "plugins.config_class")
+# What Pass@k reads of a config: a `--set` of any other key (training's) would be silently ignored, so it
+# is refused. `eval.limit` is `--limit`; the task (and a reward replacing its own) samples and scores.
+READ_KEYS = ("model.", "rollout.", "eval.limit", "eval.concurrency", "data.verify_manifest", "plugins.task",
+             "plugins.reward_function", "plugins.config_class")
 
 
 def check_read_overrides(sets: Sequence[str]) -> None:

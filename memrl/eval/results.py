@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memrl.eval.stats import metric_summary
-from memrl.memagent.reward import score_trajectory
 from memrl.rollout import turn_log_records
 from memrl.scoring import score_answer
 
 if TYPE_CHECKING:
     from memrl.config import Config
     from memrl.data.records import QuestionRecord
+    from memrl.task import Task
 
 RESULTS_FILE = "results.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -78,18 +78,15 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
 # ------------------------------------------------------------------------------------------ results file
 
 def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, error: str | None = None, *,
-                tokenizer: Any = None) -> dict[str, Any]:
-    """One results.jsonl line. `traj` None (with `error`) = the sample failed before generating.
-
-    With `tokenizer`, the line also keeps every turn (`trace`: memory texts, lengths, finish reasons) and
-    where the golds occur in each chunk (`chunk_golds`), which `memrl view` shows; lines written before
-    these fields existed simply lack them."""
+                task: Task, tokenizer: Any = None) -> dict[str, Any]:
+    """One results.jsonl line, scored by `task.score`, with the task's own fields (`Task.log_fields`;
+    MemAgent: document, memory lengths, where the golds occur in each chunk). `traj` None (with `error`) =
+    the sample failed before generating. With `tokenizer`, the line also keeps every turn (`trace`: turn
+    texts, lengths, finish reasons), which `memrl view` shows; lines written before it existed lack it."""
     failed = traj is None or traj.status == "failed"
     answer = "" if traj is None else traj.answer
     # The training reward's scorer: a truncated answer (hit final_tokens) scores 0 here too (docs/design.md §2).
-    score = score_trajectory(traj, record.answers) if traj is not None else score_answer("", record.answers)
-    meta = {} if traj is None else traj.metadata
-    chunks = meta.get("chunks", {})
+    score = task.score(traj, record.answers) if traj is not None else score_answer("", record.answers)
     return {
         "id": record.id, "question": record.question, "golds": list(record.answers),
         "answer": answer, "boxed": None if failed else score.boxed,
@@ -98,15 +95,12 @@ def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, erro
         "missing_box": (not failed) and score.missing_box,
         "status": "failed" if traj is None else traj.status,
         "error": error if traj is None else traj.error,
-        "num_chunks": chunks.get("num_chunks"), "document_tokens": chunks.get("total_tokens"),
-        "document_truncated": chunks.get("truncated"),
-        "memory_lengths": meta.get("memory_lengths", []), "memory_truncations": meta.get("memory_truncations", 0),
+        **task.log_fields(traj, "eval"),
         "final_tokens": (traj.turns[-1].response_length if traj is not None and traj.turns
                          and traj.turns[-1].kind == "final" else None),
         "turns": 0 if traj is None else traj.num_turns,
         "latency_s": round(latency_s, 4),
-        **({"trace": turn_log_records(traj, tokenizer), "chunk_golds": meta.get("chunk_golds")}
-           if traj is not None and tokenizer is not None else {}),
+        **({"trace": turn_log_records(traj, tokenizer)} if traj is not None and tokenizer is not None else {}),
     }
 
 

@@ -1,4 +1,5 @@
-"""`memrl eval` (docs/design.md §7): the training memory loop, run once per question, scored, resumable.
+"""`memrl eval` (docs/design.md §7): the task's sampling (`Task.sample_group`, phase "eval"), run once per
+question, scored (`Task.score`), resumable.
 
 Output folder (its format: memrl.eval.results):
     eval_run.json   identity of the run (model, tokenizer, data SHA-256, format); written first
@@ -13,9 +14,9 @@ Invariants:
   mid-write) is cut off and redone; any other unreadable line, a line of an id outside the run's
   questions, or a different data SHA-256 / model / format in `eval_run.json` is an `EvalError`, so
   two runs never mix in one file.
-- Seeds do not depend on the model: question `q` uses group "eval:q", sample 0 and seed key "0:q",
-  i.e. turn t samples with `request_seed(rollout.seed, "0:q", 0, t)`.
-- The scorer is `memrl.scoring.score_answer` over the final answer text, as the training reward.
+- Seeds do not depend on the model: question `q` uses group "eval:q", sample 0 and seed key "0:q"
+  (`memrl.task.eval_group`), i.e. turn t samples with `request_seed(rollout.seed, "0:q", 0, t)`.
+- The scorer is the task's (by default `memrl.scoring.score_answer` over the final answer, as the reward).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from memrl.eval.results import (
     sample_line,
     summarize_lines,
 )
-from memrl.memagent.prompts import PromptBuilder
-from memrl.memagent.rollout import chunk_gold_hits_later, document_chunks, run_trajectory
+from memrl.rollout import RolloutContext
+from memrl.task import Task, eval_group, load_task
 
 # ------------------------------------------------------------------------------------------ resume
 
@@ -117,8 +118,10 @@ class _RunningScore:
 async def evaluate_records(engine: Engine, tokenizer: Any, cfg: Config, records: Sequence[QuestionRecord],
                            out_dir: Path, *, model_name: str, data_sha256: str, data_path: str | None = None,
                            tokenizer_name: str | None = None, engine_info: dict[str, Any] | None = None,
-                           retry_failed: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Evaluate `records` (one trajectory each) into `out_dir`; returns the summary (also written).
+                           retry_failed: bool = False, progress: bool = True,
+                           task: Task | None = None) -> dict[str, Any]:
+    """Evaluate `records` (one trajectory each, `task` or the configured one) into `out_dir`; returns the
+    summary (also written).
 
     At most `cfg.eval.concurrency` questions are in flight; the engine batches their requests.
     The engine is not closed here.
@@ -127,8 +130,8 @@ async def evaluate_records(engine: Engine, tokenizer: Any, cfg: Config, records:
     out_dir.mkdir(parents=True, exist_ok=True)
     records = list(records)
     check_unique_ids(records, data_path or "records")
-    builder = PromptBuilder(tokenizer, cfg.rollout)
-    fmt = eval_format(cfg, tokenizer, builder.stop_token_ids)
+    task = task if task is not None else load_task(cfg)
+    fmt = eval_format(cfg, tokenizer, task.stop_token_ids(tokenizer, cfg))
     identity = {"model": model_name, "data_sha256": data_sha256, "format": fmt}
     done = _resume_state(out_dir, identity, {r.id for r in records}, retry_failed)
     todo = [r for r in records if r.id not in done]
@@ -137,7 +140,7 @@ async def evaluate_records(engine: Engine, tokenizer: Any, cfg: Config, records:
     bar = tqdm(total=len(records), initial=len(done), desc=f"eval {Path(model_name).name or model_name}",
                unit="q", disable=not progress, dynamic_ncols=True)
     semaphore = asyncio.Semaphore(cfg.eval.concurrency)
-    rollout = cfg.rollout
+    ctx = RolloutContext(engine=engine, tokenizer=tokenizer, config=cfg, progress=False, phase="eval")
 
     with open(out_dir / RESULTS_FILE, "a", encoding="utf-8") as results:
 
@@ -145,14 +148,11 @@ async def evaluate_records(engine: Engine, tokenizer: Any, cfg: Config, records:
             async with semaphore:
                 t0 = time.perf_counter()
                 try:
-                    chunks = document_chunks(tokenizer, rollout, record.context)
-                    traj = await run_trajectory(engine, builder, rollout, record.question, chunks,
-                                                trajectory_id=f"eval:{record.id}:s0", group_id=f"eval:{record.id}",
-                                                sample_index=0, seed_key=f"0:{record.id}")
-                    traj.metadata["chunk_golds"] = await chunk_gold_hits_later(tokenizer, chunks, record.answers)
-                    line = sample_line(record, traj, time.perf_counter() - t0, tokenizer=tokenizer)
+                    (traj,) = await task.sample_group(ctx, eval_group(record), 1)
+                    line = sample_line(record, traj, time.perf_counter() - t0, task=task, tokenizer=tokenizer)
                 except Exception as e:  # one odd record must not end the run; it is a failed line
-                    line = sample_line(record, None, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
+                    line = sample_line(record, None, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}",
+                                       task=task)
                 # One write of a whole line, then flush + fsync: a kill leaves at most a torn last line.
                 results.write(json.dumps(line, ensure_ascii=False) + "\n")
                 results.flush()

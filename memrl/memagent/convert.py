@@ -1,4 +1,4 @@
-"""The MemAgent converter (the `plugins.convert_function` extension point): trajectories -> rows.
+"""The MemAgent converter (`MemAgentTask.convert`): trajectories -> rows.
 
     convert_trajectories(trajectories, algorithm_cfg, rollout_id) -> list[TrainRow]
 

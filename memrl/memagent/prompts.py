@@ -33,15 +33,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from memrl.config import RolloutConfig
+from memrl.task import chat_stop_token_ids
 
 # Unlikely in any question or template; rendering must keep each exactly as often as the template has it.
 CHUNK_SENTINEL = "\u27e6memrl:chunk:7c1f\u27e7"
 MEMORY_SENTINEL = "\u27e6memrl:memory:7c1f\u27e7"
 _SLOT_OF = {CHUNK_SENTINEL: "chunk", MEMORY_SENTINEL: "memory"}
 _SPLIT = re.compile(f"({re.escape(CHUNK_SENTINEL)}|{re.escape(MEMORY_SENTINEL)})")
-
-# Names of end-of-turn / end-of-text tokens that also stop a memory turn when the tokenizer has them.
-_EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 # A piece of a prompt: static token ids, or the name of a slot ("chunk" / "memory") filled per call.
 Segment = tuple[int, ...] | str
@@ -117,16 +115,7 @@ class PromptBuilder:
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
 
     def _find_stop_token_ids(self) -> list[int]:
-        found: list[int] = []
-        for token_id in (getattr(self.tokenizer, "eos_token_id", None), getattr(self.tokenizer, "pad_token_id", None)):
-            if isinstance(token_id, int) and token_id not in found:
-                found.append(token_id)
-        for name in _EXTRA_STOP_TOKENS:
-            token_id = self.tokenizer.convert_tokens_to_ids(name)
-            # Unknown names map to None or to the unk id; only keep a real, exact vocabulary entry.
-            if isinstance(token_id, int) and token_id not in found and \
-                    self.tokenizer.convert_ids_to_tokens(token_id) == name:
-                found.append(token_id)
+        found = chat_stop_token_ids(self.tokenizer)
         if not found:
             raise PromptError("the tokenizer has no eos token and no <|im_end|> / <|endoftext|>; set tokenizer.eos_token")
         return found

@@ -14,20 +14,17 @@ A generation error marks the trajectory `failed` with its message; it never kill
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tqdm.auto import tqdm
-
-from memrl.config import Config, RolloutConfig
+from memrl.config import RolloutConfig
 from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, input_text
-from memrl.rollout import QuestionLike, RolloutContext, finish_rollout, request_seed
+from memrl.rollout import GroupSlot, RolloutContext, request_seed
 from memrl.scoring import gold_spans
-from memrl.types import RolloutOutput, Trajectory, Turn
+from memrl.types import Trajectory, Turn
 
 
 async def _generate_one(engine: Engine, request: GenerationRequest) -> GenerationResult:
@@ -197,24 +194,25 @@ def document_chunks(tokenizer: Any, cfg: RolloutConfig, context: str) -> Chunks:
     return chunk_context(ids, cfg.chunk_tokens, cfg.max_chunks, cfg.truncation)
 
 
-async def generate_group(ctx: RolloutContext, record: QuestionLike, n_samples: int | None = None,
-                         on_done: Callable[[Trajectory], None] | None = None, slot: int | None = None) -> list[Trajectory]:
-    """`n_samples` independent trajectories of one question: one GRPO group (group id = question + step).
+def builder_of(ctx: RolloutContext) -> PromptBuilder:
+    """The context's chat-template prompt builder (stop ids included), built once per context."""
+    if "builder" not in ctx.scratch:
+        ctx.scratch["builder"] = PromptBuilder(ctx.tokenizer, ctx.config.rollout)
+    return ctx.scratch["builder"]
 
-    `slot` (the question's position in the step's batch) keeps group ids and seeds distinct when a batch
-    holds the same question twice (a batch that wraps around the end of the data set).
-    """
-    cfg = ctx.config.rollout
-    n = n_samples or cfg.n_samples
+
+async def generate_group(ctx: RolloutContext, group: GroupSlot, n: int,
+                         on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+    """`n` independent trajectories of one question: one GRPO group, named and seeded by `group` (its slot
+    keeps group ids and seeds distinct when a batch holds the same question twice)."""
+    cfg, record = ctx.config.rollout, group.record
     chunks = document_chunks(ctx.tokenizer, cfg, record.context)
     gold_hits = chunk_gold_hits_later(ctx.tokenizer, chunks, record.answers)  # while the group generates
-    key = f"{ctx.rollout_id}:{record.id}" if slot is None else f"{ctx.rollout_id}:{slot}:{record.id}"
-    group_id = f"r{key}"
 
     async def one(k: int) -> Trajectory:
-        traj = await run_trajectory(ctx.engine, ctx.builder, cfg, record.question, chunks,
-                                    trajectory_id=f"{group_id}:s{k}", group_id=group_id, sample_index=k,
-                                    seed_key=key)
+        traj = await run_trajectory(ctx.engine, builder_of(ctx), cfg, record.question, chunks,
+                                    trajectory_id=group.trajectory_id(k), group_id=group.group_id, sample_index=k,
+                                    seed_key=group.key)
         traj.metadata.update(question_id=record.id, question=record.question, golds=list(record.answers),
                              chunk_golds=await gold_hits)
         traj.reward = ctx.reward(traj, record.answers)
@@ -242,46 +240,3 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         metrics["truncation/final_rate"] = sum(t.status == "truncated" for t in ok) / len(ok)
     metrics["truncation/document_rate"] = sum(bool(t.metadata.get("chunks", {}).get("truncated")) for t in ok) / len(ok)
     return metrics
-
-
-async def generate_rollout(ctx: RolloutContext, records: Sequence[QuestionLike]) -> RolloutOutput:
-    """The built-in `generate_function`: every group of the step at once, no group waiting for another.
-
-    A group with a failed trajectory is left out of training (GRPO needs the whole group) and reported
-    in `dropped`; `train_row_count` is the exact number of rows the kept trajectories expand to (one per
-    turn).
-    """
-    start = time.perf_counter()
-    bar = tqdm(total=len(records) * ctx.config.rollout.n_samples, desc=f"rollout {ctx.rollout_id}",
-               unit="traj", disable=not ctx.progress, leave=False)
-    try:
-        groups = await asyncio.gather(*(generate_group(ctx, g.record, on_done=lambda _t: bar.update(), slot=g.slot)
-                                        for g in ctx.groups(records)))
-    finally:
-        bar.close()
-    metrics = rollout_metrics([t for g in groups for t in g])
-    metrics["time/generate_s"] = time.perf_counter() - start
-    return finish_rollout(groups, metrics)
-
-
-# ---- hooks the framework calls by name (memrl.rollout) -------------------------------------------
-
-def max_rows_per_trajectory(cfg: Config) -> int:
-    """A MemAgent trajectory has up to max_chunks memory turns + 1 final turn, one row each."""
-    return cfg.rollout.max_chunks + 1
-
-
-def validate_config(cfg: Config) -> None:
-    """Settings the MemAgent rollout cannot train with (raised at config load, naming what to change)."""
-    factor, needed = cfg.queue.train_sample_expansion_factor, max_rows_per_trajectory(cfg)
-    if factor is not None and factor < needed:
-        raise ValueError(f"queue.train_sample_expansion_factor = {factor} is below rollout.max_chunks + 1 = "
-                         f"{needed}, the most rows one MemAgent trajectory expands to; set it to at least {needed} "
-                         f"(or leave it unset: it then follows max_chunks)")
-    # A prompt group is n_samples trajectories of equal turn count, so a rollout's row count is
-    # n_samples x (sum of turns): a multiple of the group size for any data only if it divides n_samples.
-    size, n = cfg.queue.train_data_group_size, cfg.rollout.n_samples
-    if n % size:
-        raise ValueError(f"queue.train_data_group_size = {size} does not divide rollout.n_samples = {n}; a rollout's "
-                         f"row count (n_samples x turns) would then not split into groups of {size}; use a divisor "
-                         f"of {n}")

@@ -4,8 +4,8 @@
 
 Same contract as the MemAgent converter (validate everything first, GRPO per group_id, then rows),
 plus one rule: every trajectory has exactly one turn (`single_turn`), whose row carries the full
-advantage (with one turn, `split` and `share` agree). Use it as `plugins.convert_function =
-"memrl.rl.plain:convert_one_row_per_trajectory"`; the rollout then needs no `train_row_count`.
+advantage (with one turn, `split` and `share` agree). It is `memrl.task.Task.convert`'s default; the
+rollout then needs no `train_row_count`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,6 @@ def convert_one_row_per_trajectory(trajectories: Sequence[Trajectory], algorithm
         if traj.num_turns != 1:
             raise TrajectoryError(traj.trajectory_id, None, "single_turn",
                                   f"{traj.num_turns} turns; the plain converter takes single-turn trajectories "
-                                  "(use memrl.memagent.convert:convert_trajectories for multi-turn ones)")
+                                  "(a multi-turn task converts its own rows, as MemAgentTask does)")
     validate_groups(trajectories)
     return advantage_rows(trajectories, algorithm_cfg, rollout_id, "share")

@@ -39,7 +39,7 @@ from memrl.types import TrainRow, Trajectory
 
 def advantage_rows(trajectories: Sequence[Trajectory], a: Any, rollout_id: int, credit: str) -> list[TrainRow]:
     """Validated trajectories -> rows: (shaped) rewards -> GRPO per trajectory -> per-turn advantages -> rows.
-    The converters' one path (memrl.memagent.convert, memrl.rl.plain); `a` is the AlgorithmConfig."""
+    The converters' one path (MemAgentTask.convert, memrl.rl.plain); `a` is the AlgorithmConfig."""
     advantages = trajectory_advantages(trajectories, std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof,
                                        rewards=shaped_rewards(trajectories, a))
     return expand_rows(trajectories, advantages, credit, rollout_id,

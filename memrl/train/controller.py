@@ -3,7 +3,7 @@
     for rollout_id in range(start, num_rollout):
         records = parts.data.batch(rollout_id)               # same ids after a resume
         out     = parts.rollout.generate(rollout_id, records) # async rollouts with rewards
-        rows    = parts.convert(out.trajectories, ...)       # validate -> GRPO -> expand (1:N), or the
+        rows    = parts.task.convert(out.trajectories, ...)  # validate -> GRPO -> expand (1:N), or the
                                                              # rows a Ray rollout worker converted (refs)
         parts.rows.put(rollout_id, rows, out.train_row_count) # exact row count announced
         metrics = parts.policy.train_rollout(parts.rows.get_rollout(rollout_id), rollout_id)
@@ -50,7 +50,8 @@ from memrl.rl.advantages import AdvantageError, trajectory_advantages
 from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
 from memrl.rl.shaping import shaped_rewards
 from memrl.rl.validate import TrajectoryError
-from memrl.rollout import RolloutContext, record_weight_version, rows_per_trajectory, turn_log_records
+from memrl.rollout import RolloutContext, record_weight_version, turn_log_records
+from memrl.task import Task, rows_per_trajectory, task_reward
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.checkpoint import prune_checkpoints, read_best, write_best
 from memrl.train.pipeline import Producer, WeightBoard, sampling_version
@@ -58,7 +59,6 @@ from memrl.train.queue import QueueError, TransferQueue
 from memrl.train.run_log import EVAL_METRICS_FILE, RunLogger, StageTimer, device_stats, read_metrics
 from memrl.train.setup import (
     DataSource,
-    Plugins,
     TrainingError,
     checkpoint_state,
     load_policy,
@@ -102,7 +102,13 @@ class RolloutSource(Protocol):
     """Where a step's trajectories come from (an engine in this process, a rollout pool, a replay).
 
     A source that serves dynamic sampling (`algorithm.filter_groups`) also takes `slot_offset=`, the
-    position of `records[0]` in the step's whole batch (memrl/rollout.py, `RolloutContext.slot_offset`)."""
+    position of `records[0]` in the step's whole batch (memrl/rollout.py, `RolloutContext.slot_offset`).
+    The loop asks what a source can do, never which kind it is: whether it samples (`generates`; a replay
+    does not, so there is nothing to sync-check or re-sample) and whether its engine runs in this process on
+    its own event loop (`in_process`: validation during training needs `engine` and `loop`)."""
+
+    generates: bool
+    in_process: bool
 
     def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
         """The step's trajectories (with rewards), sampled with weight version `weight_version`."""
@@ -149,18 +155,18 @@ class TrainingParts:
     rollout: RolloutSource
     rows: TransferQueue
     policy: PolicyTrainer
-    convert: Callable[..., list[TrainRow]]
+    task: Task
     start_rollout_id: int
     release: Callable[[], None] = field(default=lambda: None)
 
 
-def trajectory_log_record(traj: Trajectory, tokenizer: Any, advantage: float | None = None,
+def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, advantage: float | None = None,
                           turn_advantages: dict[tuple[str, int], float] | None = None) -> dict[str, Any]:
-    """What a researcher reads per trajectory (and `memrl view` shows): the memory texts and answer,
+    """What a researcher reads per trajectory (and `memrl view` shows): the turn texts and answer,
     lengths, reward, status, its GRPO group and advantage, each turn's credit (the advantage of its
-    training row; None when not trained on), and where the golds occur in each chunk."""
+    training row; None when not trained on), and the task's own fields (`Task.log_fields`; MemAgent:
+    the document and where the golds occur in each chunk)."""
     turns = turn_log_records(traj, tokenizer)
-    chunks = traj.metadata.get("chunks", {})
     if turn_advantages is not None:
         for turn, record in zip(traj.turns, turns, strict=True):
             record["advantage"] = turn_advantages.get((traj.trajectory_id, turn.index))
@@ -169,8 +175,7 @@ def trajectory_log_record(traj: Trajectory, tokenizer: Any, advantage: float | N
         "question": traj.metadata.get("question"), "group_id": traj.group_id, "sample_index": traj.sample_index,
         "weight_version": traj.metadata.get("weight_version"), "status": traj.status, "reward": traj.reward,
         "advantage": advantage, "answer": traj.answer, "golds": traj.metadata.get("golds"), "error": traj.error,
-        "num_chunks": chunks.get("num_chunks"), "document_tokens": chunks.get("total_tokens"),
-        "document_truncated": chunks.get("truncated"), "chunk_golds": traj.metadata.get("chunk_golds"), "turns": turns,
+        **task.log_fields(traj, "train"), "turns": turns,
     }
 
 
@@ -243,19 +248,21 @@ def load_raw_rollout(directory: Path, rollout_id: int) -> RolloutOutput:
 
 
 class LocalRollout:
-    """A rollout source in this process: the configured generate function over one engine, on one
-    event loop kept for the run (the engine's batching worker lives on it)."""
+    """A rollout source in this process: the task's `generate` over one engine, on one event loop kept
+    for the run (the engine's batching worker lives on it)."""
 
-    def __init__(self, cfg: Config, engine: Engine, tokenizer: Any, plugins: Plugins, progress: bool) -> None:
-        self.cfg, self.engine, self.tokenizer, self.progress = cfg, engine, tokenizer, progress
-        self.generate_fn, self.reward_fn = plugins.generate, plugins.reward
+    generates, in_process = True, True
+
+    def __init__(self, cfg: Config, engine: Engine, tokenizer: Any, task: Task, progress: bool) -> None:
+        self.cfg, self.engine, self.tokenizer, self.progress, self.task = cfg, engine, tokenizer, progress, task
+        self.reward_fn = task_reward(cfg, task)
         self.loop = asyncio.new_event_loop()
 
     def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,
                  slot_offset: int = 0) -> RolloutOutput:
         ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
                              reward_function=self.reward_fn, progress=self.progress, slot_offset=slot_offset)
-        return record_weight_version(self.loop.run_until_complete(self.generate_fn(ctx, list(records))),
+        return record_weight_version(self.loop.run_until_complete(self.task.generate(ctx, list(records))),
                                      weight_version)
 
     def sync_from(self, source: WeightSource) -> None:
@@ -274,6 +281,8 @@ class LocalRollout:
 
 class ReplayRollout:
     """Debug replay: a step's trajectories read back from `--save-rollouts` files; nothing generates."""
+
+    generates, in_process = False, False
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
@@ -294,7 +303,7 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     """The parts of a one-process run; `model`, `tokenizer`, `records` replace what the config names."""
     first = start_rollout_id(cfg, options.load, options.start_rollout_id)  # before anything loads
     start = run_start(cfg, tokenizer, records)
-    tokenizer, plugins = start.tokenizer, start.plugins
+    tokenizer = start.tokenizer
     model = model if model is not None else load_policy(cfg)
     # The reference model is the starting policy, also on resume: the actor copies it before any load.
     actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=trainer_device(cfg), load=options.load)
@@ -305,11 +314,11 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     # engine serves whatever its server loaded, so a resumed run syncs it to the checkpoint first.
     rollout: RolloutSource = (ReplayRollout(options.replay_rollouts) if options.replay_rollouts else
                               LocalRollout(cfg, training_engine(cfg, actor.merged_model(), tokenizer), tokenizer,
-                                           plugins, options.progress))
+                                           start.task, options.progress))
     if options.load is not None and cfg.rollout.engine == "openai" and not options.replay_rollouts:
         rollout.sync_from(actor.weight_source(options.run_root / "weights_sync", tokenizer))
     return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=actor,
-                         convert=plugins.convert, start_rollout_id=first)
+                         task=start.task, start_rollout_id=first)
 
 
 class Trainer:
@@ -323,7 +332,7 @@ class Trainer:
         try:  # a missing eval file fails here, before the first step, with nothing left running
             self.validator = self._validator()
             # The weight-sync canary's fixed probe; a replay has no engine to check.
-            checks = cfg.train.sync_check and not isinstance(self.parts.rollout, ReplayRollout)
+            checks = cfg.train.sync_check and self.parts.rollout.generates
             self._probe_ids = probe_ids(self.parts.tokenizer) if checks else None
         except BaseException:
             self._close_parts()
@@ -334,11 +343,11 @@ class Trainer:
         t = self.cfg.train
         if t.eval_interval == 0 and not t.eval_before_train:
             return None
-        if not isinstance(self.parts.rollout, LocalRollout):
+        if not self.parts.rollout.in_process:
             raise TrainingError("validation during training (train.eval_interval, train.eval_before_train) runs "
                                 "on the in-process rollout engine of the local runtime; a replay has no engine. "
                                 "Set train.eval_interval = 0 and evaluate checkpoints with memrl eval")
-        return Validator(self.cfg, self.opt.run_root, self.parts.tokenizer, progress=self.opt.progress)
+        return Validator(self.cfg, self.opt.run_root, self.parts.tokenizer, self.parts.task, progress=self.opt.progress)
 
     def _best_so_far(self) -> BestTracker | None:
         """The keep_best tracker; a resumed run goes on from its best.json (steps before the resume point)."""
@@ -376,12 +385,12 @@ class Trainer:
                 out = self._scored(parts.rollout.generate(rollout_id, parts.data.batch(rollout_id),
                                                           weight_version=version))
                 # A replay reads the step's saved rollout, which was filtered when it was generated.
-                if self.cfg.algorithm.filter_groups and not isinstance(parts.rollout, ReplayRollout):
+                if self.cfg.algorithm.filter_groups and parts.rollout.generates:
                     out = self._sample_informative_groups(rollout_id, out, version)
             check_trainable(rollout_id, out)
             with timer("convert"):  # a source that converted where it generated hands over its rows
-                rows = out.rows if out.rows is not None else parts.convert(out.trajectories, self.cfg.algorithm,
-                                                                           rollout_id)
+                rows = out.rows if out.rows is not None else parts.task.convert(out.trajectories, self.cfg.algorithm,
+                                                                                rollout_id)
             # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
             expected = out.train_row_count if out.train_row_count is not None else len(out.trajectories)
             if len(rows) != expected:
@@ -397,7 +406,8 @@ class Trainer:
     def _scored(self, out: RolloutOutput) -> RolloutOutput:
         """`out` with its per-turn scores (`score_rollout`), unless its source converted it where it was
         generated (a Ray rollout worker scores before it converts)."""
-        return out if out.rows is not None else score_rollout(out, self.parts.tokenizer, self.cfg.algorithm)
+        return out if out.rows is not None else score_rollout(out, self.parts.tokenizer, self.cfg.algorithm,
+                                                              self.parts.task)
 
     def _sample_informative_groups(self, rollout_id: int, first: RolloutOutput, version: int) -> RolloutOutput:
         """Dynamic sampling (memrl/rl/dynamic_sampling.py): chunk k takes the slots after the step's batch and
@@ -448,8 +458,8 @@ class Trainer:
         advantages = _trajectory_advantages(self.cfg, out.trajectories)
         # Rows left on Ray rollout workers (RowRefs) are not here: their turns' credit is not logged.
         turn_advantages = {(r.trajectory_id, r.turn_index): r.advantage for r in rows if isinstance(r, TrainRow)}
-        logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer, advantages.get(t.trajectory_id),
-                                                              turn_advantages)
+        logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer, parts.task,
+                                                              advantages.get(t.trajectory_id), turn_advantages)
                                         for t in out.trajectories + out.dropped])
         return metrics
 
@@ -529,7 +539,7 @@ class Trainer:
 
     def validate(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
         """Evaluate the eval sets with the engine's weights (those after step `rollout_id`) and log them."""
-        assert self.validator is not None and isinstance(self.parts.rollout, LocalRollout)
+        assert self.validator is not None and self.parts.rollout.in_process
         timer = StageTimer()
         with timer("eval"):
             metrics = self.validator.validate(rollout_id, self.parts.rollout.engine,

@@ -1,5 +1,5 @@
 """What a training run starts from, the same in one process and on Ray: seeds, tokenizer, policy, the
-training questions in their deterministic order, the plugins, and where a resumed run starts.
+training questions in their deterministic order, the task (memrl/task.py), and where a resumed run starts.
 
 `memrl.train.controller.local_parts` and `memrl.distributed.runtime.ray_parts` both begin with
 `run_start` and build the rest of their parts from these functions, so the two runtimes cannot drift
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from memrl.config import Config, ConfigError, import_object, load_pretrained
+from memrl.config import Config, ConfigError, load_pretrained
+from memrl.task import Task, load_task
 from memrl.train.checkpoint import read_state, resolve_checkpoint
 
 log = logging.getLogger("memrl.train")
@@ -113,35 +114,20 @@ class DataSource:
         return [self.records[order[k % len(order)]] for k in range(size)]
 
 
-@dataclass(frozen=True)
-class Plugins:
-    """The extension points, loaded by import path (MemAgent's by default)."""
-
-    generate: Callable[..., Any]
-    convert: Callable[..., Any]
-    reward: Callable[..., Any]
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> Plugins:
-        p = cfg.plugins
-        return cls(import_object(p.generate_function), import_object(p.convert_function),
-                   import_object(p.reward_function))
-
-
-def score_rollout(out: Any, tokenizer: Any, algorithm: Any) -> Any:
+def score_rollout(out: Any, tokenizer: Any, algorithm: Any, task: Task) -> Any:
     """Per-turn scores of one generation batch, where it was generated and before dynamic sampling keeps
-    some of its groups (`memrl.rl.turn_rewards`: the memory-recall metrics into `out.metrics`, so they are
+    some of its groups (`memrl.rl.turn_rewards`: the task's turn metrics into `out.metrics`, so they are
     the whole batch's like every other metric of the step; turn texts and rewards for the advantage)."""
     from memrl.rl.turn_rewards import score_turns
 
-    out.metrics.update(score_turns(out.trajectories, tokenizer, algorithm))
+    out.metrics.update(score_turns(out.trajectories, tokenizer, algorithm, task))
     return out
 
 
-def rows_of(out: Any, tokenizer: Any, algorithm: Any, convert: Callable[..., Any], rollout_id: int) -> list[Any]:
-    """A Ray rollout worker's rows of its slice: scored (`score_rollout`), then the configured converter. The
+def rows_of(out: Any, tokenizer: Any, algorithm: Any, task: Task, rollout_id: int) -> list[Any]:
+    """A Ray rollout worker's rows of its slice: scored (`score_rollout`), then the task's converter. The
     loop does the same in two steps, scoring each batch as it arrives and converting the groups it keeps."""
-    return convert(score_rollout(out, tokenizer, algorithm).trajectories, algorithm, rollout_id)
+    return task.convert(score_rollout(out, tokenizer, algorithm, task).trajectories, algorithm, rollout_id)
 
 
 def start_rollout_id(cfg: Config, load: Path | None, requested: int | None) -> int:
@@ -192,14 +178,14 @@ class RunStart:
 
     tokenizer: Any
     data: DataSource
-    plugins: Plugins
+    task: Task
 
 
 def run_start(cfg: Config, tokenizer: Any = None, records: Sequence[Any] | None = None) -> RunStart:
-    """Seed every generator, then the tokenizer, the data order and the plugins (`tokenizer` and `records`
+    """Seed every generator, then the tokenizer, the data order and the task (`tokenizer` and `records`
     replace what the config names); warns where the config asks for something lossy (top_p < 1)."""
     seed_everything(cfg.train.seed)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    start = RunStart(tokenizer, DataSource.from_config(cfg, records), Plugins.from_config(cfg))
+    start = RunStart(tokenizer, DataSource.from_config(cfg, records), load_task(cfg))
     warn_about_top_p(cfg)
     return start

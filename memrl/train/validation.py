@@ -1,7 +1,7 @@
 """Validation during training (`train.eval_interval`, `train.eval_before_train`) and the best checkpoint.
 
 Each eval set (`eval.sets`, or `data.heldout_file` + `data.eval_files`) runs through `memrl eval`'s own
-runner and scorer (`memrl.eval.runner.evaluate_records`) on the training engine, which holds the policy's
+runner and the run's task (`memrl.eval.runner.evaluate_records`) on the training engine, which holds the policy's
 weights of the step just trained (synced at the end of every step). Sample 0 of a set is exactly what
 `memrl eval --data FILE` of that step's checkpoint computes with the same settings (same per-question
 seeds); sample s uses `rollout.seed + s`. The engine's sampling draws from per-request generators, so
@@ -29,6 +29,7 @@ from memrl.data.records import QuestionRecord
 from memrl.engines.base import Engine
 from memrl.eval.results import METRICS
 from memrl.eval.runner import evaluate_records, load_eval_data
+from memrl.task import Task
 from memrl.train.checkpoint import checkpoint_name
 from memrl.train.setup import TrainingError
 
@@ -72,8 +73,8 @@ def validation_name(rollout_id: int) -> str:
 class Validator:
     """Loads the eval sets once (a missing file fails the run before its first step) and validates."""
 
-    def __init__(self, cfg: Config, run_root: Path, tokenizer: Any, progress: bool = False) -> None:
-        self.cfg, self.run_root, self.tokenizer, self.progress = cfg, Path(run_root), tokenizer, progress
+    def __init__(self, cfg: Config, run_root: Path, tokenizer: Any, task: Task, progress: bool = False) -> None:
+        self.cfg, self.run_root, self.tokenizer, self.task, self.progress = cfg, Path(run_root), tokenizer, task, progress
         self.sets = [self._load(spec) for spec in eval_set_configs(cfg)]
 
     def _load(self, spec: EvalSetConfig) -> EvalSet:
@@ -106,7 +107,7 @@ class Validator:
                 summaries.append(run(evaluate_records(
                     engine, self.tokenizer, set_config(self.cfg, eval_set.spec, sample), eval_set.records, out,
                     model_name=f"{self.run_root.resolve()}:{validation_name(rollout_id)}",
-                    data_sha256=eval_set.sha256, data_path=str(eval_set.path), progress=self.progress)))
+                    data_sha256=eval_set.sha256, data_path=str(eval_set.path), progress=self.progress, task=self.task)))
             for metric in METRICS:
                 values = [s["metrics"][metric]["value"] for s in summaries]
                 metrics[f"{EVAL_DIR}/{name}/{metric}"] = sum(values) / len(values)

@@ -109,7 +109,7 @@ def _check_record(record: Any, kind: tuple[dict[str, str], str, str], where: str
 
 
 def _is_hit(hit: Any, num_golds: int) -> bool:
-    """One `[gold index, occurrences, excerpt, start, end]` of memrl.memagent.rollout.chunk_gold_hits."""
+    """One `[gold index, occurrences, excerpt, start, end]` of MemAgent's chunk_gold_hits (memagent/rollout.py)."""
     if not (isinstance(hit, list) and len(hit) == 5 and isinstance(hit[2], str)
             and all(_is_int(hit[k]) for k in (0, 1, 3, 4))):
         return False
@@ -133,7 +133,7 @@ def _result(line: dict[str, Any], golds: list[str], extractor: str) -> dict[str,
     answer = line.get("answer") or ""
     if "em" in line:  # an eval line: its own scores
         boxed, em, f1, sub_em = line.get("boxed"), line.get("em"), line.get("f1"), line.get("sub_em")
-        reward = line.get("reward", em)  # the training reward is the EM (memrl.memagent.reward)
+        reward = line.get("reward", em)  # the training reward is the EM (memrl.task.trajectory_reward)
     else:  # a rollout record: scored here as eval scores it; a truncated answer scores 0 (docs/design.md §2)
         score = score_answer(answer, golds, extractor)
         done = line.get("status") == "complete"

@@ -15,11 +15,11 @@ from memrl.data.synthetic import (
     FACT_TOKENS,
     SyntheticTaskError,
     TaskSpec,
-    demonstration_turns,
     make_splits,
     prepare_synthetic,
     task_tokenizer,
 )
+from memrl.memagent.demonstrations import demonstration_turns
 from memrl.memagent.prompts import PromptBuilder
 from memrl.memagent.rollout import document_chunks
 from memrl.scoring import reward_from_text

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from memrl.memagent.rollout import generate_rollout
+from memrl.memagent.task import MemAgentTask
 
 
 def parity_reward(traj, golds):
@@ -10,8 +10,10 @@ def parity_reward(traj, golds):
     return float(traj.turns[-1].response_ids[0] % 2 == 0)
 
 
-async def generate_or_hang(ctx, records):
-    """The built-in rollout, except that a question with id "hang" never finishes (a stuck worker)."""
-    if any(r.id == "hang" for r in records):
-        await asyncio.sleep(3600)
-    return await generate_rollout(ctx, records)
+class HangingTask(MemAgentTask):
+    """The built-in task, except that a question with id "hang" never finishes (a stuck worker)."""
+
+    async def generate(self, ctx, records):
+        if any(r.id == "hang" for r in records):
+            await asyncio.sleep(3600)
+        return await super().generate(ctx, records)

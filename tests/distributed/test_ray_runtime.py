@@ -181,7 +181,7 @@ def test_trajectory_level_options_on_two_ranks_give_the_single_process_weights(t
 
 
 def test_rollout_workers_dead_or_hung_fail_the_step_within_their_timeout(tokenizer, handles):
-    cfg = config(plugins={"generate_function": "ray_test_plugins:generate_or_hang"},
+    cfg = config(plugins={"task": "ray_test_plugins:HangingTask"},
                  ray_section={"num_rollout_workers": 2, "rollout_timeout_s": 60})
     settings = cfg.ray
     _, opts = _scheduling(ray, settings, 1, handles)
@@ -311,8 +311,7 @@ def test_fsdp_trainers_feed_a_served_engine_through_a_weights_folder(cluster, tm
 def test_single_turn_task_on_two_rollout_workers_equals_one_process_row_for_row(cluster, tokenizer, tmp_path):
     # The framework numbers slots (memrl.rollout): a worker serving the second half of a batch names groups and
     # seeds requests as one process does, whatever the task plugin (the single-turn task once numbered from 0).
-    single_turn = {"generate_function": "memrl.tasks.single_turn:generate_single_turn",
-                   "convert_function": "memrl.rl.plain:convert_one_row_per_trajectory"}
+    single_turn = {"task": "memrl.tasks.single_turn:SingleTurnTask"}
     runs = {}
     for name, runtime in (("local", "local"), ("ray", "ray")):
         cfg = config(plugins=single_turn, ray_section={"num_rollout_workers": 2}, rollout_batch_size=4,

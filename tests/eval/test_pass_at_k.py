@@ -95,7 +95,7 @@ def test_pass_at_k_reads_the_question_limit(tiny_tokenizer, tmp_path, monkeypatc
 @pytest.mark.parametrize(("key", "words"), [
     ("train.lr=1e-5", "does not read 'train.lr'"),
     ("data.dir=/data", "the candidates are --data FILE"),
-    ("plugins.reward_function=x:y", "does not read 'plugins.reward_function'"),
+    ("queue.timeout_s=5", "does not read 'queue.timeout_s'"),
     ("algorithm.kl_coef=0", "it reads model.*, rollout.*, eval.limit"),
 ])
 def test_pass_at_k_refuses_a_key_it_would_ignore(tiny_tokenizer, tmp_path, monkeypatch, key, words):

@@ -395,11 +395,12 @@ def test_a_results_line_scores_as_the_training_reward(status, answer):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
     from traj_factory import make_trajectory
 
-    from memrl.memagent.reward import score_trajectory, trajectory_reward
+    from memrl.memagent.task import MemAgentTask
+    from memrl.task import score_trajectory, trajectory_reward
 
     traj = make_trajectory("q/s0", "q", 2, reward=None, status=status, answer=answer)
     record = QuestionRecord(id="q", question="Capital of France?", answers=["Paris"], context="", metadata={})
-    line = sample_line(record, traj, latency_s=0.1)
+    line = sample_line(record, traj, latency_s=0.1, task=MemAgentTask())
     score = score_trajectory(traj, ["Paris"])
     assert (line["em"], line["sub_em"], line["f1"]) == (score.em, score.sub_em, score.f1)
     assert line["em"] == trajectory_reward(traj, ["Paris"])

@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memrl.config import AlgorithmConfig, Config, import_object, load_config
+from memrl.config import AlgorithmConfig, Config, load_config
 from memrl.memagent.convert import convert_trajectories, count_train_rows
 from memrl.rl.advantages import grpo_advantages, trajectory_advantages
 from memrl.rl.validate import TrajectoryError, validate_train_rows
+from memrl.task import load_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
 from traj_factory import make_group, make_trajectory  # noqa: E402
@@ -32,8 +33,9 @@ def _rows_by_key(rows):
     return {(r.trajectory_id, r.turn_index): r for r in rows}
 
 
-def test_is_the_configured_convert_function():
-    assert import_object(Config().plugins.convert_function) is convert_trajectories
+def test_is_the_default_tasks_converter(monkeypatch):
+    monkeypatch.setattr("memrl.memagent.task.convert_trajectories", lambda ts, a, r: ["rows of", ts, r])
+    assert load_task(Config()).convert(["t"], AlgorithmConfig(), 3) == ["rows of", ["t"], 3]
 
 
 def test_split_and_share_values_by_hand():

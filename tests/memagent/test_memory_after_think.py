@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from memrl.config import Config, load_config
 from memrl.eval.results import eval_format
 from memrl.memagent.rollout import generate_group, memory_after_think
-from memrl.rollout import RolloutContext
+from memrl.rollout import GroupSlot, RolloutContext
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "memagent-official-eval.yaml"
 REPLY = "<think>The section names a capital.</think>\n\nFacts: Paris."
@@ -35,7 +35,7 @@ def rollout_with(tokenizer, **rollout):
                          reward_function=lambda traj, golds: 0.0, progress=False)
     record = SimpleNamespace(id="q", question="What is the capital?", answers=["Paris"],
                              context=" ".join(f"fact{k} is alpha{k}." for k in range(6)))
-    (traj,) = asyncio.run(generate_group(ctx, record))
+    (traj,) = asyncio.run(generate_group(ctx, GroupSlot(0, record, f"0:{record.id}"), cfg.rollout.n_samples))
     return traj, engine
 
 

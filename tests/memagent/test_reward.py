@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memrl.config import Config, import_object
-from memrl.memagent.reward import score_trajectory, trajectory_reward
+from memrl.config import Config
 from memrl.scoring import reward_from_text
+from memrl.task import load_task, score_trajectory, trajectory_reward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
 from traj_factory import make_trajectory  # noqa: E402
@@ -21,8 +21,10 @@ def _traj(answer: str, status: str = "complete", memory_turns: int = 2):
     return make_trajectory("q/s0", "q", memory_turns, reward=None, status=status, answer=answer)
 
 
-def test_is_the_configured_reward_function():
-    assert import_object(Config().plugins.reward_function) is trajectory_reward
+def test_is_the_default_tasks_reward(monkeypatch):
+    calls = []
+    monkeypatch.setattr("memrl.task.trajectory_reward", lambda traj, golds: calls.append(golds) or 1.0)
+    assert load_task(Config()).reward(_traj("x"), ["g"]) == 1.0 and calls == [["g"]]
 
 
 @pytest.mark.parametrize("answer, golds, expected", [
@@ -111,7 +113,7 @@ def test_rollout_reward_reads_the_configured_extractor(tiny_tokenizer, extractor
     from scripted_engine import ScriptedEngine
 
     from memrl.memagent.rollout import generate_group
-    from memrl.rollout import RolloutContext
+    from memrl.rollout import GroupSlot, RolloutContext
 
     cfg = Config.model_validate({"rollout": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 32,
                                              "max_chunks": 2, "n_samples": 2, "answer_extractor": extractor}})
@@ -119,7 +121,7 @@ def test_rollout_reward_reads_the_configured_extractor(tiny_tokenizer, extractor
     ctx = RolloutContext(engine=engine, tokenizer=tiny_tokenizer, config=cfg, reward_function=trajectory_reward,
                          progress=False)
     record = SimpleNamespace(id="q", question="What is fact3?", answers=["alpha3"], context="fact3 is alpha3.")
-    group = asyncio.run(generate_group(ctx, record))
+    group = asyncio.run(generate_group(ctx, GroupSlot(0, record, f"0:{record.id}"), cfg.rollout.n_samples))
     assert [t.status for t in group] == ["complete"] * 2
     assert [t.reward for t in group] == [expected] * 2
     assert all(t.metadata["answer_extractor"] == extractor for t in group)

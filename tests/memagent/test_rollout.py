@@ -7,14 +7,15 @@ from fake_engine import FakeEngine
 from memrl.config import Config
 from memrl.engines.base import GenerationResult
 from memrl.memagent.rollout import (
+    builder_of,
     chunk_gold_hits,
     document_chunks,
     generate_group,
-    generate_rollout,
     rollout_metrics,
 )
+from memrl.memagent.task import MemAgentTask
 from memrl.rl.validate import validate_groups, validate_trajectory
-from memrl.rollout import RolloutContext, request_seed
+from memrl.rollout import GroupSlot, RolloutContext, request_seed
 
 
 def make_ctx(tokenizer, engine, **rollout):
@@ -22,6 +23,11 @@ def make_ctx(tokenizer, engine, **rollout):
                                              "max_chunks": 3, "n_samples": 4, **rollout}})
     return RolloutContext(engine=engine, tokenizer=tokenizer, config=cfg, rollout_id=3,
                           reward_function=lambda traj, golds: float(traj.answer.strip() in golds), progress=False)
+
+
+def one_group(ctx, rec, n=None):
+    """One group of `rec` keyed "<rollout_id>:<id>" (no slot), `n` samples (default rollout.n_samples)."""
+    return generate_group(ctx, GroupSlot(0, rec, f"{ctx.rollout_id}:{rec.id}"), n or ctx.config.rollout.n_samples)
 
 
 def word_ids(tokenizer):
@@ -42,7 +48,7 @@ def test_turn_structure_and_caps(tiny_tokenizer):
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
     ctx = make_ctx(tiny_tokenizer, engine)
     rec = record()
-    group = run(generate_group(ctx, rec))
+    group = run(one_group(ctx, rec))
     assert len(group) == 4
     n_chunks = group[0].metadata["chunks"]["num_chunks"]
     assert n_chunks == 3 and group[0].metadata["chunks"]["truncated"]
@@ -63,14 +69,14 @@ def test_turn_structure_and_caps(tiny_tokenizer):
 def test_memory_turn_prompt_carries_previous_memory_and_final_prompt_no_chunk(tiny_tokenizer):
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
     ctx = make_ctx(tiny_tokenizer, engine, n_samples=1)
-    traj = run(generate_group(ctx, record()))[0]
-    stop = set(ctx.builder.stop_token_ids)
+    traj = run(one_group(ctx, record()))[0]
+    stop = set(builder_of(ctx).stop_token_ids)
     for prev, nxt in zip(traj.turns, traj.turns[1:], strict=False):
         memory = [t for t in prev.response_ids if t not in stop][:8]
         if len(memory) >= 2:
             assert any(nxt.prompt_ids[k:k + len(memory)] == memory for k in range(len(nxt.prompt_ids)))
     final = traj.turns[-1].prompt_ids
-    chunk_ids = ctx.builder.tokenizer(record().context, add_special_tokens=False)["input_ids"]
+    chunk_ids = builder_of(ctx).tokenizer(record().context, add_special_tokens=False)["input_ids"]
     for k in range(0, len(chunk_ids) - 6, 3):
         window = chunk_ids[k:k + 6]
         assert not any(final[j:j + 6] == window for j in range(len(final)))
@@ -80,7 +86,7 @@ def test_empty_document_goes_straight_to_final_turn(tiny_tokenizer):
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
     ctx = make_ctx(tiny_tokenizer, engine, n_samples=2)
     rec = SimpleNamespace(id="e", question="Q?", answers=["x"], context="")
-    group = run(generate_group(ctx, rec))
+    group = run(one_group(ctx, rec))
     assert all([t.kind for t in traj.turns] == ["final"] for traj in group)
 
 
@@ -89,7 +95,7 @@ def test_one_failed_request_fails_only_its_trajectory_and_group(tiny_tokenizer):
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id,
                         fail_when=lambda req: req.seed == bad_seed)
     ctx = make_ctx(tiny_tokenizer, engine)
-    out = run(generate_rollout(ctx, [record("q1"), record("q2")]))
+    out = run(MemAgentTask().generate(ctx, [record("q1"), record("q2")]))
     assert {t.group_id for t in out.trajectories} == {"r3:0:q1"}
     failed = [t for t in out.dropped if t.status == "failed"]
     assert len(failed) == 1 and "injected failure" in failed[0].error and "memory turn 1" in failed[0].error
@@ -100,7 +106,7 @@ def test_one_failed_request_fails_only_its_trajectory_and_group(tiny_tokenizer):
 def test_seeded_rollout_is_deterministic(tiny_tokenizer):
     def once():
         engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
-        return run(generate_rollout(make_ctx(tiny_tokenizer, engine), [record("q1"), record("q2")]))
+        return run(MemAgentTask().generate(make_ctx(tiny_tokenizer, engine), [record("q1"), record("q2")]))
 
     a, b = once(), once()
     assert [t.to_dict() for t in a.trajectories] == [t.to_dict() for t in b.trajectories]
@@ -112,7 +118,7 @@ def test_trajectories_do_not_run_in_lockstep(tiny_tokenizer):
     """All trajectories of a step are in flight together: the engine sees many concurrent requests."""
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id, delay_s=0.01)
     ctx = make_ctx(tiny_tokenizer, engine)
-    run(generate_rollout(ctx, [record("q1"), record("q2", n_words=3)]))
+    run(MemAgentTask().generate(ctx, [record("q1"), record("q2", n_words=3)]))
     assert engine.max_in_flight == 8
 
 
@@ -122,20 +128,20 @@ def test_engine_exception_is_recorded_not_raised(tiny_tokenizer):
             raise RuntimeError("boom")
 
     ctx = make_ctx(tiny_tokenizer, Broken([5], 2), n_samples=2)
-    group = run(generate_group(ctx, record()))
+    group = run(one_group(ctx, record()))
     assert all(t.status == "failed" and "boom" in t.error and t.reward == 0.0 for t in group)
 
 
 @pytest.mark.parametrize("n_words", [1, 40])
 def test_row_count_equals_total_turns(tiny_tokenizer, n_words):
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
-    out = run(generate_rollout(make_ctx(tiny_tokenizer, engine), [record("a", n_words), record("b", 5)]))
+    out = run(MemAgentTask().generate(make_ctx(tiny_tokenizer, engine), [record("a", n_words), record("b", 5)]))
     assert out.train_row_count == sum(t.num_turns for t in out.trajectories)
 
 
 def test_same_question_twice_in_a_batch_gets_two_groups(tiny_tokenizer):
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
-    out = run(generate_rollout(make_ctx(tiny_tokenizer, engine), [record("q1"), record("q1")]))
+    out = run(MemAgentTask().generate(make_ctx(tiny_tokenizer, engine), [record("q1"), record("q1")]))
     assert sorted({t.group_id for t in out.trajectories}) == ["r3:0:q1", "r3:1:q1"]
     validate_groups(out.trajectories)
 
@@ -145,8 +151,8 @@ class ScriptedEngine:
     """Answers every request from `respond(key, sample, turn)` and logs when each one starts and ends.
 
     The (key, sample, turn) of a request is read back from its seed (`request_seed` is public and stable);
-    `key` is the rollout's seed key: "<rollout_id>:<record id>" for `generate_group`,
-    "<rollout_id>:<slot>:<record id>" for `generate_rollout`. `respond` may be a coroutine function.
+    `key` is the rollout's seed key: "<rollout_id>:<record id>" for `one_group`,
+    "<rollout_id>:<slot>:<record id>" for `MemAgentTask.generate`. `respond` may be a coroutine function.
     Requests of one `generate` call are served concurrently, so a batch waits for its slowest request.
     """
 
@@ -187,11 +193,11 @@ def test_empty_memory_update_replaces_the_old_memory(tiny_tokenizer):
     eos = tiny_tokenizer.eos_token_id
     # The prompts the test expects once the memory is empty; turn 0's memory uses ids that occur in
     # neither, so finding any of them there can only mean the old memory leaked through.
-    want_turn2 = ctx.builder.memory_prompt_ids(rec.question, [], chunks[2])
+    want_turn2 = builder_of(ctx).memory_prompt_ids(rec.question, [], chunks[2])
     unused = [i for i in word_ids(tiny_tokenizer)
-              if i not in set(want_turn2) | set(ctx.builder.final_prompt_ids(rec.question, []))]
+              if i not in set(want_turn2) | set(builder_of(ctx).final_prompt_ids(rec.question, []))]
     memory0, memory2 = unused[:4], unused[4:5]
-    want_final = ctx.builder.final_prompt_ids(rec.question, memory2)
+    want_final = builder_of(ctx).final_prompt_ids(rec.question, memory2)
 
     def respond(key, sample, turn):
         if turn == 0:
@@ -202,10 +208,10 @@ def test_empty_memory_update_replaces_the_old_memory(tiny_tokenizer):
 
     engine = ScriptedEngine(ctx, ["3:q1"], respond)
     ctx.engine = engine
-    traj = run(generate_group(ctx, rec))[0]
+    traj = run(one_group(ctx, rec))[0]
     assert traj.status == "complete" and [t.kind for t in traj.turns] == ["memory"] * 3 + ["final"]
     assert contains_run(engine.requests["3:q1", 0, 1].prompt_ids, memory0)  # turn 1 did see turn 0's memory
-    no_memory = ctx.builder.tokenizer(ctx.config.rollout.no_memory_text, add_special_tokens=False)["input_ids"]
+    no_memory = builder_of(ctx).tokenizer(ctx.config.rollout.no_memory_text, add_special_tokens=False)["input_ids"]
     got = engine.requests["3:q1", 0, 2].prompt_ids
     assert not set(memory0) & set(got), "turn 2 still carries turn 0's memory"
     assert not contains_run(got, no_memory), "turn 2 shows the no-memory text for an empty memory"
@@ -230,7 +236,7 @@ def test_memory_truncations_are_counted(tiny_tokenizer):
         return [words[0], eos], "stop"  # final turn
 
     ctx.engine = ScriptedEngine(ctx, ["3:0:q1"], respond, n_samples=2)
-    out = run(generate_rollout(ctx, [record("q1")]))
+    out = run(MemAgentTask().generate(ctx, [record("q1")]))
     assert len(out.trajectories) == 2
     for traj in out.trajectories:
         assert traj.status == "complete"
@@ -267,7 +273,7 @@ def test_a_short_trajectory_does_not_wait_for_a_slow_turn_of_another(tiny_tokeni
 
     engine = ScriptedEngine(ctx, ["3:0:qa", "3:1:qb"], respond)
     ctx.engine = engine
-    out = run(generate_rollout(ctx, [rec_a, rec_b]))
+    out = run(MemAgentTask().generate(ctx, [rec_a, rec_b]))
     assert [len(t.turns) for t in out.trajectories] == [4, 2] and not out.dropped
     log = engine.log
     assert log.index(("start", "3:1:qb", 1)) < log.index(("end", "3:0:qa", 0)), log
@@ -278,7 +284,7 @@ def test_rollout_records_the_gold_positions_the_search_finds(tiny_tokenizer):
     engine = FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id)
     ctx = make_ctx(tiny_tokenizer, engine)
     rec = SimpleNamespace(**{**vars(record(n_words=6)), "answers": ["alpha0", "alpha5"]})
-    out = run(generate_rollout(ctx, [rec]))
+    out = run(MemAgentTask().generate(ctx, [rec]))
     expected = chunk_gold_hits(tiny_tokenizer, document_chunks(tiny_tokenizer, ctx.config.rollout, rec.context),
                                rec.answers)
     assert any(expected) and [t.metadata["chunk_golds"] for t in out.trajectories] == [expected] * 4
@@ -308,6 +314,6 @@ def test_the_gold_search_runs_once_per_group_off_the_event_loop(tiny_tokenizer, 
 
     monkeypatch.setattr(rollout, "chunk_gold_hits", spy)
     ctx = make_ctx(tiny_tokenizer, Engine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id))
-    out = run(generate_rollout(ctx, [record("q1"), record("q2"), record("q3")]))
+    out = run(MemAgentTask().generate(ctx, [record("q1"), record("q2"), record("q3")]))
     assert len(out.trajectories) == 12 and len(calls) == 3  # 3 groups of 4 samples
     assert all(ok for _, ok in calls) and not {ident for ident, _ in calls} & loop_threads

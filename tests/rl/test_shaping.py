@@ -8,6 +8,7 @@ from traj_factory import make_group, make_trajectory, make_turn
 from memrl.config import AlgorithmConfig, ConfigError
 from memrl.memagent.convert import convert_trajectories, count_train_rows
 from memrl.memagent.reward import gold_in_text, memory_recall
+from memrl.memagent.task import MemAgentTask
 from memrl.rl.advantages import AdvantageError
 from memrl.rl.shaping import overlong_penalty
 from memrl.rl.turn_rewards import score_turns
@@ -91,7 +92,7 @@ def test_memory_recall_and_the_gold_recall_curve():
         for turn, h in zip(traj.turns, hit + [False], strict=True):
             words[turn.response_ids[0]] = "Paris" if h else "Rome"
     cfg = AlgorithmConfig(turn_reward_function="memrl.memagent.reward:memory_recall")
-    metrics = score_turns(group, WordTokenizer(words), cfg)
+    metrics = score_turns(group, WordTokenizer(words), cfg, MemAgentTask())
     assert metrics == {"memory/gold_recall/turn_0": 1.0, "memory/gold_recall/turn_1": 0.5,
                        "memory/gold_recall/mean": 0.75}
     assert group[0].metadata["turn_rewards"] == [1.0, 0.0, 0.0]
@@ -100,5 +101,5 @@ def test_memory_recall_and_the_gold_recall_curve():
     plain = make_group("h", [1.0, 0.0], num_memory_turns=2)
     for traj in plain:
         traj.metadata["golds"] = ["Paris"]
-    assert "memory/gold_recall/turn_0" in score_turns(plain, WordTokenizer({}), AlgorithmConfig())
+    assert "memory/gold_recall/turn_0" in score_turns(plain, WordTokenizer({}), AlgorithmConfig(), MemAgentTask())
     assert "turn_rewards" not in plain[0].metadata

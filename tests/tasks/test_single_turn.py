@@ -1,4 +1,5 @@
-"""The plain 1:1 path end to end: a single-turn task trains through the same loop with no row count."""
+"""The second task (memrl.tasks.single_turn) end to end: the plain 1:1 path trains through the same loop with
+no row count, and every command runs it, named by `plugins.task` alone."""
 
 import json
 
@@ -6,6 +7,7 @@ import pytest
 
 from memrl.config import Config
 from memrl.data.records import QuestionRecord
+from memrl.tasks.single_turn import SingleTurnTask
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 from memrl.train.controller import Trainer, TrainOptions
 
@@ -21,9 +23,7 @@ def test_single_turn_task_trains_one_row_per_trajectory(tmp_path):
     cfg = Config.model_validate({
         "rollout": {"final_tokens": 4, "n_samples": 4, "max_batch_size": 8},
         "train": {"num_rollout": 2, "rollout_batch_size": 2, "lr": 1e-3, "save_interval": 10},
-        "plugins": {"generate_function": "memrl.tasks.single_turn:generate_single_turn",
-                    "convert_function": "memrl.rl.plain:convert_one_row_per_trajectory",
-                    "reward_function": f"{__name__}:first_token_even"},
+        "plugins": {"task": "memrl.tasks.single_turn:SingleTurnTask", "reward_function": f"{__name__}:first_token_even"},
     })
     records = [QuestionRecord(id=f"q{k}", question="Which city?", answers=["Paris"], context=f"Text {k}: Paris.",
                               metadata={}) for k in range(3)]
@@ -36,3 +36,72 @@ def test_single_turn_task_trains_one_row_per_trajectory(tmp_path):
     assert all(m["rows/saved"] == m["rows/transferred"] == 8 for m in history)
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and json.loads(lines[1])["rollout_id"] == 1
+
+
+# ------------------------------------------------------------------------------------------ every command
+# The second task through `memrl train` (with validation), `memrl eval`, `memrl pass-at-k` and `memrl view`,
+# named only by `plugins.task`: a subclass that records who asked for which group (issue 25).
+
+CALLS: list[tuple[str, str, int]] = []
+
+
+class RecordingTask(SingleTurnTask):
+    async def sample_group(self, ctx, group, n):
+        CALLS.append((ctx.phase, group.group_id, n))
+        return await super().sample_group(ctx, group, n)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from memrl.data.manifest import write_manifest
+    from memrl.data.records import write_jsonl
+    from memrl.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("single_turn")
+    model = save_tiny_model(root / "model", layers=1, hidden=32)
+    records = [QuestionRecord(f"q{i}", "Which city?", ["Paris"], f"Text {i}: Paris.") for i in range(3)]
+    write_jsonl(root / "data" / "hotpotqa_train.jsonl", records)
+    write_jsonl(root / "data" / "hotpotqa_heldout.jsonl", records[:2])
+    write_manifest(root / "data", {"hotpotqa_train.jsonl": 3, "hotpotqa_heldout.jsonl": 2}, "test", {})
+    return root, model
+
+
+def invoke(*args):
+    from typer.testing import CliRunner
+
+    from memrl.cli import app
+
+    CALLS.clear()
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result.output
+
+
+TASK = ["--set", f"plugins.task={__name__}:RecordingTask", "--set", "rollout.final_tokens=4"]
+
+
+def test_the_second_task_trains_and_validates_through_memrl_train(folders, tmp_path):
+    root, model = folders
+    invoke("train", "--run-root", tmp_path / "run", "--no-progress", *TASK, "--set", f"model.path={model}",
+           "--set", f"data.dir={root / 'data'}", "--set", "rollout.n_samples=2", "--set", "train.rollout_batch_size=2",
+           "--set", "train.num_rollout=1", "--set", "train.eval_interval=1")
+    assert CALLS == [("train", "r0:0:q0", 2), ("train", "r0:1:q1", 2), ("eval", "eval:q0", 1), ("eval", "eval:q1", 1)]
+    log = [json.loads(line) for line in (tmp_path / "run" / "logs" / "rollouts" / "rollout_0000000.jsonl").open()]
+    assert len(log) == 4 and all([t["kind"] for t in r["turns"]] == ["final"] for r in log)
+    assert "num_chunks" not in log[0]  # MemAgent's fields are MemAgent's
+    lines = [json.loads(line) for line in next((tmp_path / "run" / "eval" / "heldout").glob("*/results.jsonl")).open()]
+    assert [(line["id"], line["turns"]) for line in lines] == [("q0", 1), ("q1", 1)]
+    assert "trajectories" in invoke("view", tmp_path / "run")
+
+
+def test_the_second_task_through_memrl_eval_pass_at_k_and_view(folders, tmp_path):
+    root, model = folders
+    data = root / "data" / "hotpotqa_heldout.jsonl"
+    invoke("eval", "--model", model, "--data", data, "--out", tmp_path / "eval", "--no-progress", *TASK)
+    assert sorted(CALLS) == [("eval", "eval:q0", 1), ("eval", "eval:q1", 1)]
+    lines = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").open()]
+    assert [[t["kind"] for t in line["trace"]] for line in lines] == [["final"], ["final"]]
+    assert "2 questions" in invoke("view", tmp_path / "eval")
+    invoke("pass-at-k", "--model", model, "--data", data, "--out", tmp_path / "counts.json", "--k", 3, *TASK)
+    assert sorted(CALLS) == [("train", "r0:0:q0", 3), ("train", "r0:1:q1", 3)]
+    assert set(json.loads((tmp_path / "counts.json").read_text())["pass_counts"]) == {"q0", "q1"}

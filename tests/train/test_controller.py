@@ -168,14 +168,15 @@ def test_engine_uses_actor_weights_after_sync(tokenizer, tmp_path, temperature):
 
 def test_expanded_rollout_without_row_count_is_an_error(tokenizer, tmp_path, monkeypatch):
     trainer = make_trainer(tokenizer, tmp_path / "run", config())
-    real = trainer.parts.rollout.generate_fn
+    task = trainer.parts.rollout.task
+    real = task.generate
 
     async def no_count(ctx, recs):
         out = await real(ctx, recs)
         out.train_row_count = None
         return out
 
-    trainer.parts.rollout.generate_fn = no_count
+    monkeypatch.setattr(task, "generate", no_count)
     with pytest.raises(TrainingError, match="no train_row_count"):
         trainer.run()
 

@@ -1,0 +1,81 @@
+"""Demonstrations of the synthetic memory task (memrl.data.synthetic) for the supervised warm start: the
+memory/answer turns a reader that keeps the answer fact would write, built with MemAgent's own prompts
+and chunks (so they are MemAgent's, and live here rather than in the data module)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from memrl.data.records import QuestionRecord
+from memrl.data.synthetic import (
+    ATTRIBUTES,
+    FACT_TOKENS,
+    UNKNOWN,
+    SyntheticTaskError,
+    answer_text,
+    fact_text,
+)
+from memrl.memagent.rollout import document_chunks
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, rollout_cfg: Any,
+                        keep_prob: float, rng: random.Random, miss: str = "forget",
+                        unknown_answer: str = "guess") -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, response_ids) of every turn of one demonstrated trajectory, memory turns then final.
+
+    Prompts are built by the rollout's own `PromptBuilder` from the rollout's own chunks, so the warm
+    start sees exactly the prompts the MemAgent loop will produce; responses end with the end-of-turn
+    token the engine stops on. At the answer chunk the memory keeps the answer fact with probability
+    `keep_prob`; else (`miss`) it overlooks it and stays "unknown" (`forget`; the final answer is then a
+    guess among the attribute's values) or keeps a distractor of that chunk (`distractor`).
+    The final answer boxes the value held in memory; when the memory holds none, `unknown_answer`
+    decides: `guess` boxes a random value of the attribute (right 1 time in 6), `abstain` boxes
+    "unknown" (never right: a reader that answers only from its memory).
+    """
+    if miss not in ("forget", "distractor"):
+        raise SyntheticTaskError(f"miss must be 'forget' or 'distractor', got {miss!r}")
+    if unknown_answer not in ("guess", "abstain"):
+        raise SyntheticTaskError(f"unknown_answer must be 'guess' or 'abstain', got {unknown_answer!r}")
+    meta = record.metadata
+    per_chunk = meta["facts_per_chunk"]
+    chunks = document_chunks(tokenizer, rollout_cfg, record.context)
+    if rollout_cfg.chunk_tokens != FACT_TOKENS * per_chunk or chunks.truncated:
+        raise SyntheticTaskError(f"rollout.chunk_tokens must be {FACT_TOKENS * per_chunk} and rollout.max_chunks "
+                                 f">= {meta['num_chunks']} for record {record.id} (whole facts per chunk)")
+    eos = tokenizer.eos_token_id
+    facts = [tuple(f) for f in meta["facts"]]
+    turns: list[tuple[list[int], list[int]]] = []
+    memory_fact: tuple[str, str, str] | None = None
+    memory_ids: list[int] | None = None
+    for i, chunk_ids in enumerate(chunks.chunks):
+        chunk_facts = facts[i * per_chunk:(i + 1) * per_chunk]
+        if _encode(tokenizer, " ".join(fact_text(*f) for f in chunk_facts)) != chunk_ids:
+            raise SyntheticTaskError(f"record {record.id}: chunk {i} does not tokenize to whole facts; "
+                                     "use task_tokenizer()")
+        if i == meta["answer_chunk"]:
+            answer_fact = facts[meta["answer_index"]]
+            distractors = [f for f in chunk_facts if f != answer_fact]
+            if rng.random() < keep_prob or (miss == "distractor" and not distractors):
+                memory_fact = answer_fact
+            elif miss == "distractor":
+                memory_fact = rng.choice(distractors)
+        # The memory always restates the question's key and ends with the value or "unknown": the
+        # decision sits at the value position, where the whole key is in context (a lookup a small
+        # model learns far faster than deciding at the first token whether to write anything).
+        text = fact_text(*memory_fact) if memory_fact else fact_text(meta["attribute"], meta["entity"], UNKNOWN)
+        prompt = builder.memory_prompt_ids(record.question, memory_ids, chunk_ids)
+        response = _encode(tokenizer, text)[: rollout_cfg.memory_tokens - 1] + [eos]
+        turns.append((prompt, response))
+        memory_ids, _ = builder.cap_memory(response)
+    if memory_fact:
+        value = memory_fact[2]
+    else:
+        value = rng.choice(ATTRIBUTES[meta["attribute"]]) if unknown_answer == "guess" else UNKNOWN
+    final = _encode(tokenizer, answer_text(value))
+    turns.append((builder.final_prompt_ids(record.question, memory_ids), final[: rollout_cfg.final_tokens - 1] + [eos]))
+    return turns

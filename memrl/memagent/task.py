@@ -1,0 +1,94 @@
+"""MemAgent as a Task (memrl/task.py; the default `plugins.task`): the memory loop of
+memrl.memagent.rollout, its converter (one row per turn, memrl.memagent.convert), the framework's answer
+reward, the gold-recall curve of its memory turns, and its chunk and memory fields in the logs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from memrl.memagent.convert import convert_trajectories
+from memrl.memagent.prompts import PromptBuilder
+from memrl.memagent.reward import gold_in_text
+from memrl.memagent.rollout import generate_group, rollout_metrics
+from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
+from memrl.task import Phase, Task
+from memrl.types import RolloutOutput, TrainRow, Trajectory
+
+
+class MemAgentTask(Task):
+    def max_rows_per_trajectory(self, cfg: Any) -> int:
+        """Up to max_chunks memory turns + 1 final turn, one row each."""
+        return cfg.rollout.max_chunks + 1
+
+    def validate_config(self, cfg: Any) -> None:
+        """Settings the MemAgent rollout cannot train with (raised at config load, naming what to change)."""
+        factor, needed = cfg.queue.train_sample_expansion_factor, self.max_rows_per_trajectory(cfg)
+        if factor is not None and factor < needed:
+            raise ValueError(f"queue.train_sample_expansion_factor = {factor} is below rollout.max_chunks + 1 = "
+                             f"{needed}, the most rows one MemAgent trajectory expands to; set it to at least "
+                             f"{needed} (or leave it unset: it then follows max_chunks)")
+        # A prompt group is n_samples trajectories of equal turn count, so a rollout's row count is
+        # n_samples x (sum of turns): a multiple of the group size for any data only if it divides n_samples.
+        size, n = cfg.queue.train_data_group_size, cfg.rollout.n_samples
+        if n % size:
+            raise ValueError(f"queue.train_data_group_size = {size} does not divide rollout.n_samples = {n}; a "
+                             f"rollout's row count (n_samples x turns) would then not split into groups of {size}; "
+                             f"use a divisor of {n}")
+
+    def stop_token_ids(self, tokenizer: Any, cfg: Any) -> list[int]:
+        return PromptBuilder(tokenizer, cfg.rollout).stop_token_ids
+
+    async def sample_group(self, ctx: RolloutContext, group: GroupSlot, n: int,
+                           on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        return await generate_group(ctx, group, n, on_done)
+
+    async def generate(self, ctx: RolloutContext, records: Sequence[Any]) -> RolloutOutput:
+        """Every group of the step at once, no group waiting for another; `train_row_count` is the exact
+        number of rows the kept trajectories expand to (one per turn)."""
+        start, n = time.perf_counter(), ctx.config.rollout.n_samples
+        bar = tqdm(total=len(records) * n, desc=f"rollout {ctx.rollout_id}", unit="traj",
+                   disable=not ctx.progress, leave=False)
+        try:
+            groups = await asyncio.gather(*(self.sample_group(ctx, g, n, on_done=lambda _t: bar.update())
+                                            for g in ctx.groups(records)))
+        finally:
+            bar.close()
+        metrics = rollout_metrics([t for g in groups for t in g])
+        metrics["time/generate_s"] = time.perf_counter() - start
+        return finish_rollout(groups, metrics)
+
+    def convert(self, trajectories: Sequence[Trajectory], algorithm: Any, rollout_id: int) -> list[TrainRow]:
+        return convert_trajectories(trajectories, algorithm, rollout_id)
+
+    def turn_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """`memory/gold_recall/turn_{j}`: the share of trajectories whose j-th memory turn holds a gold
+        answer (`gold_in_text`), and its mean over memory turns; trajectories without golds give none."""
+        hits: dict[int, list[float]] = {}
+        for traj in trajectories:
+            golds = list(traj.metadata.get("golds") or [])
+            if not golds:
+                continue
+            for turn, text in zip(traj.turns, traj.metadata["turn_texts"], strict=True):
+                if turn.kind == "memory":
+                    hits.setdefault(turn.index, []).append(float(gold_in_text(text, golds)))
+        metrics = {f"memory/gold_recall/turn_{j}": sum(v) / len(v) for j, v in sorted(hits.items())}
+        if hits:
+            metrics["memory/gold_recall/mean"] = sum(metrics.values()) / len(metrics)
+        return metrics
+
+    def log_fields(self, traj: Trajectory | None, phase: Phase) -> dict[str, Any]:
+        """The document (chunks, tokens, truncation) and where the golds occur in each chunk; an eval line
+        also keeps the memory lengths and truncations."""
+        meta = traj.metadata if traj is not None else {}
+        chunks = meta.get("chunks", {})
+        fields = {"num_chunks": chunks.get("num_chunks"), "document_tokens": chunks.get("total_tokens"),
+                  "document_truncated": chunks.get("truncated"), "chunk_golds": meta.get("chunk_golds")}
+        if phase == "eval":
+            fields.update(memory_lengths=meta.get("memory_lengths", []),
+                          memory_truncations=meta.get("memory_truncations", 0))
+        return fields

@@ -1,0 +1,132 @@
+"""The Task: one object, named by `plugins.task` (`module:Class`), that owns everything task-specific
+(docs/custom-tasks.md lists its methods and defaults). Training (one process and Ray), validation during
+training, `memrl eval` and `memrl pass-at-k` all sample through `sample_group` (a training step: `generate`),
+so a new task plugs into every command at once. `ctx.phase` says who asks: "train" (training, pass@k: n
+samples per group, rewards) or "eval" (validation, `memrl eval`: one sample per question, `eval_group`).
+
+The former per-function keys (`plugins.generate_function`, `plugins.convert_function`) are refused at
+config load naming `plugins.task` (memrl/config.py), so a half-migrated config cannot mix two tasks.
+
+The answer scorers here are every task's default: the final answer read by the trajectory's extractor; an
+unfinished trajectory scores 0 (docs/design.md §2), and `trajectory_reward(t, g) == score_trajectory(t, g).em`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+from memrl.config import import_object
+from memrl.rl.plain import convert_one_row_per_trajectory
+from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
+from memrl.scoring import AnswerScore, reward_from_text, score_answer
+from memrl.types import RolloutOutput, Trajectory
+
+Phase = Literal["train", "eval"]
+DEFAULT_EXTRACTOR = "boxed"
+# Ids that end a turn besides eos / pad, where the tokenizer has them as one vocabulary entry.
+EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def trajectory_extractor(traj: Trajectory, extractor: str | None = None) -> str:
+    """The answer extractor for `traj`: `extractor` if given, else the one its rollout recorded in
+    `metadata["answer_extractor"]` (the final prompt asked for that format), else `boxed`."""
+    if extractor is not None:
+        return extractor
+    return str((traj.metadata or {}).get("answer_extractor", DEFAULT_EXTRACTOR))
+
+
+def trajectory_reward(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> float:
+    """1.0 if the finished final answer matches a gold (HotpotQA EM); an unfinished one (failed,
+    truncated) scores 0."""
+    if traj.status != "complete":
+        return 0.0
+    return reward_from_text(traj.answer, golds, trajectory_extractor(traj, extractor))
+
+
+def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> AnswerScore:
+    """EM, sub_EM, F1 and missing-box of the final answer. A failed trajectory is a missing answer; a
+    truncated one keeps what it boxed but all its metrics are 0, matching its reward."""
+    text = traj.answer if traj.status != "failed" else ""
+    score = score_answer(text, golds, trajectory_extractor(traj, extractor))
+    if traj.status == "complete":
+        return score
+    return AnswerScore(boxed=score.boxed, em=0.0, sub_em=0.0, f1=0.0, missing_box=score.missing_box)
+
+
+def chat_stop_token_ids(tokenizer: Any) -> list[int]:
+    """The tokenizer's eos (and pad), plus <|im_end|> / <|endoftext|> where they are real entries."""
+    found: list[int] = []
+    for token_id in (getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)):
+        if isinstance(token_id, int) and token_id not in found:
+            found.append(token_id)
+    for name in EXTRA_STOP_TOKENS:
+        token_id = tokenizer.convert_tokens_to_ids(name)
+        # Unknown names map to None or to the unk id; only keep a real, exact vocabulary entry.
+        if isinstance(token_id, int) and token_id not in found and tokenizer.convert_ids_to_tokens(token_id) == name:
+            found.append(token_id)
+    return found
+
+
+class Task:
+    """The base every task derives from: defaults for a 1:1 task (one row per trajectory, the framework's
+    answer scorer and converter). A task overrides `sample_group` and whatever else differs."""
+
+    def validate_config(self, cfg: Any) -> None:
+        """Raise ValueError for settings the task cannot run with (called when a config loads)."""
+
+    def max_rows_per_trajectory(self, cfg: Any) -> int:
+        return 1
+
+    def stop_token_ids(self, tokenizer: Any, cfg: Any) -> list[int]:
+        return chat_stop_token_ids(tokenizer)
+
+    async def sample_group(self, ctx: RolloutContext, group: GroupSlot, n: int) -> list[Trajectory]:
+        raise NotImplementedError(f"{type(self).__name__} must define sample_group")
+
+    async def generate(self, ctx: RolloutContext, records: Sequence[Any]) -> RolloutOutput:
+        """Every group of the step at once; groups with a failure are left out of training. A 1:1 task
+        announces no row count (the loop expects one row per trajectory), any other one row per turn."""
+        n = ctx.config.rollout.n_samples
+        groups = await asyncio.gather(*(self.sample_group(ctx, g, n) for g in ctx.groups(records)))
+        return finish_rollout(groups, one_row_per_turn=self.max_rows_per_trajectory(ctx.config) > 1)
+
+    def reward(self, traj: Trajectory, golds: Sequence[str]) -> float:
+        return trajectory_reward(traj, golds)
+
+    def score(self, traj: Trajectory, golds: Sequence[str]) -> AnswerScore:
+        return score_trajectory(traj, golds)
+
+    def convert(self, trajectories: Sequence[Trajectory], algorithm: Any, rollout_id: int) -> list[Any]:
+        return convert_one_row_per_trajectory(trajectories, algorithm, rollout_id)
+
+    def turn_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        return {}
+
+    def log_fields(self, traj: Trajectory | None, phase: Phase) -> dict[str, Any]:
+        return {}
+
+
+def load_task(cfg: Any) -> Task:
+    """The configured task (`plugins.task`), a new instance."""
+    return import_object(cfg.plugins.task)()
+
+
+def task_reward(cfg: Any, task: Task) -> Callable[[Trajectory, list[str]], float]:
+    """`plugins.reward_function` when set (another reward for the same task), else the task's own."""
+    return import_object(cfg.plugins.reward_function) if cfg.plugins.reward_function else task.reward
+
+
+def eval_group(record: Any) -> GroupSlot:
+    """An evaluated question's one group: id "eval:<id>", seed key "0:<id>", independent of the model and
+    of the question's position, so `memrl eval` and validation sample it the same way."""
+    return GroupSlot(0, record, f"0:{record.id}", name=f"eval:{record.id}")
+
+
+def rows_per_trajectory(cfg: Any) -> int:
+    """The most rows one trajectory may expand to (sizes the transfer queue):
+    `queue.train_sample_expansion_factor`, else the task's `max_rows_per_trajectory(cfg)`."""
+    if cfg.queue.train_sample_expansion_factor is not None:
+        return cfg.queue.train_sample_expansion_factor
+    return int(load_task(cfg).max_rows_per_trajectory(cfg))
