@@ -16,6 +16,10 @@ Why temperature 1.0 for both evaluations: it is the recipe's sampling (docs/desi
 GRPO optimizes; seeds are per question and turn, independent of the model, so base and trained see
 identical randomness. Targets (issue): held-out EM trained >= base + 15 pp; training reward, mean of the
 last 10 rollouts >= mean of the first 10 + 0.15. Both are measured and printed, never assumed.
+
+The stages and helpers the other demos reuse (`memrl demo-long`, `memrl demo-consistency`) are public names
+here: DemoSettings, demo_config, warm_start, grpo_records, evaluate_policy, window_means, new_run_root,
+quiet_single_thread.
 """
 
 from __future__ import annotations
