@@ -34,7 +34,7 @@ EXPECTED_ERRORS = (
     "memrl.train.report:ReportError", "memrl.train.actor:ActorError", "memrl.train.partition:PartitionError",
     "memrl.eval.results:EvalError", "memrl.eval.compare:CompareError", "memrl.engines.base:EngineError",
     "memrl.memagent.prompts:PromptError", "memrl.distributed.workers:WorkerError", "memrl.tiny:TinyModelError",
-    "memrl.demo:DemoError", "memrl.viewer.build:ViewerError", "memrl.data.manifest:OutputFolderError",
+    "memrl.apps.demo:DemoError", "memrl.viewer.build:ViewerError", "memrl.data.manifest:OutputFolderError",
     "memrl.rollout:RewardError",
 )
 
@@ -82,7 +82,7 @@ def demo(
         min=0, help="Validate on the held-out set every N GRPO steps (default 10; 0 = off).")] = None,
 ) -> None:
     """The CPU demo: warm start, held-out eval, GRPO through the MemAgent loop, eval, compare, plots."""
-    from memrl.demo import demo_command
+    from memrl.apps.demo import demo_command
 
     output_folder(run_root, "--run-root")
     raise typer.Exit(demo_command(run_root, quick, list(set_ or []), eval_interval))
@@ -101,7 +101,7 @@ def demo_long(
         help="Train on short documents padded with filler to 4 chunks (--no-filler: the demo's own 1-3-chunk task).")] = True,
 ) -> None:
     """Train short, read long: `memrl demo`'s training, then base vs trained EM at each document length."""
-    from memrl.demo_long import demo_long_command
+    from memrl.apps.demo_long import demo_long_command
 
     output_folder(run_root, "--run-root")
     raise typer.Exit(demo_long_command(run_root, quick, list(set_ or []), questions, lengths, filler))
@@ -120,7 +120,7 @@ def demo_consistency(
         "--max-abs-diff", help="METRIC=POINTS limit on |local - ray| (repeat; default sub_em=3).")] = None,
 ) -> None:
     """Two training paths agree: one base trained locally, on Ray (2+2 workers, overlapped) and with a 2nd seed."""
-    from memrl.demo_consistency import demo_consistency_command
+    from memrl.apps.demo_consistency import demo_consistency_command
 
     output_folder(run_root, "--run-root")
     raise typer.Exit(demo_consistency_command(run_root, quick, list(set_ or []), seed_offset,
@@ -326,7 +326,7 @@ def env_cmd(json_: Annotated[bool, typer.Option("--json", help="Print the report
     """Versions, devices, installed extras and the paths memrl reads: one screen for a bug report."""
     import json
 
-    from memrl.env_report import collect_env, format_env
+    from memrl.apps.env import collect_env, format_env
 
     report = collect_env()
     typer.echo(json.dumps(report, indent=2) if json_ else format_env(report), nl=json_)

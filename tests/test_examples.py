@@ -84,7 +84,7 @@ def test_readme_gpu_install_is_cuda_torch_first_then_every_extra():
     memrl_at = next(i for i, line in enumerate(install) if "pip install -e" in line)
     assert torch_at < memrl_at
     extras = set(re.search(r"pip install -e \.\[([^\]]+)\]", install[memrl_at]).group(1).split(","))
-    assert {"all", "dev"} <= extras  # all = serve + ray + hub (tests/test_env_report.py checks it covers each)
+    assert {"all", "dev"} <= extras  # all = serve + ray + hub (tests/apps/test_env.py checks it covers each)
     # The same torch as the CPU install (CI), which keeps pinning its CPU build first.
     readme_torch = re.search(r"torch==(\S+)", install[torch_at]).group(1)
     script = (ROOT / "scripts" / "install.sh").read_text()

@@ -1,24 +1,21 @@
-"""`memrl env`: the machine as a bug report needs it, on one screen.
+"""`memrl env`: the machine as a bug report needs it, on one screen; `--json`: all of it as data.
 
-Versions (memrl, Python, torch with its CUDA / cuDNN / NCCL builds, the core libraries), devices (GPUs
-with memory and compute capability, the driver, CPU cores and memory), which of memrl's extras are
-installed, and the paths memrl would read (hub cache, datasets cache, the data folder). Like
-`transformers env` or `python -m torch.utils.collect_env`.
-
-Fast and never failing: package versions come from installed metadata (nothing optional is imported,
-so an absent `ray` or `datasets` is reported as absent, and a broken one cannot break the report);
-torch is the one import, and an import or CUDA error becomes a line of the report. Secrets (tokens,
-API keys) are reported as set or unset, never by value.
+Built on `torch.utils.collect_env` (OS, libc, compiler, CPU model, nvcc, driver; `--json` carries all its
+fields). memrl adds what it leaves out: memrl's version and commit, torch's own cuDNN / NCCL, each GPU's
+memory and compute capability, the core libraries, memrl's extras, the paths memrl reads (hub cache,
+datasets cache, data folder), the environment variables that change a run, and which secrets are set
+(never their values). Never failing: versions come from installed metadata (nothing optional is imported),
+and a broken torch, a CUDA error or a collect_env that fails or hangs becomes a line of the report.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,9 @@ ENV_VARS = ("CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACH
             "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "DATA_DIR", "RAY_ADDRESS",
             "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME")
 SECRET_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MEMRL_API_KEY", "WANDB_API_KEY", "OPENAI_API_KEY")
+
+MEMRL_ROOT = Path(__file__).resolve().parents[1]  # the memrl package folder
+COLLECT_TIMEOUT_S = 60.0  # torch's collect_env, measured ~2 s (pip list, nvidia-smi, lscpu)
 
 _EXTRA_MARKER = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
 _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?")
@@ -56,7 +56,7 @@ def _requirements() -> list[str]:
         pass
     import tomllib
 
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pyproject = MEMRL_ROOT.parent / "pyproject.toml"
     try:
         project = tomllib.loads(pyproject.read_text())["project"]
     except (OSError, KeyError, tomllib.TOMLDecodeError):
@@ -83,48 +83,54 @@ def extras() -> dict[str, dict[str, list[str]]]:
     return out
 
 
-def _torch_report() -> dict[str, Any]:
+def _torch_env() -> dict[str, Any]:
+    """What torch says: `torch.utils.collect_env`'s fields ("collect_env") and what they leave out, as torch
+    itself sees it (its cuDNN and NCCL, CPU threads, each GPU's memory, compute capability and bf16)."""
     try:
         import torch
+        from torch.utils import collect_env
     except Exception as error:  # a broken torch install is exactly what a report must show
         return {"error": f"import torch failed: {type(error).__name__}: {error}"}
     info: dict[str, Any] = {"version": torch.__version__, "cuda_build": torch.version.cuda,
                             "threads": torch.get_num_threads(), "devices": []}
     try:
         info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        info["cuda_available"] = torch.cuda.is_available()
-        if info["cuda_available"]:
+        if torch.cuda.is_available():
             try:
                 info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-            except Exception:
+            except Exception:  # a CUDA build without NCCL
                 info["nccl"] = None
             for i in range(torch.cuda.device_count()):
                 p = torch.cuda.get_device_properties(i)
                 info["devices"].append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
                                         "capability": f"{p.major}.{p.minor}"})
             info["bf16"] = torch.cuda.is_bf16_supported()
-        mps = getattr(torch.backends, "mps", None)
-        info["mps"] = bool(mps is not None and mps.is_available())
     except Exception as error:
         info["error"] = f"CUDA query failed: {type(error).__name__}: {error}"
+    info["collect_env"] = _collect_env(collect_env)
     return info
 
 
-def _nvidia_driver() -> str | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        done = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError) as error:
-        return f"nvidia-smi failed: {error}"
-    lines = done.stdout.split()
-    return lines[0] if done.returncode == 0 and lines else f"nvidia-smi failed: {done.stderr.strip()[:120]}"
+def _collect_env(collect_env: Any) -> dict[str, Any]:
+    """`collect_env.get_env_info()` as a dict. It runs pip, nvidia-smi, lscpu and the compilers with no
+    timeout of its own, so it runs in a daemon thread given COLLECT_TIMEOUT_S: a hung nvidia-smi becomes a
+    line of the report, not a hung command."""
+    done: dict[str, dict[str, Any]] = {}
+
+    def run() -> None:
+        try:
+            done["info"] = collect_env.get_env_info()._asdict()
+        except Exception as error:  # a failing probe is part of the report, never its end
+            done["info"] = {"error": f"{type(error).__name__}: {error}"}
+
+    thread = threading.Thread(target=run, name="memrl-collect-env", daemon=True)
+    thread.start()
+    thread.join(COLLECT_TIMEOUT_S)
+    return done.get("info", {"error": f"did not finish in {COLLECT_TIMEOUT_S:g} s (a hung nvidia-smi, pip or lscpu)"})
 
 
 def _memrl_source() -> dict[str, Any]:
-    root = Path(__file__).resolve().parent
+    root = MEMRL_ROOT
     out: dict[str, Any] = {"version": package_version("memrl"), "location": str(root)}
     git = shutil.which("git")
     if git is not None and (root.parent / ".git").exists():
@@ -141,17 +147,13 @@ def _memrl_source() -> dict[str, Any]:
 
 
 def _hub_paths() -> dict[str, Any]:
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
-    try:
+    try:  # huggingface_hub's own resolution of HF_HOME / HF_HUB_CACHE / XDG_CACHE_HOME
         from huggingface_hub import constants
 
-        hub_cache = str(constants.HF_HUB_CACHE)
-    except Exception:
-        hub_cache = os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")
-    cached = []
-    if os.path.isdir(hub_cache):
-        cached = [repo for folder, repo in SEED_HUB_REPOS.items() if os.path.isdir(os.path.join(hub_cache, folder))]
+        home, hub_cache = str(constants.HF_HOME), str(constants.HF_HUB_CACHE)
+    except Exception as error:
+        home = hub_cache = f"unknown (huggingface_hub failed: {type(error).__name__})"
+    cached = [repo for folder, repo in SEED_HUB_REPOS.items() if os.path.isdir(os.path.join(hub_cache, folder))]
     return {"hf_home": home, "hub_cache": hub_cache, "hub_cache_exists": os.path.isdir(hub_cache),
             "seed_repos_cached": cached,
             "datasets_cache": os.environ.get("HF_DATASETS_CACHE") or os.path.join(home, "datasets")}
@@ -182,12 +184,10 @@ def collect_env() -> dict[str, Any]:
     declared = extras()
     return {
         "memrl": _memrl_source(),
-        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
+        "python": {"version": sys.version.split()[0], "implementation": sys.implementation.name,
                    "executable": sys.executable},
-        "platform": platform.platform(),
         "cpu": {"count": os.cpu_count(), "usable": usable, **memory},
-        "torch": _torch_report(),
-        "nvidia_driver": _nvidia_driver(),
+        "torch": _torch_env(),
         "packages": {name: package_version(name) for name in CORE_PACKAGES},
         "extras": {extra: {"packages": {p: package_version(p) for p in spec["packages"]},
                            "includes": spec["includes"]} for extra, spec in declared.items()},
@@ -220,13 +220,26 @@ def _install_hint(extra: str, location: str) -> str:
     return f"pip install -e '.[{extra}]'" if checkout else f"pip install 'memrl[{extra}]'"
 
 
-def _torch_lines(t: dict[str, Any], driver: str | None) -> list[str]:
+def _system_lines(env: dict[str, Any], cpu: dict[str, Any]) -> list[str]:
+    """collect_env's OS, libc, compiler and CPU model, with memrl's usable cores and memory."""
+    model = re.search(r"^Model name:\s*(.+)$", env.get("cpu_info") or "", re.M)
+    gcc = f", gcc {env['gcc_version']}" if env.get("gcc_version") else ""
+    system = (f"os            {env['os']}, {env['libc_version']}{gcc}" if "error" not in env
+              else f"os            unknown: torch.utils.collect_env {env['error']}")
+    return [system, f"cpu           {cpu['usable']} usable of {cpu['count']} cores"
+            + (f", {model.group(1).strip()}" if model else "")
+            + (f", memory {cpu['total_gib']} GiB ({cpu['available_gib']} GiB free)" if "total_gib" in cpu else "")]
+
+
+def _torch_lines(t: dict[str, Any], env: dict[str, Any]) -> list[str]:
     if "version" not in t:
         return [f"torch         {t['error']}"]
     build = f"CUDA {t['cuda_build']}" if t["cuda_build"] else "CPU build, no CUDA"
     cudnn = f", cuDNN {t['cudnn']}" if t.get("cudnn") else ""
     nccl = f", NCCL {t['nccl']}" if t.get("nccl") else ""
-    lines = [f"torch         {t['version']}, {build}{cudnn}{nccl}, {t['threads']} CPU threads"]
+    nvcc = f"; nvcc {env['cuda_runtime_version']}" if env.get("cuda_runtime_version") else ""
+    driver = env.get("nvidia_driver_version")
+    lines = [f"torch         {t['version']}, {build}{cudnn}{nccl}, {t['threads']} CPU threads{nvcc}"]
     if t["devices"]:
         lines += [f"gpu {d['index']:<9} {d['name']}, {d['memory_gib']} GiB, compute {d['capability']}"
                   for d in t["devices"]]
@@ -237,8 +250,6 @@ def _torch_lines(t: dict[str, Any], driver: str | None) -> list[str]:
     else:
         lines.append("gpu           none: torch is a CPU build" + (
             f", but a driver is present ({driver}): install the CUDA build of torch first (README)" if driver else ""))
-    if t.get("mps"):
-        lines.append("mps           available")
     if t.get("error"):
         lines.append(f"torch error   {t['error']}")
     return lines
@@ -247,14 +258,12 @@ def _torch_lines(t: dict[str, Any], driver: str | None) -> list[str]:
 def format_env(report: dict[str, Any]) -> str:
     """The report as aligned lines, one screen (what `memrl env` prints)."""
     m, py, cpu, paths = report["memrl"], report["python"], report["cpu"], report["paths"]
+    env = report["torch"].get("collect_env", {"error": "needs an importable torch"})
     lines = ["memrl env: paste this into a bug report", "",
              f"memrl         {m['version'] or 'not installed (run from source)'} at {m['location']}"
              + (f", commit {m['commit']}" if m.get("commit") else ""),
              f"python        {py['version']} ({py['implementation']}) {py['executable']}",
-             f"platform      {report['platform']}",
-             f"cpu           {cpu['usable']} usable of {cpu['count']} cores"
-             + (f", memory {cpu['total_gib']} GiB ({cpu['available_gib']} GiB free)" if "total_gib" in cpu else ""),
-             *_torch_lines(report["torch"], report["nvidia_driver"]),
+             *_system_lines(env, cpu), *_torch_lines(report["torch"], env),
              f"libraries     {_versions({k: v for k, v in report['packages'].items() if k != 'torch'})}"]
     for name in report["extras"]:
         state, parts = _extra_state(name, report["extras"])

@@ -2,7 +2,7 @@
 
 One recipe, trained by two paths whose numerics differ, plus a seed yardstick:
 
-    base         `memrl demo`'s data and warm start, done once (memrl.demo.warm_start) into RUN_ROOT/data,
+    base         `memrl demo`'s data and warm start, done once (memrl.apps.demo.warm_start) into RUN_ROOT/data,
                  RUN_ROOT/sft; held-out EM of the base into RUN_ROOT/eval_base (context only)
     local        one process, synchronous (train.max_staleness 0): the demo's GRPO settings and seed
     ray          the Ray runtime: 2 rollout workers, 2 DDP trainer workers (gloo on CPU), rollout n+1
@@ -11,7 +11,7 @@ One recipe, trained by two paths whose numerics differ, plus a seed yardstick:
                  seeds differ. rollout.seed is the one that matters: it seeds every GRPO sample, while
                  train.seed only orders the questions after the first pass over them (memrl.train.setup.DataSource)
     eval         every trained policy (its last checkpoint) on the same held-out questions, the same
-                 sampling settings and per-question seeds (memrl.demo._evaluate, temperature 1.0)
+                 sampling settings and per-question seeds (memrl.apps.demo.evaluate_policy, temperature 1.0)
     compare      memrl compare over local, ray, local-seed2 (every pair: EM / sub_EM differences, flips,
                  McNemar p), threshold |sub_EM(ray) - sub_EM(local)| <= 3 pp -> RUN_ROOT/compare
 
@@ -31,8 +31,20 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from memrl.apps.demo import (
+    FULL,
+    QUICK,
+    DemoError,
+    DemoSettings,
+    demo_config,
+    evaluate_policy,
+    grpo_records,
+    new_run_root,
+    quiet_single_thread,
+    warm_start,
+    window_means,
+)
 from memrl.config import Config
-from memrl.demo import FULL, QUICK, DemoError, DemoSettings, _window_means, demo_config
 
 RUNS = ("local", "ray", "local-seed2")
 CHECKED_PAIR = ("local", "ray")
@@ -131,13 +143,10 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
                     progress: bool = True) -> dict[str, Any]:
     """Warm start once, train local / ray / local-seed2 from that base, evaluate and compare; returns the
     summary (also RUN_ROOT/consistency_summary.json)."""
-    from memrl.demo import _evaluate, grpo_records, warm_start
     from memrl.eval.compare import compare_results
     from memrl.train.checkpoint import load_checkpoint
 
-    run_root = Path(run_root)
-    if run_root.exists() and any(run_root.iterdir()):
-        raise DemoError(f"{run_root} is not empty; pass a new --run-root (or delete the old run)")
+    run_root = new_run_root(run_root)
     configs = run_configs(settings)
     grpo_records(settings.demo, range(settings.demo.num_train))  # too few GRPO questions: refused before the warm start
     run_root.mkdir(parents=True, exist_ok=True)
@@ -152,7 +161,7 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
 
     def evaluate(model: Any, out: Path, name: str) -> dict[str, Any]:
         t = time.perf_counter()
-        result = _evaluate(model, base.tokenizer, eval_cfg, base.heldout, out, name, base.heldout_sha,
+        result = evaluate_policy(model, base.tokenizer, eval_cfg, base.heldout, out, name, base.heldout_sha,
                            base.paths["heldout"])
         times[f"eval_{name}_s"] = time.perf_counter() - t
         return result
@@ -172,7 +181,7 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
         weights[name] = model.state_dict()
         result = evaluate(model, run_root / name / "eval", name)
         rewards = [float(m.get("reward/mean", 0.0)) for m in history]
-        first, last, window = _window_means(rewards)
+        first, last, window = window_means(rewards)
         runs[name] = {
             "path": describe(cfg), "runtime": cfg.train.runtime,
             "rollout_workers": cfg.ray.num_rollout_workers if cfg.train.runtime == "ray" else 1,
@@ -252,17 +261,10 @@ def demo_consistency_command(run_root: Path, quick: bool = False, overrides: Seq
                              seed_offset: int = 1, max_abs_diff: Sequence[str] = ()) -> int:
     """`memrl demo-consistency`: 0 when local and ray agree within the thresholds (default sub_EM 3 pp),
     else 1; a `DemoError` / `ConfigError` / `CompareError` is exit 2 in memrl.cli."""
-    import logging
-    import os
-
-    import torch
-
     from memrl.eval.compare import parse_thresholds
     from memrl.eval.results import METRICS
 
-    logging.getLogger("memrl").setLevel(logging.WARNING)
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # as `memrl demo` (memrl.demo.demo_command): a tiny model, one thread is fastest
+    quiet_single_thread()
     base = CONSISTENCY_QUICK if quick else CONSISTENCY_FULL
     thresholds = parse_thresholds(list(max_abs_diff)) if max_abs_diff else dict(base.thresholds)
     unknown = sorted(set(thresholds) - set(METRICS))

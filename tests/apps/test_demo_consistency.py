@@ -14,9 +14,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from memrl.apps.demo import FULL
+from memrl.apps.demo_consistency import RUNS, ConsistencySettings, format_summary, run_consistency, verdict
 from memrl.cli import app
-from memrl.demo import FULL
-from memrl.demo_consistency import RUNS, ConsistencySettings, format_summary, run_consistency, verdict
 
 # 600 clean demonstrations x 4 epochs: a base right ~10% of the time, so GRPO groups have mixed rewards
 TINY = ConsistencySettings(demo=replace(
@@ -91,7 +91,7 @@ def _summary(diff: float) -> dict:
 
 @pytest.mark.parametrize(("diff", "code"), [(2.5, 0), (-3.0, 0), (3.5, 1), (-4.0, 1)])
 def test_the_exit_code_follows_the_local_vs_ray_threshold(tmp_path, monkeypatch, diff, code):
-    import memrl.demo_consistency as module
+    import memrl.apps.demo_consistency as module
 
     assert verdict(_summary(diff)["thresholds"]) == code
     monkeypatch.setattr(module, "run_consistency", lambda root, settings, progress=True: _summary(diff))

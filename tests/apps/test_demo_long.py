@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from memrl.demo_long import LongDemoSettings, evaluate_lengths, format_table, plot_lengths, target_met
+from memrl.apps.demo_long import LongDemoSettings, evaluate_lengths, format_table, plot_lengths, target_met
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,8 @@ def test_demo_long_errors_are_one_line_before_any_training(tmp_path):
 
 
 def test_first_match_rates_spot_a_reader_that_keeps_the_first_attribute_match():
+    from memrl.apps.demo_long import first_match_rates
     from memrl.data.synthetic import make_length_set
-    from memrl.demo_long import first_match_rates
 
     records = make_length_set(60, 8, seed=0)
     firsts = [next(f for f in r.metadata["facts"] if f[0] == r.metadata["attribute"]) for r in records]
@@ -89,8 +89,8 @@ def test_first_match_rates_spot_a_reader_that_keeps_the_first_attribute_match():
 def test_demo_long_trains_on_padded_documents_unless_told_otherwise():
     from dataclasses import replace
 
-    from memrl.demo import FULL, QUICK
-    from memrl.demo_long import long_settings
+    from memrl.apps.demo import FULL, QUICK
+    from memrl.apps.demo_long import long_settings
 
     padded = long_settings()
     assert padded.train == replace(FULL, filler=True, max_chunks=4, eval_interval=0) and padded.lengths[-1] == 64

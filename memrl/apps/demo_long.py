@@ -1,7 +1,7 @@
 """`memrl demo-long`: train short, read long. The seed's length-generalization test in the shape of
 MemAgent's table, on CPU (docs/demo.md, "Train short, read long").
 
-    train     `memrl demo`'s stages, settings and seeds (memrl.demo.run_demo: warm start -> base, GRPO ->
+    train     `memrl demo`'s stages, settings and seeds (memrl.apps.demo.run_demo: warm start -> base, GRPO ->
               trained) on short documents padded with filler (4 chunks, memrl.data.synthetic.
               make_padded_record; `--no-filler`: the demo's own 1-3-chunk task), into RUN_ROOT/train
     lengths   for every length L (default 1, 2, 3, 8, 16, 32, 64 chunks): held-out questions whose documents
@@ -28,7 +28,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from memrl.demo import FULL, QUICK, DemoError, DemoSettings, demo_config
+from memrl.apps.demo import (
+    FULL,
+    QUICK,
+    DemoError,
+    DemoSettings,
+    demo_config,
+    evaluate_policy,
+    new_run_root,
+    quiet_single_thread,
+    run_demo,
+)
 
 MIN_TARGET_LENGTH = 8  # the issue's target: trained > base at every length of 8 chunks and more
 
@@ -84,7 +94,6 @@ def evaluate_lengths(models: dict[str, tuple[Any, Any]], settings: LongDemoSetti
     from memrl.data.manifest import sha256_file
     from memrl.data.records import write_jsonl
     from memrl.data.synthetic import make_length_set
-    from memrl.demo import _evaluate
     from memrl.eval.compare import compare_results
 
     if len(models) != 2:
@@ -108,7 +117,7 @@ def evaluate_lengths(models: dict[str, tuple[Any, Any]], settings: LongDemoSetti
         for name, (model, tokenizer) in models.items():
             dirs[name] = out_root / f"len{length}" / name
             t = time.perf_counter()
-            summaries[name] = _evaluate(model, tokenizer, cfg, records, dirs[name], name, sha, data)
+            summaries[name] = evaluate_policy(model, tokenizer, cfg, records, dirs[name], name, sha, data)
             times[name] = time.perf_counter() - t
         report = compare_results([dirs[a], dirs[b]], names=[a, b])
         report.write(out_root / f"len{length}" / "compare")
@@ -181,11 +190,8 @@ def run_long_demo(run_root: Path, settings: LongDemoSettings = LONG_FULL, progre
 
     from memrl.data.records import load_questions
     from memrl.data.synthetic import task_tokenizer
-    from memrl.demo import run_demo
 
-    run_root = Path(run_root)
-    if run_root.exists() and any(run_root.iterdir()):
-        raise DemoError(f"{run_root} is not empty; pass a new --run-root (or delete the old run)")
+    run_root = new_run_root(run_root)
     started = time.perf_counter()
     short = run_demo(run_root / "train", settings.train, progress=progress)
     train_s = time.perf_counter() - started
@@ -264,14 +270,7 @@ def demo_long_command(run_root: Path, quick: bool = False, overrides: Sequence[s
                       filler: bool = True) -> int:
     """`memrl demo-long`: 0 when the trained policy beats the base at every length >= 8 chunks, else 1;
     a `DemoError` / `ConfigError` is exit 2 in memrl.cli."""
-    import logging
-    import os
-
-    import torch
-
-    logging.getLogger("memrl").setLevel(logging.WARNING)
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # as `memrl demo` (memrl.demo.demo_command): a tiny model, one thread is fastest
+    quiet_single_thread()
     settings = long_settings(quick, overrides, questions_per_length, lengths, filler)
     if min(settings.lengths) < 1 or settings.questions_per_length < 1:
         raise DemoError(f"--lengths ({list(settings.lengths)}) must be >= 1 and --questions ({settings.questions_per_length}) >= 1")

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from memrl import env_report
+from memrl.apps import env as env_app
+from memrl.apps.env import collect_env, extras, format_env
 from memrl.cli import app
-from memrl.env_report import collect_env, extras, format_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = ("ray", "datasets", "fastapi", "uvicorn", "wandb", "liger-kernel", "vllm", "sglang")
 
 
@@ -42,6 +42,11 @@ def test_the_command_prints_versions_devices_extras_and_paths(tmp_path):
     assert re.search(rf"^memrl +{re.escape(metadata.version('memrl'))} at {re.escape(str(ROOT / 'memrl'))}", out, re.M)
     assert re.search(rf"^python +{re.escape(sys.version.split()[0])}", out, re.M)
     assert re.search(rf"^torch +{re.escape(torch.__version__)}", out, re.M)
+    # The system lines are torch.utils.collect_env's
+    from torch.utils.collect_env import get_env_info
+
+    system = get_env_info()
+    assert re.search(rf"^os +{re.escape(system.os)}, {re.escape(system.libc_version)}", out, re.M)
     assert re.search(r"^gpu ", out, re.M)  # a GPU line, or why there is none
     assert re.search(rf"^libraries .*transformers {re.escape(metadata.version('transformers'))}", out, re.M)
     for extra in ("serve", "ray", "hub", "dev"):
@@ -53,18 +58,42 @@ def test_the_command_prints_versions_devices_extras_and_paths(tmp_path):
     assert "secrets set   HF_TOKEN (values not shown)" in out and "hf_do_not_print_me" not in out
 
 
-def test_json_output_is_the_collected_report():
+def test_json_output_is_the_collected_report_with_all_of_collect_env():
+    from torch.utils.collect_env import SystemEnv
+
     result = CliRunner().invoke(app, ["env", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["memrl"]["version"] == metadata.version("memrl")
     assert set(report) >= {"torch", "packages", "extras", "paths", "secrets_set"}
+    assert set(report["torch"]["collect_env"]) == set(SystemEnv._fields)
+
+
+def test_a_collect_env_that_hangs_or_fails_is_a_line_of_the_report(monkeypatch):
+    import threading
+    from types import SimpleNamespace
+
+    release = threading.Event()
+    monkeypatch.setattr(env_app, "COLLECT_TIMEOUT_S", 0.05)
+    try:  # a hung probe (nvidia-smi on a wedged driver): the report comes anyway, saying so
+        hung = env_app._collect_env(SimpleNamespace(get_env_info=lambda: release.wait(600)))
+        assert hung == {"error": "did not finish in 0.05 s (a hung nvidia-smi, pip or lscpu)"}
+    finally:
+        release.set()
+
+    def broken():
+        raise OSError("lscpu: not found")
+
+    failed = env_app._collect_env(SimpleNamespace(get_env_info=broken))
+    text = format_env({**collect_env(), "torch": {**env_app._torch_env(), "collect_env": failed}})
+    assert re.search(r"^os +unknown: torch.utils.collect_env OSError: lscpu: not found$", text, re.M)
+    assert re.search(r"^torch +\d", text, re.M)  # the rest of the report is intact
 
 
 def test_absent_optional_packages_are_reported_not_fatal(monkeypatch):
     # As on a machine without them: no metadata, and an import would fail (None in sys.modules).
-    real = env_report.package_version
-    monkeypatch.setattr(env_report, "package_version", lambda name: None if name in OPTIONAL else real(name))
+    real = env_app.package_version
+    monkeypatch.setattr(env_app, "package_version", lambda name: None if name in OPTIONAL else real(name))
     for module in ("ray", "datasets", "fastapi", "uvicorn", "wandb", "liger_kernel"):
         monkeypatch.setitem(sys.modules, module, None)
     text = format_env(collect_env())
@@ -82,24 +111,28 @@ def test_a_broken_torch_is_a_line_of_the_report(monkeypatch):
 
 
 def _with_torch(monkeypatch, torch_info, driver):
-    monkeypatch.setattr(env_report, "_torch_report", lambda: torch_info)
-    monkeypatch.setattr(env_report, "_nvidia_driver", lambda: driver)
+    system = {"os": "Ubuntu 24.04 LTS (x86_64)", "libc_version": "glibc-2.39", "gcc_version": "13.3.0",
+              "cuda_runtime_version": "12.8.93" if torch_info["cuda_build"] else None, "nvidia_driver_version": driver,
+              "cpu_info": "Architecture: x86_64\nModel name:   Intel(R) Xeon(R) Platinum 8480+\nCPU(s): 224"}
+    monkeypatch.setattr(env_app, "_torch_env", lambda: {**torch_info, "collect_env": system})
     return format_env(collect_env())
 
 
 def test_gpus_are_listed_with_memory_capability_and_driver(monkeypatch):
     text = _with_torch(monkeypatch, {"version": "2.13.0+cu128", "cuda_build": "12.8", "cudnn": 91002, "nccl": "2.27.3",
-                                     "threads": 16, "cuda_available": True, "bf16": True, "mps": False,
+                                     "threads": 16, "bf16": True,
                                      "devices": [{"index": 0, "name": "NVIDIA H200", "memory_gib": 139.8,
                                                   "capability": "9.0"}]}, "570.124.06")
-    assert "torch         2.13.0+cu128, CUDA 12.8, cuDNN 91002, NCCL 2.27.3, 16 CPU threads" in text
+    assert "torch         2.13.0+cu128, CUDA 12.8, cuDNN 91002, NCCL 2.27.3, 16 CPU threads; nvcc 12.8.93" in text
+    assert "os            Ubuntu 24.04 LTS (x86_64), glibc-2.39, gcc 13.3.0" in text
+    assert re.search(r"^cpu +\d+ usable of \d+ cores, Intel\(R\) Xeon\(R\) Platinum 8480\+", text, re.M)
     assert "gpu 0         NVIDIA H200, 139.8 GiB, compute 9.0" in text
     assert "gpu support   bf16 yes; driver 570.124.06" in text
 
 
 def test_a_cpu_torch_on_a_gpu_machine_says_what_to_install(monkeypatch):
-    text = _with_torch(monkeypatch, {"version": "2.13.0+cpu", "cuda_build": None, "threads": 16, "devices": [],
-                                     "cuda_available": False, "mps": False}, "570.124.06")
+    text = _with_torch(monkeypatch, {"version": "2.13.0+cpu", "cuda_build": None, "threads": 16, "devices": []},
+                     "570.124.06")
     assert "torch is a CPU build, but a driver is present (570.124.06): install the CUDA build of torch first" in text
 
 
@@ -127,11 +160,11 @@ def test_the_all_extra_covers_every_optional_module_memrl_asks_for():
     assert asked <= included and {"serve", "ray"} <= included
 
 
-@pytest.mark.parametrize("module", ["memrl.cli", "memrl.env_report"])
+@pytest.mark.parametrize("module", ["memrl.cli", "memrl.apps.env"])
 def test_nothing_heavy_is_imported(module):
     # `memrl env` imports torch when it runs (its devices), and nothing optional; the CLI module nothing heavy.
-    code = (f"import sys, {module}\n" + ("from memrl.env_report import collect_env; collect_env()\n"
-                                         if module == "memrl.env_report" else "")
+    code = (f"import sys, {module}\n" + ("from memrl.apps.env import collect_env; collect_env()\n"
+                                         if module == "memrl.apps.env" else "")
             + "print(sorted(m for m in ('transformers', 'ray', 'datasets', 'fastapi', 'wandb', 'torch') "
               "if m in sys.modules))")
     loaded = json.loads(_run("-c", code).replace("'", '"'))

@@ -16,6 +16,10 @@ Why temperature 1.0 for both evaluations: it is the recipe's sampling (docs/desi
 GRPO optimizes; seeds are per question and turn, independent of the model, so base and trained see
 identical randomness. Targets (issue): held-out EM trained >= base + 15 pp; training reward, mean of the
 last 10 rollouts >= mean of the first 10 + 0.15. Both are measured and printed, never assumed.
+
+The stages and helpers the other demos reuse (`memrl demo-long`, `memrl demo-consistency`) are public names
+here: DemoSettings, demo_config, warm_start, grpo_records, evaluate_policy, window_means, new_run_root,
+quiet_single_thread.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from memrl.config import Config, load_config
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "toy.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml"
 EM_TARGET_PP = 15.0
 REWARD_TARGET = 0.15
 
@@ -98,8 +102,9 @@ def demo_config(settings: DemoSettings, data_dir: Path | None = None) -> Config:
     return load_config(RECIPE, overrides)
 
 
-def _evaluate(model: torch.nn.Module, tokenizer: Any, cfg: Config, records: list, out_dir: Path,
-              name: str, data_sha256: str, data_path: Path) -> dict[str, Any]:
+def evaluate_policy(model: torch.nn.Module, tokenizer: Any, cfg: Config, records: list, out_dir: Path,
+                    name: str, data_sha256: str, data_path: Path) -> dict[str, Any]:
+    """Held-out evaluation of one policy (memrl.eval.runner) on an in-process engine, closed afterwards."""
     from memrl.engines.factory import build_engine
     from memrl.eval.runner import evaluate
 
@@ -111,10 +116,31 @@ def _evaluate(model: torch.nn.Module, tokenizer: Any, cfg: Config, records: list
         asyncio.run(engine.close())
 
 
-def _window_means(rewards: list[float], window: int = 10) -> tuple[float, float, int]:
+def window_means(rewards: list[float], window: int = 10) -> tuple[float, float, int]:
     """Mean of the first and last `window` rollouts (shorter windows, never overlapping, on short runs)."""
     w = max(1, min(window, len(rewards) // 2))
     return sum(rewards[:w]) / w, sum(rewards[-w:]) / w, w
+
+
+def new_run_root(run_root: Path) -> Path:
+    """`run_root` as a Path, refused (DemoError) when it holds anything: a demo never mixes two runs' files."""
+    run_root = Path(run_root)
+    if run_root.exists() and any(run_root.iterdir()):
+        raise DemoError(f"{run_root} is not empty; pass a new --run-root (or delete the old run)")
+    return run_root
+
+
+def quiet_single_thread() -> None:
+    """How every demo command runs: memrl's logs at WARNING (the summary is the output) and, unless
+    OMP_NUM_THREADS says otherwise, one torch thread. The demo's model is tiny: one thread is as fast, and on a
+    shared or busy machine extra OpenMP threads spin-wait for cores and slow every step (measured in
+    bench/README.md). The timings in docs/demo.md were taken this way."""
+    import logging
+    import os
+
+    logging.getLogger("memrl").setLevel(logging.WARNING)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 @dataclass
@@ -192,9 +218,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     from memrl.train.report import write_report
     from memrl.viewer.build import write_viewer
 
-    run_root = Path(run_root)
-    if run_root.exists() and any(run_root.iterdir()):
-        raise DemoError(f"{run_root} is not empty; pass a new --run-root (or delete the old run)")
+    run_root = new_run_root(run_root)
     run_root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     times: dict[str, float] = {}
@@ -207,7 +231,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
 
     # 3. Held-out evaluation of the base.
     t = time.perf_counter()
-    base = _evaluate(model, tokenizer, cfg, heldout, run_root / "eval_base", "sft-base", heldout_sha, paths["heldout"])
+    base = evaluate_policy(model, tokenizer, cfg, heldout, run_root / "eval_base", "sft-base", heldout_sha, paths["heldout"])
     times["eval_base_s"] = time.perf_counter() - t
 
     # 4. GRPO through the real training controller (queue, converter, checkpoints, logs).
@@ -222,7 +246,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
 
     # 5. Held-out evaluation of the trained policy: same questions, sampling settings and seeds.
     t = time.perf_counter()
-    trained = _evaluate(trained_model, tokenizer, cfg, heldout, run_root / "eval_trained", "grpo-trained",
+    trained = evaluate_policy(trained_model, tokenizer, cfg, heldout, run_root / "eval_trained", "grpo-trained",
                         heldout_sha, paths["heldout"])
     times["eval_trained_s"] = time.perf_counter() - t
 
@@ -235,7 +259,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     write_viewer(run_root / "train")
 
     rewards = [float(m.get("reward/mean", 0.0)) for m in history]
-    first, last, window = _window_means(rewards)
+    first, last, window = window_means(rewards)
     base_em, trained_em = base["metrics"]["em"]["value"], trained["metrics"]["em"]["value"]
     pair = report.pairs[0]
     from memrl.train.run_log import EVAL_METRICS_FILE, read_metrics
@@ -303,15 +327,7 @@ def demo_command(run_root: Path, quick: bool = False, overrides: Sequence[str] =
     """`memrl demo [--run-root DIR] [--quick] [--set section.key=value ...]`: 0 when both targets are met,
     1 when not; an error is a `DemoError` (or a `ConfigError` for a bad override), exit 2 in memrl.cli.
     `overrides` apply to the GRPO training recipe (recipes/toy.yaml), after the demo's own sizes."""
-    import logging
-    import os
-
-    logging.getLogger("memrl").setLevel(logging.WARNING)
-    if "OMP_NUM_THREADS" not in os.environ:
-        # The demo's model is tiny: one thread is as fast, and on a shared or busy machine extra OpenMP
-        # threads spin-wait for cores and slow every step (measured in bench/README.md). The timings in
-        # docs/demo.md were taken this way.
-        torch.set_num_threads(1)
+    quiet_single_thread()
     settings = replace(QUICK if quick else FULL, overrides=tuple(overrides))
     if eval_interval is not None:
         settings = replace(settings, eval_interval=eval_interval)

@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from memrl.demo import QUICK, format_summary, run_demo
+from memrl.apps.demo import QUICK, format_summary, run_demo
 
 
 @pytest.mark.slow
@@ -62,7 +62,7 @@ def test_demo_refuses_a_used_run_root_and_a_bad_override_in_one_line(tmp_path):
 
 
 def test_demo_overrides_reach_its_training_recipe():
-    from memrl.demo import FULL, demo_config
+    from memrl.apps.demo import FULL, demo_config
 
     cfg = demo_config(replace(FULL, overrides=("train.num_rollout=3", "algorithm.std_ddof=1")))
     assert cfg.train.num_rollout == 3 and cfg.algorithm.std_ddof == 1
