@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from memrl.config import RolloutConfig
+from memrl.errors import MemrlError
 
 # Unlikely in any question or template; rendering must keep each exactly as often as the template has it.
 CHUNK_SENTINEL = "\u27e6memrl:chunk:7c1f\u27e7"
@@ -47,7 +48,7 @@ _EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 Segment = tuple[int, ...] | str
 
 
-class PromptError(ValueError):
+class PromptError(ValueError, MemrlError):
     """A prompt that cannot be built as configured; the message says what to change."""
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from memrl.errors import MemrlError
 from memrl.eval.results import METRICS as EVAL_METRICS
 from memrl.train.run_log import EVAL_METRICS_FILE, REWARD_KEY, read_metrics, reward_summary
 
@@ -34,7 +35,7 @@ ROW_KEYS = ["rows/saved", "rows/transferred", "rows/consumed"]
 MOVING_AVERAGE_WINDOW = 10
 
 
-class ReportError(RuntimeError):
+class ReportError(RuntimeError, MemrlError):
     """No metrics to report on; the message says where they were looked for."""
 
 
