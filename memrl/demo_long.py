@@ -162,7 +162,7 @@ def plot_lengths(rows: Sequence[dict[str, Any]], names: Sequence[str], path: Pat
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    atomic_save_figure(path, fig)
+    atomic_save_figure(path, fig, dpi=120)
     plt.close(fig)
     return path
 

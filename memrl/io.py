@@ -46,8 +46,9 @@ def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Pat
     return atomic_write_text(path, json.dumps(obj, ensure_ascii=False, indent=indent) + "\n")
 
 
-def atomic_save_figure(path: str | Path, fig: Any, dpi: int = 120) -> Path:
-    """A matplotlib figure saved as PNG, atomically (rendered to memory first, so no half-drawn file)."""
+def atomic_save_figure(path: str | Path, fig: Any, dpi: int | None = None) -> Path:
+    """A matplotlib figure saved as PNG, atomically (rendered to memory first, so no half-drawn file);
+    `dpi` None is matplotlib's default (savefig.dpi, normally the figure's own)."""
     buffer = BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     return atomic_write_bytes(path, buffer.getvalue())

@@ -176,7 +176,7 @@ def plot_comparison(results: list[ResultSet], path: Path) -> Path:
     ax.legend(fontsize="small")
     ax.set_title(f"{results[0].stats['total']} questions")
     fig.tight_layout()
-    atomic_save_figure(path, fig)
+    atomic_save_figure(path, fig, dpi=120)
     plt.close(fig)
     return path
 
