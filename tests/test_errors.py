@@ -64,3 +64,13 @@ def test_packing_error_is_one_line_exit_2(monkeypatch, tmp_path):
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert lines == ["error: train.packing does not support sliding-window attention layers; set train.packing to "
                      "false for this model"]
+
+
+def test_a_damaged_metrics_line_is_one_line_exit_2(tmp_path):
+    # read_metrics raised a plain ValueError: `memrl report` ended in a traceback.
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text('garbage\n{"rollout_id": 0, "reward/mean": 0.5}\n')
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.strip().splitlines() == [f"error: {tmp_path / 'logs' / 'metrics.jsonl'}:1 is not valid JSON "
+                                                  f"(Expecting value: line 1 column 1 (char 0)); fix or delete that line"]

@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from memrl.errors import MemrlError
 from memrl.io import atomic_write_text, jsonl_lines
 
 LOGGER_NAME = "memrl"
@@ -84,19 +85,23 @@ def _is_number_like(value: Any) -> bool:
 METRICS_FILE, EVAL_METRICS_FILE = "metrics.jsonl", "eval_metrics.jsonl"
 
 
+class RunLogError(ValueError, MemrlError):
+    """A run's metrics file that cannot be read back; the message names the file and the line."""
+
+
 def read_metrics(run_root: str | Path, filename: str = METRICS_FILE) -> list[dict[str, Any]]:
     """The records of RUN_ROOT/logs/metrics.jsonl (or `filename`, e.g. EVAL_METRICS_FILE), one per
     rollout id (its last line), sorted by id.
 
     A torn last line (a crash mid-write: after the last newline) is skipped; any other unreadable line
-    raises ValueError.
+    raises RunLogError.
     """
     path = Path(run_root) / "logs" / filename
     if not path.is_file():
         return []
 
-    def bad_line(number: int, err: Exception) -> Exception:
-        return ValueError(f"{path}:{number} is not valid JSON ({err}); fix or delete that line")
+    def bad_line(number: int, err: Exception) -> RunLogError:
+        return RunLogError(f"{path}:{number} is not valid JSON ({err}); fix or delete that line")
 
     by_rollout = {int(record["rollout_id"]): record for _, record in jsonl_lines(path, bad_line, torn_tail=True)}
     return [by_rollout[k] for k in sorted(by_rollout)]
