@@ -19,6 +19,8 @@ BREAKS = "a\u2028b\u2029c\x85d\x1ce"
 
 
 class Refused:
+    """A reader's `bad_line`: the caller's error class, with the line number and what was wrong."""
+
     def __init__(self, error):
         self.error = error
 
@@ -37,6 +39,18 @@ def test_atomic_write_replaces_whole_file_and_leaves_no_temporary(tmp_path):
     atomic_write_bytes(tmp_path / "sub" / "x.json", b"new")
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["x.json"]
     assert (tmp_path / "sub" / "x.json").read_bytes() == b"new"
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    atomic_write_bytes(tmp_path / "x.json", b"old")
+
+    def refuse(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_bytes(tmp_path / "x.json", b"new")
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"] and (tmp_path / "x.json").read_bytes() == b"old"
 
 
 def best_json(root):
