@@ -45,6 +45,7 @@ def child(args: argparse.Namespace) -> dict:
     from memrl.config import load_config
     from memrl.data.synthetic import FACT_TOKENS, make_length_set, task_tokenizer
     from memrl.engines.factory import build_engine
+    from memrl.eval.results import read_results
     from memrl.eval.runner import evaluate
     from memrl.tiny import build_tiny_model
 
@@ -69,7 +70,7 @@ def child(args: argparse.Namespace) -> dict:
         summary = evaluate(engine, tokenizer, cfg, records, Path(out), model_name="tiny-random", data_sha256="bench",
                            progress=False)
         wall = time.perf_counter() - t
-        lines = [json.loads(x) for x in (Path(out) / "results.jsonl").read_text().splitlines()]
+        lines = read_results(Path(out) / "results.jsonl")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
     return {"length": args.length, "questions": len(records), "failed": summary["failed"],
             "document_tokens": lines[0]["document_tokens"], "turns": lines[0]["turns"],

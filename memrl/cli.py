@@ -21,32 +21,7 @@ from memrl.data.hotpotqa import HOTPOTQA_REVISION
 from memrl.data.manifest import output_folder
 from memrl.data.prepare import DEFAULT_SEED
 from memrl.data.ruler_hqa import RULER_LENGTHS, RULER_REPO, RULER_REVISION
-
-# Errors a user fixes by changing an argument, a file or a setting (each message says what): every
-# command prints them as one line and exits 2, as click does for a bad option. Any other exception is
-# a bug and keeps its traceback. Named by module so that checking them imports nothing: an exception
-# can only be an instance of a class whose module is already loaded.
-EXPECTED_ERRORS = (
-    "memrl.config:ConfigError", "memrl.data.records:DataError", "memrl.data.records:MissingDependencyError",
-    "memrl.data.manifest:ManifestError", "memrl.data.hotpotqa:SelectionError",
-    "memrl.data.ruler_hqa:RulerBuildError", "memrl.data.synthetic:SyntheticTaskError",
-    "memrl.train.checkpoint:CheckpointError", "memrl.train.setup:TrainingError", "memrl.train.sft:SFTError",
-    "memrl.train.report:ReportError", "memrl.train.actor:ActorError", "memrl.train.partition:PartitionError",
-    "memrl.eval.results:EvalError", "memrl.eval.compare:CompareError", "memrl.engines.base:EngineError",
-    "memrl.memagent.prompts:PromptError", "memrl.distributed.workers:WorkerError", "memrl.tiny:TinyModelError",
-    "memrl.apps.demo:DemoError", "memrl.viewer.build:ViewerError", "memrl.data.manifest:OutputFolderError",
-    "memrl.rollout:RewardError",
-)
-
-
-def is_expected_error(error: BaseException) -> bool:
-    """Whether `error` is one of EXPECTED_ERRORS (or a subclass of one)."""
-    for spec in EXPECTED_ERRORS:
-        module_name, _, class_name = spec.partition(":")
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        if isinstance(cls, type) and isinstance(error, cls):
-            return True
-    return False
+from memrl.errors import MemrlError
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -55,14 +30,16 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 class _Commands(TyperGroup):
-    """The app's command group: the one place where expected errors of every command become `_fail`."""
+    """The app's command group: the one place where expected errors of every command become `_fail`.
+
+    An expected error is a `MemrlError` (a user fixes it by changing an argument, a file or a setting, and
+    its message says what): one line, exit 2, as click does for a bad option. Any other exception is a bug
+    and keeps its traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except Exception as error:
-            if not is_expected_error(error):
-                raise
+        except MemrlError as error:
             _fail(" ".join(str(error).split()))  # one line, whatever the message's own newlines
 
 

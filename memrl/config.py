@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from memrl.errors import MemrlError
+
 DEFAULT_MEMORY_TEMPLATE = (
     "You are reading a long document one part at a time to answer a question. "
     "You keep a short memory of what matters.\n\n"
@@ -44,7 +46,7 @@ DEFAULT_FINAL_TEMPLATE = (
 DEFAULT_NO_MEMORY_TEXT = "No memory yet."
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, MemrlError):
     """A recipe or override that cannot be used; the message names the key and what to change."""
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from memrl.engines.base import Engine
+from memrl.errors import MemrlError
 from memrl.types import RolloutOutput, Trajectory
 
 
@@ -41,7 +42,7 @@ def request_seed(base_seed: int, *parts: Any) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-class RewardError(ValueError):
+class RewardError(ValueError, MemrlError):
     """A reward function returned no finite real number, or did not return within `rollout.reward_timeout_s`:
     the rollout step fails (in either training loop); the message names the function and what to fix."""
 

@@ -37,6 +37,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from memrl.errors import MemrlError
+
 logger = logging.getLogger(__name__)
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -124,7 +126,7 @@ ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
 }
 
 
-class ScoringError(ValueError):
+class ScoringError(ValueError, MemrlError):
     """Scoring asked for in a way it cannot be done; the message says what to change."""
 
 

@@ -19,8 +19,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from memrl.errors import MemrlError
 
-class TinyModelError(ValueError):
+
+class TinyModelError(ValueError, MemrlError):
     """Tiny-model arguments that cannot work; the message says which to change."""
 
 

@@ -37,13 +37,14 @@ from typing import Any
 import torch
 
 from memrl.config import Config, load_config
+from memrl.errors import MemrlError
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml"
 EM_TARGET_PP = 15.0
 REWARD_TARGET = 0.15
 
 
-class DemoError(RuntimeError):
+class DemoError(RuntimeError, MemrlError):
     """The demo cannot run as asked; the message says what to change."""
 
 

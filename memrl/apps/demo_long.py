@@ -155,6 +155,8 @@ def plot_lengths(rows: Sequence[dict[str, Any]], names: Sequence[str], path: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from memrl.io import atomic_save_figure
+
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     lengths = [r["length"] for r in rows]
     for name in names:
@@ -169,11 +171,8 @@ def plot_lengths(rows: Sequence[dict[str, Any]], names: Sequence[str], path: Pat
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    atomic_save_figure(path, fig, dpi=120)
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 

@@ -27,13 +27,14 @@ from typing import Any
 from tqdm import tqdm
 
 from memrl.data.records import DataError, QuestionRecord, location, read_jsonl_lines, require_module
+from memrl.errors import MemrlError
 
 HOTPOTQA_REPO = "hotpotqa/hotpot_qa"
 HOTPOTQA_CONFIG = "distractor"
 HOTPOTQA_REVISION = "1908d6afbbead072334abe2965f91bd2709910ab"
 
 
-class SelectionError(ValueError):
+class SelectionError(ValueError, MemrlError):
     """Id selection cannot be done as asked (too few ids, bad pass counts); the message says what to change."""
 
 

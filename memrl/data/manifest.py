@@ -1,4 +1,4 @@
-"""SHA-256 manifests for prepared data, atomic file writes, and the check of an output folder option.
+"""SHA-256 manifests for prepared data and the check of an output folder option.
 
 Every folder that `memrl prepare-data` writes holds a `manifest.json`:
 
@@ -7,8 +7,8 @@ Every folder that `memrl prepare-data` writes holds a `manifest.json`:
 
 Invariants:
 - Paths in the manifest are relative to its folder, in POSIX form.
-- A file is written to a temporary sibling and moved into place with `os.replace`, so a reader never
-  sees half a file; the manifest is written last, after every file it lists.
+- A file is written atomically (`memrl.io`), so a reader never sees half a file; the manifest is written
+  last, after every file it lists.
 - `verify_manifest` recomputes size and SHA-256 of each listed file and raises `ManifestError` naming
   the first file that is missing or changed.
 """
@@ -17,20 +17,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Any
+
+from memrl.errors import MemrlError
+from memrl.io import atomic_write_json
 
 MANIFEST_NAME = "manifest.json"
 _HASH_BLOCK = 1 << 20
 
 
-class ManifestError(ValueError):
+class ManifestError(ValueError, MemrlError):
     """A prepared file is missing, changed, or not listed in its folder's manifest."""
 
 
-class OutputFolderError(ValueError):
+class OutputFolderError(ValueError, MemrlError):
     """An output folder (a command's --out, --run-root) that names an existing file, or a path under one."""
 
 
@@ -53,33 +54,6 @@ def sha256_file(path: str | Path) -> str:
         while block := f.read(_HASH_BLOCK):
             digest.update(block)
     return digest.hexdigest()
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write `data` to `path` via a temporary file in the same folder + `os.replace` (atomic on POSIX)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique sibling opened with "xb" (not mkstemp, whose 0600 mode would stick to the final file).
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Path:
-    """Deterministic JSON (UTF-8, keys in insertion order, trailing newline) written atomically."""
-    return atomic_write_text(path, json.dumps(obj, ensure_ascii=False, indent=indent) + "\n")
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:

@@ -39,8 +39,6 @@ from memrl.data.hotpotqa import (
     to_question_record,
 )
 from memrl.data.manifest import (
-    atomic_write_json,
-    atomic_write_text,
     sha256_file,
     write_manifest,
 )
@@ -54,6 +52,7 @@ from memrl.data.ruler_hqa import (
     ruler_filename,
     write_ruler_file,
 )
+from memrl.io import atomic_write_json, atomic_write_text
 
 DEFAULT_SEED = 42
 TRAIN_FILE, HELDOUT_FILE = "hotpotqa_train.jsonl", "hotpotqa_heldout.jsonl"

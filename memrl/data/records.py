@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memrl.data.manifest import MANIFEST_NAME, atomic_write_text, verify_manifest
+from memrl.data.manifest import MANIFEST_NAME, verify_manifest
+from memrl.errors import MemrlError
+from memrl.io import atomic_write_text, jsonl_lines
 
 
 class Line(int):
@@ -29,7 +31,7 @@ def location(index: int) -> str:
     return f"line {index}" if isinstance(index, Line) else f"record {index}"
 
 
-class DataError(ValueError):
+class DataError(ValueError, MemrlError):
     """A malformed data record; the message names the file, the record and the field."""
 
     def __init__(self, source: str | Path, problem: str, index: int | None = None,
@@ -43,7 +45,7 @@ class DataError(ValueError):
         self.source, self.index, self.record_id, self.field = str(source), index, record_id, field
 
 
-class MissingDependencyError(ImportError):
+class MissingDependencyError(ImportError, MemrlError):
     """An optional package (e.g. `datasets`) is needed for a download path; the message says what to install."""
 
 
@@ -105,16 +107,9 @@ def read_jsonl_lines(path: str | Path) -> list[tuple[Line, Any]]:
     path = Path(path)
     if not path.is_file():
         raise DataError(path, "file does not exist")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append((Line(line_no), json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise DataError(path, f"line {line_no} is not valid JSON: {e}") from e
-    return out
+    # The last line is read even without its newline: these files are often written by hand or other tools.
+    lines = jsonl_lines(path, lambda number, e: DataError(path, f"line {number} is not valid JSON: {e}"))
+    return [(Line(number), value) for number, value in lines]
 
 
 def read_jsonl(path: str | Path) -> list[Any]:

@@ -27,7 +27,6 @@ from memrl.data.hotpotqa import (
     format_documents,
     paragraph_document,
 )
-from memrl.data.manifest import atomic_write_json
 from memrl.data.records import (
     DataError,
     QuestionRecord,
@@ -35,6 +34,8 @@ from memrl.data.records import (
     require_module,
     verify_if_manifest,
 )
+from memrl.errors import MemrlError
+from memrl.io import atomic_write_json
 
 RULER_REPO = "BytedTsinghua-SIA/hotpotqa"
 RULER_REVISION = "27275ff4fee67ac0acb6478e405e7ac07efbdc1a"
@@ -45,7 +46,7 @@ RULER_LAYOUTS = ("memrl", "official")
 OFFICIAL_SHUFFLE_SEED = 4  # the official builder shuffles every question with a fresh random.Random(4)
 
 
-class RulerBuildError(ValueError):
+class RulerBuildError(ValueError, MemrlError):
     """A RULER-style set cannot be built as asked (pool too small, N too small); says what to change."""
 
 

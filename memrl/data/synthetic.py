@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from memrl.data.records import QuestionRecord
+from memrl.errors import MemrlError
 
 ENTITIES = ["bram", "cora", "dax", "elin", "finn", "gale", "hugo", "ida", "jora", "kai", "lena", "milo"]
 ATTRIBUTES: dict[str, list[str]] = {
@@ -56,7 +57,7 @@ TEMPLATE_WORDS = ["user", "assistant", "system", "question", "memory", "text", "
 UNKNOWN = "unknown"  # the value a memory holds until the answer fact is seen
 
 
-class SyntheticTaskError(ValueError):
+class SyntheticTaskError(ValueError, MemrlError):
     """Task parameters that cannot make a valid document; the message says what to change."""
 
 

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from memrl.errors import MemrlError
 from memrl.types import TrainRow
 
 
-class RowFetchError(RuntimeError):
+class RowFetchError(RuntimeError, MemrlError):
     """A trainer rank could not fetch a step's rows (the driver names the rank that raised it)."""
 
 

@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from memrl.config import Config
+from memrl.errors import MemrlError
 from memrl.task import load_task, task_reward
 from memrl.train.setup import load_policy, load_tokenizer, rows_of, seed_everything
 from memrl.types import RolloutOutput
 
 
-class WorkerError(RuntimeError):
+class WorkerError(RuntimeError, MemrlError):
     """A Ray worker failed a step; the message names the worker and what happened."""
 
 

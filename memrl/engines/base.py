@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from memrl.errors import MemrlError
+
 FinishReason = Literal["stop", "length", "error"]
 
 
@@ -54,7 +56,7 @@ class GenerationResult:
         return cls(output_ids=[], log_probs=[], finish_reason="error", error=message)
 
 
-class EngineError(RuntimeError):
+class EngineError(RuntimeError, MemrlError):
     """An engine cannot serve at all (model missing, server unreachable after retries)."""
 
 

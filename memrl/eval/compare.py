@@ -22,15 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memrl.data.manifest import atomic_write_json, atomic_write_text
+from memrl.errors import MemrlError
 from memrl.eval.results import METRICS, RESULTS_FILE, SUMMARY_FILE, EvalError, read_results, summarize_lines
 from memrl.eval.stats import mcnemar_p
+from memrl.io import atomic_save_figure, atomic_write_json, atomic_write_text
 
 METRIC_LABELS = {"em": "EM", "sub_em": "sub_EM", "f1": "F1"}
 _TOLERANCE = 1e-9  # percentage points; keeps 3.0000000001 (float noise) from failing a 3 pp threshold
 
 
-class CompareError(ValueError):
+class CompareError(ValueError, MemrlError):
     """Result sets that must not be compared; the message names every difference found."""
 
 
@@ -175,11 +176,8 @@ def plot_comparison(results: list[ResultSet], path: Path) -> Path:
     ax.legend(fontsize="small")
     ax.set_title(f"{results[0].stats['total']} questions")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    atomic_save_figure(path, fig, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 

@@ -23,8 +23,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from memrl.config import Config
-from memrl.data.manifest import atomic_write_json, sha256_file
+from memrl.data.manifest import sha256_file
 from memrl.data.records import QuestionRecord
+from memrl.io import atomic_write_json
 from memrl.rollout import GroupSlot, RolloutContext
 from memrl.task import load_task, task_reward
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memrl.errors import MemrlError
 from memrl.eval.stats import metric_summary
+from memrl.io import cut_torn_tail, jsonl_lines
 from memrl.rollout import turn_log_records
 from memrl.scoring import score_answer
 
@@ -37,7 +38,7 @@ SCORERS = {"boxed": SCORER,
            "therefore": "memrl.scoring.score_answer (HotpotQA normalization, line after the last 'the answer is')"}
 
 
-class EvalError(ValueError):
+class EvalError(ValueError, MemrlError):
     """An evaluation that cannot run or resume as asked; the message says what to change."""
 
 
@@ -109,22 +110,15 @@ def read_results(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
     ignored, and with `repair` cut off the file. Any other bad line is an `EvalError`."""
     if not path.is_file():
         return []
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1  # everything after the last newline is a torn write
-    if repair and end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
+    if repair:
+        cut_torn_tail(path)
+
+    def bad_line(number: int, e: Exception) -> EvalError:
+        return EvalError(f"{path} line {number} is not valid JSON ({e}); it was not written by memrl eval "
+                         f"or was edited; move the file away to start over")
+
     lines = []
-    for number, raw in enumerate(data[:end].splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise EvalError(f"{path} line {number} is not valid JSON ({e}); it was not written by memrl eval "
-                            f"or was edited; move the file away to start over") from e
+    for number, line in jsonl_lines(path, bad_line, torn_tail=True):
         if not isinstance(line, dict) or not isinstance(line.get("id"), str):
             raise EvalError(f"{path} line {number} has no string 'id'; move the file away to start over")
         lines.append(line)

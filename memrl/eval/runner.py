@@ -32,7 +32,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from memrl.config import Config, check_model_path, load_pretrained
-from memrl.data.manifest import atomic_write_json, atomic_write_text, sha256_file
+from memrl.data.manifest import sha256_file
 from memrl.data.records import QuestionRecord, check_unique_ids
 from memrl.engines.base import Engine
 from memrl.eval.results import (
@@ -46,6 +46,7 @@ from memrl.eval.results import (
     sample_line,
     summarize_lines,
 )
+from memrl.io import atomic_write_json, atomic_write_text
 from memrl.rollout import RolloutContext
 from memrl.task import Task, eval_group, load_task
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from memrl.config import RolloutConfig
+from memrl.errors import MemrlError
 from memrl.task import chat_stop_token_ids
 
 # Unlikely in any question or template; rendering must keep each exactly as often as the template has it.
@@ -45,7 +46,7 @@ _SPLIT = re.compile(f"({re.escape(CHUNK_SENTINEL)}|{re.escape(MEMORY_SENTINEL)})
 Segment = tuple[int, ...] | str
 
 
-class PromptError(ValueError):
+class PromptError(ValueError, MemrlError):
     """A prompt that cannot be built as configured; the message says what to change."""
 
 

@@ -17,13 +17,14 @@ from typing import Literal
 
 import numpy as np
 
+from memrl.errors import MemrlError
 from memrl.rl.validate import TrajectoryError
 from memrl.types import TrainRow, Trajectory
 
 CreditMode = Literal["split", "share"]
 
 
-class AdvantageError(ValueError):
+class AdvantageError(ValueError, MemrlError):
     """Rewards or arguments that no advantage can be computed from; the message names the culprit."""
 
 

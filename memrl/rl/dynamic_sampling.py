@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from memrl.errors import MemrlError
 from memrl.types import RolloutOutput, Trajectory
 
 # Metrics of one generation batch that add up over the batches; every other metric of the step (reward
@@ -38,7 +39,7 @@ ADDITIVE_METRICS = ("trajectories/total", "trajectories/failed", "tokens/generat
                     "time/generate_s")
 
 
-class DynamicSamplingError(ValueError):
+class DynamicSamplingError(ValueError, MemrlError):
     """A rollout that dynamic sampling cannot account rows for; the message says what to change."""
 
 

@@ -49,6 +49,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from memrl.errors import MemrlError
+
 AggMode = Literal["token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
                   "seq_mean_token_sum_norm"]
 AGG_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
@@ -63,7 +65,7 @@ _LOG_RATIO_BOUND = 20.0
 _GSPO_LOG_RATIO_MAX = 10.0
 
 
-class LossError(ValueError):
+class LossError(ValueError, MemrlError):
     """A loss argument that cannot be used; the message says which and what to change."""
 
 

@@ -47,10 +47,11 @@ import math
 import numbers
 from collections.abc import Iterable, Sequence
 
+from memrl.errors import MemrlError
 from memrl.types import TRAINABLE_STATUSES, TrainRow, Trajectory, Turn
 
 
-class TrajectoryError(ValueError):
+class TrajectoryError(ValueError, MemrlError):
     """A trajectory (or a row made from one) breaks a training rule.
 
     `trajectory_id` names the trajectory, `turn` its turn (position in `turns`, equal to the turn

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from memrl.config import Config
 from memrl.engines.base import SyncProbe
+from memrl.errors import MemrlError
 from memrl.rl.correction import RolloutCorrection, per_row, trajectory_totals
 from memrl.rl.loss import (
     compute_token_weights,
@@ -71,7 +72,7 @@ from memrl.train.partition import (
 from memrl.types import TrainRow
 
 
-class ActorError(RuntimeError):
+class ActorError(RuntimeError, MemrlError):
     """An actor set up or driven inconsistently; the message says what to change."""
 
 

@@ -50,6 +50,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from memrl.errors import MemrlError
+from memrl.io import atomic_write_text
 from memrl.train import lora
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -66,7 +68,7 @@ _CHECKPOINT_NAME = re.compile(r"^iter_(\d{7})$")
 _TMP_NAME = re.compile(r"^iter_\d{7}\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, MemrlError):
     """A checkpoint that cannot be saved, found or loaded; the message says which and what to do."""
 
 
@@ -245,15 +247,6 @@ def remove_dead_writers_tmp(ckpt_dir: Path) -> list[Path]:
     return removed
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Module, optimizer: Any,
                             scheduler: Any, state: dict[str, Any], tokenizer: Any,
                             weights: Mapping[str, torch.Tensor] | None) -> None:
@@ -325,7 +318,7 @@ def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Modul
     else:
         os.replace(tmp, final)
     _fsync_dir(ckpt_dir)
-    _write_text_atomic(ckpt_dir / LATEST_FILE, name + "\n")
+    atomic_write_text(ckpt_dir / LATEST_FILE, name + "\n")
     if keep_last is not None:
         for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
             if stale != final:
@@ -340,7 +333,7 @@ def write_best(run_root: str | Path, rollout_id: int, metric: str, value: float,
     if not _is_complete(ckpt_dir / name):
         raise CheckpointError(f"best.json may only name a complete checkpoint; {ckpt_dir / name} is not one")
     record = {"checkpoint": name, "rollout_id": rollout_id, "metric": metric, "value": value, "mode": mode}
-    _write_text_atomic(ckpt_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
+    atomic_write_text(ckpt_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
     return ckpt_dir / BEST_FILE
 
 

@@ -46,6 +46,7 @@ from memrl.config import Config
 from memrl.data.records import DataError, read_jsonl_lines
 from memrl.engines.base import Engine, ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import training_engine
+from memrl.io import atomic_write_text
 from memrl.rl.advantages import AdvantageError, trajectory_advantages
 from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
 from memrl.rl.shaping import shaped_rewards
@@ -209,16 +210,9 @@ def check_trainable(rollout_id: int, out: RolloutOutput, max_errors: int = 2) ->
 
 def save_raw_rollout(directory: Path, rollout_id: int, out: RolloutOutput) -> Path:
     """Raw trajectories of one step (debug replay input), written atomically."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"rollout_{rollout_id:07d}.jsonl"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"rollout_id": rollout_id, "train_row_count": out.train_row_count,
-                            "metrics": out.metrics}) + "\n")
-        for traj in out.trajectories:
-            f.write(json.dumps(traj.to_dict()) + "\n")
-    tmp.replace(path)
-    return path
+    header = {"rollout_id": rollout_id, "train_row_count": out.train_row_count, "metrics": out.metrics}
+    lines = [json.dumps(header), *(json.dumps(traj.to_dict()) for traj in out.trajectories)]
+    return atomic_write_text(directory / f"rollout_{rollout_id:07d}.jsonl", "".join(line + "\n" for line in lines))
 
 
 def load_raw_rollout(directory: Path, rollout_id: int) -> RolloutOutput:

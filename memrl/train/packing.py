@@ -26,13 +26,15 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from memrl.errors import MemrlError
+
 log = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "memrl_packed"
 _VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class PackingError(ValueError):
+class PackingError(ValueError, MemrlError):
     """A model or batch that packed micro-batches cannot serve; the message says what to change."""
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+from memrl.errors import MemrlError
 from memrl.types import TrainRow
 
 
-class PartitionError(ValueError):
+class PartitionError(ValueError, MemrlError):
     """Rows that cannot be split as configured; the message names the numbers to change."""
 
 

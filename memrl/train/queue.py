@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from memrl.config import QueueConfig
+from memrl.errors import MemrlError
 
 
-class QueueError(RuntimeError):
+class QueueError(RuntimeError, MemrlError):
     """Misuse of the queue protocol; the message names the rollout id, the numbers and what to change."""
 
 

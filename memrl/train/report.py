@@ -14,7 +14,9 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from memrl.errors import MemrlError
 from memrl.eval.results import METRICS as EVAL_METRICS
+from memrl.io import atomic_save_figure, atomic_write_text
 from memrl.train.run_log import EVAL_METRICS_FILE, REWARD_KEY, read_metrics, reward_summary
 
 # (file stem, title, y label, metric keys drawn as lines on one plot)
@@ -34,7 +36,7 @@ ROW_KEYS = ["rows/saved", "rows/transferred", "rows/consumed"]
 MOVING_AVERAGE_WINDOW = 10
 
 
-class ReportError(RuntimeError):
+class ReportError(RuntimeError, MemrlError):
     """No metrics to report on; the message says where they were looked for."""
 
 
@@ -66,8 +68,7 @@ def _save_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, list[
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, format="png")
-    return path
+    return atomic_save_figure(path, fig)
 
 
 def _plot_reward(records: list[dict[str, Any]], out_dir: Path) -> Path | None:
@@ -177,7 +178,7 @@ def write_report(run_root: str | Path) -> list[Path]:
     plots += _plot_evals(evals, out_dir)
 
     report_md = out_dir / "report.md"
-    report_md.write_text(_markdown(run_root, records, plots, evals))
+    atomic_write_text(report_md, _markdown(run_root, records, plots, evals))
     return [*plots, report_md]
 
 

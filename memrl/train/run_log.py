@@ -35,6 +35,9 @@ from typing import Any
 
 import yaml
 
+from memrl.errors import MemrlError
+from memrl.io import atomic_write_text, jsonl_lines
+
 LOGGER_NAME = "memrl"
 REWARD_KEY = "reward/mean"
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -79,36 +82,28 @@ def _is_number_like(value: Any) -> bool:
     return True
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 METRICS_FILE, EVAL_METRICS_FILE = "metrics.jsonl", "eval_metrics.jsonl"
+
+
+class RunLogError(ValueError, MemrlError):
+    """A run's metrics file that cannot be read back; the message names the file and the line."""
 
 
 def read_metrics(run_root: str | Path, filename: str = METRICS_FILE) -> list[dict[str, Any]]:
     """The records of RUN_ROOT/logs/metrics.jsonl (or `filename`, e.g. EVAL_METRICS_FILE), one per
     rollout id (its last line), sorted by id.
 
-    A torn last line (a crash mid-write) is skipped; any other unreadable line raises ValueError.
+    A torn last line (a crash mid-write: after the last newline) is skipped; any other unreadable line
+    raises RunLogError.
     """
     path = Path(run_root) / "logs" / filename
     if not path.is_file():
         return []
-    lines = path.read_text().splitlines()
-    by_rollout: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            if number == len(lines):
-                continue
-            raise ValueError(f"{path}:{number} is not valid JSON ({err}); fix or delete that line") from err
-        by_rollout[int(record["rollout_id"])] = record
+
+    def bad_line(number: int, err: Exception) -> RunLogError:
+        return RunLogError(f"{path}:{number} is not valid JSON ({err}); fix or delete that line")
+
+    by_rollout = {int(record["rollout_id"]): record for _, record in jsonl_lines(path, bad_line, torn_tail=True)}
     return [by_rollout[k] for k in sorted(by_rollout)]
 
 
@@ -145,7 +140,7 @@ class WandbLogger:
                               f"pip install 'memrl[wandb]', or drop wandb from train.loggers") from error
         id_file = run_root / "logs" / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-        _write_atomic(id_file, run_id + "\n")
+        atomic_write_text(id_file, run_id + "\n")
         self.run = wandb.init(project=project, name=name or run_root.resolve().name, id=run_id, resume="allow",
                               dir=str(run_root), config=config)
 
@@ -183,7 +178,7 @@ class RunLogger:
         if config_dict is not None:
             if hasattr(config_dict, "model_dump"):
                 config_dict = config_dict.model_dump(mode="json")
-            _write_atomic(self.config_path, yaml.safe_dump(_json_safe(config_dict), sort_keys=False))
+            atomic_write_text(self.config_path, yaml.safe_dump(_json_safe(config_dict), sort_keys=False))
         self.jsonl = "jsonl" in loggers
 
         # File handler on the package logger, so every memrl module's records reach train.log.
@@ -219,7 +214,7 @@ class RunLogger:
         if not path.is_file():
             return
         kept = [r for r in read_metrics(self.run_root, filename) if int(r["rollout_id"]) < start_rollout_id]
-        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log_metrics(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Append one metrics line and one TensorBoard scalar per finite numeric value; returns the line."""
@@ -267,7 +262,7 @@ class RunLogger:
     def log_rollout(self, rollout_id: int, records: list[dict[str, Any]]) -> Path:
         """Write the trajectory records of one rollout step to rollouts/rollout_XXXXXXX.jsonl (whole)."""
         path = self.rollouts_dir / f"rollout_{int(rollout_id):07d}.jsonl"
-        _write_atomic(path, "".join(json.dumps(_json_safe(r), ensure_ascii=False) + "\n" for r in records))
+        atomic_write_text(path, "".join(json.dumps(_json_safe(r), ensure_ascii=False) + "\n" for r in records))
         return path
 
     def write_reward_summary(self) -> Path | None:
@@ -277,7 +272,7 @@ class RunLogger:
             return None
         self._metrics_file.flush()
         summary = reward_summary(read_metrics(self.run_root))
-        _write_atomic(self.reward_summary_path, json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(self.reward_summary_path, json.dumps(summary, indent=2) + "\n")
         return self.reward_summary_path
 
     def close(self) -> None:

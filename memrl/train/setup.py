@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from memrl.config import Config, ConfigError, load_pretrained
+from memrl.errors import MemrlError
 from memrl.task import Task, load_task
 from memrl.train.checkpoint import read_state, resolve_checkpoint
 
 log = logging.getLogger("memrl.train")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(RuntimeError, MemrlError):
     """The loop cannot go on; the message says which step and why."""
 
 

@@ -26,12 +26,13 @@ from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from memrl.config import Config, TrainConfig
+from memrl.errors import MemrlError
 from memrl.types import TrainRow
 
 Demonstration = Sequence[tuple[Sequence[int], Sequence[int]]]
 
 
-class SFTError(ValueError):
+class SFTError(ValueError, MemrlError):
     """Demonstrations or options that cannot be trained on; the message says what to change."""
 
 

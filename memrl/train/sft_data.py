@@ -8,11 +8,13 @@ the end-of-turn token appended, so the warm start teaches the model to stop as t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from memrl.io import jsonl_lines
 from memrl.train.sft import Demonstration, SFTError
+
+_EXPECTED = 'expected {"turns": [{"prompt": ..., "response": ...}]}'
 
 
 def _prompt_ids(tokenizer: Any, prompt: Any, enable_thinking: bool) -> list[int]:
@@ -23,21 +25,20 @@ def _prompt_ids(tokenizer: Any, prompt: Any, enable_thinking: bool) -> list[int]
 
 def load_demonstrations(path: str | Path, tokenizer: Any, enable_thinking: bool = False) -> list[Demonstration]:
     """Token-id demonstrations from the JSONL at `path`; a malformed line is an error naming it."""
+    def bad_line(n: int, e: Exception) -> SFTError:
+        return SFTError(f"{path}, line {n}: {_EXPECTED} ({type(e).__name__}: {e})")
+
     demos: list[Demonstration] = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+    for n, record in jsonl_lines(path, bad_line):
         try:
-            record = json.loads(line)
             turns = record["turns"]
             demo = []
             for turn in turns:
                 response = tokenizer(turn["response"], add_special_tokens=False)["input_ids"]
                 demo.append((_prompt_ids(tokenizer, turn["prompt"], enable_thinking),
                              [*response, tokenizer.eos_token_id]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SFTError(f"{path}, line {n}: expected {{\"turns\": [{{\"prompt\": ..., \"response\": ...}}]}} "
-                           f"({type(e).__name__}: {e})") from e
+        except (KeyError, TypeError) as e:
+            raise bad_line(n, e) from e
         if not demo:
             raise SFTError(f"{path}, line {n}: a demonstration needs at least one turn")
         demos.append(demo)

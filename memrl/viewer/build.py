@@ -30,8 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from memrl.data.manifest import atomic_write_text
+from memrl.errors import MemrlError
 from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE
+from memrl.io import atomic_write_text, jsonl_lines
 from memrl.scoring import ANSWER_EXTRACTORS, gold_spans, score_answer
 
 TEMPLATE = Path(__file__).with_name("template.html")
@@ -40,7 +41,7 @@ ROLLOUT_GLOB = "rollout_*.jsonl"
 VIEW_FILE = "viewer.html"
 
 
-class ViewerError(ValueError):
+class ViewerError(ValueError, MemrlError):
     """A path or file the viewer cannot read; the message says what to pass instead."""
 
 
@@ -157,33 +158,19 @@ def _golds(line: dict[str, Any]) -> list[str]:
     return list(line.get("golds") or [])
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def _read_jsonl(path: Path, kind: tuple[dict[str, str], str, str]) -> list[dict[str, Any]]:
-    """The checked records of a JSON-lines file memrl wrote (`_check_record`).
+    """The checked records of a JSON-lines file memrl wrote (`_check_record`). Split at "\n" only, and
+    what follows the last "\n" is a torn write (a run killed mid-line) and is left out (`memrl.io`)."""
 
-    Lines end at "\n" only: memrl writes text unescaped (ensure_ascii=False), and a document's U+2028 is no
-    line break (`str.splitlines` would cut the record there). What follows the last "\n" is a torn write (a
-    run killed mid-line, as `memrl.eval.results.read_results` reads it) and is left out.
-    """
+    def bad_line(number: int, e: Exception) -> ViewerError:
+        return ViewerError(f"{path} line {number} is not a JSON record memrl wrote ({type(e).__name__}: {e}); "
+                           f"pass a file memrl wrote")
+
     try:
-        data = path.read_bytes()
+        lines = jsonl_lines(path, bad_line, torn_tail=True, nan_ok=False)
     except OSError as e:
         raise ViewerError(f"{path} cannot be read ({e.strerror}); pass a file memrl wrote") from e
-    records = []
-    for number, raw in enumerate(data[:data.rfind(b"\n") + 1].split(b"\n")[:-1], start=1):
-        if not raw.strip():
-            continue
-        where = f"{path} line {number}"
-        try:
-            record = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, NaN / Infinity, nested too deep
-            raise ViewerError(f"{where} is not a JSON record memrl wrote ({type(e).__name__}: {e}); pass a file "
-                              f"memrl wrote") from e
-        records.append(_check_record(record, kind, where))
-    return records
+    return [_check_record(record, kind, f"{path} line {number}") for number, record in lines]
 
 
 # ------------------------------------------------------------------------------------------ sources

@@ -12,14 +12,13 @@ from memrl.data.manifest import (
     MANIFEST_NAME,
     ManifestError,
     OutputFolderError,
-    atomic_write_json,
-    atomic_write_text,
     output_folder,
     read_manifest,
     sha256_file,
     verify_manifest,
     write_manifest,
 )
+from memrl.io import atomic_write_json, atomic_write_text
 
 
 @pytest.fixture()
