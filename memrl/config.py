@@ -184,12 +184,17 @@ class RolloutConfig(Section):
         "fails with RewardError. The call runs in a daemon thread, which is left running (a thread cannot be killed).")
     max_batch_size: int = Field(32, gt=0, description="Local engine: most requests decoded together.")
     max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in one batch.")
+    # Both default off: the static path has passed its CPU tests but has never run on a GPU (bench/README.md,
+    # "GPU figures owed"), so a first GPU run takes the measured dynamic path; `auto` opts in, and the GPU
+    # measurements decide whether it becomes the default.
     static_kv: Literal["auto", "on", "off"] = Field(
-        "auto", description="Local engine: decode in preallocated KV slots bucketed by batch size and length "
-        "(static shapes); `auto` = on with CUDA, off on CPU (the dynamic cache), `on` also on CPU.")
+        "off", description="Local engine: decode in preallocated KV slots bucketed by batch size and length "
+        "(static shapes); `off` (the default, until a GPU run measures it) the dynamic cache, `auto` on with CUDA "
+        "and off on CPU, `on` also on CPU.")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="Local engine: capture each bucket's static decode step as a CUDA graph; `auto` = on "
-        "with CUDA (eager fallback, with a warning, if a capture fails), `on` needs CUDA and static_kv auto/on.")
+        "off", description="Local engine: capture each bucket's static decode step as a CUDA graph; `off` (the "
+        "default, until a GPU run measures it), `auto` on whenever the static path runs on CUDA (eager fallback, "
+        "with a warning, if a capture fails), `on` needs CUDA and static_kv auto/on.")
 
     @model_validator(mode="after")
     def _templates_have_placeholders(self) -> RolloutConfig:
