@@ -206,7 +206,7 @@ def test_floats_still_take_ints_and_exponents_without_a_dot():
     cfg = load_config(None, ["train.lr=1", "train.weight_decay=1e-2", "train.adam_betas=[0, 1]", "train.pad_to_dp=yes"])
     assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.adam_betas) == (1.0, 0.01, (0.0, 1.0))
     assert cfg.train.pad_to_dp is True  # YAML 1.1 itself reads yes as true; only the quoted text is refused
-    assert load_config(None, ["eval.limit=null", "algorithm.tis_cap=null"]).eval.limit is None
+    assert load_config(None, ["eval.limit=null", "algorithm.dual_clip=null"]).eval.limit is None
 
 
 def test_assignment_is_checked_too():
@@ -215,6 +215,20 @@ def test_assignment_is_checked_too():
         cfg.train.lr = float("inf")
     with pytest.raises(ValueError, match="not a whole number"):
         cfg.rollout.n_samples = 4.0
+
+
+REPLACED = [("algorithm.tis_cap", "algorithm.rollout_is=token + rollout_is_threshold=C"),
+            ("train.lr_warmup_steps_ratio", "train.warmup_steps")]
+
+
+@pytest.mark.parametrize("value", ["2", "0.1", "null"])
+@pytest.mark.parametrize("key, replacement", REPLACED, ids=[k for k, _ in REPLACED])
+def test_a_replaced_key_is_refused_naming_its_replacement(key, replacement, value):
+    # One knob per setting: the older spelling stops the load, even when null, and says what to write.
+    with pytest.raises(ConfigError, match=re.escape(f"{key} is replaced by {replacement}")):
+        load_config(None, [f"{key}={value}"])
+    section, name = key.split(".")
+    assert name not in type(getattr(Config(), section)).model_fields  # refused, not a field kept alongside
 
 
 def test_every_recipe_validates():
