@@ -86,17 +86,17 @@ class Section(BaseModel):
     # allow_inf_nan=False: `train.lr=.inf` turned every weight into NaN, `queue.timeout_s=.inf` overflowed
     # a later wait. Strict ints and bools (see `_lax_coercion`) for every field, also of plugin sections.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-    # Keys an earlier release had, each with the message that names what replaces it: refused even when set
-    # to null, so an old recipe stops with what to write instead of a bare "unknown key".
-    replaced_keys: ClassVar[dict[str, str]] = {}
+    # Keys an earlier release had, each with the message that names what replaces it (or says it is gone):
+    # refused even when set to null, so an old recipe stops with what to write instead of a bare "unknown key".
+    retired_keys: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_replaced_keys(cls, raw: Any) -> Any:
+    def _refuse_retired_keys(cls, raw: Any) -> Any:
         if isinstance(raw, dict):
-            old = [key for key in cls.replaced_keys if key in raw]
+            old = [key for key in cls.retired_keys if key in raw]
             if old:
-                raise ValueError("; ".join(cls.replaced_keys[key] for key in old))
+                raise ValueError("; ".join(cls.retired_keys[key] for key in old))
         return raw
 
     @field_validator("*", mode="before")
@@ -225,7 +225,7 @@ class RolloutConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    replaced_keys = {"tis_cap": "algorithm.tis_cap is replaced by algorithm.rollout_is=token + rollout_is_threshold=C "
+    retired_keys = {"tis_cap": "algorithm.tis_cap is replaced by algorithm.rollout_is=token + rollout_is_threshold=C "
                                 "(the same truncated importance weights, verl's names)"}
 
     credit: Literal["split", "share"] = Field(
@@ -336,7 +336,7 @@ class AlgorithmConfig(Section):
         return self
 
 class TrainConfig(Section):
-    replaced_keys = {"lr_warmup_steps_ratio": "train.lr_warmup_steps_ratio is replaced by train.warmup_steps, a count "
+    retired_keys = {"lr_warmup_steps_ratio": "train.lr_warmup_steps_ratio is replaced by train.warmup_steps, a count "
                                               "of optimizer steps (a ratio r was floor(r x num_rollout x num_optimizer_steps) steps)"}
 
     num_rollout: int = Field(100, gt=0, description="Rollout steps to run.")
@@ -440,11 +440,13 @@ class TrainConfig(Section):
 
 
 class QueueConfig(Section):
+    retired_keys = {"train_data_group_size": "queue.train_data_group_size is removed: the trainer takes each "
+                    "rollout's rows all at once, so there are no groups to size; delete the key"}
+
     train_sample_expansion_factor: int | None = Field(
         None, gt=0, description="Most rows one trajectory may expand to; sizes the queue's reserved capacity. "
         "Unset: the task's own bound (MemAgent: rollout.max_chunks + 1; a 1:1 task: 1)."
     )
-    train_data_group_size: int = Field(1, gt=0, description="Rows are handed to training in groups of this size.")
     timeout_s: float = Field(1800.0, gt=0, description="Longest any wait on the queue may take.")
 
 

@@ -132,13 +132,6 @@ def test_training_and_eval_recipes_prompt_alike():
         assert getattr(train, key) == getattr(evaluation, key), key
 
 
-def test_row_group_size_must_divide_the_grpo_group():
-    # rows per rollout = n_samples x turns: only a divisor of n_samples splits every rollout evenly
-    with pytest.raises(ConfigError, match="does not divide rollout.n_samples = 8"):
-        load_config(None, ["queue.train_data_group_size=3"])
-    assert load_config(None, ["queue.train_data_group_size=4"]).queue.train_data_group_size == 4
-
-
 def _fields_accepting(kind):
     """(key, how many items: None for a scalar) of every section field whose values are of type `kind`."""
     from typing import get_args, get_origin
@@ -217,15 +210,16 @@ def test_assignment_is_checked_too():
         cfg.rollout.n_samples = 4.0
 
 
-REPLACED = [("algorithm.tis_cap", "algorithm.rollout_is=token + rollout_is_threshold=C"),
-            ("train.lr_warmup_steps_ratio", "train.warmup_steps")]
+RETIRED = [("algorithm.tis_cap", "is replaced by algorithm.rollout_is=token + rollout_is_threshold=C"),
+           ("train.lr_warmup_steps_ratio", "is replaced by train.warmup_steps"),
+           ("queue.train_data_group_size", "is removed: the trainer takes each rollout's rows all at once")]
 
 
 @pytest.mark.parametrize("value", ["2", "0.1", "null"])
-@pytest.mark.parametrize("key, replacement", REPLACED, ids=[k for k, _ in REPLACED])
-def test_a_replaced_key_is_refused_naming_its_replacement(key, replacement, value):
+@pytest.mark.parametrize("key, says", RETIRED, ids=[k for k, _ in RETIRED])
+def test_a_retired_key_is_refused_naming_its_replacement(key, says, value):
     # One knob per setting: the older spelling stops the load, even when null, and says what to write.
-    with pytest.raises(ConfigError, match=re.escape(f"{key} is replaced by {replacement}")):
+    with pytest.raises(ConfigError, match=re.escape(f"{key} {says}")):
         load_config(None, [f"{key}={value}"])
     section, name = key.split(".")
     assert name not in type(getattr(Config(), section)).model_fields  # refused, not a field kept alongside
