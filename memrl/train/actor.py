@@ -257,6 +257,18 @@ def _metrics_to_host(sums: dict[str, Any]) -> None:
         sums.update(zip(keys, torch.stack([sums[k] for k in keys]).tolist(), strict=True))
 
 
+def _add_metric(sums: dict[str, Any], key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
+    # Tensors stay on the device (float64, as the Python floats they become): one host sync per optimizer
+    # step (`_metrics_to_host`), not one per metric per micro-batch.
+    value = value.detach().double() if isinstance(value, Tensor) else value
+    sums[key] = sums.get(key, 0.0) + value * w
+
+
+def _max_metric(sums: dict[str, Any], key: str, value: Tensor) -> None:
+    # torch.maximum keeps NaN (Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean)
+    sums[key] = torch.maximum(sums[key], value) if key in sums else value
+
+
 def _non_finite_message(rollout_id: int, step: int, loss: float, grad_norm: float) -> str:
     # The rows were validated (finite 0/1 masks, log-probs, advantages) before planning, so the cause is
     # the policy's own numbers; "lower the learning rate" is only right when training was diverging.
@@ -605,10 +617,7 @@ class Actor:
         terms = trajectory_terms or {}
 
         def add(key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
-            # Tensors stay on the device (float64, as the Python floats they become): one host sync per
-            # optimizer step (`_metrics_to_host`), not one per metric per micro-batch.
-            value = value.detach().double() if isinstance(value, Tensor) else value
-            sums[key] = sums.get(key, 0.0) + value * w
+            _add_metric(sums, key, value, w)
 
         mb = self._build(mb_rows, mb_weights)
         stats = self._forward(self.policy, mb)
@@ -617,19 +626,7 @@ class Actor:
         # `old`: the policy before this rollout's first update; with one optimizer step per rollout that
         # is this very forward (ratio 1), so no extra pass is needed.
         old = logp.detach() if old is None else old
-        correction = RolloutCorrection.from_config(a)
-        iw, loss_mask = None, mb.loss_mask
-        if correction is not None:  # a dropped token (rollout_rs) leaves every term, its weight stays in the sum
-            iw, keep, rc_metrics = correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
-                                                    terms.get("rc_sum"), terms.get("rc_tokens"))
-            loss_mask = mb.loss_mask * keep
-            n_mb = mb.loss_mask.sum().double()
-            for key, value in rc_metrics.items():
-                if key.endswith("_max"):  # kept on the device, as every metric of the loop (`_metrics_to_host`)
-                    value = torch.as_tensor(value, dtype=torch.float64, device=n_mb.device)
-                    sums[key] = torch.maximum(sums[key], value) if key in sums else value
-                else:
-                    add(key, value, n_mb)
+        iw, loss_mask = self._rollout_correction(mb, old, terms, sums)
         pg, m = policy_loss(logp, old, mb.advantages, loss_mask, a.clip_low, a.clip_high, a.dual_clip,
                             row_weights=mb.row_weights, importance_weights=iw, sequence_log_ratio=terms.get("gspo"))
         loss = pg
@@ -653,15 +650,31 @@ class Actor:
         add("loss/total", loss.detach())
         add("entropy/mean", (entropy * w_tokens).sum())
         add("logprob_gap/sum_abs", gap.sum())
-        # torch.maximum keeps NaN (Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean)
         top = gap.max().double() if gap.numel() else torch.zeros((), dtype=torch.float64, device=gap.device)
-        sums["logprob_gap/max_abs"] = torch.maximum(sums["logprob_gap/max_abs"], top) \
-            if "logprob_gap/max_abs" in sums else top
+        _max_metric(sums, "logprob_gap/max_abs", top)
         add("tokens/loss", n_tok)
         add("clip_fraction_tokens", m["clip_fraction"], n_tok)
         add("micro_batches", 1.0)
         add("tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
         add("tokens/padded", mb.input_ids.numel())  # processed positions: rows x longest, or all rows packed
+
+    def _rollout_correction(self, mb: MicroBatch, old: Tensor, terms: dict[str, Tensor],
+                            sums: dict[str, Any]) -> tuple[Tensor | None, Tensor]:
+        """The rollout correction's importance weights (None when off) and the loss mask less the tokens it
+        drops; its metrics into sums. A dropped token (rollout_rs) leaves every term, its weight stays in the
+        step's sum."""
+        correction = RolloutCorrection.from_config(self.cfg.algorithm)
+        if correction is None:
+            return None, mb.loss_mask
+        iw, keep, rc_metrics = correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
+                                                terms.get("rc_sum"), terms.get("rc_tokens"))
+        n_mb = mb.loss_mask.sum().double()
+        for key, value in rc_metrics.items():
+            if key.endswith("_max"):  # kept on the device, as every metric of the loop (`_metrics_to_host`)
+                _max_metric(sums, key, torch.as_tensor(value, dtype=torch.float64, device=n_mb.device))
+            else:
+                _add_metric(sums, key, value, n_mb)
+        return iw, mb.loss_mask * keep
 
     def _all_reduce_metrics(self, sums: dict[str, float]) -> None:
         """Sum every metric over the ranks (max for the maxima); all ranks have the same keys."""
