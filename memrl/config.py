@@ -13,7 +13,7 @@ import numbers
 import re
 import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -88,6 +88,18 @@ class Section(BaseModel):
     # allow_inf_nan=False: `train.lr=.inf` turned every weight into NaN, `queue.timeout_s=.inf` overflowed
     # a later wait. Strict ints and bools (see `_lax_coercion`) for every field, also of plugin sections.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # Keys an earlier release had, each with the message that names what replaces it (or says it is gone):
+    # refused even when set to null, so an old recipe stops with what to write instead of a bare "unknown key".
+    retired_keys: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_retired_keys(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            old = [key for key in cls.retired_keys if key in raw]
+            if old:
+                raise ValueError("; ".join(cls.retired_keys[key] for key in old))
+        return raw
 
     @field_validator("*", mode="before")
     @classmethod
@@ -186,12 +198,17 @@ class RolloutConfig(Section):
         "fails with RewardError. The call runs in a daemon thread, which is left running (a thread cannot be killed).")
     max_batch_size: int = Field(32, gt=0, description="Local engine: most requests decoded together.")
     max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in one batch.")
+    # Both default off: the static path has passed its CPU tests but has never run on a GPU (bench/README.md,
+    # "GPU figures owed"), so a first GPU run takes the measured dynamic path; `auto` opts in, and the GPU
+    # measurements decide whether it becomes the default.
     static_kv: Literal["auto", "on", "off"] = Field(
-        "auto", description="Local engine: decode in preallocated KV slots bucketed by batch size and length "
-        "(static shapes); `auto` = on with CUDA, off on CPU (the dynamic cache), `on` also on CPU.")
+        "off", description="Local engine: decode in preallocated KV slots bucketed by batch size and length "
+        "(static shapes); `off` (the default, until a GPU run measures it) the dynamic cache, `auto` on with CUDA "
+        "and off on CPU, `on` also on CPU.")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="Local engine: capture each bucket's static decode step as a CUDA graph; `auto` = on "
-        "with CUDA (eager fallback, with a warning, if a capture fails), `on` needs CUDA and static_kv auto/on.")
+        "off", description="Local engine: capture each bucket's static decode step as a CUDA graph; `off` (the "
+        "default, until a GPU run measures it), `auto` on whenever the static path runs on CUDA (eager fallback, "
+        "with a warning, if a capture fails), `on` needs CUDA and static_kv auto/on.")
 
     @model_validator(mode="after")
     def _templates_have_placeholders(self) -> RolloutConfig:
@@ -210,6 +227,9 @@ class RolloutConfig(Section):
 
 
 class AlgorithmConfig(Section):
+    retired_keys = {"tis_cap": "algorithm.tis_cap is replaced by algorithm.rollout_is=token + rollout_is_threshold=C "
+                                "(the same truncated importance weights, verl's names)"}
+
     credit: Literal["split", "share"] = Field(
         "split", description="`split`: each of T turns gets advantage/T; `share`: each gets the full advantage."
     )
@@ -237,7 +257,6 @@ class AlgorithmConfig(Section):
         "rollout.final_tokens)."
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = logged only).")
-    tis_cap: float | None = Field(None, gt=0, description="Truncated importance weight cap for the rollout/trainer gap; off if unset.")
     loss_mode: Literal["vanilla", "gspo"] = Field(
         "vanilla", description="`vanilla`: PPO's per-token ratio; `gspo`: GSPO's sequence ratio (verl "
         "policy_loss.loss_mode=gspo) taken over a whole trajectory, all its turns' tokens (memrl/rl/loss.py "
@@ -246,7 +265,7 @@ class AlgorithmConfig(Section):
     )
     rollout_is: Literal["token", "sequence"] | None = Field(
         None, description="Importance weights for the engine/trainer gap (verl algorithm.rollout_correction."
-        "rollout_is): `token` min(rho_t, threshold) (= tis_cap), `sequence` one weight per trajectory, "
+        "rollout_is): `token` min(rho_t, threshold) (truncated IS, slime --use-tis), `sequence` one weight per trajectory, "
         "min(prod rho_t, threshold); off if unset (memrl/rl/correction.py)."
     )
     rollout_is_threshold: float = Field(2.0, gt=0, description="Upper bound of the rollout_is weights.")
@@ -310,10 +329,7 @@ class AlgorithmConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _one_way_to_each_correction(self) -> AlgorithmConfig:
-        if self.tis_cap is not None and self.rollout_is is not None:
-            raise ValueError("algorithm.tis_cap and algorithm.rollout_is both set importance weights; tis_cap = c is "
-                             "rollout_is = token with rollout_is_threshold = c: keep one")
+    def _a_nonempty_rejection_range(self) -> AlgorithmConfig:
         high = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
         low = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / high
         if self.rollout_rs is not None and not low < high:
@@ -322,14 +338,15 @@ class AlgorithmConfig(Section):
         return self
 
 class TrainConfig(Section):
+    retired_keys = {"lr_warmup_steps_ratio": "train.lr_warmup_steps_ratio is replaced by train.warmup_steps, a count "
+                                              "of optimizer steps (a ratio r was floor(r x num_rollout x num_optimizer_steps) steps)"}
+
     num_rollout: int = Field(100, gt=0, description="Rollout steps to run.")
     rollout_batch_size: int = Field(16, gt=0, description="Questions per rollout step.")
     num_optimizer_steps: int = Field(1, gt=0, description="Optimizer steps per rollout step (counted in prompt groups).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps (the first update at lr / "
                               "warmup_steps).")
-    lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Warmup as a fraction of the run's "
-                                         "optimizer steps (verl's name); used when warmup_steps = 0.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="LR after warmup: `constant` (HF constant_with_warmup), `linear` or `cosine` decay "
         "(HF get_scheduler names; verl warmup_style) over the rest of num_rollout x num_optimizer_steps, down to "
@@ -362,8 +379,8 @@ class TrainConfig(Section):
     )
     max_staleness: int = Field(
         0, ge=0, description="Overlap rollout and training: rollout n+k may generate while step n trains, with "
-        "weights at most k steps old (PPO ratios against the rollout's own log-probs; algorithm.tis_cap corrects "
-        "the gap). 0 = the synchronous loop. Drains at checkpoints, so resume stays exact. queue.timeout_s then also "
+        "weights at most k steps old (PPO ratios against the rollout's own log-probs; algorithm.rollout_is "
+        "corrects the gap). 0 = the synchronous loop. Drains at checkpoints, so resume stays exact. queue.timeout_s then also "
         "bounds the trainer's wait for a rollout still generating. Any runtime and engine (a served engine reloads "
         "one folder per weight version, RUN_ROOT/weights_versions)."
     )
@@ -406,9 +423,7 @@ class TrainConfig(Section):
                                         "run root's folder name.")
 
     @model_validator(mode="after")
-    def _one_warmup_and_a_decay_for_the_floor(self) -> TrainConfig:
-        if self.warmup_steps > 0 and self.lr_warmup_steps_ratio > 0:
-            raise ValueError("train.warmup_steps and train.lr_warmup_steps_ratio are both set; set one of them")
+    def _a_decay_for_the_floor(self) -> TrainConfig:
         if self.min_lr_ratio > 0 and self.lr_scheduler == "constant":
             raise ValueError("train.min_lr_ratio is the floor of a decay; set train.lr_scheduler to linear or cosine")
         return self
@@ -427,11 +442,13 @@ class TrainConfig(Section):
 
 
 class QueueConfig(Section):
+    retired_keys = {"train_data_group_size": "queue.train_data_group_size is removed: the trainer takes each "
+                    "rollout's rows all at once, so there are no groups to size; delete the key"}
+
     train_sample_expansion_factor: int | None = Field(
         None, gt=0, description="Most rows one trajectory may expand to; sizes the queue's reserved capacity. "
         "Unset: the task's own bound (MemAgent: rollout.max_chunks + 1; a 1:1 task: 1)."
     )
-    train_data_group_size: int = Field(1, gt=0, description="Rows are handed to training in groups of this size.")
     timeout_s: float = Field(1800.0, gt=0, description="Longest any wait on the queue may take.")
 
 

@@ -132,13 +132,6 @@ def test_training_and_eval_recipes_prompt_alike():
         assert getattr(train, key) == getattr(evaluation, key), key
 
 
-def test_row_group_size_must_divide_the_grpo_group():
-    # rows per rollout = n_samples x turns: only a divisor of n_samples splits every rollout evenly
-    with pytest.raises(ConfigError, match="does not divide rollout.n_samples = 8"):
-        load_config(None, ["queue.train_data_group_size=3"])
-    assert load_config(None, ["queue.train_data_group_size=4"]).queue.train_data_group_size == 4
-
-
 def _fields_accepting(kind):
     """(key, how many items: None for a scalar) of every section field whose values are of type `kind`."""
     from typing import get_args, get_origin
@@ -206,7 +199,7 @@ def test_floats_still_take_ints_and_exponents_without_a_dot():
     cfg = load_config(None, ["train.lr=1", "train.weight_decay=1e-2", "train.adam_betas=[0, 1]", "train.pad_to_dp=yes"])
     assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.adam_betas) == (1.0, 0.01, (0.0, 1.0))
     assert cfg.train.pad_to_dp is True  # YAML 1.1 itself reads yes as true; only the quoted text is refused
-    assert load_config(None, ["eval.limit=null", "algorithm.tis_cap=null"]).eval.limit is None
+    assert load_config(None, ["eval.limit=null", "algorithm.dual_clip=null"]).eval.limit is None
 
 
 def test_assignment_is_checked_too():
@@ -215,6 +208,21 @@ def test_assignment_is_checked_too():
         cfg.train.lr = float("inf")
     with pytest.raises(ValueError, match="not a whole number"):
         cfg.rollout.n_samples = 4.0
+
+
+RETIRED = [("algorithm.tis_cap", "is replaced by algorithm.rollout_is=token + rollout_is_threshold=C"),
+           ("train.lr_warmup_steps_ratio", "is replaced by train.warmup_steps"),
+           ("queue.train_data_group_size", "is removed: the trainer takes each rollout's rows all at once")]
+
+
+@pytest.mark.parametrize("value", ["2", "0.1", "null"])
+@pytest.mark.parametrize("key, says", RETIRED, ids=[k for k, _ in RETIRED])
+def test_a_retired_key_is_refused_naming_its_replacement(key, says, value):
+    # One knob per setting: the older spelling stops the load, even when null, and says what to write.
+    with pytest.raises(ConfigError, match=re.escape(f"{key} {says}")):
+        load_config(None, [f"{key}={value}"])
+    section, name = key.split(".")
+    assert name not in type(getattr(Config(), section)).model_fields  # refused, not a field kept alongside
 
 
 def test_every_recipe_validates():

@@ -47,6 +47,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -374,6 +375,256 @@ async def _while_connected(request: Request, work: Awaitable[Any]) -> Any:
         task.cancel()  # a no-op once it is done
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """Per-request bounds of one app (create_app's arguments of the same names)."""
+
+    max_prompt_tokens: int
+    max_tokens_limit: int
+    max_batch_prompts: int
+
+
+class _Service:
+    """What the routes of one app do over its engine; `create_app` wires them to FastAPI (`_add_routes`).
+
+    A class rather than closures inside create_app, so each route's checks, engine call and answer are
+    functions of their own that read the app's settings from one place."""
+
+    def __init__(self, engine: Engine, model_name: str, api_key: str | None, limits: _Limits, tokenizer: Any,
+                 vocab_size: int | None, gate: _ReloadGate, policy: ReloadPolicy) -> None:
+        self.engine, self.model_name, self.api_key, self.limits = engine, model_name, api_key, limits
+        self.tokenizer, self.vocab_size, self.gate, self.policy = tokenizer, vocab_size, gate, policy
+        self.created = int(time.time())
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(
+                401, "missing or wrong API key: send `Authorization: Bearer <key>`", "authentication_error"
+            )
+
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "memrl"}
+        return {"object": "list", "data": [card]}
+
+    # ---- /v1/completions
+
+    def completion_requests(self, body: CompletionBody) -> list[GenerationRequest]:
+        """The engine requests of a completion body, after the checks against this server's limits."""
+        prompts: list[list[int]] = body.prompt
+        limits = self.limits
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves {self.model_name!r}")
+        if len(prompts) > limits.max_batch_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request; the limit is {limits.max_batch_prompts}")
+        if body.max_tokens > limits.max_tokens_limit:
+            raise APIError(
+                400, f"max_tokens={body.max_tokens} exceeds this server's limit of {limits.max_tokens_limit}"
+            )
+        for i, ids in enumerate(prompts):
+            if len(ids) > limits.max_prompt_tokens:
+                raise APIError(
+                    400, f"prompt {i} has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}"
+                )
+        _check_token_ids([*prompts, body.stop_token_ids], self.vocab_size)
+        if body.seed is not None and body.seed + len(prompts) - 1 > MAX_SEED:
+            # Prompt i samples with seed + i (below): the last of them must still be an int64.
+            raise APIError(
+                400,
+                f"seed {body.seed} + {len(prompts) - 1} (one per prompt) passes 2**63 - 1; send a smaller seed",
+            )
+        return [
+            GenerationRequest(
+                prompt_ids=ids,
+                max_tokens=body.max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                stop_token_ids=list(body.stop_token_ids),
+                # One seed for a batch would give identical prompts identical samples; offset it per prompt.
+                seed=None if body.seed is None else body.seed + i,
+            )
+            for i, ids in enumerate(prompts)
+        ]
+
+    async def completions(self, body: CompletionBody, request: Request) -> dict:
+        requests = self.completion_requests(body)
+
+        async def generate() -> list[GenerationResult]:
+            async with self.gate.generation():
+                try:
+                    return await self.engine.generate(requests)
+                except Exception as exc:  # an engine bug must reach the client, not hang it
+                    logger.exception("engine.generate failed")
+                    raise APIError(500, f"engine error: {type(exc).__name__}: {exc}", "server_error") from exc
+
+        try:
+            results = await _while_connected(request, generate())
+        except _ClientGone:
+            logger.info("client disconnected: cancelled its %d prompt(s)", len(requests))
+            # Nobody reads this answer; 499 is what nginx logs for a client that closed the request.
+            raise APIError(499, "client disconnected before the completion was ready", "client_closed") from None
+        return self.completion_response(body, results)
+
+    def completion_choice(self, body: CompletionBody, i: int, result: GenerationResult) -> dict:
+        if result.finish_reason == "error":
+            raise APIError(500, f"engine error on prompt {i}: {result.error}", "server_error")
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(result.output_ids, skip_special_tokens=body.skip_special_tokens)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = {
+                "tokens": _token_strings(self.tokenizer, result.output_ids),
+                "token_logprobs": list(result.log_probs),
+                "top_logprobs": None,
+                "text_offset": None,
+            }
+        return {
+            "index": i,
+            "text": text,
+            "token_ids": list(result.output_ids),
+            "prompt_token_ids": body.prompt[i],
+            "logprobs": logprobs,
+            "finish_reason": result.finish_reason,
+            "stop_reason": None,
+        }
+
+    def completion_response(self, body: CompletionBody, results: list[GenerationResult]) -> dict:
+        choices = [self.completion_choice(body, i, result) for i, result in enumerate(results)]
+        prompt_tokens = sum(len(p) for p in body.prompt)
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    # ---- /v1/score
+
+    async def score(self, body: ScoreBody) -> dict:
+        scorer = getattr(self.engine, "score", None)
+        if scorer is None:
+            raise APIError(501, f"{type(self.engine).__name__} cannot score a continuation (no score method)")
+        length = len(body.prompt_ids) + len(body.continuation_ids)
+        if length > self.limits.max_prompt_tokens:
+            raise APIError(400, f"{length} tokens to score; this server accepts at most {self.limits.max_prompt_tokens}")
+        _check_token_ids([body.prompt_ids, body.continuation_ids], self.vocab_size)
+        async with self.gate.generation():  # never with half-reloaded weights
+            try:
+                result = await scorer(body.prompt_ids, body.continuation_ids, body.temperature)
+            except Exception as exc:  # an engine failure must reach the client, not hang it
+                logger.exception("engine.score failed")
+                raise APIError(500, f"engine error: {type(exc).__name__}: {exc}", "server_error") from exc
+        # JSON has no NaN or infinity: such a log-prob goes out as null (the client reads it back as NaN).
+        return {"log_probs": [lp if math.isfinite(lp) else None for lp in result.log_probs], "dtype": result.dtype}
+
+    # ---- /v1/reload_weights
+
+    async def checked_folder(self, path: str) -> Path:
+        try:
+            # In a thread: loading a tokenizer to compare vocabularies must not stall /health.
+            return await asyncio.to_thread(self.policy.check, path)
+        except ReloadRefused as refused:
+            raise APIError(refused.status, refused.message, refused.kind) from None
+
+    async def reload_weights(self, body: ReloadBody) -> dict:
+        reload = getattr(self.engine, "reload_from_path", None)
+        if reload is None:
+            raise APIError(501, f"{type(self.engine).__name__} cannot reload weights (no reload_from_path)")
+        # Checked before the gate, so a refusal neither waits for generations nor holds them back (and a
+        # new tokenizer is loaded for comparison outside it), then again under the gate: the folder may
+        # change while this reload waits for in-flight generations.
+        await self.checked_folder(body.path)
+        start = time.perf_counter()
+        async with self.gate.reload():
+            folder = await self.checked_folder(body.path)
+            try:
+                # The resolved folder that was checked, not the path as sent: its symlinks are not followed
+                # a second time, so the load reads what the root and architecture checks saw.
+                await _run_reload(reload, str(folder))
+            except Exception as exc:
+                logger.exception("reload_from_path failed")
+                raise APIError(
+                    500, f"reload from {body.path!r} failed: {type(exc).__name__}: {exc}", "server_error"
+                ) from exc
+        return {"success": True, "path": body.path, "seconds": round(time.perf_counter() - start, 3)}
+
+
+async def _run_reload(reload: Callable[[str], Any], folder: str) -> None:
+    """Run the engine's `reload_from_path(folder)`: awaited if it is a coroutine function, else in a thread,
+    so /health keeps answering during a long reload."""
+    if inspect.iscoroutinefunction(reload):
+        await reload(folder)
+        return
+    thread = asyncio.ensure_future(asyncio.to_thread(reload, folder))
+    cancelled = False
+    while not thread.done():
+        try:
+            await asyncio.shield(thread)  # raises the thread's own error, if any
+        except asyncio.CancelledError:
+            # Cancelled (shutdown, client gone), maybe again and again: the thread still writes weights,
+            # so the gate stays closed until it is done; no generation may see half the weights.
+            cancelled = True
+    if cancelled:
+        thread.result()  # its error (logged as a failed reload), else the cancel
+        raise asyncio.CancelledError
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every failure answers with the OpenAI-style JSON error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(APIError(400, _validation_message(exc)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A server bug: its client still gets the JSON error body of every other failure, not plain text
+        # (starlette logs the traceback after this answer).
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+
+def _add_routes(app: FastAPI, service: _Service) -> None:
+    """The endpoints of the module docstring; every /v1 route checks the API key first."""
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        service.check_key(request)
+        return service.models()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> dict:
+        service.check_key(request)
+        return await service.completions(body, request)
+
+    @app.post("/v1/score")
+    async def score(body: ScoreBody, request: Request) -> dict:
+        service.check_key(request)
+        return await service.score(body)
+
+    @app.post("/v1/reload_weights")
+    async def reload_weights(body: ReloadBody, request: Request) -> dict:
+        service.check_key(request)
+        return await service.reload_weights(body)
+
+
 def create_app(
     engine: Engine,
     model_name: str,
@@ -407,6 +658,8 @@ def create_app(
     policy = ReloadPolicy(
         reload_roots, model_config if model_config is not None else _engine_config(engine), tokenizer
     )
+    limits = _Limits(max_prompt_tokens, max_tokens_limit, max_batch_prompts)
+    service = _Service(engine, model_name, api_key, limits, tokenizer, vocab_size, _ReloadGate(gate_timeout_s), policy)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -416,199 +669,8 @@ def create_app(
 
     app = FastAPI(title="memrl serve", lifespan=lifespan)
     app.add_middleware(_BodySizeLimit, max_bytes=max_request_bytes)
-    gate = _ReloadGate(gate_timeout_s)
-    created = int(time.time())
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return _error_response(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(APIError(400, _validation_message(exc)))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        # A server bug: its client still gets the JSON error body of every other failure, not plain text
-        # (starlette logs the traceback after this answer).
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
-
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(
-                401, "missing or wrong API key: send `Authorization: Bearer <key>`", "authentication_error"
-            )
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        check_key(request)
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "memrl"}
-        return {"object": "list", "data": [card]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request) -> dict:
-        check_key(request)
-        prompts: list[list[int]] = body.prompt
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves {model_name!r}")
-        if len(prompts) > max_batch_prompts:
-            raise APIError(400, f"{len(prompts)} prompts in one request; the limit is {max_batch_prompts}")
-        if body.max_tokens > max_tokens_limit:
-            raise APIError(
-                400, f"max_tokens={body.max_tokens} exceeds this server's limit of {max_tokens_limit}"
-            )
-        for i, ids in enumerate(prompts):
-            if len(ids) > max_prompt_tokens:
-                raise APIError(
-                    400, f"prompt {i} has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}"
-                )
-        _check_token_ids([*prompts, body.stop_token_ids], vocab_size)
-        if body.seed is not None and body.seed + len(prompts) - 1 > MAX_SEED:
-            # Prompt i samples with seed + i (below): the last of them must still be an int64.
-            raise APIError(
-                400,
-                f"seed {body.seed} + {len(prompts) - 1} (one per prompt) passes 2**63 - 1; send a smaller seed",
-            )
-        requests = [
-            GenerationRequest(
-                prompt_ids=ids,
-                max_tokens=body.max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                stop_token_ids=list(body.stop_token_ids),
-                # One seed for a batch would give identical prompts identical samples; offset it per prompt.
-                seed=None if body.seed is None else body.seed + i,
-            )
-            for i, ids in enumerate(prompts)
-        ]
-
-        async def generate() -> list[GenerationResult]:
-            async with gate.generation():
-                try:
-                    return await engine.generate(requests)
-                except Exception as exc:  # an engine bug must reach the client, not hang it
-                    logger.exception("engine.generate failed")
-                    raise APIError(500, f"engine error: {type(exc).__name__}: {exc}", "server_error") from exc
-
-        try:
-            results = await _while_connected(request, generate())
-        except _ClientGone:
-            logger.info("client disconnected: cancelled its %d prompt(s)", len(requests))
-            # Nobody reads this answer; 499 is what nginx logs for a client that closed the request.
-            raise APIError(499, "client disconnected before the completion was ready", "client_closed") from None
-        choices = []
-        for i, result in enumerate(results):
-            if result.finish_reason == "error":
-                raise APIError(500, f"engine error on prompt {i}: {result.error}", "server_error")
-            text = ""
-            if tokenizer is not None:
-                text = tokenizer.decode(result.output_ids, skip_special_tokens=body.skip_special_tokens)
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = {
-                    "tokens": _token_strings(tokenizer, result.output_ids),
-                    "token_logprobs": list(result.log_probs),
-                    "top_logprobs": None,
-                    "text_offset": None,
-                }
-            choices.append(
-                {
-                    "index": i,
-                    "text": text,
-                    "token_ids": list(result.output_ids),
-                    "prompt_token_ids": prompts[i],
-                    "logprobs": logprobs,
-                    "finish_reason": result.finish_reason,
-                    "stop_reason": None,
-                }
-            )
-        prompt_tokens = sum(len(p) for p in prompts)
-        completion_tokens = sum(len(c["token_ids"]) for c in choices)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
-
-    async def checked_folder(path: str) -> Path:
-        try:
-            # In a thread: loading a tokenizer to compare vocabularies must not stall /health.
-            return await asyncio.to_thread(policy.check, path)
-        except ReloadRefused as refused:
-            raise APIError(refused.status, refused.message, refused.kind) from None
-
-    @app.post("/v1/score")
-    async def score(body: ScoreBody, request: Request) -> dict:
-        check_key(request)
-        scorer = getattr(engine, "score", None)
-        if scorer is None:
-            raise APIError(501, f"{type(engine).__name__} cannot score a continuation (no score method)")
-        length = len(body.prompt_ids) + len(body.continuation_ids)
-        if length > max_prompt_tokens:
-            raise APIError(400, f"{length} tokens to score; this server accepts at most {max_prompt_tokens}")
-        _check_token_ids([body.prompt_ids, body.continuation_ids], vocab_size)
-        async with gate.generation():  # never with half-reloaded weights
-            try:
-                result = await scorer(body.prompt_ids, body.continuation_ids, body.temperature)
-            except Exception as exc:  # an engine failure must reach the client, not hang it
-                logger.exception("engine.score failed")
-                raise APIError(500, f"engine error: {type(exc).__name__}: {exc}", "server_error") from exc
-        # JSON has no NaN or infinity: such a log-prob goes out as null (the client reads it back as NaN).
-        return {"log_probs": [lp if math.isfinite(lp) else None for lp in result.log_probs], "dtype": result.dtype}
-
-    @app.post("/v1/reload_weights")
-    async def reload_weights(body: ReloadBody, request: Request) -> dict:
-        check_key(request)
-        reload = getattr(engine, "reload_from_path", None)
-        if reload is None:
-            raise APIError(501, f"{type(engine).__name__} cannot reload weights (no reload_from_path)")
-        # Checked before the gate, so a refusal neither waits for generations nor holds them back (and a
-        # new tokenizer is loaded for comparison outside it), then again under the gate: the folder may
-        # change while this reload waits for in-flight generations.
-        await checked_folder(body.path)
-        start = time.perf_counter()
-        async with gate.reload():
-            folder = await checked_folder(body.path)
-            try:
-                # The resolved folder that was checked, not the path as sent: its symlinks are not followed
-                # a second time, so the load reads what the root and architecture checks saw.
-                if inspect.iscoroutinefunction(reload):
-                    await reload(str(folder))
-                else:  # in a thread, so /health keeps answering during a long reload
-                    thread = asyncio.ensure_future(asyncio.to_thread(reload, str(folder)))
-                    cancelled = False
-                    while not thread.done():
-                        try:
-                            await asyncio.shield(thread)  # raises the thread's own error, if any
-                        except asyncio.CancelledError:
-                            # Cancelled (shutdown, client gone), maybe again and again: the thread still
-                            # writes weights, so the gate stays closed until it is done; no generation
-                            # may see half the weights.
-                            cancelled = True
-                    if cancelled:
-                        thread.result()  # its error (logged below as a failed reload), else the cancel
-                        raise asyncio.CancelledError
-            except Exception as exc:
-                logger.exception("reload_from_path failed")
-                raise APIError(
-                    500, f"reload from {body.path!r} failed: {type(exc).__name__}: {exc}", "server_error"
-                ) from exc
-        return {"success": True, "path": body.path, "seconds": round(time.perf_counter() - start, 3)}
-
+    _add_error_handlers(app)
+    _add_routes(app, service)
     return app
 
 

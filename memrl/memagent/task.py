@@ -32,13 +32,6 @@ class MemAgentTask(Task):
             raise ValueError(f"queue.train_sample_expansion_factor = {factor} is below rollout.max_chunks + 1 = "
                              f"{needed}, the most rows one MemAgent trajectory expands to; set it to at least "
                              f"{needed} (or leave it unset: it then follows max_chunks)")
-        # A prompt group is n_samples trajectories of equal turn count, so a rollout's row count is
-        # n_samples x (sum of turns): a multiple of the group size for any data only if it divides n_samples.
-        size, n = cfg.queue.train_data_group_size, cfg.rollout.n_samples
-        if n % size:
-            raise ValueError(f"queue.train_data_group_size = {size} does not divide rollout.n_samples = {n}; a "
-                             f"rollout's row count (n_samples x turns) would then not split into groups of {size}; "
-                             f"use a divisor of {n}")
 
     def stop_token_ids(self, tokenizer: Any, cfg: Any) -> list[int]:
         return PromptBuilder(tokenizer, cfg.rollout).stop_token_ids

@@ -10,7 +10,8 @@ trainer, a stale pipeline rollout, top_p < 1 all move it). Options follow verl's
     rollout_rs = geometric drop a trajectory unless low <= exp(mean_t log rho_t) <= high
 
 with high = rollout_rs_threshold (unset: rollout_is_threshold) and low = rollout_rs_threshold_lower
-(unset: 1 / high). `algorithm.tis_cap` is the older spelling of rollout_is = token (both may not be set).
+(unset: 1 / high). The older `algorithm.tis_cap: c` is refused at config load; it was rollout_is = token
+with rollout_is_threshold = c.
 
 A "sequence" is the whole trajectory, all response tokens of all its turns (its 1:N rows), whose rows
 may be in different micro-batches: the trainer sums log rho per trajectory over the optimizer step first
@@ -52,14 +53,11 @@ class RolloutCorrection:
     @classmethod
     def from_config(cls, a: Any) -> RolloutCorrection | None:
         """The correction `a` (memrl.config.AlgorithmConfig) asks for; None when none is on."""
-        is_level, is_threshold = a.rollout_is, a.rollout_is_threshold
-        if a.tis_cap is not None:
-            is_level, is_threshold = "token", a.tis_cap
-        if is_level is None and a.rollout_rs is None:
+        if a.rollout_is is None and a.rollout_rs is None:
             return None
         high = a.rollout_rs_threshold if a.rollout_rs_threshold is not None else a.rollout_is_threshold
         low = a.rollout_rs_threshold_lower if a.rollout_rs_threshold_lower is not None else 1.0 / high
-        return cls(is_level, is_threshold, a.rollout_rs, low, high)
+        return cls(a.rollout_is, a.rollout_is_threshold, a.rollout_rs, low, high)
 
     @property
     def needs_trajectory_totals(self) -> bool:

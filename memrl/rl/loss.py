@@ -325,7 +325,7 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: Literal["k1"
 def truncated_importance_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, cap: float) -> Tensor:
     """min(exp(old_logp - rollout_logp), cap), detached: corrects the trainer/engine log-prob gap (TIS)."""
     if cap <= 0:
-        raise LossError(f"the importance weight cap must be > 0 (algorithm.tis_cap), got {cap}")
+        raise LossError(f"the importance weight cap must be > 0 (algorithm.rollout_is_threshold), got {cap}")
     log_w = (old_log_probs - rollout_log_probs).detach().clamp(max=_LOG_RATIO_BOUND)
     return torch.exp(log_w).clamp(max=cap)
 

@@ -258,6 +258,18 @@ def _metrics_to_host(sums: dict[str, Any]) -> None:
         sums.update(zip(keys, torch.stack([sums[k] for k in keys]).tolist(), strict=True))
 
 
+def _add_metric(sums: dict[str, Any], key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
+    # Tensors stay on the device (float64, as the Python floats they become): one host sync per optimizer
+    # step (`_metrics_to_host`), not one per metric per micro-batch.
+    value = value.detach().double() if isinstance(value, Tensor) else value
+    sums[key] = sums.get(key, 0.0) + value * w
+
+
+def _max_metric(sums: dict[str, Any], key: str, value: Tensor) -> None:
+    # torch.maximum keeps NaN (Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean)
+    sums[key] = torch.maximum(sums[key], value) if key in sums else value
+
+
 def _non_finite_message(rollout_id: int, step: int, loss: float, grad_norm: float) -> str:
     # The rows were validated (finite 0/1 masks, log-probs, advantages) before planning, so the cause is
     # the policy's own numbers; "lower the learning rate" is only right when training was diverging.
@@ -266,6 +278,18 @@ def _non_finite_message(rollout_id: int, step: int, loss: float, grad_norm: floa
             f"validation, so the model's own outputs overflowed: if grad_norm or logprob_gap grew over the "
             f"last steps, lower train.lr; otherwise check the starting weights "
             f"(model.path / --load) and model.dtype")
+
+
+def _check_process_group(config: Config, world_size: int) -> None:
+    """`world_size > 1` needs torch.distributed initialised with that many processes, as train.dp_size says."""
+    if world_size <= 1:
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+        raise ActorError(f"Actor(world_size={world_size}) needs torch.distributed initialised with that "
+                         f"many processes; call init_process_group first (the Ray runtime does)")
+    if config.train.dp_size != world_size:
+        raise ActorError(f"train.dp_size = {config.train.dp_size} but {world_size} trainer processes run; "
+                         f"set train.dp_size to the number of trainer workers")
 
 
 class Actor:
@@ -278,17 +302,33 @@ class Actor:
         (initialised by the caller); the model is wrapped in DDP (which also broadcasts rank 0's weights) or,
         with `train.strategy = "fsdp"`, sharded. `load`: a checkpoint to resume (weights, optimizer,
         scheduler, RNG; its state.json is then `self.loaded_state`); the reference model stays `model`."""
-        if world_size > 1:
-            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
-                raise ActorError(f"Actor(world_size={world_size}) needs torch.distributed initialised with that "
-                                 f"many processes; call init_process_group first (the Ray runtime does)")
-            if config.train.dp_size != world_size:
-                raise ActorError(f"train.dp_size = {config.train.dp_size} but {world_size} trainer processes run; "
-                                 f"set train.dp_size to the number of trainer workers")
+        _check_process_group(config, world_size)
         self.rank, self.world_size = rank, world_size
         self.strategy = config.train.strategy if world_size > 1 else "single"
         self.cfg = config
         self.device = device or next(model.parameters()).device
+        self._prepare_model(model)
+        self.ref_model = None
+        if config.algorithm.kl_coef > 0 and self.peft is None:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        checkpoint = resolve_checkpoint(load) if load is not None else None
+        self.loaded_state: dict | None = None
+        if checkpoint is not None:  # whole weights into the plain model, before any wrapping or sharding
+            self.loaded_state = load_checkpoint(checkpoint, self._saved_model, restore_rng=False)
+        self.pad_token_id = pad_token_id
+        self.vocab_size = model.get_input_embeddings().num_embeddings  # rows' token ids are checked against it
+        self._build_forwards()
+        self._wrap_for_strategy()
+        self._build_optimizer()
+        self.global_step = 0
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
+        if checkpoint is not None:
+            self._restore_training_state(checkpoint)
+
+    def _prepare_model(self, model: torch.nn.Module) -> None:
+        """`self.model`: `model` on the device, in train mode, with LoRA adapters, gradient checkpointing and
+        packed attention as the config asks."""
+        config = self.cfg
         # FSDP moves each unit to the device as it shards it: building the reference copy and loading a
         # checkpoint first on the device would put two whole models on every GPU before any sharding.
         self.model = model if self.strategy == "fsdp" else model.to(self.device)
@@ -302,24 +342,20 @@ class Actor:
                 self.model.enable_input_require_grads()
         if config.train.packing:  # before the reference copy, which then attends the same way
             packing.enable(self.model)
-        self.ref_model = None
-        if config.algorithm.kl_coef > 0 and self.peft is None:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        checkpoint = resolve_checkpoint(load) if load is not None else None
-        self.loaded_state: dict | None = None
-        if checkpoint is not None:  # whole weights into the plain model, before any wrapping or sharding
-            self.loaded_state = load_checkpoint(checkpoint, self._saved_model, restore_rng=False)
-        self.pad_token_id = pad_token_id
-        self.vocab_size = model.get_input_embeddings().num_embeddings  # rows' token ids are checked against it
-        temperature, chunk = config.rollout.temperature, config.train.logprob_chunk_tokens
-        # What the optimizer step calls: (input_ids, attention_mask, position_ids, positions, targets) ->
-        # the response tokens' log-probs and entropy.
+
+    def _build_forwards(self) -> None:
+        """What the optimizer step calls: (input_ids, attention_mask, position_ids, positions, targets) ->
+        the response tokens' log-probs and entropy, for the policy and (with a KL term) the reference."""
+        temperature, chunk = self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens
         self.policy: torch.nn.Module = ResponseStats(self.model, temperature, chunk)
         self.reference = ResponseStats(self.ref_model, temperature, chunk, with_entropy=False) \
             if self.ref_model is not None else None
-        if self.peft is not None and config.algorithm.kl_coef > 0:  # the base model: the same weights, adapters off
+        if self.peft is not None and self.cfg.algorithm.kl_coef > 0:  # the base model: the same weights, adapters off
             self.reference = lora.WithoutAdapters(ResponseStats(self.model, temperature, chunk, with_entropy=False),
                                                   self.peft)
+
+    def _wrap_for_strategy(self) -> None:
+        """DDP around the policy's forward, or FSDP sharding of policy and reference (nothing on one process)."""
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -335,23 +371,25 @@ class Actor:
             fsdp.shard(self.policy, self.model, self.device)
             if self.reference is not None:
                 fsdp.shard(self.reference, self.ref_model, self.device)
-        t = config.train
+
+    def _build_optimizer(self) -> None:
+        t = self.cfg.train
         # After sharding: FSDP replaces the parameters by sharded ones, which the optimizer must hold.
         trained = self.model.parameters() if self.peft is None else [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
                                            **_fused_adamw(self.device, self.strategy))
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.global_step = 0
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
-        if checkpoint is not None:
-            if self.strategy == "fsdp":  # rank 0 reads the whole state and broadcasts it
-                fsdp.load_full_optimizer_state(self.model, self.optimizer, read_checkpoint_file(
-                    checkpoint, OPTIMIZER_FILE) if self.rank == 0 else None)
-            else:
-                self.optimizer.load_state_dict(read_checkpoint_file(checkpoint, OPTIMIZER_FILE))
-            self.scheduler.load_state_dict(read_checkpoint_file(checkpoint, SCHEDULER_FILE))
-            restore_rng(checkpoint)
-            self.global_step = int(self.loaded_state.get("global_step") or 0)
+
+    def _restore_training_state(self, checkpoint: Path) -> None:
+        """A resumed run's optimizer, scheduler, RNG and step count (the weights were loaded before wrapping)."""
+        if self.strategy == "fsdp":  # rank 0 reads the whole state and broadcasts it
+            fsdp.load_full_optimizer_state(self.model, self.optimizer, read_checkpoint_file(
+                checkpoint, OPTIMIZER_FILE) if self.rank == 0 else None)
+        else:
+            self.optimizer.load_state_dict(read_checkpoint_file(checkpoint, OPTIMIZER_FILE))
+        self.scheduler.load_state_dict(read_checkpoint_file(checkpoint, SCHEDULER_FILE))
+        restore_rng(checkpoint)
+        self.global_step = int(self.loaded_state.get("global_step") or 0)
 
     def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> TokenStats:
         """`module` is `self.policy` or `self.reference` (whatever wraps them: DDP, FSDP, nothing)."""
@@ -580,10 +618,7 @@ class Actor:
         terms = trajectory_terms or {}
 
         def add(key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
-            # Tensors stay on the device (float64, as the Python floats they become): one host sync per
-            # optimizer step (`_metrics_to_host`), not one per metric per micro-batch.
-            value = value.detach().double() if isinstance(value, Tensor) else value
-            sums[key] = sums.get(key, 0.0) + value * w
+            _add_metric(sums, key, value, w)
 
         mb = self._build(mb_rows, mb_weights)
         stats = self._forward(self.policy, mb)
@@ -592,19 +627,7 @@ class Actor:
         # `old`: the policy before this rollout's first update; with one optimizer step per rollout that
         # is this very forward (ratio 1), so no extra pass is needed.
         old = logp.detach() if old is None else old
-        correction = RolloutCorrection.from_config(a)
-        iw, loss_mask = None, mb.loss_mask
-        if correction is not None:  # a dropped token (rollout_rs) leaves every term, its weight stays in the sum
-            iw, keep, rc_metrics = correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
-                                                    terms.get("rc_sum"), terms.get("rc_tokens"))
-            loss_mask = mb.loss_mask * keep
-            n_mb = mb.loss_mask.sum().double()
-            for key, value in rc_metrics.items():
-                if key.endswith("_max"):  # kept on the device, as every metric of the loop (`_metrics_to_host`)
-                    value = torch.as_tensor(value, dtype=torch.float64, device=n_mb.device)
-                    sums[key] = torch.maximum(sums[key], value) if key in sums else value
-                else:
-                    add(key, value, n_mb)
+        iw, loss_mask = self._rollout_correction(mb, old, terms, sums)
         pg, m = policy_loss(logp, old, mb.advantages, loss_mask, a.clip_low, a.clip_high, a.dual_clip,
                             row_weights=mb.row_weights, importance_weights=iw, sequence_log_ratio=terms.get("gspo"))
         loss = pg
@@ -628,15 +651,31 @@ class Actor:
         add("loss/total", loss.detach())
         add("entropy/mean", (entropy * w_tokens).sum())
         add("logprob_gap/sum_abs", gap.sum())
-        # torch.maximum keeps NaN (Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean)
         top = gap.max().double() if gap.numel() else torch.zeros((), dtype=torch.float64, device=gap.device)
-        sums["logprob_gap/max_abs"] = torch.maximum(sums["logprob_gap/max_abs"], top) \
-            if "logprob_gap/max_abs" in sums else top
+        _max_metric(sums, "logprob_gap/max_abs", top)
         add("tokens/loss", n_tok)
         add("clip_fraction_tokens", m["clip_fraction"], n_tok)
         add("micro_batches", 1.0)
         add("tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
         add("tokens/padded", mb.input_ids.numel())  # processed positions: rows x longest, or all rows packed
+
+    def _rollout_correction(self, mb: MicroBatch, old: Tensor, terms: dict[str, Tensor],
+                            sums: dict[str, Any]) -> tuple[Tensor | None, Tensor]:
+        """The rollout correction's importance weights (None when off) and the loss mask less the tokens it
+        drops; its metrics into sums. A dropped token (rollout_rs) leaves every term, its weight stays in the
+        step's sum."""
+        correction = RolloutCorrection.from_config(self.cfg.algorithm)
+        if correction is None:
+            return None, mb.loss_mask
+        iw, keep, rc_metrics = correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
+                                                terms.get("rc_sum"), terms.get("rc_tokens"))
+        n_mb = mb.loss_mask.sum().double()
+        for key, value in rc_metrics.items():
+            if key.endswith("_max"):  # kept on the device, as every metric of the loop (`_metrics_to_host`)
+                _max_metric(sums, key, torch.as_tensor(value, dtype=torch.float64, device=n_mb.device))
+            else:
+                _add_metric(sums, key, value, n_mb)
+        return iw, mb.loss_mask * keep
 
     def _all_reduce_metrics(self, sums: dict[str, float]) -> None:
         """Sum every metric over the ranks (max for the maxima); all ranks have the same keys."""

@@ -50,15 +50,8 @@ def total_optimizer_steps(t: TrainConfig) -> int:
     return t.num_rollout * t.num_optimizer_steps
 
 
-def warmup_steps(t: TrainConfig) -> int:
-    """`train.warmup_steps`, or `lr_warmup_steps_ratio` of the run's optimizer steps (verl's rule: floor)."""
-    if t.warmup_steps > 0:
-        return t.warmup_steps
-    return int(t.lr_warmup_steps_ratio * total_optimizer_steps(t))
-
-
 def lr_schedule(t: TrainConfig) -> LRSchedule:
-    return LRSchedule(t.lr_scheduler, warmup_steps(t), total_optimizer_steps(t), t.min_lr_ratio)
+    return LRSchedule(t.lr_scheduler, t.warmup_steps, total_optimizer_steps(t), t.min_lr_ratio)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:

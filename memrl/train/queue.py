@@ -1,27 +1,24 @@
 """TransferQueue: hands the training rows of each rollout id from the producer (rollout + converter) to
-the consumer (trainer), with exact row counts, bounded capacity, and no silent hang.
+the consumer (trainer), with exact row counts, bounded capacity, and no silent hang. It offers what the
+loop uses (memrl/train/controller.py; the Ray runtime's driver too): put, get_rollout, fail, close, stats.
 
 Protocol for one rollout id:
-- Counted (1:N expansion). The producer states the exact `train_row_count`, either in the first
-  `put(rollout_id, rows, train_row_count=n)` or with `announce(rollout_id, n)`, then puts rows in any
-  number of calls. The rollout is complete when exactly n rows have arrived.
-- Plain 1:1. No count: the producer puts rows and then calls `finish(rollout_id)` (or passes
-  `final=True` to its last put). The rollout is complete at finish, with whatever was put.
-- The consumer takes the rows either all at once with `get_rollout` (waits for completion) or in
-  groups of `data_group_size` with `iter_groups` / `get_group` (each group handed out as soon as its
-  rows are there), never both for one rollout id. Rows come out in put order.
+- Counted (1:N expansion). The producer states the exact `train_row_count` in its first
+  `put(rollout_id, rows, train_row_count=n)`, then may put rows in further calls. The rollout is
+  complete when exactly n rows have arrived.
+- Plain 1:1. No count: the producer passes `final=True` to its last put. The rollout is complete then,
+  with whatever was put.
+- The consumer takes the rows all at once with `get_rollout` (waits for completion), in put order.
 
 Invariants:
-- A rollout's row count (announced, or the total at finish) must be a multiple of `data_group_size`,
-  so every group is full; otherwise `QueueError` at announce/finish time.
 - Rows held (put, not yet taken) never exceed `capacity_rows`; a put that would exceed it raises
   `QueueOverflowError` (never drops, never blocks). Taking rows releases their capacity.
 - rows_put == rows_taken for every rollout id that was consumed to the end (see `stats`).
 - Every wait has a timeout (`QueueTimeoutError`). `fail(rollout_id, error)` wakes that rollout's waiters
   with `RolloutFailedError` (its `__cause__` is `error`); `close()` wakes every waiter with
-  `QueueClosedError`. A producer-side protocol error (bad or changed count, over-count, overflow, bad
-  finish) both raises to the producer and fails the rollout, so the consumer wakes at once with it
-  instead of timing out. Puts after close, after fail, after finish or after the rollout was consumed
+  `QueueClosedError`. A producer-side protocol error (bad or changed count, over-count, overflow, a
+  final put short of the count) both raises to the producer and fails the rollout, so the consumer wakes at once with it
+  instead of timing out. Puts after close, after fail, after the final put or after the rollout was consumed
   only raise: a consumed rollout's stats never change (a late `fail` leaves it consumed too).
 - Arguments are checked, not coerced: rollout ids and counts are ints (not bools, not text), timeouts
   finite numbers of seconds > 0 (a NaN timeout waited forever, an infinite one overflowed); a bad one
@@ -39,7 +36,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -70,11 +67,11 @@ class QueueClosedError(QueueError):
 @dataclass
 class _Rollout:
     expected: int | None = None        # announced train_row_count
-    finished: bool = False             # 1:1 path: finish() called
+    finished: bool = False             # 1:1 path: put(final=True) called
     rows: list[Any] = field(default_factory=list)  # rows put and not yet taken, in put order
     rows_put: int = 0
     rows_taken: int = 0
-    mode: str | None = None            # "all" (get_rollout) or "groups" (get_group), once consuming
+    asked: bool = False                # a consumer called get_rollout
     error: BaseException | None = None
 
     @property
@@ -116,21 +113,14 @@ def _checked_timeout(value: object, name: str) -> float:
 
 
 class TransferQueue:
-    """Rows per rollout id, with exact counts, capacity, groups, timeouts and failure wake-up."""
+    """Rows per rollout id, with exact counts, capacity, timeouts and failure wake-up."""
 
-    def __init__(self, capacity_rows: int, data_group_size: int = 1, timeout_s: float = 1800.0) -> None:
+    def __init__(self, capacity_rows: int, timeout_s: float = 1800.0) -> None:
         capacity_rows = _checked_int(capacity_rows, "capacity_rows")
-        data_group_size = _checked_int(data_group_size, "data_group_size (queue.train_data_group_size)")
         timeout_s = _checked_timeout(timeout_s, "timeout_s (queue.timeout_s)")
         if capacity_rows <= 0:
             raise QueueError(f"capacity_rows must be > 0, got {capacity_rows}")
-        if data_group_size <= 0:
-            raise QueueError(f"data_group_size must be > 0 (queue.train_data_group_size), got {data_group_size}")
-        if capacity_rows < data_group_size:
-            raise QueueError(f"capacity_rows = {capacity_rows} is below data_group_size = {data_group_size}: "
-                             f"no group could ever be held; raise queue.train_sample_expansion_factor")
         self.capacity_rows = capacity_rows
-        self.data_group_size = data_group_size
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
         self._rollouts: dict[int, _Rollout] = {}
@@ -143,20 +133,14 @@ class TransferQueue:
         """Capacity = rollout_batch_size × n_samples × rows_per_trajectory rows: room for one whole rollout
         step at the largest expansion (`memrl.rollout.rows_per_trajectory` resolves it from the config)."""
         capacity = rollout_batch_size * n_samples * rows_per_trajectory
-        return cls(capacity, queue_cfg.train_data_group_size, queue_cfg.timeout_s)
+        return cls(capacity, queue_cfg.timeout_s)
 
     # ---- producer -------------------------------------------------------------------------------
 
-    def announce(self, rollout_id: int, train_row_count: int) -> None:
-        """State the exact number of rows `rollout_id` will deliver (once; repeating the same number is fine)."""
-        with self._cond:
-            state = self._producer_state(rollout_id)
-            self._announce_locked(rollout_id, state, train_row_count)
-            self._cond.notify_all()
-
     def put(self, rollout_id: int, rows: list[Any], train_row_count: int | None = None, final: bool = False) -> None:
-        """Add `rows` of `rollout_id` (all or nothing). `train_row_count` announces the exact total
-        (see `announce`); `final=True` ends a rollout without a count (1:1 path, same as `finish`)."""
+        """Add `rows` of `rollout_id` (all or nothing). `train_row_count` announces the exact total (once;
+        repeating the same number is fine); `final=True` ends the rollout with the rows put so far (the 1:1
+        path, no count; with a count, the count must be reached)."""
         rows = list(rows)
         if not isinstance(final, bool):
             raise QueueError(f"rollout {rollout_id}: final must be True or False, got {final!r}")
@@ -178,13 +162,6 @@ class TransferQueue:
             self._held += len(rows)
             if final:
                 self._finish_locked(rollout_id, state)
-            self._cond.notify_all()
-
-    def finish(self, rollout_id: int) -> None:
-        """End a rollout without an announced count (1:1 path): it delivers exactly the rows put so far."""
-        with self._cond:
-            state = self._producer_state(rollout_id)
-            self._finish_locked(rollout_id, state)
             self._cond.notify_all()
 
     def fail(self, rollout_id: int, error: BaseException) -> None:
@@ -210,7 +187,8 @@ class TransferQueue:
         """Wait until `rollout_id` is complete (announced count reached, or finished), then return all its
         rows in put order and release their capacity."""
         with self._cond:
-            state = self._consumer_state(rollout_id, "all")
+            state = self._checked(rollout_id)
+            state.asked = True
             self._wait_locked(rollout_id, lambda: self._checked(rollout_id).complete, timeout_s, "all rows")
             if state.rows_taken:  # get_rollout hands out everything at once, so this is a second call
                 raise QueueError(f"rollout {rollout_id} was already consumed ({state.rows_taken} rows)")
@@ -219,32 +197,6 @@ class TransferQueue:
             self._held -= len(rows)
             self._cond.notify_all()
             return rows
-
-    def get_group(self, rollout_id: int, timeout_s: float | None = None) -> list[Any] | None:
-        """The next `data_group_size` rows of `rollout_id` as soon as they are there (capacity released),
-        or None once every row of the rollout has been handed out. Each call waits at most `timeout_s`."""
-        size = self.data_group_size
-        with self._cond:
-            state = self._consumer_state(rollout_id, "groups")
-
-            def ready() -> bool:
-                s = self._checked(rollout_id)
-                return len(s.rows) >= size or (s.complete and s.rows_taken == s.target)
-
-            self._wait_locked(rollout_id, ready, timeout_s, f"a group of {size} rows")
-            if len(state.rows) < size:
-                return None
-            group, state.rows = state.rows[:size], state.rows[size:]
-            state.rows_taken += size
-            self._held -= size
-            self._cond.notify_all()
-            return group
-
-    def iter_groups(self, rollout_id: int, timeout_s: float | None = None) -> Iterator[list[Any]]:
-        """Yield the rows of `rollout_id` in groups of exactly `data_group_size`, each as soon as it is
-        there, until all rows are handed out. `timeout_s` bounds each wait (time without a new group)."""
-        while (group := self.get_group(rollout_id, timeout_s)) is not None:
-            yield group
 
     # ---- inspection -----------------------------------------------------------------------------
 
@@ -261,7 +213,7 @@ class TransferQueue:
     @staticmethod
     def _consumed(state: _Rollout) -> bool:
         """Every row was taken by a consumer (not merely finished with zero rows before anyone asked)."""
-        return state.mode is not None and state.status == "consumed"
+        return state.asked and state.status == "consumed"
 
     def _producer_state(self, rollout_id: int) -> _Rollout:
         if self._closed:
@@ -276,15 +228,6 @@ class TransferQueue:
         if self._consumed(state):
             raise QueueError(f"rollout {rollout_id} was already consumed ({state.rows_taken} rows trained on); "
                              f"nothing more can be put for it (is the producer using a stale rollout id?)")
-        return state
-
-    def _consumer_state(self, rollout_id: int, mode: str) -> _Rollout:
-        state = self._checked(rollout_id)
-        if state.mode is not None and state.mode != mode:
-            raise QueueError(f"rollout {rollout_id} is already being consumed with "
-                             f"{'get_rollout' if state.mode == 'all' else 'iter_groups/get_group'}; "
-                             f"use one way of taking rows per rollout id")
-        state.mode = mode
         return state
 
     def _checked(self, rollout_id: int) -> _Rollout:
@@ -309,9 +252,6 @@ class TransferQueue:
             return
         elif count <= 0:
             problem = f"train_row_count must be > 0, got {count}"
-        elif count % self.data_group_size:
-            problem = (f"train_row_count = {count} is not a multiple of queue.train_data_group_size = "
-                       f"{self.data_group_size}; change one of them")
         elif count > self.capacity_rows:
             self._fail_locked(rollout_id, state, QueueOverflowError(
                 f"rollout {rollout_id}: train_row_count = {count} exceeds the queue capacity of "
@@ -326,11 +266,7 @@ class TransferQueue:
     def _finish_locked(self, rollout_id: int, state: _Rollout) -> None:
         if state.expected is not None and state.rows_put != state.expected:
             self._fail_locked(rollout_id, state, QueueError(
-                f"rollout {rollout_id}: finish() after {state.rows_put} rows, but {state.expected} were announced"))
-        if state.rows_put % self.data_group_size:
-            self._fail_locked(rollout_id, state, QueueError(
-                f"rollout {rollout_id}: finished with {state.rows_put} rows, not a multiple of "
-                f"queue.train_data_group_size = {self.data_group_size}; change one of them"))
+                f"rollout {rollout_id}: final put after {state.rows_put} rows, but {state.expected} were announced"))
         state.finished = True
 
     def _fail_locked(self, rollout_id: int, state: _Rollout, error: QueueError) -> NoReturn:

@@ -77,7 +77,7 @@ def demonstration_rows(demonstrations: Sequence[Demonstration], prefix: str = "s
 def sft_config(cfg: Config, options: SFTOptions) -> Config:
     """The RL config turned into plain supervised learning: no KL, no entropy, token-mean loss, T = 1."""
     raw = cfg.model_dump()
-    raw["algorithm"].update(kl_coef=0.0, entropy_coef=0.0, loss_agg="token_mean", tis_cap=None, rollout_is=None,
+    raw["algorithm"].update(kl_coef=0.0, entropy_coef=0.0, loss_agg="token_mean", rollout_is=None,
                             rollout_rs=None, loss_mode="vanilla")  # demonstrations have no rollout log-probs
     raw["rollout"]["temperature"] = 1.0  # the actor divides logits by it: SFT fits the raw distribution
     raw["train"].update(lr=options.lr, warmup_steps=options.warmup_steps, num_optimizer_steps=1, dp_size=1)

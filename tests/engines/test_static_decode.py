@@ -208,7 +208,16 @@ def test_the_factory_passes_the_rollout_settings(model):
     finally:
         asyncio.run(engine.close())
     with pytest.raises(EngineError, match="needs a CUDA device"):
-        build_engine(Config.model_validate({"model": {"device": "cpu"}, "rollout": {"cuda_graphs": "on"}}), model=model)
+        build_engine(Config.model_validate({"model": {"device": "cpu"},
+                                            "rollout": {"static_kv": "auto", "cuda_graphs": "on"}}), model=model)
+
+
+@pytest.mark.parametrize("recipe", [None, *sorted(RECIPE.parent.glob("*.yaml"))], ids=lambda r: getattr(r, "name", "defaults"))
+def test_static_decode_and_cuda_graphs_are_off_unless_asked_for(recipe):
+    """The static path has never run on a GPU (bench/README.md): neither the defaults nor a shipped recipe
+    may send a user's first GPU run down it; `auto` (on with CUDA) is opt-in until GPU figures decide."""
+    rollout = load_config(recipe).rollout
+    assert (rollout.static_kv, rollout.cuda_graphs) == ("off", "off")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; this machine has none")

@@ -206,11 +206,11 @@ def test_rollout_correction_by_hand():
 
 def test_rollout_correction_config():
     assert rc() is None
-    legacy = rc(tis_cap=3.0)
-    assert (legacy.is_level, legacy.is_threshold) == ("token", 3.0)
+    token = rc(rollout_is="token", rollout_is_threshold=3.0)
+    assert (token.is_level, token.is_threshold, token.rs_level) == ("token", 3.0, None)
     assert rc(rollout_rs="token", rollout_is_threshold=4.0).rs_low == 0.25  # lower bound: 1 / upper
-    with pytest.raises(ConfigError, match="tis_cap"):
-        config_from_dict({"algorithm": {"tis_cap": 2.0, "rollout_is": "token"}})
+    with pytest.raises(ConfigError, match="tis_cap is replaced by algorithm.rollout_is=token"):
+        config_from_dict({"algorithm": {"tis_cap": 2.0}})
     with pytest.raises(ConfigError, match="empty range"):
         config_from_dict({"algorithm": {"rollout_rs": "token", "rollout_rs_threshold": 2.0,
                                         "rollout_rs_threshold_lower": 3.0}})

@@ -51,10 +51,10 @@ def grads_of(actor, rows):
     return {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
 
 
-def reference_grads(model, rows, temperature=1.0, tis_cap=None, token_weight=None):
+def reference_grads(model, rows, temperature=1.0, is_cap=None, token_weight=None):
     """Plain per-row loop: on-policy PPO (ratio = 1) token_mean loss = -sum(mask * A * logp) / sum(mask).
 
-    With `tis_cap`, every token's term is multiplied by the detached truncated importance weight
+    With `is_cap` (rollout_is=token), every token's term is multiplied by the detached truncated importance weight
     w = min(exp(old_logp - rollout_logp), cap), old_logp being this very forward (one optimizer step);
     with `token_weight(row_index, k)`, by that number instead."""
     model.zero_grad()
@@ -66,7 +66,7 @@ def reference_grads(model, rows, temperature=1.0, tis_cap=None, token_weight=Non
         p = r.prompt_length
         for k in range(r.response_length):
             lp = logp[p + k - 1, r.tokens[p + k]]
-            w = 1.0 if tis_cap is None else min(math.exp(lp.item() - r.rollout_log_probs[k]), tis_cap)
+            w = 1.0 if is_cap is None else min(math.exp(lp.item() - r.rollout_log_probs[k]), is_cap)
             w = w if token_weight is None else token_weight(i, k)
             # -A * ratio with ratio = exp(lp - lp.detach()) (value 1, gradient of lp)
             loss = loss + r.loss_mask[k] * w * (-r.advantage * torch.exp(lp - lp.detach()))
@@ -175,8 +175,8 @@ def flat(grads):
 
 def test_truncated_importance_weights_reach_the_gradient():
     """Pitfall "Silent log-prob drift" (docs/design.md: "offer truncated importance weights"): with rollout log-probs off the trainer's, the
-    gradient with `algorithm.tis_cap` is the PPO gradient with each token weighted by the detached
-    w = min(exp(old_logp - rollout_logp), cap) (token_mean), unlike the gradient without it."""
+    gradient with `algorithm.rollout_is: token` is the PPO gradient with each token weighted by the detached
+    w = min(exp(old_logp - rollout_logp), rollout_is_threshold) (token_mean), unlike the gradient without it."""
     rows = make_rows()
     own = Actor(tiny_model(), make_cfg(), pad_token_id=0).log_probs(rows)
     rng = random.Random(7)
@@ -184,19 +184,20 @@ def test_truncated_importance_weights_reach_the_gradient():
     off = with_rollout_log_probs(rows, [[x + rng.uniform(-1, 1) for x in lp] for lp in own])
     cap = 1.5
 
-    def cfg(tis_cap):
+    def cfg(cap):
+        weights = {} if cap is None else {"rollout_is": "token", "rollout_is_threshold": cap}
         return Config.model_validate({"train": {"lr": 1e-3, "grad_clip": 1e9},
-                                      "algorithm": {"kl_coef": 0.0, "tis_cap": tis_cap}})
+                                      "algorithm": {"kl_coef": 0.0, **weights}})
 
     with_tis = grads_of(Actor(tiny_model(), cfg(cap), pad_token_id=0), off)
     without = grads_of(Actor(tiny_model(), cfg(None), pad_token_id=0), off)
-    ref = reference_grads(tiny_model(), off, tis_cap=cap)
+    ref = reference_grads(tiny_model(), off, is_cap=cap)
     assert ref.keys() == with_tis.keys()
     for name in ref:
         torch.testing.assert_close(with_tis[name], ref[name], atol=1e-6, rtol=1e-4, msg=name)
     scale = flat(with_tis).norm()
     assert (flat(with_tis) - flat(without)).norm() > 0.05 * scale  # the weights reach the gradient
-    uncapped = reference_grads(tiny_model(), off, tis_cap=math.inf)
+    uncapped = reference_grads(tiny_model(), off, is_cap=math.inf)
     assert (flat(with_tis) - flat(uncapped)).norm() > 0.01 * scale  # and so does the cap
 
 
@@ -265,10 +266,10 @@ def test_non_finite_advantage_past_validation_stops_the_step_unapplied():
     assert_unchanged(actor, before)
 
 
-@pytest.mark.parametrize("tis_cap", [None, 2.0])
-def test_infinite_logits_on_valid_rows_stop_the_step_unapplied(tis_cap):
+@pytest.mark.parametrize("weights", [{}, {"rollout_is": "token", "rollout_is_threshold": 2.0}])
+def test_infinite_logits_on_valid_rows_stop_the_step_unapplied(weights):
     # A hook makes the LM head overflow, as diverged weights would: the rows are valid, the loss is not.
-    cfg = Config.model_validate({"train": {"lr": 1e-3}, "algorithm": {"kl_coef": 0.0, "tis_cap": tis_cap}})
+    cfg = Config.model_validate({"train": {"lr": 1e-3}, "algorithm": {"kl_coef": 0.0, **weights}})
     actor = Actor(tiny_model(), cfg, pad_token_id=0)
     actor.model.get_output_embeddings().register_forward_hook(lambda module, args, out: out * math.inf)
     before = snapshot(actor)

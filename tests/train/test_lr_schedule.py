@@ -8,7 +8,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from memrl.config import Config, ConfigError, load_config
 from memrl.train.actor import Actor
-from memrl.train.lr_schedule import lr_schedule, warmup_steps
+from memrl.train.lr_schedule import lr_schedule
 from memrl.types import TrainRow
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
@@ -47,12 +47,7 @@ def test_cosine_matches_the_formula():
         assert lr_schedule(t)(step) == pytest.approx(0.5 * (1 + math.cos(math.pi * p)), rel=1e-12)
 
 
-def test_warmup_ratio_follows_verl():
-    assert warmup_steps(train_cfg(lr_warmup_steps_ratio=0.25, num_rollout=10, num_optimizer_steps=2)) == 5
-
-
-@pytest.mark.parametrize("sets", [["train.warmup_steps=2", "train.lr_warmup_steps_ratio=0.1"],
-                                  ["train.min_lr_ratio=0.1"], ["train.lr_scheduler=step"]])
+@pytest.mark.parametrize("sets", [["train.min_lr_ratio=0.1"], ["train.lr_scheduler=step"]])
 def test_inconsistent_schedules_are_refused(sets):
     with pytest.raises(ConfigError, match="train"):
         load_config(None, sets)

@@ -24,7 +24,8 @@ MEMRL = str(Path(actor_module.__file__).parents[1])
 @pytest.mark.parametrize("packing", [True, False])
 def test_micro_batches_read_nothing_back_from_the_device(monkeypatch, packing):
     cfg = Config.model_validate({"train": {"micro_batch_tokens": 40, "packing": packing},
-                                 "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.01, "tis_cap": 2.0}})
+                                 "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.01,
+                                               "rollout_is": "token", "rollout_is_threshold": 2.0}})
     actor = Actor(tiny_model(), cfg, pad_token_id=0)
     calls: list[str] = []
     inside = [False]

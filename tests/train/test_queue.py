@@ -1,4 +1,4 @@
-"""TransferQueue: exact counts, groups, capacity, timeouts and failure wake-up, with real threads."""
+"""TransferQueue: exact counts, capacity, timeouts and failure wake-up, with real threads."""
 
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def test_consumer_waits_for_exact_announced_count():
     assert q.stats(3) == {"rows_put": 5, "rows_taken": 5, "expected": 5, "held": 0, "status": "consumed"}
 
 
-def test_announce_before_put_and_rows_from_several_producers():
+def test_count_before_rows_and_rows_from_several_producers():
     q = TransferQueue(capacity_rows=40, timeout_s=5)
-    q.announce(0, 20)
+    q.put(0, [], train_row_count=20)
     w = start(lambda: q.get_rollout(0))
     producers = [threading.Thread(target=lambda k=k: [q.put(0, [(k, i)]) for i in range(5)]) for k in range(4)]
     for p in producers:
@@ -68,39 +68,6 @@ def test_announce_before_put_and_rows_from_several_producers():
         p.join()
     w.join(2)
     assert w.error is None and sorted(w.result) == sorted((k, i) for k in range(4) for i in range(5))
-
-
-def test_groups_are_handed_out_as_soon_as_complete():
-    q = TransferQueue(capacity_rows=12, data_group_size=3, timeout_s=5)
-    q.put(1, [0, 1], train_row_count=6)
-    groups: list = []
-    got_first = threading.Event()
-
-    def consume():
-        for g in q.iter_groups(1):
-            groups.append(g)
-            got_first.set()
-        return groups
-
-    w = start(consume)
-    time.sleep(0.1)
-    assert groups == [], "a group of 3 was handed out with 2 rows"
-    q.put(1, [2, 3])
-    assert got_first.wait(2) and groups == [[0, 1, 2]]
-    assert held(q) == 1  # the handed-out group's capacity is released at once
-    q.put(1, [4, 5])
-    w.join(2)
-    assert w.error is None and groups == [[0, 1, 2], [3, 4, 5]]
-    assert q.stats(1)["rows_taken"] == 6 and q.stats(1)["status"] == "consumed"
-
-
-def test_count_must_divide_by_group_size():
-    q = TransferQueue(capacity_rows=12, data_group_size=4)
-    with pytest.raises(QueueError, match="multiple of queue.train_data_group_size = 4"):
-        q.announce(0, 6)
-    q.put(1, [1, 2, 3])
-    with pytest.raises(QueueError, match="3 rows, not a multiple"):
-        q.finish(1)
 
 
 def test_overflow_names_capacity_and_config_key_and_never_drops():
@@ -114,7 +81,7 @@ def test_overflow_names_capacity_and_config_key_and_never_drops():
         q.get_rollout(1, timeout_s=0.5)
     assert isinstance(info.value.__cause__, QueueOverflowError)
     with pytest.raises(QueueOverflowError, match="train_row_count = 9 exceeds the queue capacity of 4"):
-        q.announce(2, 9)
+        q.put(2, [], train_row_count=9)
 
 
 def test_over_count_names_both_numbers_and_wakes_consumer():
@@ -128,8 +95,12 @@ def test_over_count_names_both_numbers_and_wakes_consumer():
     assert held(q) == 0
     with pytest.raises(QueueError, match="differs"):
         q2 = TransferQueue(capacity_rows=10)
-        q2.announce(0, 2)
+        q2.put(0, [], train_row_count=2)
         q2.put(0, [1], train_row_count=4)
+    q3 = TransferQueue(capacity_rows=10)
+    q3.put(0, [1], train_row_count=3)
+    with pytest.raises(QueueError, match="final put after 2 rows, but 3 were announced"):
+        q3.put(0, [2], final=True)
 
 
 def test_one_to_one_path_without_count():
@@ -138,27 +109,16 @@ def test_one_to_one_path_without_count():
     q.put(0, ["a", "b"])
     q.put(0, ["c"])
     time.sleep(0.1)
-    assert w.is_alive(), "without a count the consumer must wait for finish()"
-    q.finish(0)
+    assert w.is_alive(), "without a count the consumer must wait for the final put"
+    q.put(0, [], final=True)
     w.join(2)
     assert w.result == ["a", "b", "c"]
     q.put(1, ["x"], final=True)
     assert q.get_rollout(1) == ["x"]
     with pytest.raises(QueueError, match="already finished"):
         q.put(1, ["y"])
-    q.finish(2)  # a 1:1 rollout may end with no rows at all
-    assert list(q.iter_groups(2, timeout_s=0.5)) == []
-
-
-def test_one_to_one_groups_end_at_finish():
-    q = TransferQueue(capacity_rows=8, data_group_size=2, timeout_s=5)
-    q.put(0, [1, 2, 3, 4])
-    w = start(lambda: list(q.iter_groups(0)))
-    time.sleep(0.1)
-    assert w.is_alive(), "iteration must not end before finish()"
-    q.finish(0)
-    w.join(2)
-    assert w.error is None and w.result == [[1, 2], [3, 4]]
+    q.put(2, [], final=True)  # a 1:1 rollout may end with no rows at all
+    assert q.get_rollout(2, timeout_s=0.5) == []
 
 
 def test_timeout_names_rollout_and_counts():
@@ -170,18 +130,16 @@ def test_timeout_names_rollout_and_counts():
     assert 0.2 <= time.monotonic() - t0 < 2.0
     default = TransferQueue(capacity_rows=8, timeout_s=0.2)
     with pytest.raises(QueueTimeoutError, match="received 0 rows so far, expected not yet announced"):
-        next(default.iter_groups(1))
+        default.get_rollout(1)
     # rows survive a consumer timeout: a retry still gets them
     q.put(7, [3, 4, 5])
     assert q.get_rollout(7, timeout_s=1) == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("how", ["get_rollout", "iter_groups"])
-def test_fail_wakes_waiter_with_original_error_in_under_a_second(how):
+def test_fail_wakes_waiter_with_original_error_in_under_a_second():
     q = TransferQueue(capacity_rows=8, timeout_s=30)
     q.put(4, [1], train_row_count=4)
-    fn = (lambda: q.get_rollout(4)) if how == "get_rollout" else (lambda: list(q.iter_groups(4)))
-    w = start(fn)
+    w = start(lambda: q.get_rollout(4))
     time.sleep(0.05)
     cause = ValueError("converter broke on trajectory q3-s1")
     failed_at = time.monotonic()
@@ -207,7 +165,6 @@ def test_fail_before_consumer_arrives_raises_at_once():
 def test_close_wakes_every_waiter():
     q = TransferQueue(capacity_rows=8, timeout_s=30)
     waiters = [start(lambda i=i: q.get_rollout(i)) for i in range(3)]
-    waiters.append(start(lambda: list(q.iter_groups(5))))
     time.sleep(0.05)
     closed_at = time.monotonic()
     q.close()
@@ -231,22 +188,19 @@ def test_capacity_released_after_get():
         q.get_rollout(1, timeout_s=0.1)
 
 
-def test_one_way_of_taking_rows_per_rollout():
-    q = TransferQueue(capacity_rows=4, data_group_size=2, timeout_s=5)
-    q.put(0, [1, 2, 3, 4], train_row_count=4)
-    assert q.get_group(0) == [1, 2]
-    with pytest.raises(QueueError, match="one way of taking rows"):
-        q.get_rollout(0)
-
-
 def test_from_config_capacity_and_validation():
-    cfg = QueueConfig(train_sample_expansion_factor=5, train_data_group_size=2, timeout_s=12.0)
+    cfg = QueueConfig(train_sample_expansion_factor=5, timeout_s=12.0)
     q = TransferQueue.from_config(cfg, rollout_batch_size=4, n_samples=3, rows_per_trajectory=5)
-    assert (q.capacity_rows, q.data_group_size, q.timeout_s) == (60, 2, 12.0)
-    with pytest.raises(QueueError, match="data_group_size"):
-        TransferQueue(capacity_rows=4, data_group_size=0)
-    with pytest.raises(QueueError, match="below data_group_size"):
-        TransferQueue(capacity_rows=2, data_group_size=4)
+    assert (q.capacity_rows, q.timeout_s) == (60, 12.0)
+    with pytest.raises(QueueError, match="capacity_rows must be > 0"):
+        TransferQueue(capacity_rows=0)
+
+
+def test_the_queue_offers_what_the_loop_uses():
+    # Issue 25: announce / finish / get_group / iter_groups (and queue.train_data_group_size) served tests
+    # only; the loop counts in put, ends a 1:1 rollout with put(final=True) and takes whole rollouts.
+    public = {name for name in vars(TransferQueue) if not name.startswith("_")}
+    assert public == {"from_config", "put", "fail", "close", "get_rollout", "stats"}
 
 
 @pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0, 0, True, "5"])
@@ -255,12 +209,10 @@ def test_non_finite_or_non_positive_timeouts_are_rejected_at_construction_and_pe
     with pytest.raises(QueueError, match=r"timeout_s \(queue.timeout_s\) must be a finite number of seconds > 0"):
         TransferQueue(capacity_rows=4, timeout_s=timeout)
     q = TransferQueue(capacity_rows=4, timeout_s=5)
-    for call in (lambda: q.get_rollout(0, timeout_s=timeout), lambda: q.get_group(1, timeout_s=timeout),
-                 lambda: list(q.iter_groups(2, timeout_s=timeout))):
-        w = start(call)
-        w.join(2)
-        assert not w.is_alive() and isinstance(w.error, QueueError), w.error
-        assert "must be a finite number of seconds > 0" in str(w.error)
+    w = start(lambda: q.get_rollout(0, timeout_s=timeout))
+    w.join(2)
+    assert not w.is_alive() and isinstance(w.error, QueueError), w.error
+    assert "must be a finite number of seconds > 0" in str(w.error)
 
 
 @pytest.mark.parametrize("count", ["4", 4.0, True, [4]])
@@ -273,10 +225,10 @@ def test_a_count_that_is_not_an_int_is_a_queue_error_that_wakes_the_consumer(cou
     w.join(2)
     assert isinstance(w.error, RolloutFailedError) and "must be an int" in str(w.error)
     with pytest.raises(QueueError, match="train_row_count must be an int"):
-        q.announce(1, count)
+        q.put(1, [], train_row_count=count)
 
 
-@pytest.mark.parametrize("bad", [dict(capacity_rows="8"), dict(capacity_rows=8.0), dict(data_group_size=True)])
+@pytest.mark.parametrize("bad", [dict(capacity_rows="8"), dict(capacity_rows=8.0), dict(capacity_rows=True)])
 def test_sizes_must_be_ints(bad):
     with pytest.raises(QueueError, match="must be an int"):
         TransferQueue(**{"capacity_rows": 8, **bad})
@@ -285,7 +237,7 @@ def test_sizes_must_be_ints(bad):
 def test_rollout_ids_and_final_are_checked_not_coerced():
     q = TransferQueue(capacity_rows=8, timeout_s=5)
     # "3" and 3 would be two rollouts: the consumer of 3 would time out while rows sit under "3".
-    for call in (lambda: q.put("3", ["a"]), lambda: q.announce(True, 2), lambda: q.get_rollout(1.0),
+    for call in (lambda: q.put("3", ["a"]), lambda: q.put(True, [], train_row_count=2), lambda: q.get_rollout(1.0),
                  lambda: q.fail("3", RuntimeError()), lambda: q.stats("3")):
         with pytest.raises(QueueError, match="rollout_id must be an int"):
             call()
@@ -294,15 +246,14 @@ def test_rollout_ids_and_final_are_checked_not_coerced():
     assert q.stats(3)["rows_put"] == 0 and held(q) == 0
 
 
-@pytest.mark.parametrize("mode", ["all", "groups"])
-def test_late_put_on_a_consumed_rollout_raises_and_leaves_its_stats(mode):
-    q = TransferQueue(capacity_rows=8, data_group_size=2, timeout_s=5)
+def test_late_put_on_a_consumed_rollout_raises_and_leaves_its_stats():
+    q = TransferQueue(capacity_rows=8, timeout_s=5)
     q.put(0, [1, 2, 3, 4], train_row_count=4)
-    assert (q.get_rollout(0) if mode == "all" else sum(q.iter_groups(0), [])) == [1, 2, 3, 4]
+    assert q.get_rollout(0) == [1, 2, 3, 4]
     consumed = q.stats(0)
     assert consumed["status"] == "consumed"
-    for late in (lambda: q.put(0, [5, 6]), lambda: q.put(0, []), lambda: q.announce(0, 4),
-                 lambda: q.finish(0)):
+    for late in (lambda: q.put(0, [5, 6]), lambda: q.put(0, []), lambda: q.put(0, [], train_row_count=4),
+                 lambda: q.put(0, [], final=True)):
         with pytest.raises(QueueError, match="already consumed"):
             late()
     q.fail(0, RuntimeError("a late failure report"))  # must not rewrite a step that was trained on
@@ -311,7 +262,7 @@ def test_late_put_on_a_consumed_rollout_raises_and_leaves_its_stats(mode):
 
 def test_rollout_finished_empty_before_any_consumer_still_rejects_puts_as_finished():
     q = TransferQueue(capacity_rows=8, timeout_s=5)
-    q.finish(0)
+    q.put(0, [], final=True)
     with pytest.raises(QueueError, match="already finished"):
         q.put(0, ["a"])
     q.fail(1, RuntimeError("boom"))  # a rollout nobody consumed still fails as before
