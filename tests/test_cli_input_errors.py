@@ -11,47 +11,13 @@ import json
 import shutil
 
 import pytest
-from typer.testing import CliRunner
+
+# The CLI tests' runner and settings, and their fixtures (imported, so that pytest finds them here: `tiny`, a
+# tiny model and a prepared data folder, and the quiet weight loading; pyproject lets tests take them, F811).
+from test_cli import TRAIN_SETS, _quiet_weight_loading, one_error_line, runner, tiny  # noqa: F401
 
 from memrl.cli import app
-from memrl.data.manifest import MANIFEST_NAME, write_manifest
-from memrl.data.records import QuestionRecord, write_jsonl
-
-runner = CliRunner()
-TRAIN_SETS = ["rollout.chunk_tokens=16", "rollout.memory_tokens=8", "rollout.final_tokens=8", "rollout.n_samples=2",
-              "train.rollout_batch_size=2", "train.num_rollout=1"]
-
-
-@pytest.fixture(autouse=True)
-def _quiet_weight_loading():
-    # transformers draws a "Loading weights" bar on stderr, which CliRunner mixes into the output.
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    yield
-    hf_logging.enable_progress_bar()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny model folder and a prepared data folder with its manifest."""
-    from memrl.tiny import save_tiny_model
-
-    root = tmp_path_factory.mktemp("cli_input")
-    model = save_tiny_model(root / "model", layers=1, hidden=32)
-    records = [QuestionRecord(f"q{i}", "What?", ["a"], "word " * 20) for i in range(4)]
-    write_jsonl(root / "data" / "hotpotqa_train.jsonl", records)
-    write_manifest(root / "data", {"hotpotqa_train.jsonl": len(records)}, "test", {})
-    return root, model
-
-
-def one_error_line(result) -> str:
-    """The single output line of a refused command (exit 2, no traceback)."""
-    lines = result.output.strip().splitlines()
-    assert result.exit_code == 2, (result.output, result.exception)
-    assert "Traceback" not in result.output and len(lines) == 1, result.output
-    assert lines[0].startswith("error: ")
-    return lines[0]
+from memrl.data.manifest import MANIFEST_NAME
 
 
 def train(run_root, model, data, *extra):
@@ -62,7 +28,7 @@ def train(run_root, model, data, *extra):
 # ------------------------------------------------------------------------------------------ item 19
 
 def test_a_seed_past_64_bits_is_named(tiny, tmp_path):
-    root, model = tiny
+    root, model, _ = tiny
     line = one_error_line(train(tmp_path / "run", model, root / "data", "--set", f"train.seed={2**64}"))
     assert f"train.seed = {2**64}" in line
 
@@ -72,7 +38,7 @@ def test_a_seed_past_64_bits_is_named(tiny, tmp_path):
     (lambda m: m.update(history=5), "'history' that is not a list"),
 ])
 def test_an_edited_manifest_is_named(tiny, tmp_path, edit, words):
-    root, model = tiny
+    root, model, _ = tiny
     shutil.copytree(root / "data", tmp_path / "data")
     manifest = json.loads((tmp_path / "data" / MANIFEST_NAME).read_text())
     edit(manifest)
@@ -99,7 +65,7 @@ def test_an_edited_manifest_is_named(tiny, tmp_path, edit, words):
     ("{file}/sub", "{file}/sub is under {file}, which is a file"),
 ])
 def test_an_output_folder_that_is_a_file_is_refused_before_any_work(tiny, tmp_path, args, out, words):
-    _, model = tiny
+    _, model, _ = tiny
     file = tmp_path / "taken"
     file.write_text("not a folder\n")
     fill = {"tmp": tmp_path, "model": model, "file": file}
@@ -120,7 +86,7 @@ HEADER = json.dumps({"rollout_id": 0, "train_row_count": 2, "metrics": {}})
     (HEADER + '\n{"trajectory_id": "r0:0:q0:s0"}\n', "line 2 is not a saved trajectory"),
 ])
 def test_a_damaged_replay_file_is_named(tiny, tmp_path, text, words):
-    root, model = tiny
+    root, model, _ = tiny
     (tmp_path / "replay").mkdir()
     (tmp_path / "replay" / "rollout_0000000.jsonl").write_text(text)
     line = one_error_line(train(tmp_path / "run", model, root / "data", "--replay-rollouts", str(tmp_path / "replay")))
@@ -129,7 +95,7 @@ def test_a_damaged_replay_file_is_named(tiny, tmp_path, text, words):
 
 @pytest.mark.parametrize("lr", ["nan", "inf", "-1", "0"])
 def test_sft_refuses_a_learning_rate_that_cannot_train(tiny, tmp_path, lr):
-    _, model = tiny
+    _, model, _ = tiny
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"turns": [{"prompt": "Q", "response": "A"}]}) + "\n")
     line = one_error_line(runner.invoke(app, ["sft", "--model", str(model), "--data", str(data),
