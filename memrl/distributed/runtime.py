@@ -46,7 +46,7 @@ from memrl.train.actor import plan_rollout
 from memrl.train.checkpoint import resolve_checkpoint
 from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
 from memrl.train.queue import TransferQueue
-from memrl.train.setup import pad_token_id, run_start, start_rollout_id
+from memrl.train.setup import pad_token_id, run_start, served_engine, start_rollout_id
 from memrl.types import RolloutOutput, TrainRow
 
 log = logging.getLogger("memrl.distributed")
@@ -93,6 +93,8 @@ def _scheduling(ray: Any, settings: RayConfig, n_trainers: int, handles: list[An
 class TrainerGroup:
     """The policy trainer the loop sees (`train_rollout`, `save_checkpoint`, `weight_source`), over the
     trainer workers: one torch.distributed group."""
+
+    shares_cpu = False  # it trains in its workers' processes (memrl.train.controller.PolicyTrainer)
 
     def __init__(self, ray: Any, cfg: Config, options: list[dict], pad_token_id: int, model_ref: Any,
                  load: Path | None, handles: list[Any]) -> None:
@@ -195,6 +197,7 @@ class RolloutPool:
     def __init__(self, ray: Any, cfg: Config, options: list[dict], tokenizer: Any, model_ref: Any,
                  handles: list[Any]) -> None:
         self.ray, self.cfg, self.settings = ray, cfg, cfg.ray
+        self.takes_folders = served_engine(cfg)
         settings = cfg.ray
         urls = settings.rollout_server_urls or (None,) * len(options)
         self.workers = [ray.remote(RolloutWorker).options(**opt).remote(cfg, i, tokenizer, model_ref, url)
@@ -220,7 +223,7 @@ class RolloutPool:
     def sync_from(self, source: WeightSource) -> None:
         """Every rollout engine to `source`'s weights, in the one form its engines take (the pool built them
         from `rollout.engine`): a folder for served engines (shared storage), whole weights otherwise."""
-        if self.cfg.rollout.engine == "openai":
+        if self.takes_folders:
             payload: WeightSource = WeightsOnDisk(source.saved_folder())
         else:
             payload = WeightsInMemory(source.whole_weights())  # an object-store reference travels, not tensors
@@ -257,7 +260,7 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
     trainer_opts, rollout_opts = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)
     group = TrainerGroup(ray, cfg, trainer_opts, pad_token_id(tokenizer), model_ref, load, handles)
     if options.replay_rollouts:
-        rollout: Any = ReplayRollout(options.replay_rollouts)
+        rollout: Any = ReplayRollout(options.replay_rollouts, cfg, tokenizer, start.task)
     else:
         rollout = RolloutPool(ray, cfg, rollout_opts, tokenizer, model_ref, handles)
         # Start from the trainer's weights (a loaded checkpoint's), as the one-process engine does.

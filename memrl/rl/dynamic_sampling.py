@@ -21,8 +21,9 @@ and request seeds are distinct from the step's first batch.
 
 Row accounting stays exact: a task that expands trajectories (`train_row_count` not None) must expand to
 one row per turn, so the kept groups' row count is the sum of their turns (checked, per generation batch).
-Where the batches arrive already converted (`RolloutOutput.rows`: a Ray run's rollout workers convert their
-slices and hand over row references), the kept groups' rows are kept with them, by `group_id`.
+Every batch arrives converted (`RolloutOutput.rows`, rows or a Ray run's row references, with the advantages
+the logs show): the kept groups' rows are kept with them, by `group_id`, and the logs' advantages with their
+trajectories.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from memrl.types import RolloutOutput, Trajectory
 # Metrics of one generation batch that add up over the batches; every other metric of the step (reward
 # mean, lengths) is the first batch's: the same questions and statistics as with filtering off.
 ADDITIVE_METRICS = ("trajectories/total", "trajectories/failed", "tokens/generated", "groups/dropped",
-                    "time/generate_s")
+                    "time/generate_s", "time/convert_s")
 
 
 class DynamicSamplingError(ValueError, MemrlError):
@@ -122,21 +123,19 @@ def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int
     })
     row_count = None if one_to_one else sum(t.num_turns for t in trajectories)
     dropped = [t for o in outs for t in o.dropped] + left_out
-    return RolloutOutput(trajectories=trajectories, metrics=metrics, train_row_count=row_count, dropped=dropped,
-                         rows=_rows_of_groups(outs, [g[0].group_id for g in kept]))
+    kept_trajectories = {t.trajectory_id for t in trajectories}
+    return RolloutOutput(
+        trajectories=trajectories, metrics=metrics, train_row_count=row_count, dropped=dropped,
+        rows=_rows_of_groups(outs, [g[0].group_id for g in kept]),
+        advantages={k: v for o in outs for k, v in o.advantages.items() if k in kept_trajectories},
+        turn_advantages={k: v for o in outs for k, v in o.turn_advantages.items() if k[0] in kept_trajectories})
 
 
-def _rows_of_groups(outs: Sequence[RolloutOutput], group_ids: Sequence[str]) -> list | None:
-    """The converted rows of `group_ids`, group by group in that order; None when the batches came
-    unconverted (the loop converts the kept trajectories then)."""
-    if all(o.rows is None for o in outs):
-        return None
-    if any(o.rows is None for o in outs):
-        raise DynamicSamplingError("some generation batches of the step came converted (rows) and some did not; "
-                                   "a rollout source must hand over rows for every batch or for none")
+def _rows_of_groups(outs: Sequence[RolloutOutput], group_ids: Sequence[str]) -> list:
+    """The converted rows of `group_ids`, group by group in that order (within a group, the converter's)."""
     by_group: dict[str, list] = {}
     for out in outs:
-        for row in out.rows:
+        for row in out.rows or ():
             by_group.setdefault(row.group_id, []).append(row)
     return [row for g in group_ids for row in by_group.get(g, [])]
 

@@ -87,7 +87,7 @@ def test_extra_chunks_are_a_pure_function_of_rollout_and_chunk():
 
 
 def test_batches_converted_where_they_were_made_keep_the_kept_groups_rows():
-    # A Ray run's rollout workers convert their slices: the rows (references there) arrive with the batches,
+    # Every source converts where it generates: the rows (references on Ray) arrive with the batches,
     # and the step keeps exactly the rows of the groups it keeps, group by group in the kept order.
     from dataclasses import dataclass
 
@@ -98,6 +98,8 @@ def test_batches_converted_where_they_were_made_keep_the_kept_groups_rows():
 
     def converted(out):
         out.rows = [Ref(t.group_id, k) for k, t in enumerate(t for t in out.trajectories for _ in t.turns)]
+        out.advantages = {t.trajectory_id: 1.0 for t in out.trajectories}
+        out.turn_advantages = {(t.trajectory_id, turn.index): 0.5 for t in out.trajectories for turn in t.turns}
         return out
 
     first = converted(rollout("a", [[0, 0], [0, 1]]))
@@ -105,6 +107,6 @@ def test_batches_converted_where_they_were_made_keep_the_kept_groups_rows():
     out = sample_informative_groups(first, more, GroupFilter(target_groups=2, max_gen_batches=3))
     assert [r.group_id for r in out.rows] == ["ag1"] * 4 + ["bg0"] * 4
     assert len(out.rows) == out.train_row_count
-    plain = rollout("c", [[1, 0]])
-    with pytest.raises(DynamicSamplingError, match="rows for every batch"):
-        sample_informative_groups(converted(rollout("a", [[0, 0]])), scripted([plain])[0], GroupFilter(1, 2))
+    # the logs' advantages travel with the kept trajectories only (the left-out ones are logged as untrained)
+    kept = {t.trajectory_id for t in out.trajectories}
+    assert set(out.advantages) == kept and {tid for tid, _ in out.turn_advantages} == kept

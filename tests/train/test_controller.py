@@ -230,9 +230,9 @@ def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path,
     Every generation batch is scored whole before the filter (the memory curve is the batch's, as on Ray)."""
     import memrl.train.controller as controller
 
-    scored, real_score = [], controller.score_rollout
-    monkeypatch.setattr(controller, "score_rollout",
-                        lambda out, *a: (scored.append({t.group_id for t in out.trajectories}), real_score(out, *a))[1])
+    scored, real_convert = [], controller.convert_rollout
+    monkeypatch.setattr(controller, "convert_rollout",
+                        lambda out, *a: (scored.append({t.group_id for t in out.trajectories}), real_convert(out, *a))[1])
     cfg = config(rollout_batch_size=2, max_staleness=max_staleness)
     cfg.plugins.reward_function = f"{__name__}:even_question_reward"
     cfg.algorithm.filter_groups, cfg.algorithm.over_sampling_batch_size, cfg.algorithm.max_num_gen_batches = True, 2, 8
