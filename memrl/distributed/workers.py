@@ -189,22 +189,18 @@ class TrainerWorker:
                            rank=self.rank, world_size=self.world_size, load=load)
         return {"rank": self.rank, "pid": os.getpid(), "global_step": self.actor.global_step}
 
-    def train(self, steps: list[Any], rollout_id: int, num_rows: int, num_tokens: int) -> dict[str, float]:
-        """This rank's share of every optimizer step of one rollout step (`steps[k]` is a `RankShare`)."""
-        metrics = self.actor.train_planned([[share] for share in steps], rollout_id, num_rows, num_tokens)
-        metrics["global_step"] = float(self.actor.global_step)
-        return metrics
-
     def train_streamed(self, refs: list[Any], rollout_id: int, timeout_s: float) -> dict[str, float]:
-        """One rollout step from row references (`RowRef`s): this rank fetches the rows from the object store
-        and plans the step itself; planning is a pure function of the rows, so every rank plans alike."""
+        """One rollout step from row references (`RowRef`s): this rank fetches the rows from the object store,
+        plans the step itself (a pure function of the rows, so every rank plans alike) and trains its share
+        of every optimizer step."""
         from memrl.distributed.rows import fetch_rows
         from memrl.train.actor import plan_rollout
 
         rows = fetch_rows(refs, timeout_s)
         plan = plan_rollout(rows, self.cfg, self.actor.pad_token_id, rollout_id, self.actor.vocab_size)
-        metrics = self.train([shares[self.rank] for shares in plan], rollout_id, len(rows),
-                             sum(len(r.tokens) for r in rows))
+        metrics = self.actor.train_planned([[shares[self.rank]] for shares in plan], rollout_id, len(rows),
+                                           sum(len(r.tokens) for r in rows))
+        metrics["global_step"] = float(self.actor.global_step)
         metrics["rows/fetched"] = float(len(rows))
         return metrics
 
