@@ -378,13 +378,6 @@ class Trainer:
                 if self.cfg.algorithm.filter_groups and parts.rollout.generates:
                     out = self._sample_informative_groups(rollout_id, out, version)
             check_trainable(rollout_id, out)
-            # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
-            expected = out.train_row_count if out.train_row_count is not None else len(out.trajectories)
-            if len(out.rows) != expected:
-                announced = "announced" if out.train_row_count is not None else "announced no train_row_count, so 1:1:"
-                raise TrainingError(f"rollout {rollout_id}: the converter produced {len(out.rows)} rows, the rollout "
-                                    f"{announced} {expected}; a 1:N generate function returns "
-                                    f"RolloutOutput(train_row_count=...)")
         except BaseException as error:
             parts.rows.fail(rollout_id, error)  # wakes any waiter on this rollout with the error
             raise

@@ -1,6 +1,7 @@
 """End-to-end training loop on a tiny model (CPU, fp32): row counts, resume, replay, weight sync."""
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -11,6 +12,7 @@ from memrl.config import Config
 from memrl.data.records import QuestionRecord
 from memrl.engines.base import GenerationRequest
 from memrl.memagent.convert import convert_trajectories
+from memrl.memagent.task import MemAgentTask
 from memrl.rollout import RewardError
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 from memrl.train.checkpoint import list_checkpoints
@@ -277,6 +279,28 @@ def test_turn_rewards_give_every_turn_its_own_advantage(tokenizer, tmp_path):
     assert any(len(set(adv)) > 1 for adv in per_traj.values())
     saved = load_raw_rollout(tmp_path / "run" / "rollouts_raw", 0)
     assert [r.to_dict() for r in captured[0]] == [r.to_dict() for r in convert_trajectories(saved.trajectories, cfg.algorithm, 0)]
+
+
+class RewardAsAdvantageTask(MemAgentTask):
+    """A converter with advantages of its own (the reward itself, no GRPO)."""
+
+    def convert(self, trajectories, algorithm, rollout_id):
+        reward = {t.trajectory_id: float(t.reward) for t in trajectories}
+        return [dataclasses.replace(r, advantage=reward[r.trajectory_id], trajectory_advantage=reward[r.trajectory_id])
+                for r in super().convert(trajectories, algorithm, rollout_id)]
+
+
+def test_the_logs_show_the_advantages_the_converter_computed(tokenizer, tmp_path):
+    """Nothing recomputes advantages for the logs: each trajectory's and each turn's are its rows'."""
+    cfg = config(num_rollout=1)
+    cfg.plugins.task = f"{__name__}:RewardAsAdvantageTask"
+    make_trainer(tokenizer, tmp_path / "run", cfg).run()
+    logged = [json.loads(line) for line in
+              (tmp_path / "run" / "logs" / "rollouts" / "rollout_0000000.jsonl").read_text().splitlines()]
+    assert len(logged) == 8 and {r["reward"] for r in logged} == {0.0, 1.0}  # GRPO would give other values
+    for record in logged:
+        assert record["advantage"] == record["reward"]
+        assert [t["advantage"] for t in record["turns"]] == [record["reward"]] * len(record["turns"])
 
 
 def test_dynamic_sampling_resumes_exactly(tokenizer, tmp_path):
