@@ -164,21 +164,19 @@ class TrainingParts:
     release: Callable[[], None] = field(default=lambda: None)
 
 
-def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, advantage: float | None = None,
-                          turn_advantages: dict[tuple[str, int], float] | None = None) -> dict[str, Any]:
-    """What a researcher reads per trajectory (and `memrl view` shows): the turn texts and answer,
-    lengths, reward, status, its GRPO group and advantage, each turn's credit (the advantage of its
+def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, out: RolloutOutput) -> dict[str, Any]:
+    """What a researcher reads per trajectory of rollout `out` (and `memrl view` shows): the turn texts and
+    answer, lengths, reward, status, its GRPO group and advantage, each turn's credit (the advantage of its
     training row; None when not trained on), and the task's own fields (`Task.log_fields`; MemAgent:
     the document and where the golds occur in each chunk)."""
     turns = turn_log_records(traj, tokenizer)
-    if turn_advantages is not None:
-        for turn, record in zip(traj.turns, turns, strict=True):
-            record["advantage"] = turn_advantages.get((traj.trajectory_id, turn.index))
+    for turn, record in zip(traj.turns, turns, strict=True):
+        record["advantage"] = out.turn_advantages.get((traj.trajectory_id, turn.index))
     return {
         "trajectory_id": traj.trajectory_id, "question_id": traj.metadata.get("question_id"),
         "question": traj.metadata.get("question"), "group_id": traj.group_id, "sample_index": traj.sample_index,
         "weight_version": traj.metadata.get("weight_version"), "status": traj.status, "reward": traj.reward,
-        "advantage": advantage, "answer": traj.answer, "golds": traj.metadata.get("golds"), "error": traj.error,
+        "advantage": out.advantages.get(traj.trajectory_id), "answer": traj.answer, "golds": traj.metadata.get("golds"), "error": traj.error,
         **task.log_fields(traj, "train"), "turns": turns,
     }
 
@@ -431,8 +429,7 @@ class Trainer:
         metrics["perf/tokens_per_s"] = out.metrics.get("tokens/generated", 0.0) / max(seconds["rollout"], 1e-9)
         metrics.update(device_stats())
         logger.log_metrics(rollout_id, metrics)
-        logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer, parts.task,
-                                                              out.advantages.get(t.trajectory_id), out.turn_advantages)
+        logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer, parts.task, out)
                                         for t in out.trajectories + out.dropped])
         return metrics
 
