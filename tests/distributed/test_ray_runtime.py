@@ -277,6 +277,20 @@ def test_two_step_ray_run_matches_the_single_process_run_and_resumes(cluster, to
 
 
 @pytest.mark.slow
+def test_a_replay_on_ray_trains_its_rows_from_the_object_store_as_one_process_does(cluster, tokenizer, tmp_path):
+    # The replay converts in the driver and puts its rows into the object store: the ranks fetch them as they
+    # fetch a rollout worker's, and the steps are the one-process run's that saved the rollouts.
+    local = Trainer(config(dp_size=2), TrainOptions(run_root=tmp_path / "local", progress=False, save_rollouts=True),
+                    model=tiny(tokenizer), tokenizer=tokenizer, records=records()).run()
+    replayed = run_ray_training(config(dp_size=2, runtime="ray"), TrainOptions(
+        run_root=tmp_path / "ray", progress=False, replay_rollouts=tmp_path / "local" / "rollouts_raw"),
+        model=tiny(tokenizer), tokenizer=tokenizer, records=records())
+    for got, want in zip(replayed, local, strict=True):
+        assert got["rows/saved"] == got["rows/transferred"] == got["rows/consumed"] == want["rows/consumed"] == 32
+        assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-6)
+
+
+@pytest.mark.slow
 def test_fsdp_trainers_feed_a_served_engine_through_a_weights_folder(cluster, tmp_path):
     # rollout.engine=openai under FSDP: every rank helps gather, rank 0 writes RUN_ROOT/weights_sync, the
     # server reloads it; after the run the served weights are the trained (checkpointed) ones.
