@@ -303,6 +303,18 @@ def test_the_logs_show_the_advantages_the_converter_computed(tokenizer, tmp_path
         assert [t["advantage"] for t in record["turns"]] == [record["reward"]] * len(record["turns"])
 
 
+class RowDroppingTask(MemAgentTask):
+    def convert(self, trajectories, algorithm, rollout_id):
+        return super().convert(trajectories, algorithm, rollout_id)[1:]
+
+
+def test_a_converter_that_breaks_the_announced_row_count_stops_the_step_where_it_converts(tokenizer, tmp_path):
+    cfg = config(num_rollout=1)
+    cfg.plugins.task = f"{__name__}:RowDroppingTask"
+    with pytest.raises(TrainingError, match="rollout 0: the converter produced 31 rows, the rollout announced 32"):
+        make_trainer(tokenizer, tmp_path / "run", cfg).run()
+
+
 def test_dynamic_sampling_resumes_exactly(tokenizer, tmp_path):
     """The further chunks are a pure function of the rollout id: a run resumed from a checkpoint draws the
     same questions, filters the same groups and ends with the same weights as one straight run."""
