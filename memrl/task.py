@@ -99,6 +99,7 @@ class Task:
         return score_trajectory(traj, golds)
 
     def convert(self, trajectories: Sequence[Trajectory], algorithm: Any, rollout_id: int) -> list[Any]:
+        """`TrainRow`s, each carrying its trajectory's advantage for the logs; never writes to `trajectories`."""
         return convert_one_row_per_trajectory(trajectories, algorithm, rollout_id)
 
     def turn_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:

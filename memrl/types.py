@@ -3,7 +3,7 @@
     Turn        one generation request and exactly what was sampled (token ids in and out)
     Trajectory  one sample for one question: memory turns, then one final turn
     TrainRow    one training row: a turn expanded with its share of the trajectory's advantage
-    RolloutOutput  what a generate step hands to training, with the exact row count it will expand to
+    RolloutOutput  what a rollout source hands to training: the trajectories, scored and converted to rows
 
 Invariants (checked by `memrl.rl.validate`, relied on everywhere else):
 - `Turn.tokens == prompt_ids + response_ids`; `rollout_log_probs` and `loss_mask` hold one value per
@@ -99,6 +99,9 @@ class TrainRow:
     # The weight version that sampled the response (version v = the weights after training step v - 1;
     # the overlapped pipeline samples with older ones, memrl/train/pipeline.py); None when not known.
     weight_version: int | None = None
+    # The GRPO advantage of the whole trajectory (before the credit split), carried for the logs so that
+    # nothing recomputes it; None from a converter that does not set it.
+    trajectory_advantage: float | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -114,7 +117,9 @@ class TrainRow:
 
 @dataclass
 class RolloutOutput:
-    """What a task's `generate` returns for one rollout step (memrl/task.py).
+    """One rollout step's batch: what a task's `generate` returns (memrl/task.py), and then, scored and
+    converted where it was generated (`memrl.train.setup.convert_rollout`), what every rollout source hands
+    to the loop.
 
     `train_row_count` is the exact number of rows the converter will produce from `trajectories` (None on
     a plain 1:1 rollout, where it equals the number of trajectories).
@@ -125,6 +130,10 @@ class RolloutOutput:
     train_row_count: int | None = None
     # Trajectories left out of training (a failed generation in their group), kept for logs.
     dropped: list[Trajectory] = field(default_factory=list)
-    # The rows, when the source converted where it generated (a Ray rollout worker: `RowRef`s to rows in
-    # the object store, memrl/distributed/rows.py); None: the loop converts `trajectories` itself.
+    # The converted rows (`TrainRow`s, or on Ray `RowRef`s to rows in the object store,
+    # memrl/distributed/rows.py); None only before conversion. The loop hands them to the queue once.
     rows: list[Any] | None = None
+    # For the logs, read off the rows where they were made: each trajectory's advantage by id, and each
+    # (trajectory id, turn index)'s row advantage (its credit).
+    advantages: dict[str, float] = field(default_factory=dict)
+    turn_advantages: dict[tuple[str, int], float] = field(default_factory=dict)

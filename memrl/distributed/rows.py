@@ -1,7 +1,7 @@
 """Training rows that go from the rollout worker that made them straight to the trainer ranks.
 
 A rollout worker converts its slice's trajectories into rows and puts them once into Ray's object store
-(`put_rows`); what it returns, and what the driver's TransferQueue holds and counts, are `RowRef`s:
+(`put_rows`; a replay on Ray puts its rows from the driver); what it returns, and what the driver's TransferQueue holds and counts, are `RowRef`s:
 one small handle per row (the slice's object reference and the row's index in it). Each trainer rank
 fetches the slices itself (`fetch_rows`), so rows never pass through the driver; the driver passes
 references. The queue's exact accounting is unchanged: one `RowRef` per row, and the ranks check that
@@ -41,14 +41,6 @@ def put_rows(rows: list[TrainRow]) -> list[RowRef]:
 
     ref = ray.put(rows)
     return [RowRef(ref, k, row.group_id) for k, row in enumerate(rows)]
-
-
-def is_streamed(rows: Sequence[Any]) -> bool:
-    """True when `rows` are references (a Ray rollout's), False when they are the rows themselves."""
-    kinds = {isinstance(r, RowRef) for r in rows}
-    if len(kinds) > 1:
-        raise RowFetchError("a rollout step's rows mix RowRefs and TrainRows; a step comes from one source")
-    return kinds == {True}
 
 
 def fetch_rows(refs: Sequence[RowRef], timeout_s: float) -> list[TrainRow]:

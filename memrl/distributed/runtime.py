@@ -2,7 +2,8 @@
 that live on Ray actors (`ray_parts`):
 
     parts.rollout -> RolloutPool    rollout workers; the step's questions are split across them; each
-                                    worker converts its slice and leaves the rows in the object store
+                                    worker runs the one-process source (`LocalRollout`) over its slice
+                                    and leaves the rows in the object store (a replay puts its own)
     parts.rows    -> TransferQueue  in the driver, holding one `RowRef` per row (exact counts as in one
                                     process), never the rows themselves
     parts.policy  -> TrainerGroup   trainer workers (one torch.distributed group, DDP or FSDP2); every
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from memrl.config import Config, ConfigError, RayConfig
-from memrl.distributed.rows import RowRef, is_streamed
+from memrl.distributed.rows import RowRef, put_rows
 from memrl.distributed.workers import (
     ObjectStoreWeights,
     RolloutWorker,
@@ -42,12 +43,11 @@ from memrl.distributed.workers import (
 )
 from memrl.engines.base import ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.task import rows_per_trajectory
-from memrl.train.actor import plan_rollout
 from memrl.train.checkpoint import resolve_checkpoint
 from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
 from memrl.train.queue import TransferQueue
-from memrl.train.setup import pad_token_id, run_start, start_rollout_id
-from memrl.types import RolloutOutput, TrainRow
+from memrl.train.setup import pad_token_id, run_start, served_engine, start_rollout_id
+from memrl.types import RolloutOutput
 
 log = logging.getLogger("memrl.distributed")
 
@@ -94,9 +94,11 @@ class TrainerGroup:
     """The policy trainer the loop sees (`train_rollout`, `save_checkpoint`, `weight_source`), over the
     trainer workers: one torch.distributed group."""
 
+    shares_cpu = False  # it trains in its workers' processes (memrl.train.controller.PolicyTrainer)
+
     def __init__(self, ray: Any, cfg: Config, options: list[dict], pad_token_id: int, model_ref: Any,
                  load: Path | None, handles: list[Any]) -> None:
-        self.ray, self.cfg, self.settings, self.pad_token_id = ray, cfg, cfg.ray, pad_token_id
+        self.ray, self.cfg, self.settings = ray, cfg, cfg.ray
         settings = cfg.ray
         world = len(options)
         self.workers = [ray.remote(TrainerWorker).options(**opt).remote(cfg, rank, world)
@@ -114,27 +116,17 @@ class TrainerGroup:
         self.global_step = int(setups[self.names[0]]["global_step"])
         self.names = [f"trainer rank {r} (pid {setups[n]['pid']})" for r, n in enumerate(self.names)]
 
-    def train_rollout(self, rows: list[TrainRow] | list[RowRef], rollout_id: int) -> dict[str, float]:
-        """Train one rollout step; the plan is the one process's with train.dp_size ranks.
-
-        `RowRef`s (rows a rollout worker left in the object store): every rank gets the references, fetches
-        the rows and plans the step itself, so the rows never pass through the driver. Rows (a replayed
-        rollout, converted here): the driver plans once and sends each rank its share.
-        """
+    def train_rollout(self, rows: list[RowRef], rollout_id: int) -> dict[str, float]:
+        """Train one rollout step; the plan is the one process's with train.dp_size ranks. Every rank gets the
+        references (rows a rollout worker, or a replay, left in the object store), fetches the rows and plans
+        the step itself, so the rows never pass through the driver."""
         what = f"rollout {rollout_id}: train"
-        if is_streamed(rows):
-            refs = {name: w.train_streamed.remote(list(rows), rollout_id, self.settings.sync_timeout_s)
-                    for name, w in zip(self.names, self.workers, strict=True)}
-            results = wait_named(refs, self.settings.train_timeout_s, what)
-            fetched = {name: int(result.pop("rows/fetched")) for name, result in results.items()}
-            if set(fetched.values()) != {len(rows)}:  # the ledger, checked where the rows are consumed
-                raise WorkerError(f"{what}: {len(rows)} row references, but the ranks fetched {fetched}")
-        else:
-            plan = plan_rollout(rows, self.cfg, self.pad_token_id, rollout_id)
-            tokens = sum(len(r.tokens) for r in rows)
-            refs = {name: w.train.remote([shares[rank] for shares in plan], rollout_id, len(rows), tokens)
-                    for rank, (name, w) in enumerate(zip(self.names, self.workers, strict=True))}
-            results = wait_named(refs, self.settings.train_timeout_s, what)
+        refs = {name: w.train_streamed.remote(list(rows), rollout_id, self.settings.sync_timeout_s)
+                for name, w in zip(self.names, self.workers, strict=True)}
+        results = wait_named(refs, self.settings.train_timeout_s, what)
+        fetched = {name: int(result.pop("rows/fetched")) for name, result in results.items()}
+        if set(fetched.values()) != {len(rows)}:  # the ledger, checked where the rows are consumed
+            raise WorkerError(f"{what}: {len(rows)} row references, but the ranks fetched {fetched}")
         metrics = dict(results[self.names[0]])  # metrics are all-reduced: every rank reports the same
         self.global_step = int(metrics.pop("global_step"))
         return metrics
@@ -187,6 +179,16 @@ class GroupWeights:
         return self.group.save_pretrained(self.folder, self.tokenizer)
 
 
+class ObjectStoreReplay(ReplayRollout):
+    """A replay on Ray: its rows go into the object store as a rollout worker's do, so the trainer ranks
+    take every step's rows one way (`TrainerGroup.train_rollout`)."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> RolloutOutput:
+        out = super().generate(*args, **kwargs)
+        out.rows = put_rows(out.rows)
+        return out
+
+
 class RolloutPool:
     """The rollout source the loop sees: rollout workers generating slices of each step's batch."""
 
@@ -195,6 +197,7 @@ class RolloutPool:
     def __init__(self, ray: Any, cfg: Config, options: list[dict], tokenizer: Any, model_ref: Any,
                  handles: list[Any]) -> None:
         self.ray, self.cfg, self.settings = ray, cfg, cfg.ray
+        self.takes_folders = served_engine(cfg)
         settings = cfg.ray
         urls = settings.rollout_server_urls or (None,) * len(options)
         self.workers = [ray.remote(RolloutWorker).options(**opt).remote(cfg, i, tokenizer, model_ref, url)
@@ -220,7 +223,7 @@ class RolloutPool:
     def sync_from(self, source: WeightSource) -> None:
         """Every rollout engine to `source`'s weights, in the one form its engines take (the pool built them
         from `rollout.engine`): a folder for served engines (shared storage), whole weights otherwise."""
-        if self.cfg.rollout.engine == "openai":
+        if self.takes_folders:
             payload: WeightSource = WeightsOnDisk(source.saved_folder())
         else:
             payload = WeightsInMemory(source.whole_weights())  # an object-store reference travels, not tensors
@@ -257,7 +260,7 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
     trainer_opts, rollout_opts = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)
     group = TrainerGroup(ray, cfg, trainer_opts, pad_token_id(tokenizer), model_ref, load, handles)
     if options.replay_rollouts:
-        rollout: Any = ReplayRollout(options.replay_rollouts)
+        rollout: Any = ObjectStoreReplay(options.replay_rollouts, cfg, tokenizer, start.task)
     else:
         rollout = RolloutPool(ray, cfg, rollout_opts, tokenizer, model_ref, handles)
         # Start from the trainer's weights (a loaded checkpoint's), as the one-process engine does.

@@ -4,8 +4,9 @@
   builds the same `Actor` as the one-process trainer with `rank`/`world_size`, and runs its own share of
   each optimizer step (DDP all-reduces gradients; FSDP reduce-scatters them). Weight hand-out and
   checkpoints run on every rank (FSDP gathers the shards); rank 0 returns the weights and writes files.
-- `RolloutWorker`: one engine (a local copy of the policy, or a client of its own server) and the
-  configured task (memrl/task.py); generates, scores and converts its slice of a rollout step.
+- `RolloutWorker`: the one-process rollout source (`LocalRollout`: an engine, a local copy of the policy or
+  a client of its own server, and the configured task) over its slice of a rollout step; it generates,
+  scores and converts as in one process and leaves the rows in the object store.
 - `wait_named`: every remote wait of the runtime goes through it: a timeout, and an error that names
   the worker (died, raised, or did not answer in time). It returns on the first failure, so one rank that
   raises never leaves the driver waiting for peers stuck in a collective.
@@ -13,7 +14,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import time
@@ -25,8 +25,9 @@ import torch
 
 from memrl.config import Config
 from memrl.errors import MemrlError
-from memrl.task import load_task, task_reward
-from memrl.train.setup import load_policy, load_tokenizer, rows_of, seed_everything
+from memrl.task import load_task
+from memrl.train.controller import LocalRollout
+from memrl.train.setup import load_policy, load_tokenizer, seed_everything, served_engine
 from memrl.types import RolloutOutput
 
 
@@ -101,8 +102,9 @@ def merge_rollout_outputs(outputs: list[RolloutOutput]) -> RolloutOutput:
     row_counts = [o.train_row_count for o in outputs]
     return RolloutOutput(trajectories=[t for o in outputs for t in o.trajectories], metrics=metrics,
                          train_row_count=None if any(c is None for c in row_counts) else sum(row_counts),
-                         dropped=[t for o in outputs for t in o.dropped],
-                         rows=None if any(o.rows is None for o in outputs) else [r for o in outputs for r in o.rows])
+                         dropped=[t for o in outputs for t in o.dropped], rows=[r for o in outputs for r in o.rows],
+                         advantages={k: v for o in outputs for k, v in o.advantages.items()},
+                         turn_advantages={k: v for o in outputs for k, v in o.turn_advantages.items()})
 
 
 class ObjectStoreWeights(Mapping):
@@ -187,22 +189,18 @@ class TrainerWorker:
                            rank=self.rank, world_size=self.world_size, load=load)
         return {"rank": self.rank, "pid": os.getpid(), "global_step": self.actor.global_step}
 
-    def train(self, steps: list[Any], rollout_id: int, num_rows: int, num_tokens: int) -> dict[str, float]:
-        """This rank's share of every optimizer step of one rollout step (`steps[k]` is a `RankShare`)."""
-        metrics = self.actor.train_planned([[share] for share in steps], rollout_id, num_rows, num_tokens)
-        metrics["global_step"] = float(self.actor.global_step)
-        return metrics
-
     def train_streamed(self, refs: list[Any], rollout_id: int, timeout_s: float) -> dict[str, float]:
-        """One rollout step from row references (`RowRef`s): this rank fetches the rows from the object store
-        and plans the step itself; planning is a pure function of the rows, so every rank plans alike."""
+        """One rollout step from row references (`RowRef`s): this rank fetches the rows from the object store,
+        plans the step itself (a pure function of the rows, so every rank plans alike) and trains its share
+        of every optimizer step."""
         from memrl.distributed.rows import fetch_rows
         from memrl.train.actor import plan_rollout
 
         rows = fetch_rows(refs, timeout_s)
         plan = plan_rollout(rows, self.cfg, self.actor.pad_token_id, rollout_id, self.actor.vocab_size)
-        metrics = self.train([shares[self.rank] for shares in plan], rollout_id, len(rows),
-                             sum(len(r.tokens) for r in rows))
+        metrics = self.actor.train_planned([[shares[self.rank]] for shares in plan], rollout_id, len(rows),
+                                           sum(len(r.tokens) for r in rows))
+        metrics["global_step"] = float(self.actor.global_step)
         metrics["rows/fetched"] = float(len(rows))
         return metrics
 
@@ -246,7 +244,8 @@ class TrainerWorker:
 
 
 class RolloutWorker:
-    """An engine plus the configured task; one event loop for the worker's life."""
+    """The one-process rollout source (`LocalRollout`: an engine plus the configured task, one event loop
+    for the worker's life) over a slice of each step's batch."""
 
     def __init__(self, cfg: Config, index: int, tokenizer: Any = None, model: torch.nn.Module | None = None,
                  server_url: str | None = None) -> None:
@@ -256,45 +255,37 @@ class RolloutWorker:
         if server_url is not None:
             cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"server_url": server_url})})
         self.cfg, self.index = cfg, index
-        self.tokenizer = _load_tokenizer(cfg, tokenizer)
-        local = cfg.rollout.engine != "openai"
-        self.engine = training_engine(cfg, _load_model(cfg, model) if local else None, self.tokenizer)
-        self.task = load_task(cfg)
-        self.reward_fn = task_reward(cfg, self.task)
-        self.loop = asyncio.new_event_loop()
+        tokenizer = _load_tokenizer(cfg, tokenizer)
+        engine = training_engine(cfg, None if served_engine(cfg) else _load_model(cfg, model), tokenizer)
+        self.source = LocalRollout(cfg, engine, tokenizer, load_task(cfg), progress=False)
 
     def ping(self) -> int:
         return os.getpid()
 
     def generate(self, rollout_id: int, records: list[Any], slot_offset: int = 0,
                  weight_version: int | None = None) -> RolloutOutput:
-        """Trajectories (with rewards) of `records`, the slice of the step's batch starting at `slot_offset`,
-        and their rows: converted here and left in the object store (`RolloutOutput.rows` are `RowRef`s).
+        """`records`, the slice of the step's batch starting at `slot_offset` (slots name groups and seed
+        requests: a slice keeps its batch positions), generated and converted as in one process; the rows
+        stay in the object store (`RolloutOutput.rows` are `RowRef`s).
 
         Converting a slice gives the rows converting the whole batch would: advantages are per prompt group
         and a group never spans slices; the plan takes rows in group order whatever the slicing
         (`memrl.train.actor.plan_rollout`).
         """
         from memrl.distributed.rows import put_rows
-        from memrl.rollout import RolloutContext, record_weight_version
 
-        ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
-                             reward_function=self.reward_fn, progress=False)
-        # Slots (positions in the batch) name groups and seed requests: a slice keeps its batch positions.
-        ctx.slot_offset = slot_offset
-        out = record_weight_version(self.loop.run_until_complete(self.task.generate(ctx, records)), weight_version)
-        start = time.perf_counter()
-        out.rows = put_rows(rows_of(out, self.tokenizer, self.cfg.algorithm, self.task, rollout_id))
-        out.metrics["time/convert_in_worker_s"] = time.perf_counter() - start
+        out = self.source.generate(rollout_id, records, weight_version, slot_offset)
+        out.rows = put_rows(out.rows)
         return out
 
     def sync_from(self, source: Any) -> None:
         """The engine to `source`'s weights (a `WeightSource`: an object-store reference, or a folder)."""
-        self.loop.run_until_complete(self.engine.sync_from(source))
+        self.source.sync_from(source)
 
     def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> Any:
         """The engine's teacher-forced log-probs of the weight-sync probe (`Engine.score`)."""
-        return self.loop.run_until_complete(self.engine.score(prompt_ids, continuation_ids, temperature))
+        return self.source.loop.run_until_complete(self.source.engine.score(prompt_ids, continuation_ids,
+                                                                            temperature))
 
     def close(self) -> None:
-        self.loop.run_until_complete(self.engine.close())
+        self.source.close()

@@ -147,5 +147,6 @@ def expand_rows(trajectories: Iterable[Trajectory], advantages: Mapping[str, flo
                 turn_index=turn.index,
                 rollout_id=rollout_id,
                 weight_version=traj.metadata.get("weight_version"),
+                trajectory_advantage=advantage,
             ))
     return rows

@@ -19,10 +19,10 @@ rollout id, and the main data cursor never moves for it: a resumed run regenerat
 chunks. Each chunk's groups take the slots after the ones before it (`slot_offset`), so their group ids
 and request seeds are distinct from the step's first batch.
 
-Row accounting stays exact: a task that expands trajectories (`train_row_count` not None) must expand to
-one row per turn, so the kept groups' row count is the sum of their turns (checked, per generation batch).
-Where the batches arrive already converted (`RolloutOutput.rows`: a Ray run's rollout workers convert their
-slices and hand over row references), the kept groups' rows are kept with them, by `group_id`.
+Row accounting stays exact: every batch arrives converted (`RolloutOutput.rows`, rows or a Ray run's row
+references, counted against the batch's announcement where they were made), so the step keeps the kept
+groups' rows, by `group_id`, and announces their number (None: a 1:1 task); the logs' advantages go with
+their trajectories.
 """
 
 from __future__ import annotations
@@ -30,17 +30,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from memrl.errors import MemrlError
 from memrl.types import RolloutOutput, Trajectory
 
 # Metrics of one generation batch that add up over the batches; every other metric of the step (reward
 # mean, lengths) is the first batch's: the same questions and statistics as with filtering off.
 ADDITIVE_METRICS = ("trajectories/total", "trajectories/failed", "tokens/generated", "groups/dropped",
-                    "time/generate_s")
-
-
-class DynamicSamplingError(ValueError, MemrlError):
-    """A rollout that dynamic sampling cannot account rows for; the message says what to change."""
+                    "time/generate_s", "time/convert_s")
 
 
 @dataclass(frozen=True)
@@ -66,25 +61,12 @@ def is_informative(group: Sequence[Trajectory]) -> bool:
     return any(r != rewards[0] for r in rewards)
 
 
-def _row_count(out: RolloutOutput, batch: int) -> int | None:
-    if out.train_row_count is None:
-        return None
-    turns = sum(t.num_turns for t in out.trajectories)
-    if out.train_row_count != turns:
-        raise DynamicSamplingError(
-            f"generation batch {batch}: the rollout announced {out.train_row_count} rows for trajectories with "
-            f"{turns} turns; algorithm.filter_groups counts the rows of the groups it keeps as one per turn (or one "
-            f"per trajectory), so a task that expands otherwise cannot use it; set algorithm.filter_groups=false")
-    return turns
-
-
 def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int], RolloutOutput],
                               settings: GroupFilter) -> RolloutOutput:
     """The step's output with dynamic sampling: `first` is the step's own batch, `generate_more(k)` chunk k
     (k = 1, 2, ...). Left-out trajectories go to `dropped` (kept for logs); metrics are in the module
     docstring and under `dynamic_sampling/`."""
     outs = [first]
-    one_to_one = _row_count(first, 0) is None
     informative: list[list[Trajectory]] = []
     equal: list[list[Trajectory]] = []
 
@@ -94,7 +76,7 @@ def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int
 
     sort(first)
     while len(informative) < settings.target_groups and len(outs) < settings.max_gen_batches:
-        out = _checked(generate_more(len(outs)), len(outs), one_to_one)
+        out = generate_more(len(outs))
         outs.append(out)
         sort(out)
 
@@ -120,32 +102,20 @@ def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int
         "dynamic_sampling/groups_topped_up": float(len(topped_up)),
         "dynamic_sampling/reached_cap": float(len(informative) < settings.target_groups),
     })
-    row_count = None if one_to_one else sum(t.num_turns for t in trajectories)
+    rows = _rows_of_groups(outs, [g[0].group_id for g in kept])
     dropped = [t for o in outs for t in o.dropped] + left_out
-    return RolloutOutput(trajectories=trajectories, metrics=metrics, train_row_count=row_count, dropped=dropped,
-                         rows=_rows_of_groups(outs, [g[0].group_id for g in kept]))
+    kept_trajectories = {t.trajectory_id for t in trajectories}
+    return RolloutOutput(
+        trajectories=trajectories, metrics=metrics, dropped=dropped, rows=rows,
+        train_row_count=None if first.train_row_count is None else len(rows),
+        advantages={k: v for o in outs for k, v in o.advantages.items() if k in kept_trajectories},
+        turn_advantages={k: v for o in outs for k, v in o.turn_advantages.items() if k[0] in kept_trajectories})
 
 
-def _rows_of_groups(outs: Sequence[RolloutOutput], group_ids: Sequence[str]) -> list | None:
-    """The converted rows of `group_ids`, group by group in that order; None when the batches came
-    unconverted (the loop converts the kept trajectories then)."""
-    if all(o.rows is None for o in outs):
-        return None
-    if any(o.rows is None for o in outs):
-        raise DynamicSamplingError("some generation batches of the step came converted (rows) and some did not; "
-                                   "a rollout source must hand over rows for every batch or for none")
+def _rows_of_groups(outs: Sequence[RolloutOutput], group_ids: Sequence[str]) -> list:
+    """The converted rows of `group_ids`, group by group in that order (within a group, the converter's)."""
     by_group: dict[str, list] = {}
     for out in outs:
         for row in out.rows:
             by_group.setdefault(row.group_id, []).append(row)
     return [row for g in group_ids for row in by_group.get(g, [])]
-
-
-def _checked(out: RolloutOutput, batch: int, one_to_one: bool) -> RolloutOutput:
-    """`out` once its row accounting agrees with the first batch's (both 1:1 or both one row per turn)."""
-    if (_row_count(out, batch) is None) != one_to_one:
-        raise DynamicSamplingError(f"generation batch {batch} announced train_row_count "
-                                   f"{out.train_row_count!r} but the step's first batch "
-                                   f"{'did not' if one_to_one else 'did'}; a rollout must announce rows alike "
-                                   f"for every batch")
-    return out

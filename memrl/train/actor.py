@@ -404,6 +404,11 @@ class Actor:
     # Under FSDP these are collectives: every rank calls them; only rank 0 gets (or writes) anything.
 
     @property
+    def shares_cpu(self) -> bool:
+        """It trains on this process's CPU (the loop halves torch's threads for an overlapped rollout)."""
+        return self.device.type == "cpu"
+
+    @property
     def _saved_model(self) -> torch.nn.Module:
         """What a checkpoint's model/ holds: the model, or with LoRA peft's (its save_pretrained writes the
         adapters only, not a copy of the base weights)."""

@@ -2,10 +2,9 @@
 
     for rollout_id in range(start, num_rollout):
         records = parts.data.batch(rollout_id)               # same ids after a resume
-        out     = parts.rollout.generate(rollout_id, records) # async rollouts with rewards
-        rows    = parts.task.convert(out.trajectories, ...)  # validate -> GRPO -> expand (1:N), or the
-                                                             # rows a Ray rollout worker converted (refs)
-        parts.rows.put(rollout_id, rows, out.train_row_count) # exact row count announced
+        out     = parts.rollout.generate(rollout_id, records) # rollouts with rewards, scored and converted
+                                                             # where generated (setup.convert_rollout)
+        parts.rows.put(rollout_id, out.rows, out.train_row_count) # exact row count announced; rows once
         metrics = parts.policy.train_rollout(parts.rows.get_rollout(rollout_id), rollout_id)
         parts.rollout.sync_from(parts.policy.weight_source(...)); check it (canary); log
         validate (train.eval_interval: memrl/train/validation.py); checkpoint (+ best.json, keep_last_n)
@@ -13,7 +12,8 @@
 `local_parts` builds them in one process (an engine with a private copy of the policy, or a client of
 a server; the TransferQueue; the `Actor`); `memrl.distributed.runtime.ray_parts` builds them on Ray
 actors (a rollout pool, a trainer group; the queue holds references to rows that stay in Ray's object
-store). The loop neither knows nor asks which.
+store). The loop neither knows nor asks which: what differs is a capability a part declares (the
+rollout source's `generates`, `in_process`, `takes_folders`; the policy's `shares_cpu`).
 
 Rows saved (converted), transferred (put in the queue) and consumed (trained on) are counted every step
 and must be equal; a mismatch stops the run with both numbers.
@@ -47,10 +47,7 @@ from memrl.data.records import DataError, read_jsonl_lines
 from memrl.engines.base import Engine, ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import training_engine
 from memrl.io import atomic_write_text
-from memrl.rl.advantages import AdvantageError, trajectory_advantages
 from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
-from memrl.rl.shaping import shaped_rewards
-from memrl.rl.validate import TrajectoryError
 from memrl.rollout import RolloutContext, record_weight_version, turn_log_records
 from memrl.task import Task, rows_per_trajectory, task_reward
 from memrl.train.actor import Actor, NonFiniteUpdateError
@@ -62,10 +59,11 @@ from memrl.train.setup import (
     DataSource,
     TrainingError,
     checkpoint_state,
+    convert_rollout,
     load_policy,
     pad_token_id,
     run_start,
-    score_rollout,
+    served_engine,
     start_rollout_id,
     trainer_device,
 )
@@ -105,14 +103,17 @@ class RolloutSource(Protocol):
     A source that serves dynamic sampling (`algorithm.filter_groups`) also takes `slot_offset=`, the
     position of `records[0]` in the step's whole batch (memrl/rollout.py, `RolloutContext.slot_offset`).
     The loop asks what a source can do, never which kind it is: whether it samples (`generates`; a replay
-    does not, so there is nothing to sync-check or re-sample) and whether its engine runs in this process on
-    its own event loop (`in_process`: validation during training needs `engine` and `loop`)."""
+    does not, so there is nothing to sync-check or re-sample), whether its engine runs in this process on
+    its own event loop (`in_process`: validation during training needs `engine` and `loop`), and whether
+    its engines take weights as a folder (`takes_folders`: served engines reload one)."""
 
     generates: bool
     in_process: bool
+    takes_folders: bool
 
     def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
-        """The step's trajectories (with rewards), sampled with weight version `weight_version`."""
+        """The step's trajectories (with rewards), sampled with weight version `weight_version`, scored and
+        converted (`memrl.train.setup.convert_rollout`: `rows`, and the advantages the logs show)."""
         ...
 
     def sync_from(self, source: WeightSource) -> None: ...
@@ -125,9 +126,11 @@ class RolloutSource(Protocol):
 
 
 class PolicyTrainer(Protocol):
-    """What trains the policy: the `Actor` in this process, or a group of trainer workers."""
+    """What trains the policy: the `Actor` in this process, or a group of trainer workers. `shares_cpu`:
+    it trains on this process's CPU, so an overlapped rollout shares torch's intra-op threads with it."""
 
     global_step: int
+    shares_cpu: bool
 
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]: ...
 
@@ -161,36 +164,21 @@ class TrainingParts:
     release: Callable[[], None] = field(default=lambda: None)
 
 
-def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, advantage: float | None = None,
-                          turn_advantages: dict[tuple[str, int], float] | None = None) -> dict[str, Any]:
-    """What a researcher reads per trajectory (and `memrl view` shows): the turn texts and answer,
-    lengths, reward, status, its GRPO group and advantage, each turn's credit (the advantage of its
+def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, out: RolloutOutput) -> dict[str, Any]:
+    """What a researcher reads per trajectory of rollout `out` (and `memrl view` shows): the turn texts and
+    answer, lengths, reward, status, its GRPO group and advantage, each turn's credit (the advantage of its
     training row; None when not trained on), and the task's own fields (`Task.log_fields`; MemAgent:
     the document and where the golds occur in each chunk)."""
     turns = turn_log_records(traj, tokenizer)
-    if turn_advantages is not None:
-        for turn, record in zip(traj.turns, turns, strict=True):
-            record["advantage"] = turn_advantages.get((traj.trajectory_id, turn.index))
+    for turn, record in zip(traj.turns, turns, strict=True):
+        record["advantage"] = out.turn_advantages.get((traj.trajectory_id, turn.index))
     return {
         "trajectory_id": traj.trajectory_id, "question_id": traj.metadata.get("question_id"),
         "question": traj.metadata.get("question"), "group_id": traj.group_id, "sample_index": traj.sample_index,
         "weight_version": traj.metadata.get("weight_version"), "status": traj.status, "reward": traj.reward,
-        "advantage": advantage, "answer": traj.answer, "golds": traj.metadata.get("golds"), "error": traj.error,
+        "advantage": out.advantages.get(traj.trajectory_id), "answer": traj.answer, "golds": traj.metadata.get("golds"), "error": traj.error,
         **task.log_fields(traj, "train"), "turns": turns,
     }
-
-
-def _trajectory_advantages(cfg: Config, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """GRPO advantage per trajectory id, for the logs (the rows carry the per-turn credit); empty when a
-    custom task's trajectories have no reward to compute it from. Recomputed with the converter's own
-    functions rather than handed over: a converter never writes to the trajectories (a test pins it), and
-    under Ray the rows stay on the workers."""
-    algorithm = cfg.algorithm
-    try:
-        return trajectory_advantages(trajectories, std_normalize=algorithm.std_normalize, eps=algorithm.eps,
-                                     std_ddof=algorithm.std_ddof, rewards=shaped_rewards(trajectories, algorithm))
-    except (AdvantageError, TrajectoryError):
-        return {}
 
 
 def check_trainable(rollout_id: int, out: RolloutOutput, max_errors: int = 2) -> None:
@@ -250,14 +238,16 @@ class LocalRollout:
     def __init__(self, cfg: Config, engine: Engine, tokenizer: Any, task: Task, progress: bool) -> None:
         self.cfg, self.engine, self.tokenizer, self.progress, self.task = cfg, engine, tokenizer, progress, task
         self.reward_fn = task_reward(cfg, task)
+        self.takes_folders = served_engine(cfg)
         self.loop = asyncio.new_event_loop()
 
     def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,
                  slot_offset: int = 0) -> RolloutOutput:
         ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
                              reward_function=self.reward_fn, progress=self.progress, slot_offset=slot_offset)
-        return record_weight_version(self.loop.run_until_complete(self.task.generate(ctx, list(records))),
-                                     weight_version)
+        out = record_weight_version(self.loop.run_until_complete(self.task.generate(ctx, list(records))),
+                                    weight_version)
+        return convert_rollout(out, self.tokenizer, self.cfg.algorithm, self.task, rollout_id)
 
     def sync_from(self, source: WeightSource) -> None:
         self.loop.run_until_complete(self.engine.sync_from(source))
@@ -274,16 +264,18 @@ class LocalRollout:
 
 
 class ReplayRollout:
-    """Debug replay: a step's trajectories read back from `--save-rollouts` files; nothing generates."""
+    """Debug replay: a step's trajectories read back from `--save-rollouts` files and converted as they
+    were when generated; nothing generates."""
 
-    generates, in_process = False, False
+    generates, in_process, takes_folders = False, False, False
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = Path(directory)
+    def __init__(self, directory: Path, cfg: Config, tokenizer: Any, task: Task) -> None:
+        self.directory, self.algorithm, self.tokenizer, self.task = Path(directory), cfg.algorithm, tokenizer, task
 
     def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,
                  slot_offset: int = 0) -> RolloutOutput:
-        return load_raw_rollout(self.directory, rollout_id)  # trajectories keep the version they were saved with
+        out = load_raw_rollout(self.directory, rollout_id)  # trajectories keep the version they were saved with
+        return convert_rollout(out, self.tokenizer, self.algorithm, self.task, rollout_id)
 
     def sync_from(self, source: WeightSource) -> None:
         pass  # no engine to sync
@@ -306,10 +298,11 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.rollout.n_samples, rows_per_trajectory(cfg))
     # An in-process engine copies the actor's weights (after any load), so it starts in sync; a served
     # engine serves whatever its server loaded, so a resumed run syncs it to the checkpoint first.
-    rollout: RolloutSource = (ReplayRollout(options.replay_rollouts) if options.replay_rollouts else
+    rollout: RolloutSource = (ReplayRollout(options.replay_rollouts, cfg, tokenizer, start.task)
+                              if options.replay_rollouts else
                               LocalRollout(cfg, training_engine(cfg, actor.merged_model(), tokenizer), tokenizer,
                                            start.task, options.progress))
-    if options.load is not None and cfg.rollout.engine == "openai" and not options.replay_rollouts:
+    if options.load is not None and rollout.takes_folders:
         rollout.sync_from(actor.weight_source(options.run_root / "weights_sync", tokenizer))
     return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=actor,
                          task=start.task, start_rollout_id=first)
@@ -355,9 +348,10 @@ class Trainer:
         return BestTracker(t.keep_best, t.keep_best_mode)
 
     def step(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
-        """One synchronous step: generate, convert, deliver, train, sync the engine, log."""
-        out, rows, seconds = self._produce(rollout_id)
-        self._deliver(rollout_id, out, rows)
+        """One synchronous step: generate (scored and converted), deliver, train, sync the engine, log."""
+        out, seconds = self._produce(rollout_id)
+        saved = len(out.rows)
+        self._deliver(rollout_id, out)
         timer = StageTimer()
         metrics = self._train(rollout_id, timer)
         with timer("sync"):
@@ -368,40 +362,24 @@ class Trainer:
         if self._probe_ids is not None:
             with timer("sync_check"):  # the trainer still holds the weights the engine just synced to
                 metrics["sync_check/max_abs_diff"] = self._check_engine(self._probe(rollout_id + 1))
-        return self._finish(rollout_id, out, rows, metrics, {**seconds, **timer.seconds}, logger)
+        return self._finish(rollout_id, out, saved, metrics, {**seconds, **timer.seconds}, logger)
 
-    def _produce(self, rollout_id: int) -> tuple[RolloutOutput, list[TrainRow], dict[str, float]]:
-        """The rollout step's trajectories and rows (and the seconds each stage took)."""
+    def _produce(self, rollout_id: int) -> tuple[RolloutOutput, dict[str, float]]:
+        """The rollout step's trajectories and rows (and the seconds each stage took; the source times its
+        conversion as `time/convert_s`)."""
         parts, timer = self.parts, StageTimer()
         try:
             with timer("rollout"):
                 version = self._version_of(rollout_id)
-                out = self._scored(parts.rollout.generate(rollout_id, parts.data.batch(rollout_id),
-                                                          weight_version=version))
+                out = parts.rollout.generate(rollout_id, parts.data.batch(rollout_id), weight_version=version)
                 # A replay reads the step's saved rollout, which was filtered when it was generated.
                 if self.cfg.algorithm.filter_groups and parts.rollout.generates:
                     out = self._sample_informative_groups(rollout_id, out, version)
             check_trainable(rollout_id, out)
-            with timer("convert"):  # a source that converted where it generated hands over its rows
-                rows = out.rows if out.rows is not None else parts.task.convert(out.trajectories, self.cfg.algorithm,
-                                                                                rollout_id)
-            # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
-            expected = out.train_row_count if out.train_row_count is not None else len(out.trajectories)
-            if len(rows) != expected:
-                announced = "announced" if out.train_row_count is not None else "announced no train_row_count, so 1:1:"
-                raise TrainingError(f"rollout {rollout_id}: the converter produced {len(rows)} rows, the rollout "
-                                    f"{announced} {expected}; a 1:N generate function returns "
-                                    f"RolloutOutput(train_row_count=...)")
         except BaseException as error:
             parts.rows.fail(rollout_id, error)  # wakes any waiter on this rollout with the error
             raise
-        return out, rows, dict(timer.seconds)
-
-    def _scored(self, out: RolloutOutput) -> RolloutOutput:
-        """`out` with its per-turn scores (`score_rollout`), unless its source converted it where it was
-        generated (a Ray rollout worker scores before it converts)."""
-        return out if out.rows is not None else score_rollout(out, self.parts.tokenizer, self.cfg.algorithm,
-                                                              self.parts.task)
+        return out, dict(timer.seconds)
 
     def _sample_informative_groups(self, rollout_id: int, first: RolloutOutput, version: int) -> RolloutOutput:
         """Dynamic sampling (memrl/rl/dynamic_sampling.py): chunk k takes the slots after the step's batch and
@@ -411,18 +389,19 @@ class Trainer:
 
         def generate_more(chunk: int) -> RolloutOutput:
             records = self.parts.data.extra_batch(rollout_id, chunk, size)
-            return self._scored(self.parts.rollout.generate(rollout_id, records, weight_version=version,
-                                                            slot_offset=t.rollout_batch_size + (chunk - 1) * size))
+            return self.parts.rollout.generate(rollout_id, records, weight_version=version,
+                                               slot_offset=t.rollout_batch_size + (chunk - 1) * size)
 
         return sample_informative_groups(first, generate_more, GroupFilter(
             t.rollout_batch_size, a.max_num_gen_batches, t.num_optimizer_steps))
 
-    def _deliver(self, rollout_id: int, out: RolloutOutput, rows: list[TrainRow]) -> None:
+    def _deliver(self, rollout_id: int, out: RolloutOutput) -> None:
         # The raw file first: once the rows are put (and maybe trained on), a failure could no longer fail
         # this rollout in the queue, and would reach no one.
         if self.opt.save_rollouts:
             save_raw_rollout(self.opt.run_root / "rollouts_raw", rollout_id, out)
-        self.parts.rows.put(rollout_id, rows, train_row_count=out.train_row_count, final=out.train_row_count is None)
+        self.parts.rows.put(rollout_id, out.rows, train_row_count=out.train_row_count,
+                            final=out.train_row_count is None)
 
     def _train(self, rollout_id: int, timer: StageTimer, wait_stage: str = "train") -> dict[str, float]:
         """Take the step's rows (timed as `wait_stage`) and train on them (timed as `train`)."""
@@ -434,12 +413,13 @@ class Trainer:
             except NonFiniteUpdateError as error:  # the step was not applied; stop before any checkpoint
                 raise TrainingError(str(error)) from error
 
-    def _finish(self, rollout_id: int, out: RolloutOutput, rows: list[TrainRow], metrics: dict[str, float],
+    def _finish(self, rollout_id: int, out: RolloutOutput, saved: int, metrics: dict[str, float],
                 seconds: dict[str, float], logger: RunLogger) -> dict[str, float]:
-        """Check the row ledger, then log the step's metrics and trajectories."""
+        """Check the row ledger (`saved` rows converted), then log the step's metrics and trajectories (`out`
+        without its rows, which went to the queue)."""
         parts = self.parts
         stats = parts.rows.stats(rollout_id)
-        counts = {"rows/saved": float(len(rows)), "rows/transferred": float(stats["rows_put"]),
+        counts = {"rows/saved": float(saved), "rows/transferred": float(stats["rows_put"]),
                   "rows/consumed": metrics["rows/consumed"]}
         if len(set(counts.values())) != 1:
             raise TrainingError(f"rollout {rollout_id}: row counts differ: {counts}")
@@ -449,11 +429,7 @@ class Trainer:
         metrics["perf/tokens_per_s"] = out.metrics.get("tokens/generated", 0.0) / max(seconds["rollout"], 1e-9)
         metrics.update(device_stats())
         logger.log_metrics(rollout_id, metrics)
-        advantages = _trajectory_advantages(self.cfg, out.trajectories)
-        # Rows left on Ray rollout workers (RowRefs) are not here: their turns' credit is not logged.
-        turn_advantages = {(r.trajectory_id, r.turn_index): r.advantage for r in rows if isinstance(r, TrainRow)}
-        logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer, parts.task,
-                                                              advantages.get(t.trajectory_id), turn_advantages)
+        logger.log_rollout(rollout_id, [trajectory_log_record(t, parts.tokenizer, parts.task, out)
                                         for t in out.trajectories + out.dropped])
         return metrics
 
@@ -491,7 +467,7 @@ class Trainer:
         self._producer = Producer(range(start, end), self._produce, self._deliver, self._sync_checked,
                                   version_of, board, parts.rows.fail)
         self._torch_threads = torch.get_num_threads()  # restored when the run ends
-        if isinstance(parts.policy, Actor) and parts.policy.device.type == "cpu" and self._torch_threads > 1:
+        if parts.policy.shares_cpu and self._torch_threads > 1:
             # torch's intra-op pool is shared: half the threads each, so the two stages use different cores.
             torch.set_num_threads(max(1, self._torch_threads // 2))
         self._producer.start(engine_version=start)
@@ -513,7 +489,7 @@ class Trainer:
             produced = self._producer.take(rollout_id)
             metrics["pipeline/staleness"] = float(rollout_id - produced.version)
             metrics["pipeline/producer_wait_s"] = produced.waited_s
-            return self._finish(rollout_id, produced.out, produced.rows, metrics,
+            return self._finish(rollout_id, produced.out, produced.saved, metrics,
                                 {**produced.seconds, **timer.seconds}, logger)
 
         return trained_step
@@ -522,7 +498,7 @@ class Trainer:
         """The policy's weights now, as a source that stays as it is while training goes on: a folder of
         this version's own for a served engine (its server reloads it), else a snapshot in memory (a copy,
         or an object-store copy under Ray); either carries the canary `probe` of these weights."""
-        if self.cfg.rollout.engine == "openai":
+        if self.parts.rollout.takes_folders:
             folder = self.opt.run_root / VERSIONS_DIR / f"v{version:07d}"
             return WeightsOnDisk(self.parts.policy.weight_source(folder, self.parts.tokenizer).saved_folder(), probe)
         return WeightsInMemory(self.parts.policy.weight_snapshot(), probe)

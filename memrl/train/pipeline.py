@@ -1,7 +1,8 @@
 """The overlapped schedule (`train.max_staleness = k >= 1`): rollout n+k generates while step n trains.
 
-A producer thread generates, converts and puts each rollout's rows into the transfer queue; the loop's
-thread trains on them and publishes the weights after every step. Which weights a rollout samples with is
+A producer thread generates (scored and converted) and puts each rollout's rows into the transfer queue, the
+only way rows travel; the loop's thread trains on them, takes the rest of the rollout (trajectories, metrics)
+for its logs, and publishes the weights after every step. Which weights a rollout samples with is
 a pure function of its id, never of timing, so a run is reproducible and resumes exactly:
 
     version v = the weights after training step v - 1 (a run that starts at rollout s starts with v = s)
@@ -18,6 +19,7 @@ which wakes the trainer with the error; a trainer failure wakes a producer waiti
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +28,7 @@ from typing import Any
 
 from memrl.engines.base import WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.train.setup import TrainingError
-from memrl.types import RolloutOutput, TrainRow
+from memrl.types import RolloutOutput
 
 
 def sampling_version(rollout_id: int, start: int, max_staleness: int, saves_after: Callable[[int], bool]) -> int:
@@ -97,10 +99,11 @@ class WeightBoard:
 
 @dataclass
 class Produced:
-    """What the producer made of one rollout id, for the trainer's metrics and logs."""
+    """What the producer made of one rollout id, for the trainer's metrics and logs: `out` without its rows
+    (those went to the queue), `saved` how many there were."""
 
     out: RolloutOutput
-    rows: list[TrainRow]
+    saved: int
     seconds: dict[str, float]
     version: int
     waited_s: float
@@ -108,11 +111,11 @@ class Produced:
 
 @dataclass
 class Producer:
-    """The producer thread: for each rollout id, wait for its weight version, sync, generate, convert, put."""
+    """The producer thread: for each rollout id, wait for its weight version, sync, generate, put."""
 
     rollout_ids: range
-    produce: Callable[[int], tuple[RolloutOutput, list[TrainRow], dict[str, float]]]
-    deliver: Callable[[int, RolloutOutput, list[TrainRow]], None]
+    produce: Callable[[int], tuple[RolloutOutput, dict[str, float]]]
+    deliver: Callable[[int, RolloutOutput], None]
     sync: Callable[[WeightSource], None]
     version_of: Callable[[int], int]
     board: WeightBoard
@@ -141,10 +144,11 @@ class Producer:
                 if version != self.engine_version and weights is not None:
                     self.sync(weights)
                     self.engine_version = version
-                out, rows, seconds = self.produce(rollout_id)
+                out, seconds = self.produce(rollout_id)
+                logged = dataclasses.replace(out, rows=None)
                 with self.lock:  # before the rows are delivered: the trainer takes both once they are
-                    self.results[rollout_id] = Produced(out, rows, seconds, version, waited)
-                self.deliver(rollout_id, out, rows)
+                    self.results[rollout_id] = Produced(logged, len(out.rows), seconds, version, waited)
+                self.deliver(rollout_id, out)
             except BaseException as error:  # noqa: BLE001 - every failure must reach the trainer
                 self.fail_rollout(rollout_id, error)  # wakes the trainer waiting for these rows
                 return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from memrl.config import Config, ConfigError, load_pretrained
 from memrl.errors import MemrlError
 from memrl.task import Task, load_task
 from memrl.train.checkpoint import read_state, resolve_checkpoint
+from memrl.types import RolloutOutput
 
 log = logging.getLogger("memrl.train")
 
@@ -115,20 +117,33 @@ class DataSource:
         return [self.records[order[k % len(order)]] for k in range(size)]
 
 
-def score_rollout(out: Any, tokenizer: Any, algorithm: Any, task: Task) -> Any:
-    """Per-turn scores of one generation batch, where it was generated and before dynamic sampling keeps
-    some of its groups (`memrl.rl.turn_rewards`: the task's turn metrics into `out.metrics`, so they are
-    the whole batch's like every other metric of the step; turn texts and rewards for the advantage)."""
+def convert_rollout(out: RolloutOutput, tokenizer: Any, algorithm: Any, task: Task, rollout_id: int) -> RolloutOutput:
+    """The one records-to-rows path of every rollout source (in this process, a Ray rollout worker's slice, a
+    replay), run where the batch was generated: per-turn scores (`memrl.rl.turn_rewards`: the task's turn
+    metrics into `out.metrics`, turn rewards for the advantage), then the task's converter; the rows and
+    the advantages the logs show (read off the rows) go into `out`. Dynamic sampling keeps groups after."""
     from memrl.rl.turn_rewards import score_turns
 
     out.metrics.update(score_turns(out.trajectories, tokenizer, algorithm, task))
+    start = time.perf_counter()
+    rows = task.convert(out.trajectories, algorithm, rollout_id)
+    out.metrics["time/convert_s"] = time.perf_counter() - start
+    # The rollout says how many rows it expands to (1:N); one that says nothing is 1:1.
+    expected = out.train_row_count if out.train_row_count is not None else len(out.trajectories)
+    if len(rows) != expected:
+        announced = "announced" if out.train_row_count is not None else "announced no train_row_count, so 1:1:"
+        raise TrainingError(f"rollout {rollout_id}: the converter produced {len(rows)} rows, the rollout "
+                            f"{announced} {expected}; a 1:N generate function returns RolloutOutput(train_row_count=...)")
+    out.rows = rows
+    out.advantages = {r.trajectory_id: r.trajectory_advantage for r in rows if r.trajectory_advantage is not None}
+    out.turn_advantages = {(r.trajectory_id, r.turn_index): r.advantage for r in rows}
     return out
 
 
-def rows_of(out: Any, tokenizer: Any, algorithm: Any, task: Task, rollout_id: int) -> list[Any]:
-    """A Ray rollout worker's rows of its slice: scored (`score_rollout`), then the task's converter. The
-    loop does the same in two steps, scoring each batch as it arrives and converting the groups it keeps."""
-    return task.convert(score_rollout(out, tokenizer, algorithm, task).trajectories, algorithm, rollout_id)
+def served_engine(cfg: Config) -> bool:
+    """A served engine (`rollout.engine = openai`) reloads weights from a folder its server reads; an
+    in-process one copies tensors. The rollout sources declare it (`takes_folders`); the loop reads that."""
+    return cfg.rollout.engine == "openai"
 
 
 def start_rollout_id(cfg: Config, load: Path | None, requested: int | None) -> int:

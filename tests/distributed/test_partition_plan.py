@@ -87,18 +87,21 @@ def traj(tid, group, reward, question):
 def test_merge_rollout_outputs_adds_counts_and_weights_means():
     a = RolloutOutput([traj("a0", "g0", 1.0, "q0"), traj("a1", "g0", 1.0, "q0")],
                       {"reward/mean": 1.0, "trajectories/total": 2, "time/generate_s": 3.0, "tokens/generated": 10},
-                      train_row_count=5)
+                      train_row_count=5, rows=["a rows"], advantages={"a0": 0.0, "a1": 0.0})
     b = RolloutOutput([traj("b0", "g1", 0.0, "q1")],
                       {"reward/mean": 0.0, "trajectories/total": 2, "time/generate_s": 5.0, "tokens/generated": 4},
-                      train_row_count=3, dropped=[traj("b1", "g2", 0.0, "q2")])
+                      train_row_count=3, dropped=[traj("b1", "g2", 0.0, "q2")], rows=["b rows"],
+                      advantages={"b0": 0.0}, turn_advantages={("b0", 0): 0.0})
     out = merge_rollout_outputs([a, b])
+    assert out.rows == ["a rows", "b rows"]  # the slices' rows, converted where they were generated
+    assert list(out.advantages) == ["a0", "a1", "b0"] and list(out.turn_advantages) == [("b0", 0)]
     assert [t.trajectory_id for t in out.trajectories] == ["a0", "a1", "b0"]
     assert [t.trajectory_id for t in out.dropped] == ["b1"]
     assert out.train_row_count == 8
     assert out.metrics["trajectories/total"] == 4 and out.metrics["tokens/generated"] == 14
     assert out.metrics["time/generate_s"] == 5.0
     assert out.metrics["reward/mean"] == pytest.approx(0.5)  # 2 trajectories at 1.0, 2 (1 kept + 1 dropped) at 0.0
-    assert merge_rollout_outputs([a, RolloutOutput([], {}, train_row_count=None)]).train_row_count is None
+    assert merge_rollout_outputs([a, RolloutOutput([], {}, train_row_count=None, rows=[])]).train_row_count is None
 
 
 def test_the_plan_does_not_depend_on_how_the_batch_was_cut_across_rollout_workers():

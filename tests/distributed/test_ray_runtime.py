@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 
 from memrl.config import Config  # noqa: E402
 from memrl.data.records import QuestionRecord  # noqa: E402
+from memrl.distributed.rows import put_rows  # noqa: E402
 from memrl.distributed.runtime import RolloutPool, TrainerGroup, _scheduling, run_ray_training  # noqa: E402
 from memrl.distributed.workers import WorkerDiedError, WorkerError, WorkerTimeoutError, wait_named  # noqa: E402
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
@@ -112,7 +113,7 @@ def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_
     rows = rows if len(rows) % 2 else rows[:-1]
     group = trainer_group(cfg, tokenizer, handles, tiny(tokenizer))
     for rollout_id in (0, 1):
-        metrics = group.train_rollout(rows, rollout_id)
+        metrics = group.train_rollout(put_rows(rows), rollout_id)  # the rows as a rollout worker leaves them
     trained = group.state_dict()  # gathered from the shards under FSDP
     # both ranks compute with the same weights (a collective under FSDP: asked of both at once)
     per_rank = wait_named({f"rank {k}": w.log_probs.remote(rows[:3]) for k, w in enumerate(group.workers)}, 60,
@@ -139,7 +140,7 @@ def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_
     ray.kill(group.workers[1])  # rank 0 will block in the all-reduce; the driver must not wait for it
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"rollout 2: train: trainer rank 1 \(pid \d+\) died"):
-        group.train_rollout(rows, 2)
+        group.train_rollout(put_rows(rows), 2)
     assert time.monotonic() - start < cfg.ray.train_timeout_s / 2
 
 
@@ -169,7 +170,7 @@ def test_trajectory_level_options_on_two_ranks_give_the_single_process_weights(t
                for k in (0, 1)]
     assert on_rank[0] & on_rank[1], "the test needs a trajectory whose rows are trained on both ranks"
     group = trainer_group(cfg, tokenizer, handles, tiny(tokenizer))
-    metrics = group.train_rollout(rows, 0)
+    metrics = group.train_rollout(put_rows(rows), 0)
     one = Actor(tiny(tokenizer), with_options(config(**train)), pad_token_id=0)
     expected = one.train_rollout(rows, 0)
     assert metrics["loss/total"] == pytest.approx(expected["loss/total"], abs=1e-6)
@@ -273,6 +274,20 @@ def test_two_step_ray_run_matches_the_single_process_run_and_resumes(cluster, to
     assert len(resumed) == 1 and resumed[0]["rows/consumed"] == 32
     assert [m["rollout_id"] for m in read_metrics(ray_root)] == [0, 1, 2]
     assert [p.name for p in list_checkpoints(ray_root)][-1] == "iter_0000002"
+
+
+@pytest.mark.slow
+def test_a_replay_on_ray_trains_its_rows_from_the_object_store_as_one_process_does(cluster, tokenizer, tmp_path):
+    # The replay converts in the driver and puts its rows into the object store: the ranks fetch them as they
+    # fetch a rollout worker's, and the steps are the one-process run's that saved the rollouts.
+    local = Trainer(config(dp_size=2), TrainOptions(run_root=tmp_path / "local", progress=False, save_rollouts=True),
+                    model=tiny(tokenizer), tokenizer=tokenizer, records=records()).run()
+    replayed = run_ray_training(config(dp_size=2, runtime="ray"), TrainOptions(
+        run_root=tmp_path / "ray", progress=False, replay_rollouts=tmp_path / "local" / "rollouts_raw"),
+        model=tiny(tokenizer), tokenizer=tokenizer, records=records())
+    for got, want in zip(replayed, local, strict=True):
+        assert got["rows/saved"] == got["rows/transferred"] == got["rows/consumed"] == want["rows/consumed"] == 32
+        assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-6)
 
 
 @pytest.mark.slow
@@ -407,7 +422,12 @@ def test_dynamic_sampling_on_two_rollout_workers_matches_one_process(cluster, to
             assert got[key] == want[key], key
         assert got["rows/saved"] == got["rows/transferred"] == got["rows/consumed"] == want["rows/consumed"]
         assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-6)
-    trained = [{json.loads(line)["group_id"] for line in
-                (root / "logs" / "rollouts" / "rollout_0000001.jsonl").read_text().splitlines()
-                if json.loads(line)["advantage"] is not None} for root in (tmp_path / "local", tmp_path / "ray")]
-    assert trained[0] == trained[1]
+
+    def credit(root):  # each logged trajectory's advantage and its turns' credit (None: not trained on)
+        lines = (root / "logs" / "rollouts" / "rollout_0000001.jsonl").read_text().splitlines()
+        return {r["trajectory_id"]: (r["advantage"], [t["advantage"] for t in r["turns"]]) for r in map(json.loads, lines)}
+
+    # The rows' own advantages travel with them from the rollout workers: Ray logs what one process logs.
+    ray_credit, local_credit = credit(tmp_path / "ray"), credit(tmp_path / "local")
+    assert ray_credit == local_credit
+    assert any(a is not None and None not in turns for a, turns in ray_credit.values())

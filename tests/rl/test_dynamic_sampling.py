@@ -3,17 +3,35 @@ count, the metrics, and the deterministic extra draws."""
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import dataclass
+
 from traj_factory import make_group
 
-from memrl.rl.dynamic_sampling import DynamicSamplingError, GroupFilter, sample_informative_groups
+from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
 from memrl.rollout import finish_rollout
 from memrl.train.setup import DataSource
 
 
-def rollout(name, group_rewards, num_memory_turns=1):
-    """One generation batch: a group per reward list, ids `<name>g<k>`."""
-    return finish_rollout([make_group(f"{name}g{k}", rewards, num_memory_turns) for k, rewards in enumerate(group_rewards)])
+@dataclass
+class Ref:
+    group_id: str
+    index: int
+
+
+def converted(out, rows_each=None):
+    """`out` as every rollout source hands it over: converted (a row reference per turn, or `rows_each` per
+    trajectory), with the advantages the logs show."""
+    out.rows = [Ref(t.group_id, k) for t in out.trajectories for k in range(rows_each or t.num_turns)]
+    out.train_row_count = len(out.rows)
+    out.advantages = {t.trajectory_id: 1.0 for t in out.trajectories}
+    out.turn_advantages = {(t.trajectory_id, turn.index): 0.5 for t in out.trajectories for turn in t.turns}
+    return out
+
+
+def rollout(name, group_rewards, num_memory_turns=1, rows_each=None):
+    """One generation batch, converted: a group per reward list, ids `<name>g<k>`."""
+    groups = [make_group(f"{name}g{k}", rewards, num_memory_turns) for k, rewards in enumerate(group_rewards)]
+    return converted(finish_rollout(groups), rows_each)
 
 
 def scripted(chunks):
@@ -63,17 +81,17 @@ def test_the_cap_trains_on_what_there_is_and_tops_up_an_empty_step():
 def test_filtering_reads_the_raw_reward_and_failed_groups_count_apart():
     groups = [make_group("x", [0.5, 0.5]), make_group("y", [0.0, 0.5])]
     groups[1][0].status = "failed"  # the failed group is dropped by finish_rollout before filtering
-    out = sample_informative_groups(finish_rollout(groups), scripted([])[0], GroupFilter(1, 1))
+    out = sample_informative_groups(converted(finish_rollout(groups)), scripted([])[0], GroupFilter(1, 1))
     assert out.metrics["dynamic_sampling/groups_filtered_failed"] == 1
     assert out.metrics["dynamic_sampling/groups_generated"] == 2
     assert out.metrics["dynamic_sampling/groups_topped_up"] == 1  # x is equal: kept only to fill the step
 
 
-def test_a_rollout_expanding_otherwise_than_one_row_per_turn_is_refused():
-    first = rollout("a", [[0, 1]])
-    first.train_row_count += 1
-    with pytest.raises(DynamicSamplingError, match="filter_groups"):
-        sample_informative_groups(first, scripted([])[0], GroupFilter(1, 1))
+def test_a_task_expanding_otherwise_than_one_row_per_turn_keeps_its_groups_rows():
+    # The rows arrive with every batch, so the kept groups' rows are counted, not derived from their turns.
+    more, _ = scripted([rollout("b", [[1, 0]], rows_each=3)])
+    out = sample_informative_groups(rollout("a", [[0, 0], [0, 1]], rows_each=3), more, GroupFilter(2, 2))
+    assert [r.group_id for r in out.rows] == ["ag1"] * 6 + ["bg0"] * 6 and out.train_row_count == 12
 
 
 def test_extra_chunks_are_a_pure_function_of_rollout_and_chunk():
@@ -86,25 +104,13 @@ def test_extra_chunks_are_a_pure_function_of_rollout_and_chunk():
     assert [data.batch(r) for r in range(4)] == main  # the main cursor never moves
 
 
-def test_batches_converted_where_they_were_made_keep_the_kept_groups_rows():
-    # A Ray run's rollout workers convert their slices: the rows (references there) arrive with the batches,
-    # and the step keeps exactly the rows of the groups it keeps, group by group in the kept order.
-    from dataclasses import dataclass
-
-    @dataclass
-    class Ref:
-        group_id: str
-        index: int
-
-    def converted(out):
-        out.rows = [Ref(t.group_id, k) for k, t in enumerate(t for t in out.trajectories for _ in t.turns)]
-        return out
-
-    first = converted(rollout("a", [[0, 0], [0, 1]]))
-    more, _ = scripted([converted(rollout("b", [[1, 0], [1, 1]]))])
-    out = sample_informative_groups(first, more, GroupFilter(target_groups=2, max_gen_batches=3))
+def test_the_kept_groups_keep_their_rows_and_logged_advantages():
+    # Every source converts where it generates: the rows (references on Ray) arrive with the batches, and the
+    # step keeps exactly the rows of the groups it keeps, group by group in the kept order.
+    more, _ = scripted([rollout("b", [[1, 0], [1, 1]])])
+    out = sample_informative_groups(rollout("a", [[0, 0], [0, 1]]), more, GroupFilter(target_groups=2, max_gen_batches=3))
     assert [r.group_id for r in out.rows] == ["ag1"] * 4 + ["bg0"] * 4
     assert len(out.rows) == out.train_row_count
-    plain = rollout("c", [[1, 0]])
-    with pytest.raises(DynamicSamplingError, match="rows for every batch"):
-        sample_informative_groups(converted(rollout("a", [[0, 0]])), scripted([plain])[0], GroupFilter(1, 2))
+    # the logs' advantages travel with the kept trajectories only (the left-out ones are logged as untrained)
+    kept = {t.trajectory_id for t in out.trajectories}
+    assert set(out.advantages) == kept and {tid for tid, _ in out.turn_advantages} == kept

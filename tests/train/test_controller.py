@@ -1,6 +1,7 @@
 """End-to-end training loop on a tiny model (CPU, fp32): row counts, resume, replay, weight sync."""
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -11,6 +12,7 @@ from memrl.config import Config
 from memrl.data.records import QuestionRecord
 from memrl.engines.base import GenerationRequest
 from memrl.memagent.convert import convert_trajectories
+from memrl.memagent.task import MemAgentTask
 from memrl.rollout import RewardError
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 from memrl.train.checkpoint import list_checkpoints
@@ -230,9 +232,9 @@ def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path,
     Every generation batch is scored whole before the filter (the memory curve is the batch's, as on Ray)."""
     import memrl.train.controller as controller
 
-    scored, real_score = [], controller.score_rollout
-    monkeypatch.setattr(controller, "score_rollout",
-                        lambda out, *a: (scored.append({t.group_id for t in out.trajectories}), real_score(out, *a))[1])
+    scored, real_convert = [], controller.convert_rollout
+    monkeypatch.setattr(controller, "convert_rollout",
+                        lambda out, *a: (scored.append({t.group_id for t in out.trajectories}), real_convert(out, *a))[1])
     cfg = config(rollout_batch_size=2, max_staleness=max_staleness)
     cfg.plugins.reward_function = f"{__name__}:even_question_reward"
     cfg.algorithm.filter_groups, cfg.algorithm.over_sampling_batch_size, cfg.algorithm.max_num_gen_batches = True, 2, 8
@@ -277,6 +279,40 @@ def test_turn_rewards_give_every_turn_its_own_advantage(tokenizer, tmp_path):
     assert any(len(set(adv)) > 1 for adv in per_traj.values())
     saved = load_raw_rollout(tmp_path / "run" / "rollouts_raw", 0)
     assert [r.to_dict() for r in captured[0]] == [r.to_dict() for r in convert_trajectories(saved.trajectories, cfg.algorithm, 0)]
+
+
+class RewardAsAdvantageTask(MemAgentTask):
+    """A converter with advantages of its own (the reward itself, no GRPO)."""
+
+    def convert(self, trajectories, algorithm, rollout_id):
+        reward = {t.trajectory_id: float(t.reward) for t in trajectories}
+        return [dataclasses.replace(r, advantage=reward[r.trajectory_id], trajectory_advantage=reward[r.trajectory_id])
+                for r in super().convert(trajectories, algorithm, rollout_id)]
+
+
+def test_the_logs_show_the_advantages_the_converter_computed(tokenizer, tmp_path):
+    """Nothing recomputes advantages for the logs: each trajectory's and each turn's are its rows'."""
+    cfg = config(num_rollout=1)
+    cfg.plugins.task = f"{__name__}:RewardAsAdvantageTask"
+    make_trainer(tokenizer, tmp_path / "run", cfg).run()
+    logged = [json.loads(line) for line in
+              (tmp_path / "run" / "logs" / "rollouts" / "rollout_0000000.jsonl").read_text().splitlines()]
+    assert len(logged) == 8 and {r["reward"] for r in logged} == {0.0, 1.0}  # GRPO would give other values
+    for record in logged:
+        assert record["advantage"] == record["reward"]
+        assert [t["advantage"] for t in record["turns"]] == [record["reward"]] * len(record["turns"])
+
+
+class RowDroppingTask(MemAgentTask):
+    def convert(self, trajectories, algorithm, rollout_id):
+        return super().convert(trajectories, algorithm, rollout_id)[1:]
+
+
+def test_a_converter_that_breaks_the_announced_row_count_stops_the_step_where_it_converts(tokenizer, tmp_path):
+    cfg = config(num_rollout=1)
+    cfg.plugins.task = f"{__name__}:RowDroppingTask"
+    with pytest.raises(TrainingError, match="rollout 0: the converter produced 31 rows, the rollout announced 32"):
+        make_trainer(tokenizer, tmp_path / "run", cfg).run()
 
 
 def test_dynamic_sampling_resumes_exactly(tokenizer, tmp_path):

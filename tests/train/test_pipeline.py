@@ -175,3 +175,16 @@ def test_max_staleness_runs_everywhere_and_must_be_at_least_0():
                               "rollout.server_url=http://x"]).train.max_staleness == 2
     with pytest.raises(ConfigError, match="max_staleness"):
         load_config(None, ["train.max_staleness=-1"])
+
+
+def test_the_producer_hands_the_rows_over_once_through_the_queue(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    """What the trainer takes from the producer for its logs is the rollout without its rows (they went to
+    the queue) and their count; the logs' advantages travel with the trajectories."""
+    from memrl.train.pipeline import Producer
+
+    taken, real_take = [], Producer.take
+    monkeypatch.setattr(Producer, "take", lambda self, rid: (taken.append(real_take(self, rid)), taken[-1])[1])
+    history = make_trainer(tokenizer, tmp_path / "run", config(num_rollout=2, max_staleness=1)).run()
+    assert [p.out.rows for p in taken] == [None, None]
+    assert [p.saved for p in taken] == [m["rows/consumed"] for m in history] == [32, 32]
+    assert all(len(p.out.turn_advantages) == 32 and len(p.out.advantages) == 8 for p in taken)
