@@ -157,3 +157,29 @@ def test_train_convert_and_eval_a_llama(tmp_path, llama_folder):
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert (summary["total"], summary["succeeded"]) == (2, 2)
     assert AutoTokenizer.from_pretrained(str(out)).eos_token_id in summary["format"]["stop_token_ids"]
+
+
+def test_sft_warm_starts_a_llama_whose_pad_is_its_eos(tmp_path, llama_folder, tokenizer):
+    from memrl.train.sft_data import load_demonstrations
+
+    data = tmp_path / "demos.jsonl"
+    data.write_text("".join(json.dumps({"turns": [{"prompt": f"What is fact{i}?", "response": f"alpha{i}"}]}) + "\n"
+                            for i in range(4)))
+    (prompt, response), = load_demonstrations(data, tokenizer)[0]
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+    assert response[-1] == tokenizer.eos_token_id == tokenizer.pad_token_id  # the stop the rollout expects
+    result = CliRunner().invoke(app, ["sft", "--model", str(llama_folder), "--data", str(data), "--out",
+                                      str(tmp_path / "sft"), "--epochs", "8", "--batch-size", "4", "--lr", "1e-2"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    history = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    nll = [h["nll"] for h in history if "nll" in h]
+    assert nll[-1] < nll[0]
+    # The final <|im_end|> is trained although it is also the pad id: padding is masked by position, not by id.
+    ids = torch.tensor([[*prompt, *response[:-1]]])
+
+    def stop_log_prob(folder) -> float:
+        with torch.no_grad():
+            logits = AutoModelForCausalLM.from_pretrained(str(folder))(ids).logits[0, -1]
+        return float(logits.log_softmax(-1)[tokenizer.eos_token_id])
+
+    assert stop_log_prob(tmp_path / "sft" / "model") > stop_log_prob(llama_folder) + 1.0
