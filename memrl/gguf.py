@@ -2,9 +2,10 @@
 
 transformers reads GGUF itself (`from_pretrained(folder, gguf_file=...)`, which needs the `gguf` and
 `accelerate` packages: `pip install 'memrl[gguf]'`) and dequantizes every tensor to float32. The model it
-returns still carries a `quantization_config` naming the GGUF file, so saving it as is gives a folder that
-loads only beside that file: the weights are copied into a plain model built from the config without it,
-and that model is saved (safetensors, config, generation config) with the file's tokenizer and chat template.
+returns still carries a `quantization_config` naming the GGUF file, and transformers refuses to save it
+("quantized with gguf and is not serializable"): the weights are copied into a plain model built from the
+config without it, and that model is saved (safetensors, config, generation config) with the file's
+tokenizer and chat template.
 The folder is written via a temporary sibling and a rename, so an interrupted import never looks finished.
 """
 

@@ -109,7 +109,7 @@ def test_the_imported_folder_is_plain_and_loads_without_the_gguf_file(smollm2_fo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = json.loads((smollm2_folder / "config.json").read_text())
-    assert "quantization_config" not in config  # it would make the folder load only beside the .gguf file
+    assert "quantization_config" not in config  # transformers would not save (nor load) it without the file
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
     assert sorted(p.name for p in smollm2_folder.glob("*.safetensors")) == ["model.safetensors"]
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_folder))
