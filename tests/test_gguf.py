@@ -128,3 +128,31 @@ def test_the_imported_folder_is_plain_and_loads_without_the_gguf_file(smollm2_fo
         logits = model(ids).logits[0, -1]
     assert torch.log_softmax(logits, -1).max() > -3.0
 
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_the_real_model_trains_converts_and_evaluates_on_real_hotpotqa(smollm2_folder, tmp_path, hotpot_dev_records):
+    """The seed's smoke at 2-core sizes (one GRPO step of 1 question x 2 samples, 2 chunks of 64 tokens), then
+    convert-to-hf and `memrl eval` of base and trained. docs/real-model.md has the command at larger sizes."""
+    from conftest import HOTPOT_DEV_FILE
+
+    data = tmp_path / "data"
+    assert _run("prepare-data", "hotpotqa", "--from-file", str(HOTPOT_DEV_FILE), "--out", str(data),
+                "--num-train", "1", "--num-heldout", "1").exit_code == 0
+    sizes = ["rollout.chunk_tokens=64", "rollout.memory_tokens=16", "rollout.final_tokens=16", "rollout.max_chunks=2"]
+    sets = [*sizes, "rollout.n_samples=2", "train.rollout_batch_size=1", "train.num_rollout=1",
+            "train.save_interval=1", f"model.path={smollm2_folder}", f"data.dir={data}"]
+    result = _run("train", "--run-root", str(tmp_path / "run"), "--no-progress", *[x for s in sets for x in ("--set", s)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "rows saved/transferred/consumed 6/6/6" in result.output  # 2 samples x (2 memory turns + final)
+    result = _run("convert-to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert result.exit_code == 0, (result.output, result.exception)
+    for name, model in (("base", smollm2_folder), ("trained", tmp_path / "hf")):
+        result = _run("eval", "--model", str(model), "--data", str(data / "hotpotqa_heldout.jsonl"), "--out",
+                      str(tmp_path / name), "--no-progress", *[x for s in sizes for x in ("--set", s)])
+        assert result.exit_code == 0, (result.output, result.exception)
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert (summary["total"], summary["succeeded"]) == (1, 1)
+    result = _run("compare", str(tmp_path / "base"), str(tmp_path / "trained"))
+    assert result.exit_code == 0, (result.output, result.exception)
