@@ -1,7 +1,7 @@
 """A second architecture: a tiny Llama shaped like SmolLM2-135M-Instruct (tied embeddings, RoPE theta 1e5,
 pad = eos = <|im_end|>, a ChatML template with a default system prompt and no `enable_thinking`) through
 memrl's prompts, engine (dynamic and static decode), LoRA, SFT, and the whole train -> convert-to-hf ->
-eval flow. Everything memrl assumed about Qwen3 that such a model would break shows up here."""
+eval flow: the places where memrl could have assumed Qwen3."""
 
 from __future__ import annotations
 
