@@ -135,10 +135,9 @@ def test_the_imported_folder_is_plain_and_loads_without_the_gguf_file(smollm2_fo
 def test_the_real_model_trains_converts_and_evaluates_on_real_hotpotqa(smollm2_folder, tmp_path, hotpot_dev_records):
     """The seed's smoke at 2-core sizes (one GRPO step of 1 question x 2 samples, 2 chunks of 64 tokens), then
     convert-to-hf and `memrl eval` of base and trained. docs/real-model.md has the command at larger sizes."""
-    from conftest import HOTPOT_DEV_FILE
-
-    data = tmp_path / "data"
-    assert _run("prepare-data", "hotpotqa", "--from-file", str(HOTPOT_DEV_FILE), "--out", str(data),
+    dev_file, data = tmp_path / "hotpot_dev.json", tmp_path / "data"
+    dev_file.write_text(json.dumps(hotpot_dev_records))  # the shared dev records, as the official JSON
+    assert _run("prepare-data", "hotpotqa", "--from-file", str(dev_file), "--out", str(data),
                 "--num-train", "1", "--num-heldout", "1").exit_code == 0
     sizes = ["rollout.chunk_tokens=64", "rollout.memory_tokens=16", "rollout.final_tokens=16", "rollout.max_chunks=2"]
     sets = [*sizes, "rollout.n_samples=2", "train.rollout_batch_size=1", "train.num_rollout=1",
