@@ -34,6 +34,14 @@ seeded with `request.seed` (a random seed when None), so a seeded request's rand
 on its batch mates, when it was admitted, or the device (its tokens are the same alone or in any
 batch, as far as padded fp32 logits agree; tested on CPU).
 
+Prefix sharing (`share_prefixes=True`, the default; memrl/engines/prefix.py). Each prefill (a batch, or
+a wave of requests admitted together) computes what its prompts share once: a repeated prompt (the
+turn-0 prompts of a GRPO group) is computed for one row and copied to the others, and a common prefix of
+at least `min_shared_prefix` tokens (chat template, instruction) is computed once, the rest of each prompt
+continuing from a copy. The result has the plain prefill's layout, so both decode paths below take it
+unchanged; a wave that shares nothing runs the plain prefill, bit for bit. `stats.prefill_tokens` counts
+what was computed, `stats.prompt_tokens` what was asked for.
+
 Static-shape decode (`static_kv`, `cuda_graphs`; memrl/engines/static_decode.py). With `static_kv` on
 (`auto`: on CUDA), rows decode in slots of preallocated KV buffers bucketed by batch size and length,
 and with `cuda_graphs` on (`auto`: whenever the static path runs on CUDA) each bucket's decode step is
@@ -66,7 +74,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, WeightSource
-from memrl.engines.hf_batch import EngineStats, _Pending, _Row, _RunningBatch
+from memrl.engines.hf_batch import EngineStats, _Pending, _plain_layers, _Row, _RunningBatch
+from memrl.engines.prefix import MIN_SHARED_PREFIX, PrefillPlan, align_rows, aligned_mask, plan_prefill
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 from memrl.engines.static_decode import StaticBatch, StaticDecoder
 from memrl.engines.static_kv import supports_static_decode
@@ -119,6 +128,7 @@ class HFEngine:
     wait for a running batch (in continuous mode: until no request is left), so call them between
     rollouts (they block the caller meanwhile). `max_batch_tokens` bounds batch size x (longest cache
     row + most tokens any row may still generate), i.e. the KV cache. `stats` counts the work done.
+    `share_prefixes=False` computes every prompt in full (benches compare the two).
     """
 
     def __init__(
@@ -135,6 +145,8 @@ class HFEngine:
         continuous_batching: bool = True,
         static_kv: str = "auto",
         cuda_graphs: str = "auto",
+        share_prefixes: bool = True,
+        min_shared_prefix: int = MIN_SHARED_PREFIX,
     ) -> None:
         if max_batch_size <= 0 or max_batch_tokens <= 0:
             raise EngineError(f"max_batch_size ({max_batch_size}) and max_batch_tokens ({max_batch_tokens}) must be > 0")
@@ -153,6 +165,7 @@ class HFEngine:
         self.progress = progress
         self.request_timeout_s = request_timeout_s
         self.continuous_batching = continuous_batching
+        self.share_prefixes, self.min_shared_prefix = share_prefixes, min_shared_prefix
         self.stats = EngineStats()
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._decoder = self._static_decoder(static_kv, cuda_graphs)
@@ -406,26 +419,60 @@ class HFEngine:
         return out.logits[:, -1, :].float()
 
     def _prefill(self, requests: list[GenerationRequest]):
-        """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits)."""
-        device, n = self.device, len(requests)
-        lengths = [len(r.prompt_ids) for r in requests]
+        """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits).
+
+        With `share_prefixes`, what the prompts share (repeated prompts, a common prefix) is computed once
+        (memrl/engines/prefix.py); the result has the same layout either way."""
+        prompts = [r.prompt_ids for r in requests]
+        cache = self._new_cache()
+        plan = plan_prefill(prompts, self.min_shared_prefix) if self.share_prefixes and _plain_layers(cache) else None
+        if plan is None:
+            attention_mask, logits = self._padded_forward(prompts, cache)
+            computed = attention_mask.numel()
+        else:
+            attention_mask, logits = self._shared_forward(plan, cache)
+            computed = plan.computed_tokens
+        self.stats.prefills += 1
+        self.stats.prefill_requests += len(requests)
+        self.stats.prefill_tokens += computed
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        return cache, attention_mask, attention_mask.sum(-1), logits
+
+    def _new_cache(self) -> DynamicCache:
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    def _padded_forward(self, prompts: list, cache: DynamicCache, past: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `prompts` left-padded into `cache`, after the `past` columns every row of it already holds:
+        (attention mask over past + prompts, each row's last logits)."""
+        device, n = self.device, len(prompts)
+        lengths = [len(p) for p in prompts]
         width = max(lengths)
         input_ids = torch.zeros((n, width), dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        for row, request in enumerate(requests):
-            input_ids[row, width - lengths[row]:] = torch.tensor(request.prompt_ids)
-            attention_mask[row, width - lengths[row]:] = 1
+        attention_mask = torch.zeros((n, past + width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - lengths[row]:] = torch.tensor(ids)
+            attention_mask[row, past + width - lengths[row]:] = 1
+        attention_mask[:, :past] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        try:
-            cache = DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers
-            cache = DynamicCache()
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
-        self.stats.prefills += 1
-        self.stats.prefill_requests += n
-        self.stats.prefill_tokens += n * width
-        return cache, attention_mask, torch.tensor(lengths, device=device), logits
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        return attention_mask, self._forward(input_ids, attention_mask, position_ids, cache)
+
+    def _shared_forward(self, plan: PrefillPlan, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared prefix once, then the distinct prompts' suffixes from copies of it; rows aligned as
+        `_padded_forward` would give them for every request (memrl/engines/prefix.py)."""
+        if plan.prefix:
+            self._padded_forward([plan.prompts[0][:plan.prefix]], cache)
+            for layer in cache.layers:  # one row per distinct prompt; the suffix forward's cat copies them
+                layer.keys = layer.keys.expand(len(plan.prompts), -1, -1, -1)
+                layer.values = layer.values.expand(len(plan.prompts), -1, -1, -1)
+        mask, logits = self._padded_forward(plan.suffixes, cache, past=plan.prefix)
+        for layer in cache.layers:
+            layer.keys, layer.values = align_rows(layer.keys, plan), align_rows(layer.values, plan)
+        rows = torch.tensor(plan.rows, device=logits.device)
+        return aligned_mask(plan, mask.shape[1], mask.device), logits.index_select(0, rows)
 
     def _new_row(self, request: GenerationRequest, pending: _Pending | None = None) -> _Row:
         seed = request.seed if request.seed is not None else self._seed_rng.getrandbits(63)

@@ -51,11 +51,14 @@ class EngineStats:
 
     One prefill per batch (whole-request batching) or per group of requests admitted together
     (continuous batching); `decode_rows / decode_steps` is the mean number of rows per decode step.
+    `prefill_tokens / prompt_tokens` is what prefix sharing saves (memrl/engines/prefix.py): a plain
+    prefill computes rows x its widest prompt, a shared one the prefix once and the distinct suffixes.
     """
 
     prefills: int = 0
     prefill_requests: int = 0
-    prefill_tokens: int = 0  # padded: rows x widest prompt of each prefill
+    prompt_tokens: int = 0  # requested: the admitted prompts' own tokens
+    prefill_tokens: int = 0  # computed: token positions run through the model at admission, padding included
     decode_steps: int = 0
     decode_rows: int = 0
     compute_s: float = 0.0  # wall time the worker thread spent in batches or sessions
@@ -224,10 +227,14 @@ def record_samples(rows: list[_Row], tokens: list[int], log_probs: list[float]) 
     return finished
 
 
-def _mergeable(cache) -> bool:
-    """Plain full-attention layers only: sliding-window, quantized or shared-KV layers store keys/values
-    that left-padding would corrupt, so such models admit new requests only into an empty batch."""
+def _plain_layers(cache) -> bool:
+    """Every layer a plain full-attention `DynamicLayer`: sliding-window, quantized or shared-KV layers store
+    keys/values that padding, copying between rows or merging would corrupt."""
     layers = getattr(cache, "layers", None)
-    return bool(layers) and DynamicLayer is not None and all(
-        type(layer) is DynamicLayer and isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4
-        for layer in layers)
+    return bool(layers) and DynamicLayer is not None and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _mergeable(cache) -> bool:
+    """A filled cache of plain layers only: other models admit new requests only into an empty batch."""
+    return _plain_layers(cache) and all(isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4
+                                        for layer in cache.layers)

@@ -1,0 +1,175 @@
+"""Prefix sharing at admission (memrl/engines/prefix.py): the shared path gives the unshared path's tokens
+and log-probs, on the dynamic and static KV paths, whole-request and continuous batching.
+
+Numbers: the shared prefill runs the same arithmetic under other batch shapes (the prefix as one row, the
+suffixes after a padding gap), so log-probs agree within numerics.logprob_atol, derived from float32
+rounding; tokens must be equal (a flip needs a uniform within ~1e-5 of a CDF boundary; seeds are fixed).
+A wave that shares nothing takes the plain prefill: bit for bit the unshared engine's results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from numerics import logprob_atol, sharp_model
+from staggering import staggered
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from memrl.engines.base import GenerationRequest
+from memrl.engines.hf import HFEngine
+from memrl.engines.prefix import MIN_SHARED_PREFIX, common_prefix_length, plan_prefill
+
+PATHS = [pytest.param({}, id="dynamic"), pytest.param({"static_kv": "on"}, id="static")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    """Every test here runs on one torch thread (the fixture is in tests/engines/conftest.py)."""
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharp_model()
+
+
+def tokens(seed: int, length: int) -> list[int]:
+    return [(7 * seed + 3 * k + 11) % 500 + 5 for k in range(length)]
+
+
+TEMPLATE = tokens(900, MIN_SHARED_PREFIX + 8)  # the chat template + instruction every prompt starts with
+
+
+def group_prompt(question: int) -> list[int]:
+    """A turn-0 prompt: template, then a question and a chunk of the question's own length."""
+    return TEMPLATE + tokens(question, 3 + 5 * question)
+
+
+def group_wave(questions: int, n: int, max_tokens: int = 12) -> list[GenerationRequest]:
+    """n samples per question, one seed each, every sampling mode across the wave."""
+    return [GenerationRequest(group_prompt(q), max_tokens + (q * n + s) % 5, temperature=(1.0, 0.7, 0.0)[s % 3],
+                              top_p=(1.0, 0.9)[q % 2], seed=100 * q + s) for q in range(questions) for s in range(n)]
+
+
+def generate(engine: HFEngine, requests: list[GenerationRequest]):
+    async def main():
+        try:
+            return await engine.generate(requests)
+        finally:
+            await engine.close()
+    return asyncio.run(main())
+
+
+def assert_same(unshared, shared, atol: float) -> None:
+    for a, b in zip(unshared, shared, strict=True):
+        assert b.finish_reason == a.finish_reason and b.output_ids == a.output_ids
+        assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) <= atol
+
+
+# ---- the plan -----------------------------------------------------------------------------------------
+def test_plan_dedups_repeated_prompts_and_finds_the_common_prefix():
+    a, b = TEMPLATE + [1, 2, 3], TEMPLATE + [1, 9]
+    plan = plan_prefill([a, b, a, a, b])
+    assert plan.prompts == (tuple(a), tuple(b)) and plan.rows == (0, 1, 0, 0, 1)
+    assert plan.prefix == len(TEMPLATE) + 1  # the common prefix includes the shared first suffix token
+    assert plan.computed_tokens == plan.prefix + 2 * 2
+    # Identical prompts: one row computed, no prefix stage; a prompt that is another's prefix keeps a token.
+    assert plan_prefill([a, a, a]).prompts == (tuple(a),) and plan_prefill([a, a, a]).prefix == 0
+    assert plan_prefill([TEMPLATE, TEMPLATE + [4, 5]]).prefix == len(TEMPLATE) - 1
+    assert common_prefix_length([a, b]) == len(TEMPLATE) + 1 and common_prefix_length([[1], [2]]) == 0
+
+
+def test_plan_is_none_when_nothing_is_worth_sharing():
+    assert plan_prefill([tokens(i, 50) for i in range(4)]) is None  # distinct from the first token
+    short = tokens(0, MIN_SHARED_PREFIX - 1)
+    assert plan_prefill([short + [1, 2], short + [3, 4]]) is None  # common prefix below the minimum
+    assert plan_prefill([short + [1, 2], short + [3, 4]], min_prefix=4).prefix == len(short)
+    assert plan_prefill([tokens(0, 5)]) is None
+
+
+# ---- the prefill itself -------------------------------------------------------------------------------
+def test_shared_prefill_has_the_plain_prefills_layout_and_values(model):
+    requests = group_wave(3, 4)
+    plain, shared = HFEngine(model, share_prefixes=False), HFEngine(model)
+    with torch.inference_mode():
+        p_cache, p_mask, p_next, p_logits = plain._prefill(requests)
+        s_cache, s_mask, s_next, s_logits = shared._prefill(requests)
+    assert torch.equal(s_mask, p_mask) and torch.equal(s_next, p_next)
+    atol = logprob_atol(model, [r.prompt_ids for r in requests])
+    assert torch.allclose(s_logits, p_logits, rtol=0, atol=atol)
+    valid = p_mask.bool()[:, None, :, None]  # [rows, 1, width, 1]: the columns each row attends to
+    for p_layer, s_layer in zip(p_cache.layers, s_cache.layers, strict=True):
+        for p_kv, s_kv in ((p_layer.keys, s_layer.keys), (p_layer.values, s_layer.values)):
+            assert s_kv.shape == p_kv.shape
+            scale = float(p_kv.abs().max())
+            assert float(((s_kv - p_kv) * valid).abs().max()) <= atol * scale
+            assert not bool((s_kv * ~valid).any())  # padding is zeros
+    questions = 3
+    assert shared.stats.prefill_tokens == len(TEMPLATE) + questions * (3 + 5 * (questions - 1))
+    assert plain.stats.prefill_tokens == p_mask.numel()
+    assert shared.stats.prompt_tokens == plain.stats.prompt_tokens == int(p_mask.sum())
+
+
+# ---- end to end ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "whole"])
+def test_groups_get_the_unshared_tokens_and_log_probs(model, path, continuous):
+    requests = group_wave(3, 4)
+    kwargs = dict(max_batch_size=16, continuous_batching=continuous, **path)
+    unshared_engine, shared_engine = HFEngine(model, share_prefixes=False, **kwargs), HFEngine(model, **kwargs)
+    unshared, shared = generate(unshared_engine, requests), generate(shared_engine, requests)
+    assert_same(unshared, shared, logprob_atol(model, [r.prompt_ids for r in requests]))
+    assert shared_engine.stats.prompt_tokens == unshared_engine.stats.prompt_tokens
+    # 3 distinct prompts computed, not 12; the template once, not 3 times.
+    assert shared_engine.stats.prefill_tokens * 3 < unshared_engine.stats.prefill_tokens
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_rows_joining_and_leaving_with_sharing(model, path):
+    """Continuous batching: a running group (short and long rows), then a second wave of two groups that
+    joins mid-batch and is shared among itself; rows leave as they finish."""
+    first = group_wave(1, 3, max_tokens=4) + group_wave(1, 1, max_tokens=30)
+    later = group_wave(3, 3)[3:]  # questions 1 and 2, three samples each
+
+    def run(**share):
+        engine = HFEngine(model, max_batch_size=16, **path, **share)
+        hold = (engine, "_forward") if not path else (engine.static_decoder, "forward")
+        first_results, later_results, _ = asyncio.run(staggered(engine, first, later, hold=hold))
+        asyncio.run(engine.close())
+        return first_results + later_results, engine.stats
+
+    (unshared, plain_stats), (shared, shared_stats) = run(share_prefixes=False), run()
+    assert shared_stats.prefills == plain_stats.prefills == 2  # the later wave joined the running batch
+    assert_same(unshared, shared, logprob_atol(model, [r.prompt_ids for r in first + later]))
+    assert {len(r.output_ids) for r in shared} >= {4, 30}  # rows left at different steps
+    assert shared_stats.prefill_tokens < plain_stats.prefill_tokens
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "whole"])
+def test_prompts_that_share_nothing_behave_bit_for_bit_as_before(model, path, continuous):
+    requests = [GenerationRequest(tokens(i, 3 + 7 * i), 10 + i, temperature=(1.0, 0.7)[i % 2], seed=i)
+                for i in range(6)]
+    assert plan_prefill([r.prompt_ids for r in requests]) is None
+    kwargs = dict(continuous_batching=continuous, **path)
+    unshared_engine, shared_engine = HFEngine(model, share_prefixes=False, **kwargs), HFEngine(model, **kwargs)
+    unshared, shared = generate(unshared_engine, requests), generate(shared_engine, requests)
+    assert [(r.output_ids, r.log_probs, r.finish_reason) for r in shared] == \
+        [(r.output_ids, r.log_probs, r.finish_reason) for r in unshared]
+    assert shared_engine.stats.prefill_tokens == unshared_engine.stats.prefill_tokens
+
+
+def test_sliding_window_layers_are_never_shared():
+    """Their cache keeps only the last window of keys/values: a prefix copied into it would be cut."""
+    config = Qwen3Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, use_sliding_window=True,
+                         sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        sliding = Qwen3ForCausalLM(config).eval()
+    requests = group_wave(2, 3)
+    unshared_engine, shared_engine = HFEngine(sliding, share_prefixes=False), HFEngine(sliding)
+    unshared, shared = generate(unshared_engine, requests), generate(shared_engine, requests)
+    assert shared_engine.stats.prefill_tokens == unshared_engine.stats.prefill_tokens
+    assert [r.log_probs for r in shared] == [r.log_probs for r in unshared]
