@@ -36,11 +36,12 @@ batch, as far as padded fp32 logits agree; tested on CPU).
 
 Prefix sharing (`share_prefixes=True`, the default; memrl/engines/prefix.py). Each prefill (a batch, or
 a wave of requests admitted together) computes what its prompts share once: a repeated prompt (the
-turn-0 prompts of a GRPO group) is computed for one row and copied to the others, and a common prefix of
-at least `min_shared_prefix` tokens (chat template, instruction) is computed once, the rest of each prompt
-continuing from a copy. The result has the plain prefill's layout, so both decode paths below take it
-unchanged; a wave that shares nothing runs the plain prefill, bit for bit. `stats.prefill_tokens` counts
-what was computed, `stats.prompt_tokens` what was asked for.
+turn-0 prompts of a GRPO group) for one row, copied to the others; a prefix of at least
+`min_shared_prefix` tokens common to several prompts (chat template and instruction; with the chunk-first
+prompt layout also a group's question and chunk) for one row, the rest of each prompt continuing from a
+copy. The result has the plain prefill's layout, so both decode paths below take it unchanged; a wave
+that shares nothing runs the plain prefill, bit for bit. `stats.prefill_tokens` counts what was
+computed, `stats.prompt_tokens` what was asked for.
 
 Static-shape decode (`static_kv`, `cuda_graphs`; memrl/engines/static_decode.py). With `static_kv` on
 (`auto`: on CUDA), rows decode in slots of preallocated KV buffers bucketed by batch size and length,
@@ -75,7 +76,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, WeightSource
 from memrl.engines.hf_batch import EngineStats, _Pending, _plain_layers, _Row, _RunningBatch
-from memrl.engines.prefix import MIN_SHARED_PREFIX, PrefillPlan, align_rows, aligned_mask, plan_prefill
+from memrl.engines.prefix import MIN_SHARED_PREFIX, Leaves, PrefillPlan, plan_prefill
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 from memrl.engines.static_decode import StaticBatch, StaticDecoder
 from memrl.engines.static_kv import supports_static_decode
@@ -421,7 +422,7 @@ class HFEngine:
     def _prefill(self, requests: list[GenerationRequest]):
         """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits).
 
-        With `share_prefixes`, what the prompts share (repeated prompts, a common prefix) is computed once
+        With `share_prefixes`, what the prompts share (repeated prompts, common prefixes) is computed once
         (memrl/engines/prefix.py); the result has the same layout either way."""
         prompts = [r.prompt_ids for r in requests]
         cache = self._new_cache()
@@ -444,35 +445,41 @@ class HFEngine:
         except TypeError:  # older transformers
             return DynamicCache()
 
-    def _padded_forward(self, prompts: list, cache: DynamicCache, past: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `prompts` left-padded into `cache`, after the `past` columns every row of it already holds:
-        (attention mask over past + prompts, each row's last logits)."""
+    def _padded_forward(self, prompts: list, cache: DynamicCache,
+                        past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `prompts` left-padded into `cache`, after the columns its rows already hold (`past`: their
+        attention mask, None for a fresh cache): (attention mask over past + prompts, each row's last logits)."""
         device, n = self.device, len(prompts)
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         input_ids = torch.zeros((n, width), dtype=torch.long)
-        attention_mask = torch.zeros((n, past + width), dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
         for row, ids in enumerate(prompts):
             input_ids[row, width - lengths[row]:] = torch.tensor(ids)
-            attention_mask[row, past + width - lengths[row]:] = 1
-        attention_mask[:, :past] = 1
+            attention_mask[row, width - lengths[row]:] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        offset = 0 if past is None else past.shape[1]
+        if past is not None:
+            attention_mask = torch.cat([past, attention_mask], 1)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, offset:]
         return attention_mask, self._forward(input_ids, attention_mask, position_ids, cache)
 
     def _shared_forward(self, plan: PrefillPlan, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shared prefix once, then the distinct prompts' suffixes from copies of it; rows aligned as
-        `_padded_forward` would give them for every request (memrl/engines/prefix.py)."""
-        if plan.prefix:
-            self._padded_forward([plan.prompts[0][:plan.prefix]], cache)
-            for layer in cache.layers:  # one row per distinct prompt; the suffix forward's cat copies them
-                layer.keys = layer.keys.expand(len(plan.prompts), -1, -1, -1)
-                layer.values = layer.values.expand(len(plan.prompts), -1, -1, -1)
-        mask, logits = self._padded_forward(plan.suffixes, cache, past=plan.prefix)
-        for layer in cache.layers:
-            layer.keys, layer.values = align_rows(layer.keys, plan), align_rows(layer.values, plan)
-        rows = torch.tensor(plan.rows, device=logits.device)
-        return aligned_mask(plan, mask.shape[1], mask.device), logits.index_select(0, rows)
+        """The plan's prefix tree, one call per level, each row continuing from a copy of its parent's row;
+        every request's row laid out as `_padded_forward` gives it (memrl/engines/prefix.py)."""
+        leaves, mask = Leaves(plan), None
+        for stage, nodes in enumerate(plan.stages):
+            if stage:
+                parents = torch.tensor([node.parent for node in nodes], device=self.device)
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys.index_select(0, parents), layer.values.index_select(0, parents)
+                mask = mask.index_select(0, parents)
+            mask, logits = self._padded_forward(plan.segments(stage), cache, past=mask)
+            leaves.take(stage, [(layer.keys, layer.values) for layer in cache.layers], mask, logits)
+        layers, mask, logits = leaves.requests()
+        for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+            layer.keys, layer.values = keys, values
+        return mask, logits
 
     def _new_row(self, request: GenerationRequest, pending: _Pending | None = None) -> _Row:
         seed = request.seed if request.seed is not None else self._seed_rng.getrandbits(63)

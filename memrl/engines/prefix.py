@@ -1,25 +1,27 @@
 """Prefix sharing at admission: the prompts of one admission wave compute what they share only once.
 
 Why: a MemAgent step is mostly prompt tokens, and the n samples of a GRPO group read the same document:
-their turn-0 prompts are identical, and every prompt starts with the same chat template and instruction
-(with `rollout.prompt_layout = chunk_first`, also the question and the chunk). HFEngine's `_prefill`
-(memrl/engines/hf.py) runs a wave of newly admitted requests in up to two model calls:
+their turn-0 prompts are identical, every prompt starts with the same chat template and instruction, and
+with `rollout.prompt_layout = chunk_first` a group's prompts share the question and the chunk too. One
+wave (the requests HFEngine prefills together, memrl/engines/hf.py `_prefill`) can hold several groups.
 
-1. plan (`plan_prefill`, pure): the wave's distinct prompts, which request uses which, and the prefix
-   every distinct prompt starts with (kept only when at least MIN_SHARED_PREFIX tokens long, and cut one
-   token short of the shortest distinct prompt, so every prompt keeps a token whose logits are computed);
-2. the shared prefix, once, as a single row;
-3. the distinct prompts' remaining tokens (suffixes), left-padded among themselves, each row continuing
-   from a copy of the prefix's keys/values: the attention mask is the prefix's ones, then the row's
-   padding and suffix, and position ids continue from the prefix;
-4. `align_rows`: each request's keys/values in the layout a plain left-padded prefill gives (the row's
-   tokens right-aligned, zeros before them), so the dynamic and static batches admit them unchanged;
-   a repeated prompt's rows are copies of its distinct prompt's row, its logits too.
+The plan (`plan_prefill`, pure) is a prefix tree over the wave's distinct prompts. A node computes one
+segment of tokens for every prompt below it: the root the prefix all prompts share, an inner node the
+longer prefix of a cluster of prompts (a group's question and chunk), a leaf the rest of one prompt.
+A node is made only for at least MIN_SHARED_PREFIX shared tokens beyond its parent, and every leaf keeps
+at least one token, so each prompt's last logits are computed. The engine runs the tree level by level:
+one model call per level (`PrefillPlan.stages`), each node's row continuing from a copy of its parent's
+keys/values, its segment left-padded among the level's segments (attention mask: the parent's mask, then
+the row's padding and segment; position ids count the row's unmasked columns). A repeated prompt is one
+leaf, its rows copies of it.
 
-A wave with no repeated prompt and a common prefix shorter than MIN_SHARED_PREFIX gets no plan: the
-plain prefill runs, bit for bit as before. Otherwise the arithmetic is the same but runs under other
-batch shapes (and the suffix rows see a padding gap after the prefix), so results agree with the plain
-prefill within float32 rounding (tests/engines/numerics.py), not bitwise.
+`Leaves` then lays every request's keys/values out as a plain left-padded prefill would (its tokens in
+the last columns, zeros before them), so the dynamic and static batches admit them unchanged.
+
+A wave with no repeated prompt and nothing shared by MIN_SHARED_PREFIX tokens gets no plan: the plain
+prefill runs, bit for bit as before. Otherwise the arithmetic is the same under other batch shapes (and
+rows see padding gaps between segments), so results agree with the plain prefill within float32
+rounding (tests/engines/numerics.py), not bitwise.
 """
 
 from __future__ import annotations
@@ -30,10 +32,21 @@ from dataclasses import dataclass
 
 import torch
 
-# A shared prefix saves (distinct prompts - 1) x prefix token positions but costs one more model call and
-# a copy of every row's keys/values; a few tokens (every chat prompt starts `<|im_start|>user\n`) would
-# only add the call. 32 is about a short instruction sentence.
+# A node saves (prompts below it - 1) x its segment's tokens but adds a row to a model call (and a level,
+# i.e. a call, when it is the first of its depth); a few tokens (every chat prompt starts with
+# `<|im_start|>user\n`) would only add the call. 32 tokens is about one short instruction sentence.
 MIN_SHARED_PREFIX = 32
+
+
+@dataclass(frozen=True)
+class Node:
+    """One row of one level: tokens [start, end) of distinct prompt `prompt` (shared by all its leaves)."""
+
+    parent: int | None  # its row in the previous level (None on the first level)
+    prompt: int  # a distinct prompt the segment is taken from
+    start: int
+    end: int
+    leaf: bool  # the segment ends `prompt`: its row's logits and keys/values are that prompt's
 
 
 @dataclass(frozen=True)
@@ -42,16 +55,15 @@ class PrefillPlan:
 
     prompts: tuple[tuple[int, ...], ...]  # the distinct prompts, in order of first use
     rows: tuple[int, ...]  # request r's prompt is prompts[rows[r]]
-    prefix: int  # leading tokens every distinct prompt shares, computed once (0: none)
+    stages: tuple[tuple[Node, ...], ...]  # the tree's levels, one model call each
 
-    @property
-    def suffixes(self) -> list[tuple[int, ...]]:
-        return [p[self.prefix:] for p in self.prompts]
+    def segments(self, stage: int) -> list[tuple[int, ...]]:
+        return [self.prompts[n.prompt][n.start:n.end] for n in self.stages[stage]]
 
     @property
     def computed_tokens(self) -> int:
-        """Token positions the model runs: the prefix once, then the suffixes padded to the longest."""
-        return self.prefix + len(self.prompts) * max(len(s) for s in self.suffixes)
+        """Token positions the model runs: per level, its rows x its longest segment."""
+        return sum(len(nodes) * max(n.end - n.start for n in nodes) for nodes in self.stages)
 
 
 def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
@@ -61,40 +73,85 @@ def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
 
 
 def plan_prefill(prompts: Sequence[Sequence[int]], min_prefix: int = MIN_SHARED_PREFIX) -> PrefillPlan | None:
-    """The sharing plan for a wave of (non-empty) prompts, or None when nothing worth sharing: no prompt
-    repeats and they share fewer than `min_prefix` leading tokens."""
+    """The sharing plan for a wave of (non-empty) prompts, or None when it would share nothing: no prompt
+    repeats and no two share `min_prefix` leading tokens."""
     distinct: dict[tuple[int, ...], int] = {}
     rows = tuple(distinct.setdefault(tuple(p), len(distinct)) for p in prompts)
     unique = tuple(distinct)
-    prefix = 0
-    if len(unique) > 1:
-        prefix = min(common_prefix_length(unique), min(len(p) for p in unique) - 1)
-        if prefix < min_prefix:
-            prefix = 0
-    if prefix == 0 and len(unique) == len(rows):
-        return None
-    return PrefillPlan(unique, rows, prefix)
+    stages: list[list[Node]] = []
+
+    def shared(members: Sequence[int]) -> int:
+        """Tokens all `members` share, one short of the shortest: every leaf keeps a token."""
+        return min(common_prefix_length([unique[u] for u in members]), min(len(unique[u]) for u in members) - 1)
+
+    def add(stage: int, node: Node) -> int:
+        if stage == len(stages):
+            stages.append([])
+        stages[stage].append(node)
+        return len(stages[stage]) - 1
+
+    def grow(members: list[int], start: int, parent: int | None, stage: int) -> None:
+        """Add the subtree of `members` (sorted, sharing their first `start` tokens, computed above)."""
+        if len(members) == 1:
+            add(stage, Node(parent, members[0], start, len(unique[members[0]]), leaf=True))
+            return
+        end = shared(members)
+        if end - start >= min_prefix:
+            parent, start, stage = add(stage, Node(parent, members[0], start, end, leaf=False)), end, stage + 1
+        # Sorted prompts: a run whose neighbours share min_prefix tokens beyond `start` shares them all.
+        run = [members[0]]
+        for before, after in zip(members, members[1:], strict=False):
+            if shared([before, after]) - start < min_prefix:
+                grow(run, start, parent, stage)
+                run = []
+            run.append(after)
+        grow(run, start, parent, stage)
+
+    grow(sorted(range(len(unique)), key=unique.__getitem__), 0, None, 0)
+    if len(unique) == len(rows) and len(stages) == 1 and all(n.leaf for n in stages[0]):
+        return None  # every prompt distinct and alone at the root: the plain prefill
+    return PrefillPlan(unique, rows, tuple(tuple(s) for s in stages))
 
 
-def align_rows(tensor: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
-    """A suffix forward's keys or values [distinct, H, W, D] (row u: the prefix in columns [0, prefix),
-    its suffix in the last columns, padding between) as the plain prefill lays them out: one row per
-    request [requests, H, W, D], its prompt in the last columns, zeros before it.
+class Leaves:
+    """Collects each distinct prompt's keys/values as its leaf's level computes them, and lays them out for
+    the requests as a plain left-padded prefill of `plan`'s prompts would."""
 
-    W is prefix + the longest suffix, i.e. the longest prompt: the plain prefill's width. Each suffix
-    already ends at column W, so only the prefix moves right, by the row's padding."""
-    rows = torch.tensor(plan.rows, device=tensor.device)
-    out = tensor.index_select(0, rows)  # a copy: `tensor` keeps the prefix in place for the moves below
-    prefix, longest = plan.prefix, max(len(s) for s in plan.suffixes)
-    pads = [longest - len(plan.suffixes[u]) for u in plan.rows]
-    for pad in sorted(set(pads) - {0}) if prefix else ():
-        moved = torch.tensor([r for r, p in enumerate(pads) if p == pad], device=tensor.device)
-        out[moved, :, pad:pad + prefix] = tensor[:1, :, :prefix]
-        out[moved, :, :pad] = 0  # zeros, not garbage: masked columns still enter attention (0 * NaN = NaN)
-    return out
+    def __init__(self, plan: PrefillPlan) -> None:
+        self.plan = plan
+        self.width = max(len(p) for p in plan.prompts)
+        self.layers: list[list[torch.Tensor]] = []  # per layer: keys, values [distinct, H, width, D]
+        self.logits: torch.Tensor | None = None
 
+    def take(self, stage: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+             logits: torch.Tensor) -> None:
+        """After level `stage`'s call: copy its leaf rows' unmasked columns (mask [rows, W]) right-aligned."""
+        nodes = self.plan.stages[stage]
+        leaf_rows = [i for i, n in enumerate(nodes) if n.leaf]
+        if not leaf_rows:
+            return
+        device = mask.device
+        src_rows, src_cols = mask[leaf_rows].nonzero(as_tuple=True)  # row-major: each row's columns in order
+        src_rows = torch.tensor(leaf_rows, device=device)[src_rows]
+        prompts = [nodes[i].prompt for i in leaf_rows]
+        dst_rows = torch.cat([torch.full((len(self.plan.prompts[u]),), u) for u in prompts]).to(device)
+        dst_cols = torch.cat([torch.arange(self.width - len(self.plan.prompts[u]), self.width)
+                              for u in prompts]).to(device)
+        if self.logits is None:
+            self.logits = logits.new_zeros((len(self.plan.prompts), logits.shape[1]))
+            # zeros, not garbage, before each prompt: masked columns still enter attention (0 * NaN = NaN)
+            self.layers = [[kv.new_zeros((len(self.plan.prompts), kv.shape[1], self.width, kv.shape[3])) for kv in pair]
+                           for pair in layers]
+        self.logits[torch.tensor(prompts, device=device)] = logits[leaf_rows]
+        for out, pair in zip(self.layers, layers, strict=True):
+            for buffer, kv in zip(out, pair, strict=True):
+                buffer[dst_rows, :, dst_cols] = kv[src_rows, :, src_cols]
 
-def aligned_mask(plan: PrefillPlan, width: int, device: torch.device) -> torch.Tensor:
-    """The attention mask of `align_rows`' layout: [requests, width], each prompt's last columns 1."""
-    lengths = torch.tensor([len(plan.prompts[u]) for u in plan.rows], device=device)
-    return (torch.arange(width, device=device)[None, :] >= width - lengths[:, None]).long()
+    def requests(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+        """Per layer (keys, values), the attention mask and the last logits, one row per request."""
+        device = self.logits.device
+        rows = torch.tensor(self.plan.rows, device=device)
+        lengths = torch.tensor([len(self.plan.prompts[u]) for u in self.plan.rows], device=device)
+        mask = (torch.arange(self.width, device=device)[None, :] >= self.width - lengths[:, None]).long()
+        layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.layers]
+        return layers, mask, self.logits.index_select(0, rows)

@@ -41,15 +41,25 @@ def tokens(seed: int, length: int) -> list[int]:
 TEMPLATE = tokens(900, MIN_SHARED_PREFIX + 8)  # the chat template + instruction every prompt starts with
 
 
-def group_prompt(question: int) -> list[int]:
-    """A turn-0 prompt: template, then a question and a chunk of the question's own length."""
-    return TEMPLATE + tokens(question, 3 + 5 * question)
+def group_prompt(question: int, memory: int | None = None) -> list[int]:
+    """A memory-turn prompt: the template, a question and chunk of the question's own (longer than
+    MIN_SHARED_PREFIX), then a memory (None: the turn-0 prompt, the same for the whole group)."""
+    memory_ids = [] if memory is None else tokens(50 + memory, 2 + memory % 4)
+    return TEMPLATE + tokens(question, MIN_SHARED_PREFIX + 3 + 5 * question) + memory_ids
 
 
-def group_wave(questions: int, n: int, max_tokens: int = 12) -> list[GenerationRequest]:
-    """n samples per question, one seed each, every sampling mode across the wave."""
-    return [GenerationRequest(group_prompt(q), max_tokens + (q * n + s) % 5, temperature=(1.0, 0.7, 0.0)[s % 3],
-                              top_p=(1.0, 0.9)[q % 2], seed=100 * q + s) for q in range(questions) for s in range(n)]
+def group_wave(questions: int, n: int, max_tokens: int = 12, memories: bool = False) -> list[GenerationRequest]:
+    """n samples per question (turn 0, or a later turn with one memory each), every sampling mode."""
+    return [GenerationRequest(group_prompt(q, q * n + s if memories else None), max_tokens + (q * n + s) % 5,
+                              temperature=(1.0, 0.7, 0.0)[s % 3], top_p=(1.0, 0.9)[q % 2], seed=100 * q + s)
+            for q in range(questions) for s in range(n)]
+
+
+def mixed_wave() -> list[GenerationRequest]:
+    """Every kind of node: two turn-0 groups (repeated prompts), two later-turn groups (a question's prefix
+    shared, memories distinct), and a prompt that shares nothing (a leaf at the first level)."""
+    alone = GenerationRequest(tokens(77, 20), 9, temperature=1.0, seed=7)
+    return group_wave(2, 3) + group_wave(4, 3, memories=True)[6:] + [alone]
 
 
 def generate(engine: HFEngine, requests: list[GenerationRequest]):
@@ -67,30 +77,50 @@ def assert_same(unshared, shared, atol: float) -> None:
         assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) <= atol
 
 
+def levels(plan) -> list[list[tuple[int, int, bool]]]:
+    """(start, end, leaf) of every node, level by level."""
+    return [[(n.start, n.end, n.leaf) for n in nodes] for nodes in plan.stages]
+
+
 # ---- the plan -----------------------------------------------------------------------------------------
-def test_plan_dedups_repeated_prompts_and_finds_the_common_prefix():
+def test_plan_dedups_repeated_prompts_and_shares_the_common_prefix():
+    t = len(TEMPLATE)
     a, b = TEMPLATE + [1, 2, 3], TEMPLATE + [1, 9]
     plan = plan_prefill([a, b, a, a, b])
     assert plan.prompts == (tuple(a), tuple(b)) and plan.rows == (0, 1, 0, 0, 1)
-    assert plan.prefix == len(TEMPLATE) + 1  # the common prefix includes the shared first suffix token
-    assert plan.computed_tokens == plan.prefix + 2 * 2
-    # Identical prompts: one row computed, no prefix stage; a prompt that is another's prefix keeps a token.
-    assert plan_prefill([a, a, a]).prompts == (tuple(a),) and plan_prefill([a, a, a]).prefix == 0
-    assert plan_prefill([TEMPLATE, TEMPLATE + [4, 5]]).prefix == len(TEMPLATE) - 1
-    assert common_prefix_length([a, b]) == len(TEMPLATE) + 1 and common_prefix_length([[1], [2]]) == 0
+    assert levels(plan) == [[(0, t + 1, False)], [(t + 1, t + 3, True), (t + 1, t + 2, True)]]
+    assert plan.computed_tokens == t + 1 + 2 * 2
+    # Identical prompts: one leaf; a prompt that is another's prefix keeps its last token in its leaf.
+    assert levels(plan_prefill([a, a, a])) == [[(0, t + 3, True)]]
+    assert levels(plan_prefill([TEMPLATE, TEMPLATE + [4, 5]])) == [[(0, t - 1, False)], [(t - 1, t, True),
+                                                                                         (t - 1, t + 2, True)]]
+    assert common_prefix_length([a, b]) == t + 1 and common_prefix_length([[1], [2]]) == 0
+
+
+def test_plan_shares_each_groups_prefix_below_the_common_one():
+    prompts = [r.prompt_ids for r in mixed_wave()]
+    plan = plan_prefill(prompts)
+    t, q2, q3 = len(TEMPLATE), len(group_prompt(2)), len(group_prompt(3))
+    root, groups, leaves = levels(plan)
+    assert root == [(0, len(tokens(77, 20)), True), (0, t, False)]  # the lone prompt, the template
+    # Under the template: the two turn-0 prompts (leaves) and the two later-turn groups' question + chunk.
+    assert groups == [(t, len(group_prompt(0)), True), (t, len(group_prompt(1)), True), (t, q2, False),
+                      (t, q3, False)]
+    assert [start for start, _, _ in leaves] == [q2] * 3 + [q3] * 3 and all(leaf for _, _, leaf in leaves)
+    assert len(plan.prompts) == 1 + 2 + 6 and plan.rows[:6] == (0, 0, 0, 1, 1, 1)
 
 
 def test_plan_is_none_when_nothing_is_worth_sharing():
     assert plan_prefill([tokens(i, 50) for i in range(4)]) is None  # distinct from the first token
     short = tokens(0, MIN_SHARED_PREFIX - 1)
     assert plan_prefill([short + [1, 2], short + [3, 4]]) is None  # common prefix below the minimum
-    assert plan_prefill([short + [1, 2], short + [3, 4]], min_prefix=4).prefix == len(short)
+    assert levels(plan_prefill([short + [1, 2], short + [3, 4]], min_prefix=4))[0] == [(0, len(short), False)]
     assert plan_prefill([tokens(0, 5)]) is None
 
 
 # ---- the prefill itself -------------------------------------------------------------------------------
 def test_shared_prefill_has_the_plain_prefills_layout_and_values(model):
-    requests = group_wave(3, 4)
+    requests = mixed_wave()
     plain, shared = HFEngine(model, share_prefixes=False), HFEngine(model)
     with torch.inference_mode():
         p_cache, p_mask, p_next, p_logits = plain._prefill(requests)
@@ -105,8 +135,7 @@ def test_shared_prefill_has_the_plain_prefills_layout_and_values(model):
             scale = float(p_kv.abs().max())
             assert float(((s_kv - p_kv) * valid).abs().max()) <= atol * scale
             assert not bool((s_kv * ~valid).any())  # padding is zeros
-    questions = 3
-    assert shared.stats.prefill_tokens == len(TEMPLATE) + questions * (3 + 5 * (questions - 1))
+    assert shared.stats.prefill_tokens == plan_prefill([r.prompt_ids for r in requests]).computed_tokens
     assert plain.stats.prefill_tokens == p_mask.numel()
     assert shared.stats.prompt_tokens == plain.stats.prompt_tokens == int(p_mask.sum())
 
@@ -115,14 +144,14 @@ def test_shared_prefill_has_the_plain_prefills_layout_and_values(model):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "whole"])
 def test_groups_get_the_unshared_tokens_and_log_probs(model, path, continuous):
-    requests = group_wave(3, 4)
+    requests = mixed_wave()
     kwargs = dict(max_batch_size=16, continuous_batching=continuous, **path)
     unshared_engine, shared_engine = HFEngine(model, share_prefixes=False, **kwargs), HFEngine(model, **kwargs)
     unshared, shared = generate(unshared_engine, requests), generate(shared_engine, requests)
     assert_same(unshared, shared, logprob_atol(model, [r.prompt_ids for r in requests]))
     assert shared_engine.stats.prompt_tokens == unshared_engine.stats.prompt_tokens
-    # 3 distinct prompts computed, not 12; the template once, not 3 times.
-    assert shared_engine.stats.prefill_tokens * 3 < unshared_engine.stats.prefill_tokens
+    plan = plan_prefill([r.prompt_ids for r in requests])
+    assert shared_engine.stats.prefill_tokens == plan.computed_tokens < unshared_engine.stats.prefill_tokens / 2
 
 
 @pytest.mark.parametrize("path", PATHS)
