@@ -76,7 +76,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, WeightSource
 from memrl.engines.hf_batch import EngineStats, _Pending, _plain_layers, _Row, _RunningBatch
-from memrl.engines.prefix import MIN_SHARED_PREFIX, Leaves, PrefillPlan, plan_prefill
+from memrl.engines.prefix import MIN_SHARED_PREFIX, HeldPrompts, Leaves, PrefillPlan, plan_prefill
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 from memrl.engines.static_decode import StaticBatch, StaticDecoder
 from memrl.engines.static_kv import supports_static_decode
@@ -108,8 +108,9 @@ class _EngineRunner:
     def __init__(self, engine: HFEngine) -> None:
         self._engine = engine
 
-    def prefill(self, requests: list[GenerationRequest]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._engine._prefill(requests)
+    def prefill(self, requests: list[GenerationRequest],
+                held: HeldPrompts | None = None) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._engine._prefill(requests, held)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 cache: DynamicCache) -> torch.Tensor:
@@ -419,19 +420,22 @@ class HFEngine:
                          use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
         return out.logits[:, -1, :].float()
 
-    def _prefill(self, requests: list[GenerationRequest]):
+    def _prefill(self, requests: list[GenerationRequest], held: HeldPrompts | None = None):
         """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits).
 
-        With `share_prefixes`, what the prompts share (repeated prompts, common prefixes) is computed once
-        (memrl/engines/prefix.py); the result has the same layout either way."""
+        With `share_prefixes`, what the prompts share (repeated prompts, common prefixes, prefixes of the
+        prompts of `held`, the running rows) is computed once (memrl/engines/prefix.py); the result has the
+        same layout either way."""
         prompts = [r.prompt_ids for r in requests]
         cache = self._new_cache()
-        plan = plan_prefill(prompts, self.min_shared_prefix) if self.share_prefixes and _plain_layers(cache) else None
+        plan = None
+        if self.share_prefixes and _plain_layers(cache):
+            plan = plan_prefill(prompts, self.min_shared_prefix, held.held_prompts() if held is not None else ())
         if plan is None:
             attention_mask, logits = self._padded_forward(prompts, cache)
             computed = attention_mask.numel()
         else:
-            attention_mask, logits = self._shared_forward(plan, cache)
+            attention_mask, logits = self._shared_forward(plan, cache, held)
             computed = plan.computed_tokens
         self.stats.prefills += 1
         self.stats.prefill_requests += len(requests)
@@ -464,10 +468,17 @@ class HFEngine:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, offset:]
         return attention_mask, self._forward(input_ids, attention_mask, position_ids, cache)
 
-    def _shared_forward(self, plan: PrefillPlan, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plan's prefix tree, one call per level, each row continuing from a copy of its parent's row;
-        every request's row laid out as `_padded_forward` gives it (memrl/engines/prefix.py)."""
+    def _shared_forward(self, plan: PrefillPlan, cache: DynamicCache,
+                        held: HeldPrompts | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's prefix tree, one call per level, each row continuing from a copy of its parent's row
+        (first level: of a running row's prompt, or nothing); every request's row laid out as
+        `_padded_forward` gives it (memrl/engines/prefix.py)."""
         leaves, mask = Leaves(plan), None
+        sources = [(node.held, node.start) if node.held is not None else None for node in plan.stages[0]]
+        if any(sources):
+            block, mask = held.prefix_block(sources, max(n for _, n in filter(None, sources)))
+            for i, (keys, values) in enumerate(block):
+                cache.update(keys, values, i)  # a fresh layer takes them as they are
         for stage, nodes in enumerate(plan.stages):
             if stage:
                 parents = torch.tensor([node.parent for node in nodes], device=self.device)

@@ -14,6 +14,11 @@ the sequence; position ids are per row, so the padding changes no logit. When ro
 every remaining row masks are trimmed, so the cache never outgrows its longest row. Caches that cannot
 be merged (sliding-window, quantized or shared-KV layers, see `_mergeable`) only ever start a batch.
 
+Held prompts. At admission a mergeable batch hands itself to the prefill as `HeldPrompts`: its rows'
+prompts, and `prefix_block` to copy a prompt prefix's keys/values out of the merged cache, so a newcomer
+whose prompt starts like a running row's copies those tokens instead of computing them
+(memrl/engines/prefix.py). Prompt columns never change once written, so the copy is the row's own.
+
 Spare capacity. A mergeable cache's layers become `SpareLayer`s (memrl/engines/kv_cache.py) with room
 for the tokens its rows may still generate, so a decode step writes its keys/values in place instead
 of copying the whole cache (transformers' `DynamicLayer` concatenates); trimming only moves an offset.
@@ -22,6 +27,7 @@ of copying the whole cache (transformers' `DynamicLayer` concatenates); trimming
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +37,7 @@ from transformers import DynamicCache
 
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.engines.kv_cache import SpareLayer
+from memrl.engines.prefix import HeldPrompts, KeyValues, copy_columns, picks_mask
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 
 try:  # transformers >= 4.56 keeps one layer object per decoder layer; older caches are never merged
@@ -84,6 +91,11 @@ class _Row:
         return GenerationResult(output_ids=self.output_ids, log_probs=self.log_probs,
                                 finish_reason=self.finish)  # type: ignore[arg-type]
 
+    @functools.cached_property
+    def prompt(self) -> tuple[int, ...]:
+        """The prompt ids as a tuple, as prefix sharing compares them (once per row, not per admission)."""
+        return tuple(self.request.prompt_ids)
+
     def abandoned(self) -> bool:
         """The waiter is gone (timed out, or failed by close): computing further is wasted."""
         return self.pending is not None and self.pending.future.done()
@@ -98,9 +110,11 @@ class ModelRunner(Protocol):
     pure functions of memrl/engines/sampling.py.
     """
 
-    def prefill(self, requests: list[GenerationRequest]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def prefill(self, requests: list[GenerationRequest],
+                held: HeldPrompts | None = None) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits);
-        counts the prefill in the engine's stats."""
+        counts the prefill in the engine's stats. `held`: the running batch, whose prompts' keys/values the
+        prefill may copy instead of computing them (memrl/engines/prefix.py)."""
         ...
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -145,7 +159,8 @@ class _RunningBatch:
 
     def admit(self, rows: list[_Row]) -> None:
         """Prefill `rows` and add them; their logits join the running rows' pending logits."""
-        cache, mask, next_position, logits = self.runner.prefill([r.request for r in rows])
+        cache, mask, next_position, logits = self.runner.prefill([r.request for r in rows],
+                                                                 self if self.rows and self.mergeable else None)
         device = mask.device
         temperatures = torch.tensor([r.request.temperature for r in rows], dtype=torch.float32, device=device)
         top_ps = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32, device=device)
@@ -171,6 +186,21 @@ class _RunningBatch:
         self.top_ps = torch.cat([self.top_ps, top_ps])
         self.logits = torch.cat([self.logits, logits])
         self.rows.extend(rows)
+
+    def held_prompts(self) -> list[tuple[int, ...]]:
+        return [row.prompt for row in self.rows]
+
+    def prefix_block(self, sources, width: int) -> tuple[KeyValues, torch.Tensor]:
+        """`HeldPrompts.prefix_block`: row i's tokens start where its mask does (rows are right-aligned)."""
+        starts = (self.attention_mask.shape[1] - self.attention_mask.sum(1)).tolist()
+        picks = []
+        for dst, source in enumerate(sources):
+            if source is not None:
+                row, n = source
+                picks.append((dst, row, torch.arange(starts[row], starts[row] + n)))
+        layers = [(layer.keys, layer.values) for layer in self.cache.layers]
+        return (copy_columns(layers, picks, len(sources), width),
+                picks_mask(picks, len(sources), width, self.attention_mask.device))
 
     def sample(self) -> list[_Row]:
         """One token for every row from its pending logits; returns the rows that finished with it."""

@@ -118,6 +118,24 @@ def test_plan_is_none_when_nothing_is_worth_sharing():
     assert plan_prefill([tokens(0, 5)]) is None
 
 
+def test_plan_copies_what_running_rows_hold():
+    turn0, later = group_prompt(0), [group_prompt(0, m) for m in range(3)]
+    held = [tuple(group_prompt(5)), tuple(turn0)]  # running rows: another question's, and this group's
+    # A straggler of the running group: all but its last token copied from running row 1.
+    plan = plan_prefill([turn0, turn0], held=held)
+    assert levels(plan) == [[(len(turn0) - 1, len(turn0), True)]] and plan.stages[0][0].held == 1
+    assert plan.computed_tokens == 1
+    # Later turns of the group: question and chunk copied from row 1, each memory computed.
+    plan = plan_prefill(later, held=held)
+    assert levels(plan) == [[(len(turn0), len(p), True) for p in later]]
+    assert {n.held for n in plan.stages[0]} == {1}
+    # Nothing held in common beyond the template: the wave shares its question among itself, below a
+    # template copied from whichever row holds it.
+    plan = plan_prefill(later, held=held[:1])
+    assert levels(plan)[0] == [(len(TEMPLATE), len(turn0), False)] and plan.stages[0][0].held == 0
+    assert plan_prefill([tokens(i, 50) for i in range(3)], held=held) is None  # nothing in common
+
+
 # ---- the prefill itself -------------------------------------------------------------------------------
 def test_shared_prefill_has_the_plain_prefills_layout_and_values(model):
     requests = mixed_wave()
@@ -202,3 +220,27 @@ def test_sliding_window_layers_are_never_shared():
     unshared, shared = generate(unshared_engine, requests), generate(shared_engine, requests)
     assert shared_engine.stats.prefill_tokens == unshared_engine.stats.prefill_tokens
     assert [r.log_probs for r in shared] == [r.log_probs for r in unshared]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_newcomers_copy_the_prompts_running_rows_hold(model, path):
+    """A group's stragglers (its turn-0 prompt again) and its later turns (its question + chunk, then a
+    memory each) join a batch whose running rows hold those prompts: copied, not computed."""
+    first = group_wave(1, 2, max_tokens=30)
+    later = group_wave(1, 2, max_tokens=6) + group_wave(1, 3, memories=True)
+
+    def run(**share):
+        engine = HFEngine(model, max_batch_size=16, **path, **share)
+        hold = (engine, "_forward") if not path else (engine.static_decoder, "forward")
+        engine.reset_stats()
+        first_results, later_results, _ = asyncio.run(staggered(engine, first, later, hold=hold))
+        asyncio.run(engine.close())
+        return first_results + later_results, engine.stats
+
+    (unshared, plain_stats), (shared, shared_stats) = run(share_prefixes=False), run()
+    assert_same(unshared, shared, logprob_atol(model, [r.prompt_ids for r in first + later]))
+    assert shared_stats.prefills == plain_stats.prefills == 2  # the newcomers joined as one wave
+    memories = [len(r.prompt_ids) - len(group_prompt(0)) for r in later[2:]]
+    first_wave = len(group_prompt(0))  # two identical prompts: one row
+    # Then one row per distinct newcomer, each only its last token (the straggler) or its memory, padded.
+    assert shared_stats.prefill_tokens == first_wave + (1 + len(memories)) * max(memories)
