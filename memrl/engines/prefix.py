@@ -9,7 +9,10 @@ The plan (`plan_prefill`, pure) is a prefix tree over the wave's distinct prompt
 segment of tokens for every prompt below it: the root the prefix all prompts share, an inner node the
 longer prefix of a cluster of prompts (a group's question and chunk), a leaf the rest of one prompt.
 A node is made only for at least MIN_SHARED_PREFIX shared tokens beyond its parent, and every leaf keeps
-at least one token, so each prompt's last logits are computed. The engine runs the tree level by level:
+at least one token, so each prompt's last logits are computed. Rows that continue from copies attend
+through an explicit mask, which costs more per token than the plain prefill's (MAX_COMPUTED_SHARE): a
+tree that would still compute more than that share of the plain prefill's tokens is dropped for the
+distinct prompts alone (a repeated prompt stays one row). The engine runs the tree level by level:
 one model call per level (`PrefillPlan.stages`), each node's row continuing from a copy of its parent's
 keys/values, its segment left-padded among the level's segments (attention mask: the parent's mask, then
 the row's padding and segment; position ids count the row's unmasked columns). A repeated prompt is one
@@ -43,6 +46,15 @@ import torch
 # i.e. a call, when it is the first of its depth); a few tokens (every chat prompt starts with
 # `<|im_start|>user\n`) would only add the call. 32 tokens is about one short instruction sentence.
 MIN_SHARED_PREFIX = 32
+
+# A row that continues from copied keys/values attends through an explicit mask, and SDPA's masked kernel
+# costs ~2x per query-key pair of the mask-free causal one and skips no pair (CPU, torch 2.13, 5,400-token
+# rows: 23 vs 11 ns per pair), so computing s of a prompt's L tokens that way costs ~4 s/L of its plain
+# attention: 4.2x slower than plain at s/L = 0.98 (measured), 0.19x at 0.07. Hence a plan that continues
+# rows from copies is used only when it computes at most this share of the plain prefill's positions
+# (MemAgent's cases are far from it: a repeated prompt ~1/n, a chunk-first later turn ~0.05-0.2, a
+# MemAgent-layout later turn, sharing only the instruction, ~0.9).
+MAX_COMPUTED_SHARE = 0.25
 
 
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [rows, kv heads, columns, head dim]
@@ -133,10 +145,11 @@ class _HeldIndex:
 
 
 def plan_prefill(prompts: Sequence[Sequence[int]], min_prefix: int = MIN_SHARED_PREFIX,
-                 held: Sequence[tuple[int, ...]] = ()) -> PrefillPlan | None:
+                 held: Sequence[tuple[int, ...]] = (), max_share: float = MAX_COMPUTED_SHARE) -> PrefillPlan | None:
     """The sharing plan for a wave of (non-empty) prompts, given the prompts running rows hold (`held`), or
     None when it would share nothing: no prompt repeats and none shares `min_prefix` leading tokens with
-    another or with a held prompt."""
+    another or with a held prompt. Prefixes are shared only if that leaves at most `max_share` of the plain
+    prefill's token positions to compute (MAX_COMPUTED_SHARE); repeated prompts always are."""
     distinct: dict[tuple[int, ...], int] = {}
     rows = tuple(distinct.setdefault(tuple(p), len(distinct)) for p in prompts)
     unique = tuple(distinct)
@@ -181,9 +194,13 @@ def plan_prefill(prompts: Sequence[Sequence[int]], min_prefix: int = MIN_SHARED_
         grow(run, start, parent, stage)
 
     grow(sorted(range(len(unique)), key=unique.__getitem__), 0, None, 0)
-    if len(unique) == len(rows) and len(stages) == 1 and all(n.leaf and n.held is None for n in stages[0]):
+    plan = PrefillPlan(unique, rows, tuple(tuple(s) for s in stages))
+    copies = len(stages) > 1 or any(n.held is not None for n in stages[0])
+    if copies and plan.computed_tokens > max_share * len(rows) * max(len(p) for p in unique):
+        plan = PrefillPlan(unique, rows, (tuple(Node(None, u, 0, len(p), leaf=True) for u, p in enumerate(unique)),))
+    if len(unique) == len(rows) and len(plan.stages) == 1 and all(n.leaf and n.held is None for n in plan.stages[0]):
         return None  # every prompt distinct, alone at the root, nothing held: the plain prefill
-    return PrefillPlan(unique, rows, tuple(tuple(s) for s in stages))
+    return plan
 
 
 def copy_columns(layers: KeyValues, picks: Sequence[tuple[int, int, torch.Tensor]], rows: int, width: int,

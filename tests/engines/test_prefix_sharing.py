@@ -59,7 +59,7 @@ def mixed_wave() -> list[GenerationRequest]:
     """Every kind of node: two turn-0 groups (repeated prompts), two later-turn groups (a question's prefix
     shared, memories distinct), and a prompt that shares nothing (a leaf at the first level)."""
     alone = GenerationRequest(tokens(77, 20), 9, temperature=1.0, seed=7)
-    return group_wave(2, 3) + group_wave(4, 3, memories=True)[6:] + [alone]
+    return group_wave(2, 4) + group_wave(4, 4, memories=True)[8:] + [alone]
 
 
 def generate(engine: HFEngine, requests: list[GenerationRequest]):
@@ -92,8 +92,8 @@ def test_plan_dedups_repeated_prompts_and_shares_the_common_prefix():
     assert plan.computed_tokens == t + 1 + 2 * 2
     # Identical prompts: one leaf; a prompt that is another's prefix keeps its last token in its leaf.
     assert levels(plan_prefill([a, a, a])) == [[(0, t + 3, True)]]
-    assert levels(plan_prefill([TEMPLATE, TEMPLATE + [4, 5]])) == [[(0, t - 1, False)], [(t - 1, t, True),
-                                                                                         (t - 1, t + 2, True)]]
+    assert levels(plan_prefill([TEMPLATE, TEMPLATE + [4, 5]], max_share=1)) == [
+        [(0, t - 1, False)], [(t - 1, t, True), (t - 1, t + 2, True)]]
     assert common_prefix_length([a, b]) == t + 1 and common_prefix_length([[1], [2]]) == 0
 
 
@@ -106,15 +106,28 @@ def test_plan_shares_each_groups_prefix_below_the_common_one():
     # Under the template: the two turn-0 prompts (leaves) and the two later-turn groups' question + chunk.
     assert groups == [(t, len(group_prompt(0)), True), (t, len(group_prompt(1)), True), (t, q2, False),
                       (t, q3, False)]
-    assert [start for start, _, _ in leaves] == [q2] * 3 + [q3] * 3 and all(leaf for _, _, leaf in leaves)
-    assert len(plan.prompts) == 1 + 2 + 6 and plan.rows[:6] == (0, 0, 0, 1, 1, 1)
+    assert [start for start, _, _ in leaves] == [q2] * 4 + [q3] * 4 and all(leaf for _, _, leaf in leaves)
+    assert len(plan.prompts) == 1 + 2 + 8 and plan.rows[:8] == (0, 0, 0, 0, 1, 1, 1, 1)
+
+
+def test_prefixes_are_shared_only_when_that_leaves_little_to_compute():
+    # The template shared, but most of each prompt still to compute (through a mask): the plain prefill.
+    long = [TEMPLATE + tokens(q, 100) for q in range(3)]
+    assert plan_prefill(long) is None
+    assert levels(plan_prefill(long, max_share=1))[0] == [(0, len(TEMPLATE), False)]
+    # A repeated prompt is still computed once; only the template is not shared.
+    plan = plan_prefill([long[0], long[1], long[0]])
+    assert levels(plan) == [[(0, len(p), True) for p in long[:2]]] and plan.rows == (0, 1, 0)
+    # The same held: a copy that leaves ~0.7 of each prompt to compute is not made either.
+    assert plan_prefill(long[1:], held=[tuple(long[0])]) is None
+    assert plan_prefill(long[1:], held=[tuple(long[0])], max_share=1).stages[0][0].held == 0
 
 
 def test_plan_is_none_when_nothing_is_worth_sharing():
     assert plan_prefill([tokens(i, 50) for i in range(4)]) is None  # distinct from the first token
     short = tokens(0, MIN_SHARED_PREFIX - 1)
     assert plan_prefill([short + [1, 2], short + [3, 4]]) is None  # common prefix below the minimum
-    assert levels(plan_prefill([short + [1, 2], short + [3, 4]], min_prefix=4))[0] == [(0, len(short), False)]
+    assert levels(plan_prefill([short + [1, 2], short + [3, 4]], min_prefix=4, max_share=1))[0] == [(0, len(short), False)]
     assert plan_prefill([tokens(0, 5)]) is None
 
 
@@ -131,7 +144,7 @@ def test_plan_copies_what_running_rows_hold():
     assert {n.held for n in plan.stages[0]} == {1}
     # Nothing held in common beyond the template: the wave shares its question among itself, below a
     # template copied from whichever row holds it.
-    plan = plan_prefill(later, held=held[:1])
+    plan = plan_prefill(later, held=held[:1], max_share=1)
     assert levels(plan)[0] == [(len(TEMPLATE), len(turn0), False)] and plan.stages[0][0].held == 0
     assert plan_prefill([tokens(i, 50) for i in range(3)], held=held) is None  # nothing in common
 
@@ -163,7 +176,7 @@ def test_shared_prefill_has_the_plain_prefills_layout_and_values(model):
 @pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "whole"])
 def test_groups_get_the_unshared_tokens_and_log_probs(model, path, continuous):
     requests = mixed_wave()
-    kwargs = dict(max_batch_size=16, continuous_batching=continuous, **path)
+    kwargs = dict(max_batch_size=32, continuous_batching=continuous, **path)  # one wave
     unshared_engine, shared_engine = HFEngine(model, share_prefixes=False, **kwargs), HFEngine(model, **kwargs)
     unshared, shared = generate(unshared_engine, requests), generate(shared_engine, requests)
     assert_same(unshared, shared, logprob_atol(model, [r.prompt_ids for r in requests]))
