@@ -174,6 +174,14 @@ class RolloutConfig(Section):
     memory_template: str = Field(DEFAULT_MEMORY_TEMPLATE, description="Memory-turn user message; {question} {memory} {chunk}.")
     final_template: str = Field(DEFAULT_FINAL_TEMPLATE, description="Final-turn user message; {question} {memory}.")
     no_memory_text: str = Field(DEFAULT_NO_MEMORY_TEXT, description="Memory shown before the first chunk.")
+    share_prefixes: bool = Field(
+        False, description="Local engine: compute what the prompts of one prefill share once (a GRPO group's "
+        "identical turn-0 prompts, a common chat-template prefix) and continue each from a copy; results equal "
+        "the unshared path within float32 tolerance (memrl/engines/prefix.py). Off until the demo is measured with it.")
+    prompt_layout: Literal["memagent", "chunk_first"] = Field(
+        "memagent", description="Order of a memory turn's prompt: `memagent` memory_template as written (MemAgent's "
+        "question, memory, chunk); `chunk_first` its memory block moved after its chunk block, so a group's prompts "
+        "share all but the memory and the engine computes that prefix once (memrl/memagent/prompts.py).")
     strip_inputs: bool = Field(
         False, description="Strip whitespace around each question and document before prompting (str.strip(), as "
         "the official MemAgent evaluation does; some HotpotQA questions end in a space)."

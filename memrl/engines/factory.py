@@ -37,7 +37,7 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
 
     limits = {"max_batch_size": r.max_batch_size, "max_batch_tokens": r.max_batch_tokens,
               "request_timeout_s": r.request_timeout_s,  # a stuck local batch fails its requests, no hang
-              "static_kv": r.static_kv, "cuda_graphs": r.cuda_graphs}
+              "static_kv": r.static_kv, "cuda_graphs": r.cuda_graphs, "share_prefixes": r.share_prefixes}
     if model is not None:
         return HFEngine(copy.deepcopy(model), tokenizer, device=cfg.model.device, dtype=cfg.model.dtype,
                         progress=False, **limits)

@@ -34,6 +34,16 @@ seeded with `request.seed` (a random seed when None), so a seeded request's rand
 on its batch mates, when it was admitted, or the device (its tokens are the same alone or in any
 batch, as far as padded fp32 logits agree; tested on CPU).
 
+Prefix sharing (`share_prefixes=True`, `rollout.share_prefixes`; off by default until the demo has been
+measured with it: bench/README.md; memrl/engines/prefix.py). Each prefill (a batch, or
+a wave of requests admitted together) computes what its prompts share once: a repeated prompt (the
+turn-0 prompts of a GRPO group) for one row, copied to the others; a prefix of at least
+`min_shared_prefix` tokens common to several prompts (chat template and instruction; with the chunk-first
+prompt layout also a group's question and chunk) for one row, the rest of each prompt continuing from a
+copy. The result has the plain prefill's layout, so both decode paths below take it unchanged; a wave
+that shares nothing runs the plain prefill, bit for bit. `stats.prefill_tokens` counts what was
+computed, `stats.prompt_tokens` what was asked for.
+
 Static-shape decode (`static_kv`, `cuda_graphs`; memrl/engines/static_decode.py). With `static_kv` on
 (`auto`: on CUDA), rows decode in slots of preallocated KV buffers bucketed by batch size and length,
 and with `cuda_graphs` on (`auto`: whenever the static path runs on CUDA) each bucket's decode step is
@@ -66,7 +76,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, ScoreResult, WeightSource
-from memrl.engines.hf_batch import EngineStats, _Pending, _Row, _RunningBatch
+from memrl.engines.hf_batch import EngineStats, _Pending, _plain_layers, _Row, _RunningBatch
+from memrl.engines.prefix import MIN_SHARED_PREFIX, HeldPrompts, Leaves, PrefillPlan, plan_prefill
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 from memrl.engines.static_decode import StaticBatch, StaticDecoder
 from memrl.engines.static_kv import supports_static_decode
@@ -102,8 +113,9 @@ class _EngineRunner:
     def __init__(self, engine: HFEngine) -> None:
         self._engine = engine
 
-    def prefill(self, requests: list[GenerationRequest]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._engine._prefill(requests)
+    def prefill(self, requests: list[GenerationRequest],
+                held: HeldPrompts | None = None) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._engine._prefill(requests, held)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 cache: DynamicCache) -> torch.Tensor:
@@ -123,6 +135,7 @@ class HFEngine:
     wait for a running batch (in continuous mode: until no request is left), so call them between
     rollouts (they block the caller meanwhile). `max_batch_tokens` bounds batch size x (longest cache
     row + most tokens any row may still generate), i.e. the KV cache. `stats` counts the work done.
+    `share_prefixes=False` (the default) computes every prompt in full (benches compare the two).
     """
 
     def __init__(
@@ -139,6 +152,8 @@ class HFEngine:
         continuous_batching: bool = True,
         static_kv: str = "auto",
         cuda_graphs: str = "auto",
+        share_prefixes: bool = False,
+        min_shared_prefix: int = MIN_SHARED_PREFIX,
     ) -> None:
         if max_batch_size <= 0 or max_batch_tokens <= 0:
             raise EngineError(f"max_batch_size ({max_batch_size}) and max_batch_tokens ({max_batch_tokens}) must be > 0")
@@ -157,6 +172,7 @@ class HFEngine:
         self.progress = progress
         self.request_timeout_s = request_timeout_s
         self.continuous_batching = continuous_batching
+        self.share_prefixes, self.min_shared_prefix = share_prefixes, min_shared_prefix
         self.stats = EngineStats()
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._decoder = self._static_decoder(static_kv, cuda_graphs)
@@ -416,27 +432,77 @@ class HFEngine:
                          use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
         return out.logits[:, -1, :].float()
 
-    def _prefill(self, requests: list[GenerationRequest]):
-        """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits)."""
-        device, n = self.device, len(requests)
-        lengths = [len(r.prompt_ids) for r in requests]
+    def _prefill(self, requests: list[GenerationRequest], held: HeldPrompts | None = None):
+        """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits).
+
+        With `share_prefixes`, what the prompts share (repeated prompts, common prefixes, prefixes of the
+        prompts of `held`, the running rows) is computed once (memrl/engines/prefix.py); the result has the
+        same layout either way."""
+        prompts = [r.prompt_ids for r in requests]
+        cache = self._new_cache()
+        plan = None
+        if self.share_prefixes and _plain_layers(cache):
+            plan = plan_prefill(prompts, self.min_shared_prefix, held.held_prompts() if held is not None else ())
+        if plan is None:
+            attention_mask, logits = self._padded_forward(prompts, cache)
+            computed = attention_mask.numel()
+        else:
+            attention_mask, logits = self._shared_forward(plan, cache, held)
+            computed = plan.computed_tokens
+        self.stats.prefills += 1
+        self.stats.prefill_requests += len(requests)
+        self.stats.prefill_tokens += computed
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        return cache, attention_mask, attention_mask.sum(-1), logits
+
+    def _new_cache(self) -> DynamicCache:
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    def _padded_forward(self, prompts: list, cache: DynamicCache,
+                        past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `prompts` left-padded into `cache`, after the columns its rows already hold (`past`: their
+        attention mask, None for a fresh cache): (attention mask over past + prompts, each row's last logits)."""
+        device, n = self.device, len(prompts)
+        lengths = [len(p) for p in prompts]
         width = max(lengths)
         input_ids = torch.zeros((n, width), dtype=torch.long)
         attention_mask = torch.zeros((n, width), dtype=torch.long)
-        for row, request in enumerate(requests):
-            input_ids[row, width - lengths[row]:] = torch.tensor(request.prompt_ids)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - lengths[row]:] = torch.tensor(ids)
             attention_mask[row, width - lengths[row]:] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        try:
-            cache = DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers
-            cache = DynamicCache()
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
-        self.stats.prefills += 1
-        self.stats.prefill_requests += n
-        self.stats.prefill_tokens += n * width
-        return cache, attention_mask, torch.tensor(lengths, device=device), logits
+        offset = 0 if past is None else past.shape[1]
+        if past is not None:
+            attention_mask = torch.cat([past, attention_mask], 1)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, offset:]
+        return attention_mask, self._forward(input_ids, attention_mask, position_ids, cache)
+
+    def _shared_forward(self, plan: PrefillPlan, cache: DynamicCache,
+                        held: HeldPrompts | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's prefix tree, one call per level, each row continuing from a copy of its parent's row
+        (first level: of a running row's prompt, or nothing); every request's row laid out as
+        `_padded_forward` gives it (memrl/engines/prefix.py)."""
+        leaves, mask = Leaves(plan), None
+        sources = [(node.held, node.start) if node.held is not None else None for node in plan.stages[0]]
+        if any(sources):
+            block, mask = held.prefix_block(sources, max(n for _, n in filter(None, sources)))
+            for i, (keys, values) in enumerate(block):
+                cache.update(keys, values, i)  # a fresh layer takes them as they are
+        for stage, nodes in enumerate(plan.stages):
+            if stage:
+                parents = torch.tensor([node.parent for node in nodes], device=self.device)
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys.index_select(0, parents), layer.values.index_select(0, parents)
+                mask = mask.index_select(0, parents)
+            mask, logits = self._padded_forward(plan.segments(stage), cache, past=mask)
+            leaves.take(stage, [(layer.keys, layer.values) for layer in cache.layers], mask, logits)
+        layers, mask, logits = leaves.requests()
+        for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+            layer.keys, layer.values = keys, values
+        return mask, logits
 
     def _new_row(self, request: GenerationRequest, pending: _Pending | None = None) -> _Row:
         seed = request.seed if request.seed is not None else self._seed_rng.getrandbits(63)

@@ -14,6 +14,11 @@ the sequence; position ids are per row, so the padding changes no logit. When ro
 every remaining row masks are trimmed, so the cache never outgrows its longest row. Caches that cannot
 be merged (sliding-window, quantized or shared-KV layers, see `_mergeable`) only ever start a batch.
 
+Held prompts. At admission a mergeable batch hands itself to the prefill as `HeldPrompts`: its rows'
+prompts, and `prefix_block` to copy a prompt prefix's keys/values out of the merged cache, so a newcomer
+whose prompt starts like a running row's copies those tokens instead of computing them
+(memrl/engines/prefix.py). Prompt columns never change once written, so the copy is the row's own.
+
 Spare capacity. A mergeable cache's layers become `SpareLayer`s (memrl/engines/kv_cache.py) with room
 for the tokens its rows may still generate, so a decode step writes its keys/values in place instead
 of copying the whole cache (transformers' `DynamicLayer` concatenates); trimming only moves an offset.
@@ -22,6 +27,7 @@ of copying the whole cache (transformers' `DynamicLayer` concatenates); trimming
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +37,7 @@ from transformers import DynamicCache
 
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.engines.kv_cache import SpareLayer
+from memrl.engines.prefix import HeldPrompts, KeyValues, copy_columns, picks_mask
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 
 try:  # transformers >= 4.56 keeps one layer object per decoder layer; older caches are never merged
@@ -51,11 +58,14 @@ class EngineStats:
 
     One prefill per batch (whole-request batching) or per group of requests admitted together
     (continuous batching); `decode_rows / decode_steps` is the mean number of rows per decode step.
+    `prefill_tokens / prompt_tokens` is what prefix sharing saves (memrl/engines/prefix.py): a plain
+    prefill computes rows x its widest prompt, a shared one the prefix once and the distinct suffixes.
     """
 
     prefills: int = 0
     prefill_requests: int = 0
-    prefill_tokens: int = 0  # padded: rows x widest prompt of each prefill
+    prompt_tokens: int = 0  # requested: the admitted prompts' own tokens
+    prefill_tokens: int = 0  # computed: token positions run through the model at admission, padding included
     decode_steps: int = 0
     decode_rows: int = 0
     compute_s: float = 0.0  # wall time the worker thread spent in batches or sessions
@@ -81,6 +91,11 @@ class _Row:
         return GenerationResult(output_ids=self.output_ids, log_probs=self.log_probs,
                                 finish_reason=self.finish)  # type: ignore[arg-type]
 
+    @functools.cached_property
+    def prompt(self) -> tuple[int, ...]:
+        """The prompt ids as a tuple, as prefix sharing compares them (once per row, not per admission)."""
+        return tuple(self.request.prompt_ids)
+
     def abandoned(self) -> bool:
         """The waiter is gone (timed out, or failed by close): computing further is wasted."""
         return self.pending is not None and self.pending.future.done()
@@ -95,9 +110,11 @@ class ModelRunner(Protocol):
     pure functions of memrl/engines/sampling.py.
     """
 
-    def prefill(self, requests: list[GenerationRequest]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def prefill(self, requests: list[GenerationRequest],
+                held: HeldPrompts | None = None) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits);
-        counts the prefill in the engine's stats."""
+        counts the prefill in the engine's stats. `held`: the running batch, whose prompts' keys/values the
+        prefill may copy instead of computing them (memrl/engines/prefix.py)."""
         ...
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -142,7 +159,8 @@ class _RunningBatch:
 
     def admit(self, rows: list[_Row]) -> None:
         """Prefill `rows` and add them; their logits join the running rows' pending logits."""
-        cache, mask, next_position, logits = self.runner.prefill([r.request for r in rows])
+        cache, mask, next_position, logits = self.runner.prefill([r.request for r in rows],
+                                                                 self if self.rows and self.mergeable else None)
         device = mask.device
         temperatures = torch.tensor([r.request.temperature for r in rows], dtype=torch.float32, device=device)
         top_ps = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32, device=device)
@@ -168,6 +186,21 @@ class _RunningBatch:
         self.top_ps = torch.cat([self.top_ps, top_ps])
         self.logits = torch.cat([self.logits, logits])
         self.rows.extend(rows)
+
+    def held_prompts(self) -> list[tuple[int, ...]]:
+        return [row.prompt for row in self.rows]
+
+    def prefix_block(self, sources, width: int) -> tuple[KeyValues, torch.Tensor]:
+        """`HeldPrompts.prefix_block`: row i's tokens start where its mask does (rows are right-aligned)."""
+        starts = (self.attention_mask.shape[1] - self.attention_mask.sum(1)).tolist()
+        picks = []
+        for dst, source in enumerate(sources):
+            if source is not None:
+                row, n = source
+                picks.append((dst, row, torch.arange(starts[row], starts[row] + n)))
+        layers = [(layer.keys, layer.values) for layer in self.cache.layers]
+        return (copy_columns(layers, picks, len(sources), width),
+                picks_mask(picks, len(sources), width, self.attention_mask.device))
 
     def sample(self) -> list[_Row]:
         """One token for every row from its pending logits; returns the rows that finished with it."""
@@ -224,10 +257,14 @@ def record_samples(rows: list[_Row], tokens: list[int], log_probs: list[float]) 
     return finished
 
 
-def _mergeable(cache) -> bool:
-    """Plain full-attention layers only: sliding-window, quantized or shared-KV layers store keys/values
-    that left-padding would corrupt, so such models admit new requests only into an empty batch."""
+def _plain_layers(cache) -> bool:
+    """Every layer a plain full-attention `DynamicLayer`: sliding-window, quantized or shared-KV layers store
+    keys/values that padding, copying between rows or merging would corrupt."""
     layers = getattr(cache, "layers", None)
-    return bool(layers) and DynamicLayer is not None and all(
-        type(layer) is DynamicLayer and isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4
-        for layer in layers)
+    return bool(layers) and DynamicLayer is not None and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _mergeable(cache) -> bool:
+    """A filled cache of plain layers only: other models admit new requests only into an empty batch."""
+    return _plain_layers(cache) and all(isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4
+                                        for layer in cache.layers)

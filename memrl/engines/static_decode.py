@@ -19,7 +19,8 @@ queued before the next step's forward is launched, so the host's bookkeeping of 
 finished rows, admissions) runs while the device computes step n + 1 (`StaticBatch.sample`).
 
 Continuous batching. Admission prefills the newcomers eagerly (the engine's own `_prefill`, the same
-call and numbers as the dynamic path) and copies each one's keys/values into a free slot, left-aligned;
+call and numbers as the dynamic path; it may copy prompt prefixes the running slots hold, `prefix_block`,
+memrl/engines/prefix.py) and copies each one's keys/values into a free slot, left-aligned;
 a leaving row frees its slot. When the rows or their lengths outgrow the bucket, or shrink to a quarter
 of it (hysteresis, so a batch hovering at a bucket's edge does not relayout every step), the live rows
 are copied into a new bucket (`_relayout`), compacted into its first slots.
@@ -47,6 +48,7 @@ import torch
 
 from memrl.engines.base import EngineError
 from memrl.engines.hf_batch import ModelRunner, _Row, record_samples
+from memrl.engines.prefix import KeyValues, copy_columns, picks_mask
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 from memrl.engines.static_kv import SlotCache, SlotStorage, decode_attention
 
@@ -213,7 +215,7 @@ class StaticBatch:
     # ------------------------------------------------------------------------------ admission
     def admit(self, rows: list[_Row]) -> None:
         """Prefill `rows`, copy their keys/values into free slots; their logits join the pending ones."""
-        cache, mask, _, logits = self.runner.prefill([r.request for r in rows])
+        cache, mask, _, logits = self.runner.prefill([r.request for r in rows], self if self.rows else None)
         layers = getattr(cache, "layers", None) or []
         if not layers or any(getattr(layer, "keys", None) is None or layer.keys.dim() != 4 for layer in layers):
             raise EngineError("static decode needs a prefill cache of plain [batch, heads, length, dim] layers; "
@@ -247,6 +249,20 @@ class StaticBatch:
         self.rows, self.slots = [*self.rows, *rows], [*self.slots, *slots]
         self.lengths = [*self.lengths, *prompt_lengths]
         self._slot_index = None
+
+    def held_prompts(self) -> list[tuple[int, ...]]:
+        return [row.prompt for row in self.rows]
+
+    def prefix_block(self, sources, width: int) -> tuple[KeyValues, torch.Tensor]:
+        """`HeldPrompts.prefix_block`: row i's prompt token j sits in column j of its slot."""
+        picks = []
+        for dst, source in enumerate(sources):
+            if source is not None:
+                row, n = source
+                picks.append((dst, self.slots[row], torch.arange(n)))
+        device = self.decoder.positions_in.device
+        return (copy_columns(self.decoder.storage.views(*self.bucket), picks, len(sources), width),
+                picks_mask(picks, len(sources), width, device))
 
     def _set_sampling(self, temperatures: torch.Tensor, top_ps: torch.Tensor, device: torch.device) -> None:
         self.host_temperatures, self.host_top_ps = temperatures, top_ps

@@ -20,6 +20,12 @@ and memory in place of the placeholders, and the chunk / memory ids occur in it 
 The question is tokenized together with the static text around it, so it reads naturally; questions
 are trusted data (a question that literally contains a special-token string becomes that token).
 
+Layouts (`rollout.prompt_layout`). `memagent` (the default) uses `memory_template` as written: the
+official and memrl's templates read question, memory, chunk. `chunk_first` (`chunk_first_template`)
+moves the memory's block after the chunk's, so at every turn a group's prompts share instruction,
+question and chunk, and differ only from the memory on: the engine computes that prefix once per wave
+(memrl/engines/prefix.py). The final turn has no chunk; its template is used as written in both.
+
 `input_text` is where question and document text enter the prompt path: with `rollout.strip_inputs`
 both are `str.strip()`-ed (the official MemAgent evaluation strips them), for the question here in
 `PromptBuilder` and for the document in `memrl.memagent.rollout.document_chunks`.
@@ -50,6 +56,45 @@ class PromptError(ValueError, MemrlError):
     """A prompt that cannot be built as configured; the message says what to change."""
 
 
+_PLACEHOLDER = re.compile(r"\{(?:question|memory|chunk)\}")
+_BLANK_LINE = "\n\n"
+
+
+def _block(template: str, placeholder: str) -> tuple[int, int]:
+    """The span of `placeholder`'s block in `template`: back to the blank line before it (or to the end of
+    the previous placeholder, when that comes later), forward to the blank line after it (or to the
+    placeholder's own end, when the next placeholder comes first; to the template's end after the last)."""
+    spans = [m.span() for m in _PLACEHOLDER.finditer(template)]
+    i = [template[a:b] for a, b in spans].index(placeholder)
+    begin, end = spans[i]
+    before = spans[i - 1][1] if i else 0
+    blank = template.rfind(_BLANK_LINE, before, begin)
+    start = before if blank < 0 else blank + len(_BLANK_LINE)
+    after = spans[i + 1][0] if i + 1 < len(spans) else len(template)
+    blank = template.find(_BLANK_LINE, end, after)
+    stop = blank if blank >= 0 else (end if i + 1 < len(spans) else len(template))
+    return start, stop
+
+
+def chunk_first_template(template: str) -> str:
+    """`template` (a memory-turn template) with its {memory} block moved to just after its {chunk} block.
+
+    Blocks (`_block`) are paragraphs where the template has blank lines, and a placeholder with the label
+    before it where it has none, so the three templates memrl ships become, e.g. (official): `...</problem>
+    <section> {chunk} </section> <memory> {memory} </memory> Updated memory:`; toy: `{question} text :
+    {chunk} memory : {memory}`. A template whose memory block already follows its chunk block is returned
+    as it is."""
+    for placeholder in ("{memory}", "{chunk}"):
+        if template.count(placeholder) != 1:
+            raise PromptError(f"rollout.prompt_layout = chunk_first moves the one {placeholder} of memory_template, "
+                              f"but it has {template.count(placeholder)}; use one, or prompt_layout = memagent")
+    memory, chunk = _block(template, "{memory}"), _block(template, "{chunk}")
+    if memory[0] >= chunk[1]:
+        return template
+    return (template[:memory[0]] + template[chunk[0]:chunk[1]] + template[memory[1]:chunk[0]]
+            + template[memory[0]:memory[1]] + template[chunk[1]:])
+
+
 def input_text(cfg: RolloutConfig, text: str) -> str:
     """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on.
 
@@ -74,6 +119,8 @@ class PromptBuilder:
             )
         self.tokenizer = tokenizer
         self.cfg = rollout_cfg
+        self.memory_template = (chunk_first_template(rollout_cfg.memory_template)
+                                if rollout_cfg.prompt_layout == "chunk_first" else rollout_cfg.memory_template)
         self._segments = functools.lru_cache(maxsize=cache_size)(self._build_segments)
         self._no_memory_ids = self._encode_text(rollout_cfg.no_memory_text)
         self._stop_token_ids = self._find_stop_token_ids()
@@ -86,8 +133,9 @@ class PromptBuilder:
 
     def memory_prompt_ids(self, question: str, memory_ids: Sequence[int] | None,
                           chunk_ids: Sequence[int]) -> list[int]:
-        """Prompt ids of a memory turn: question + previous memory (None: the no-memory text) + chunk."""
-        return self._assemble(self.cfg.memory_template, question, memory_ids, chunk_ids)
+        """Prompt ids of a memory turn: question + previous memory (None: the no-memory text) + chunk, in the
+        order of `rollout.prompt_layout`."""
+        return self._assemble(self.memory_template, question, memory_ids, chunk_ids)
 
     def final_prompt_ids(self, question: str, memory_ids: Sequence[int] | None) -> list[int]:
         """Prompt ids of the final turn: question + final memory + answer instruction, nothing else."""

@@ -68,7 +68,7 @@ def count_prefills(engine, monkeypatch) -> list[int]:
     """Sizes of the prefills (one per batch, or per group admitted together in continuous mode)."""
     sizes: list[int] = []
     original = engine._prefill
-    monkeypatch.setattr(engine, "_prefill", lambda reqs: (sizes.append(len(reqs)), original(reqs))[1])
+    monkeypatch.setattr(engine, "_prefill", lambda reqs, *held: (sizes.append(len(reqs)), original(reqs, *held))[1])
     return sizes
 
 
@@ -225,7 +225,7 @@ def test_dead_worker_fails_pending_requests_and_restarts(engine, monkeypatch):
 
 def test_event_loop_stays_responsive_during_a_batch(engine, monkeypatch):
     original = engine._prefill
-    monkeypatch.setattr(engine, "_prefill", lambda reqs: (time.sleep(0.3), original(reqs))[1])
+    monkeypatch.setattr(engine, "_prefill", lambda reqs, *held: (time.sleep(0.3), original(reqs, *held))[1])
 
     async def main():
         ticks = 0
@@ -253,7 +253,7 @@ def test_out_of_vocabulary_request_fails_alone(engine):
 def test_timeout_and_close_never_hang(model, continuous, monkeypatch):
     engine = HFEngine(model, request_timeout_s=0.2, continuous_batching=continuous)
     original = engine._prefill
-    monkeypatch.setattr(engine, "_prefill", lambda reqs: (time.sleep(0.6), original(reqs))[1])
+    monkeypatch.setattr(engine, "_prefill", lambda reqs, *held: (time.sleep(0.6), original(reqs, *held))[1])
     result = run(engine.generate([GenerationRequest(prompt(0), max_tokens=2)]))[0]
     assert result.finish_reason == "error" and "timed out after 0.2 s" in result.error
     assert "raise rollout.request_timeout_s" in result.error  # what a user on a slow machine changes

@@ -145,12 +145,12 @@ def test_failure_mid_session_fails_in_flight_rows_only_and_engine_keeps_serving(
     original = engine._prefill
     calls = 0
 
-    def second_prefill_fails(requests):
+    def second_prefill_fails(requests, held=None):
         nonlocal calls
         calls += 1
         if calls == 2:
             raise RuntimeError("injected fault")
-        return original(requests)
+        return original(requests, held)
 
     monkeypatch.setattr(engine, "_prefill", second_prefill_fails)
     running = [GenerationRequest(prompt(30, 5), max_tokens=4, seed=0),  # done before the fault

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -10,7 +12,13 @@ from pydantic import ValidationError
 from memrl.config import RolloutConfig
 from memrl.memagent import prompts
 from memrl.memagent.chunking import tokenize_document
-from memrl.memagent.prompts import PromptBuilder, PromptError, final_prompt_ids, memory_prompt_ids
+from memrl.memagent.prompts import (
+    PromptBuilder,
+    PromptError,
+    chunk_first_template,
+    final_prompt_ids,
+    memory_prompt_ids,
+)
 from memrl.tiny import build_tiny_tokenizer
 
 QWEN3_GENERATION_TAIL = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -263,3 +271,57 @@ def test_strip_inputs_strips_the_document_before_it_is_chunked(tiny_tokenizer):
     assert document_chunks(tiny_tokenizer, RolloutConfig(chunk_tokens=4), padded).chunks != stripped.chunks
     assert prompts.input_text(cfg, padded) == CHUNK_TEXT
     assert prompts.input_text(RolloutConfig(), padded) == padded
+
+
+# --- rollout.prompt_layout ---------------------------------------------------------------------------
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def recipe_template(name: str) -> str:
+    return yaml.safe_load((RECIPES / name).read_text())["rollout"]["memory_template"]
+
+
+def test_chunk_first_moves_the_memory_block_after_the_chunk_block():
+    assert chunk_first_template(RolloutConfig().memory_template) == (
+        "You are reading a long document one part at a time to answer a question. You keep a short memory of "
+        "what matters.\n\nQuestion: {question}\n\nNext part of the document:\n{chunk}\n\nYour memory so far:\n"
+        "{memory}\n\nRewrite your memory: keep what helps answer the question, add what this part contributes, "
+        "drop the rest. Reply with the updated memory only.")
+    official = recipe_template("memagent-official-eval.yaml")
+    memory_block, chunk_block = "<memory>\n{memory}\n</memory>", "<section>\n{chunk}\n</section>"
+    assert f"{memory_block}\n\n{chunk_block}" in official
+    assert chunk_first_template(official) == official.replace(f"{memory_block}\n\n{chunk_block}",
+                                                              f"{chunk_block}\n\n{memory_block}")
+    assert chunk_first_template(recipe_template("toy.yaml")) == "{question} text : {chunk} memory : {memory}"
+    # Already chunk first: unchanged; blocks run to the template's ends.
+    assert chunk_first_template("{chunk}\n\n{memory} {question}") == "{chunk}\n\n{memory} {question}"
+    assert chunk_first_template("M: {memory}\n\nC: {chunk}\nQ: {question}\nend") == \
+        "C: {chunk}\n\nM: {memory}\nQ: {question}\nend"
+    assert chunk_first_template("M: {memory}\n\n{question}\n\nC: {chunk}\nend") == \
+        "C: {chunk}\nend\n\n{question}\n\nM: {memory}"
+
+
+def test_chunk_first_needs_one_memory_and_one_chunk(tiny_tokenizer):
+    cfg = RolloutConfig(memory_template="{question} {memory} {chunk} again {memory}", prompt_layout="chunk_first")
+    with pytest.raises(PromptError, match="prompt_layout = memagent"):
+        PromptBuilder(tiny_tokenizer, cfg)
+    PromptBuilder(tiny_tokenizer, cfg.model_copy(update={"prompt_layout": "memagent"}))  # as written: fine
+
+
+@pytest.mark.parametrize("layout", ["memagent", "chunk_first"])
+def test_layouts_render_their_template_and_a_group_shares_all_before_the_memory(tokenizer, layout):
+    cfg = RolloutConfig(prompt_layout=layout)
+    builder = PromptBuilder(tokenizer, cfg)
+    chunk = tokenize_document(tokenizer, CHUNK_TEXT)
+    memories = [tokenize_document(tokenizer, text) for text in (MEMORY_TEXT, "Liverpool 1960.")]
+    template = cfg.memory_template if layout == "memagent" else chunk_first_template(cfg.memory_template)
+    assert builder.memory_template == template
+    ids = [builder.memory_prompt_ids(QUESTION, memory, chunk) for memory in memories]
+    assert tokenizer.decode(ids[0], skip_special_tokens=False) == rendered(
+        tokenizer, cfg, template, QUESTION, MEMORY_TEXT, CHUNK_TEXT)
+    start = next(i for i in range(len(ids[0])) if ids[0][i:i + len(memories[0])] == memories[0])
+    assert ids[0][:start] == ids[1][:start]  # two samples of a group: the same tokens up to the memory
+    chunk_at = next(i for i in range(len(ids[0])) if ids[0][i:i + len(chunk)] == chunk)
+    assert (chunk_at < start) == (layout == "chunk_first")  # the chunk is in the shared part only then
+    assert builder.final_prompt_ids(QUESTION, memories[0]) == PromptBuilder(tokenizer, RolloutConfig()).final_prompt_ids(
+        QUESTION, memories[0])  # the final turn is the same in both layouts
