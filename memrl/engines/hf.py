@@ -77,7 +77,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, ScoreResult, WeightSource
 from memrl.engines.hf_batch import EngineStats, _Pending, _plain_layers, _Row, _RunningBatch
-from memrl.engines.prefix import MIN_SHARED_PREFIX, HeldPrompts, Leaves, PrefillPlan, plan_prefill
+from memrl.engines.prefix import MIN_SHARED_PREFIX, HeldPrompts, plan_prefill, run_plan
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 from memrl.engines.static_decode import StaticBatch, StaticDecoder
 from memrl.engines.static_kv import supports_static_decode
@@ -447,7 +447,7 @@ class HFEngine:
             attention_mask, logits = self._padded_forward(prompts, cache)
             computed = attention_mask.numel()
         else:
-            attention_mask, logits = self._shared_forward(plan, cache, held)
+            attention_mask, logits = run_plan(plan, cache, held, self._padded_forward)
             computed = plan.computed_tokens
         self.stats.prefills += 1
         self.stats.prefill_requests += len(requests)
@@ -479,30 +479,6 @@ class HFEngine:
             attention_mask = torch.cat([past, attention_mask], 1)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, offset:]
         return attention_mask, self._forward(input_ids, attention_mask, position_ids, cache)
-
-    def _shared_forward(self, plan: PrefillPlan, cache: DynamicCache,
-                        held: HeldPrompts | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plan's prefix tree, one call per level, each row continuing from a copy of its parent's row
-        (first level: of a running row's prompt, or nothing); every request's row laid out as
-        `_padded_forward` gives it (memrl/engines/prefix.py)."""
-        leaves, mask = Leaves(plan), None
-        sources = [(node.held, node.start) if node.held is not None else None for node in plan.stages[0]]
-        if any(sources):
-            block, mask = held.prefix_block(sources, max(n for _, n in filter(None, sources)))
-            for i, (keys, values) in enumerate(block):
-                cache.update(keys, values, i)  # a fresh layer takes them as they are
-        for stage, nodes in enumerate(plan.stages):
-            if stage:
-                parents = torch.tensor([node.parent for node in nodes], device=self.device)
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys.index_select(0, parents), layer.values.index_select(0, parents)
-                mask = mask.index_select(0, parents)
-            mask, logits = self._padded_forward(plan.segments(stage), cache, past=mask)
-            leaves.take(stage, [(layer.keys, layer.values) for layer in cache.layers], mask, logits)
-        layers, mask, logits = leaves.requests()
-        for layer, (keys, values) in zip(cache.layers, layers, strict=True):
-            layer.keys, layer.values = keys, values
-        return mask, logits
 
     def _new_row(self, request: GenerationRequest, pending: _Pending | None = None) -> _Row:
         seed = request.seed if request.seed is not None else self._seed_rng.getrandbits(63)

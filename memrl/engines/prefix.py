@@ -24,8 +24,9 @@ that row's keys/values for them. This is what shares a GRPO group's prompts acro
 finish a turn at different steps, so their next prompts (with chunk_first: the same question and chunk)
 arrive one wave at a time, while the siblings that asked first are still decoding.
 
-`Leaves` then lays every request's keys/values out as a plain left-padded prefill would (its tokens in
-the last columns, zeros before them), so the dynamic and static batches admit them unchanged.
+`run_plan` executes a plan through the engine's model call, and `Leaves` lays every request's keys/values
+out as a plain left-padded prefill would (its tokens in the last columns, zeros before them), so the
+dynamic and static batches admit them unchanged.
 
 A wave with no repeated prompt and nothing shared by MIN_SHARED_PREFIX tokens gets no plan: the plain
 prefill runs, bit for bit as before. Otherwise the arithmetic is the same under other batch shapes (and
@@ -36,9 +37,9 @@ rounding (tests/engines/numerics.py), not bitwise.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -262,3 +263,33 @@ class Leaves:
         mask = (torch.arange(self.width, device=device)[None, :] >= self.width - lengths[:, None]).long()
         layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.layers]
         return layers, mask, self.logits.index_select(0, rows)
+
+
+# (segments, cache, past mask or None) -> (mask over past + segments, each row's last logits): the engine's
+# left-padded model call (HFEngine._padded_forward), appending to the cache.
+PaddedForward = Callable[[list, Any, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+def run_plan(plan: PrefillPlan, cache, held: HeldPrompts | None,
+             padded_forward: PaddedForward) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `plan` into `cache` (a fresh cache of plain layers) one level per call, each row continuing from a
+    copy of its parent's row (first level: of a running row's prompt, or nothing); leaves the cache holding
+    every request's row as a plain left-padded prefill would. Returns that prefill's mask and last logits."""
+    leaves, mask = Leaves(plan), None
+    sources = [(node.held, node.start) if node.held is not None else None for node in plan.stages[0]]
+    if any(sources):
+        block, mask = held.prefix_block(sources, max(n for _, n in filter(None, sources)))
+        for i, (keys, values) in enumerate(block):
+            cache.update(keys, values, i)  # a fresh layer takes them as they are
+    for stage, nodes in enumerate(plan.stages):
+        if stage:
+            parents = torch.tensor([node.parent for node in nodes], device=mask.device)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, parents), layer.values.index_select(0, parents)
+            mask = mask.index_select(0, parents)
+        mask, logits = padded_forward(plan.segments(stage), cache, mask)
+        leaves.take(stage, [(layer.keys, layer.values) for layer in cache.layers], mask, logits)
+    layers, mask, logits = leaves.requests()
+    for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+        layer.keys, layer.values = keys, values
+    return mask, logits
