@@ -1,7 +1,7 @@
 """The one place engines are made: for training (a private copy of the policy, or the configured server),
 for Ray rollout workers, for evaluation and for Pass@k (a model folder, or a server URL).
 
-Every engine gets its limits from `rollout` (batch size and tokens, concurrency, the request timeout)
+Every engine gets its limits from `engine` (batch size and tokens, concurrency, the request timeout)
 and the local one its device and dtype from `model` (`auto` resolved by `resolve_device_dtype`, the one
 rule for it), so an engine behaves the same whichever command built it.
 """
@@ -27,17 +27,16 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
              if value is not None]
     if len(given) != 1:
         raise ConfigError(f"an engine needs exactly one of server_url, model, model_path; got {given or 'none'}")
-    r = cfg.rollout
     if server_url is not None:
         from memrl.engines.openai import OpenAIEngine
 
-        return OpenAIEngine(server_url, api_key=r.api_key, max_concurrency=r.max_concurrency,
-                            timeout_s=r.request_timeout_s)
+        return OpenAIEngine(server_url, api_key=cfg.engine.api_key, max_concurrency=cfg.engine.max_concurrency,
+                            timeout_s=cfg.engine.request_timeout_s)
     from memrl.engines.hf import HFEngine
 
-    limits = {"max_batch_size": r.max_batch_size, "max_batch_tokens": r.max_batch_tokens,
-              "request_timeout_s": r.request_timeout_s,  # a stuck local batch fails its requests, no hang
-              "static_kv": r.static_kv, "cuda_graphs": r.cuda_graphs, "share_prefixes": r.share_prefixes}
+    limits = {"max_batch_size": cfg.engine.max_batch_size, "max_batch_tokens": cfg.engine.max_batch_tokens,
+              "request_timeout_s": cfg.engine.request_timeout_s,  # a stuck local batch fails its requests, no hang
+              "static_kv": cfg.engine.static_kv, "cuda_graphs": cfg.engine.cuda_graphs, "share_prefixes": cfg.engine.share_prefixes}
     if model is not None:
         return HFEngine(copy.deepcopy(model), tokenizer, device=cfg.model.device, dtype=cfg.model.dtype,
                         progress=False, **limits)
@@ -48,10 +47,10 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
 
 
 def training_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> Engine:
-    """The rollout engine of a training run: `rollout.engine` = `openai` (its `server_url`), else a
+    """The rollout engine of a training run: `engine.kind` = `openai` (its `server_url`), else a
     private copy of the policy `model`."""
-    if cfg.rollout.engine == "openai":
-        if not cfg.rollout.server_url:
-            raise ConfigError("rollout.engine = 'openai' needs rollout.server_url")
-        return build_engine(cfg, server_url=cfg.rollout.server_url)
+    if cfg.engine.kind == "openai":
+        if not cfg.engine.server_url:
+            raise ConfigError("engine.kind = 'openai' needs engine.server_url")
+        return build_engine(cfg, server_url=cfg.engine.server_url)
     return build_engine(cfg, model=model, tokenizer=tokenizer)

@@ -33,7 +33,7 @@ SUMMARY_FILE = "summary.json"
 RUN_FILE = "eval_run.json"
 METRICS = ("em", "sub_em", "f1")
 SCORER = "memrl.scoring.score_answer (HotpotQA normalization, last \\boxed{})"
-# The scorer named per `rollout.answer_extractor`; `boxed` keeps the name earlier runs recorded, so they resume.
+# The scorer named per `task.answer_extractor`; `boxed` keeps the name earlier runs recorded, so they resume.
 SCORERS = {"boxed": SCORER,
            "therefore": "memrl.scoring.score_answer (HotpotQA normalization, line after the last 'the answer is')"}
 
@@ -55,23 +55,22 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> dict[str, Any]:
     """The controlled variables two evaluations must share to be comparable (checked by `memrl compare`)."""
-    r = cfg.rollout
     fmt = {
-        "chunk_tokens": r.chunk_tokens, "memory_tokens": r.memory_tokens, "final_tokens": r.final_tokens,
-        "max_chunks": r.max_chunks, "truncation": r.truncation, "n_samples": 1,
-        "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed, "enable_thinking": r.enable_thinking,
-        "memory_template_sha256": _sha256_text(r.memory_template),
-        "final_template_sha256": _sha256_text(r.final_template),
-        "no_memory_text_sha256": _sha256_text(r.no_memory_text),
+        "chunk_tokens": cfg.task.chunk_tokens, "memory_tokens": cfg.task.memory_tokens, "final_tokens": cfg.task.final_tokens,
+        "max_chunks": cfg.task.max_chunks, "truncation": cfg.task.truncation, "n_samples": 1,
+        "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed, "enable_thinking": cfg.task.enable_thinking,
+        "memory_template_sha256": _sha256_text(cfg.task.memory_template),
+        "final_template_sha256": _sha256_text(cfg.task.final_template),
+        "no_memory_text_sha256": _sha256_text(cfg.task.no_memory_text),
         "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "stop_token_ids": sorted(int(t) for t in stop_token_ids),
-        "scorer": SCORERS[r.answer_extractor],
+        "scorer": SCORERS[cfg.task.answer_extractor],
     }
     # Only when on: stripping changes the prompts, and runs recorded before the option existed must resume.
-    if r.strip_inputs:
+    if cfg.task.strip_inputs:
         fmt["strip_inputs"] = True
-    if r.memory_after_think:  # the memories passed on, and so every later prompt, differ
+    if cfg.task.memory_after_think:  # the memories passed on, and so every later prompt, differ
         fmt["memory_after_think"] = True
     return fmt
 
