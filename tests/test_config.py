@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from memrl.cli import app
 from memrl.config import Config, ConfigError, import_object, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,3 +247,53 @@ def test_max_num_gen_batches_has_no_unlimited_setting():
     with pytest.raises(ConfigError, match=r"max_num_gen_batches = 0: .*'unlimited'.*set a cap such as 10"):
         load_config(None, ["algorithm.max_num_gen_batches=0"])
     assert load_config(None, ["algorithm.max_num_gen_batches=1"]).algorithm.max_num_gen_batches == 1
+
+
+# The RolloutConfig split (issue 25): old keys are spelt from the table here, so that the rename script,
+# which rewrites `rollout.<key>` text, leaves this test as it is.
+OLD = "rollout"
+SPLIT_BY_HAND = {"temperature": "sampling.temperature", "engine": "engine.kind", "chunk_tokens": "task.chunk_tokens",
+                 "server_url": "engine.server_url", "reward_timeout_s": "task.reward_timeout_s", "seed": "sampling.seed"}
+
+
+def test_the_rollout_table_names_every_field_of_the_three_sections():
+    from memrl.config import ROLLOUT_MOVED
+
+    assert {k: ROLLOUT_MOVED[k] for k in SPLIT_BY_HAND} == SPLIT_BY_HAND  # rename.md's examples
+    fields = {f"{s}.{name}" for s in ("sampling", "engine", "task")
+              for name in Config.model_fields[s].annotation.model_fields}
+    assert set(ROLLOUT_MOVED.values()) == fields
+    for new in ROLLOUT_MOVED.values():  # each new place is a key the loader accepts
+        section, name = new.split(".")
+        assert name in type(getattr(Config(), section)).model_fields
+
+
+def _moved_keys():
+    from memrl.config import ROLLOUT_MOVED
+
+    return sorted(ROLLOUT_MOVED.items())
+
+
+@pytest.mark.parametrize("old, new", _moved_keys(), ids=[k for k, _ in _moved_keys()])
+def test_every_old_rollout_key_is_refused_naming_its_new_place(tmp_path, old, new):
+    # Refused both as --set and as a key of a YAML `rollout:` section, even when null.
+    says = f"{OLD}.{old} moved to {new}"
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(None, [f"{OLD}.{old}=null"])
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(yaml.safe_dump({OLD: {old: None}, "train": {"lr": 1e-6}}))
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(recipe)
+    assert OLD not in Config.model_fields
+
+
+def test_an_old_rollout_section_is_refused_in_one_line_naming_each_key(tmp_path):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"{OLD}:\n  n_samples: 4\n  engine: openai\n  chunk_tokns: 5\n")
+    result = CliRunner().invoke(app, ["config", "--recipe", str(recipe)])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"{OLD}.n_samples moved to sampling.n_samples; {OLD}.engine moved to engine.kind" in result.output
+    assert f"{OLD}.chunk_tokns is no key of sampling, engine or task (did you mean {OLD}.chunk_tokens, now " \
+           "task.chunk_tokens?)" in result.output
+    with pytest.raises(ConfigError, match="the rollout section is split into sampling, engine and task"):
+        load_config(None, [f"{OLD}={{}}"])
