@@ -249,7 +249,7 @@ def test_max_num_gen_batches_has_no_unlimited_setting():
     assert load_config(None, ["algorithm.max_num_gen_batches=1"]).algorithm.max_num_gen_batches == 1
 
 
-# The RolloutConfig split (issue 25): old keys are spelt from the table here, so that the rename script,
+# The rollout section split in three (issue 25): old keys are spelt from the table here, so that the rename script,
 # which rewrites `rollout.<key>` text, leaves this test as it is.
 OLD = "rollout"
 SPLIT_BY_HAND = {"temperature": "sampling.temperature", "engine": "engine.kind", "chunk_tokens": "task.chunk_tokens",
