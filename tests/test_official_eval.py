@@ -63,7 +63,7 @@ def recurrent_variant_overrides() -> list[str]:
     end = next(i for i, line in enumerate(lines) if line.startswith("  # --- end of the recurrent variant"))
     block = [line.removeprefix("  # ") for line in lines[start + 1:end]]
     keys = yaml.safe_load("\n".join(block[next(i for i, b in enumerate(block) if b.startswith("final_template:")):]))
-    return [f"rollout.{k}={json.dumps(v)}" for k, v in keys.items()]
+    return [f"task.{k}={json.dumps(v)}" for k, v in keys.items()]
 
 
 def test_copied_strings_equal_the_shared_file():
