@@ -75,8 +75,8 @@ def test_prompts_through_a_template_without_enable_thinking(tokenizer):
     chunk = tokenizer("Paris is the capital of France.", add_special_tokens=False)["input_ids"]
     prompts = []
     for thinking in (False, True):
-        cfg = Config.model_validate({"task": {"enable_thinking": thinking}})
-        prompts.append(PromptBuilder(tokenizer, cfg.task).memory_prompt_ids("Which city?", None, chunk))
+        cfg = Config.model_validate({"task": {"enable_thinking": thinking}}).task
+        prompts.append(PromptBuilder(tokenizer, cfg).memory_prompt_ids("Which city?", None, chunk))
     assert prompts[0] == prompts[1]  # the template ignores the switch; nothing else may depend on it
     text = tokenizer.decode(prompts[0])
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")

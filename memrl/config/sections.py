@@ -3,7 +3,7 @@ live on `Config`, memrl/config/root.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -244,12 +244,13 @@ class RayConfig(Section):
         return trainer, rollout
 
 
-# Per-function task plugins that one `plugins.task` object replaced (memrl/task.py): refused with its name,
-# so that a config written for them never half-works.
-REPLACED_PLUGIN_KEYS = ("generate_function", "convert_function")
-
-
 class PluginConfig(Section):
+    # The per-function task plugins that one `plugins.task` object replaced (memrl/task.py), so that a
+    # config written for them never half-works.
+    retired_keys = {key: f"plugins.{key} is replaced by plugins.task, one Task class that samples, scores and "
+                         f"converts (docs/custom-tasks.md); e.g. plugins.task = memrl.tasks.single_turn:SingleTurnTask"
+                    for key in ("generate_function", "convert_function")}
+
     task: str = Field("memrl.memagent.task:MemAgentTask",
                       description="`module:Class`, the Task (memrl/task.py) that samples, scores and converts: "
                                   "training, validation, memrl eval and memrl pass-at-k all use it.")
@@ -257,13 +258,3 @@ class PluginConfig(Section):
         None, description="`module:function` `(trajectory, golds) -> float` replacing the task's own reward "
                           "(training and pass@k); unset: the task's.")
     config_class: str | None = Field(None, description="`module:Class`, a Config subclass with extra sections.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _replaced_keys(cls, data: Any) -> Any:
-        old = [k for k in REPLACED_PLUGIN_KEYS if isinstance(data, dict) and k in data]
-        if old:
-            raise ValueError(f"plugins.{old[0]} is replaced by plugins.task, one Task class that samples, scores "
-                             f"and converts (docs/custom-tasks.md); e.g. plugins.task = "
-                             f"memrl.tasks.single_turn:SingleTurnTask")
-        return data

@@ -27,16 +27,17 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
              if value is not None]
     if len(given) != 1:
         raise ConfigError(f"an engine needs exactly one of server_url, model, model_path; got {given or 'none'}")
+    r = cfg.engine
     if server_url is not None:
         from memrl.engines.openai import OpenAIEngine
 
-        return OpenAIEngine(server_url, api_key=cfg.engine.api_key, max_concurrency=cfg.engine.max_concurrency,
-                            timeout_s=cfg.engine.request_timeout_s)
+        return OpenAIEngine(server_url, api_key=r.api_key, max_concurrency=r.max_concurrency,
+                            timeout_s=r.request_timeout_s)
     from memrl.engines.hf import HFEngine
 
-    limits = {"max_batch_size": cfg.engine.max_batch_size, "max_batch_tokens": cfg.engine.max_batch_tokens,
-              "request_timeout_s": cfg.engine.request_timeout_s,  # a stuck local batch fails its requests, no hang
-              "static_kv": cfg.engine.static_kv, "cuda_graphs": cfg.engine.cuda_graphs, "share_prefixes": cfg.engine.share_prefixes}
+    limits = {"max_batch_size": r.max_batch_size, "max_batch_tokens": r.max_batch_tokens,
+              "request_timeout_s": r.request_timeout_s,  # a stuck local batch fails its requests, no hang
+              "static_kv": r.static_kv, "cuda_graphs": r.cuda_graphs, "share_prefixes": r.share_prefixes}
     if model is not None:
         return HFEngine(copy.deepcopy(model), tokenizer, device=cfg.model.device, dtype=cfg.model.dtype,
                         progress=False, **limits)

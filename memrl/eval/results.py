@@ -55,22 +55,24 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> dict[str, Any]:
     """The controlled variables two evaluations must share to be comparable (checked by `memrl compare`)."""
+    sampling, task = cfg.sampling, cfg.task
     fmt = {
-        "chunk_tokens": cfg.task.chunk_tokens, "memory_tokens": cfg.task.memory_tokens, "final_tokens": cfg.task.final_tokens,
-        "max_chunks": cfg.task.max_chunks, "truncation": cfg.task.truncation, "n_samples": 1,
-        "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed, "enable_thinking": cfg.task.enable_thinking,
-        "memory_template_sha256": _sha256_text(cfg.task.memory_template),
-        "final_template_sha256": _sha256_text(cfg.task.final_template),
-        "no_memory_text_sha256": _sha256_text(cfg.task.no_memory_text),
+        "chunk_tokens": task.chunk_tokens, "memory_tokens": task.memory_tokens,
+        "final_tokens": task.final_tokens, "max_chunks": task.max_chunks, "truncation": task.truncation, "n_samples": 1,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
+        "enable_thinking": task.enable_thinking,
+        "memory_template_sha256": _sha256_text(task.memory_template),
+        "final_template_sha256": _sha256_text(task.final_template),
+        "no_memory_text_sha256": _sha256_text(task.no_memory_text),
         "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "stop_token_ids": sorted(int(t) for t in stop_token_ids),
-        "scorer": SCORERS[cfg.task.answer_extractor],
+        "scorer": SCORERS[task.answer_extractor],
     }
     # Only when on: stripping changes the prompts, and runs recorded before the option existed must resume.
-    if cfg.task.strip_inputs:
+    if task.strip_inputs:
         fmt["strip_inputs"] = True
-    if cfg.task.memory_after_think:  # the memories passed on, and so every later prompt, differ
+    if task.memory_after_think:  # the memories passed on, and so every later prompt, differ
         fmt["memory_after_think"] = True
     return fmt
 

@@ -97,8 +97,8 @@ class RankShare:
 def loss_scale_factor(config: Config) -> float:
     """L of loss_agg = seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token
     limit (a constant of the run, as Dr. GRPO's normaliser must be)."""
-    a = config.algorithm
-    return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(config.task.memory_tokens, config.task.final_tokens))
+    a, r = config.algorithm, config.task
+    return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
 
 
 def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[RankShare]:

@@ -216,8 +216,8 @@ def test_the_factory_passes_the_rollout_settings(model):
 def test_static_decode_and_cuda_graphs_are_off_unless_asked_for(recipe):
     """The static path has never run on a GPU (bench/README.md): neither the defaults nor a shipped recipe
     may send a user's first GPU run down it; `auto` (on with CUDA) is opt-in until GPU figures decide."""
-    cfg = load_config(recipe)
-    assert (cfg.engine.static_kv, cfg.engine.cuda_graphs) == ("off", "off")
+    engine = load_config(recipe).engine
+    assert (engine.static_kv, engine.cuda_graphs) == ("off", "off")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; this machine has none")

@@ -47,11 +47,12 @@ def test_ruler_eval_runs_end_to_end_on_real_text(tmp_path):
     records = load_eval_data(data)[:2]
     lines = {line["id"]: line for line in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
     assert set(lines) == {record.id for record in records}
+    r = recipe.task
     for record in records:
         line, tokens = lines[record.id], len(tokenize_document(tok, record.context))
         # Read whole (50 documents fit in 64 chunks), one memory turn per 2048-token chunk, memory capped.
-        assert line["num_chunks"] == -(-line["document_tokens"] // recipe.task.chunk_tokens) >= 3
+        assert line["num_chunks"] == -(-line["document_tokens"] // r.chunk_tokens) >= 3
         assert line["document_tokens"] == tokens
         assert not line["document_truncated"] and line["turns"] == line["num_chunks"] + 1
-        assert max(line["memory_lengths"]) <= recipe.task.memory_tokens
+        assert max(line["memory_lengths"]) <= r.memory_tokens
 
