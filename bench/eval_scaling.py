@@ -59,8 +59,8 @@ def child(args: argparse.Namespace) -> dict:
     bias[tokenizer.eos_token_id] = -1e4
     head.bias = torch.nn.Parameter(bias, requires_grad=False)
     cfg = load_config(ROOT / "recipes" / "toy.yaml", [
-        f"rollout.chunk_tokens={FACT_TOKENS * args.facts}", f"rollout.max_chunks={max(args.length, 1)}",
-        f"rollout.memory_tokens={args.memory_tokens}", f"rollout.final_tokens={args.final_tokens}",
+        f"task.chunk_tokens={FACT_TOKENS * args.facts}", f"task.max_chunks={max(args.length, 1)}",
+        f"task.memory_tokens={args.memory_tokens}", f"task.final_tokens={args.final_tokens}",
         f"eval.concurrency={args.concurrency}"])
     records = make_length_set(args.questions, args.length, seed=0, facts_per_chunk=args.facts)
     engine = build_engine(cfg, model=model, tokenizer=tokenizer)

@@ -54,8 +54,9 @@ def config(args: argparse.Namespace, max_staleness: int) -> Config:
     return Config.model_validate({
         "model": {"device": "cpu", "dtype": "float32"},
         "plugins": {"reward_function": "pipeline:parity_reward"},
-        "rollout": {"chunk_tokens": 24, "memory_tokens": args.memory_tokens, "final_tokens": 6, "max_chunks": 3,
-                    "n_samples": args.samples, "temperature": 1.0, "max_batch_size": args.engine_batch},
+        "task": {"chunk_tokens": 24, "memory_tokens": args.memory_tokens, "final_tokens": 6, "max_chunks": 3},
+        "sampling": {"n_samples": args.samples, "temperature": 1.0},
+        "engine": {"max_batch_size": args.engine_batch},
         "algorithm": {"kl_coef": 0.01},
         "train": {"lr": 1e-4, "num_rollout": args.steps, "rollout_batch_size": args.questions,
                   "save_interval": 10_000, "max_staleness": max_staleness, "micro_batch_tokens": 4096},
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--memory-tokens", type=int, default=30)
-    parser.add_argument("--engine-batch", type=int, default=4, help="rollout.max_batch_size")
+    parser.add_argument("--engine-batch", type=int, default=4, help="engine.max_batch_size")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: one core per stage)")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python bench/rollou
 
 from lockstep import generate_rollout_lockstep  # noqa: E402
 
-from memrl.config import Config, RolloutConfig  # noqa: E402
+from memrl.config import Config, EngineConfig, SamplingConfig, TaskConfig  # noqa: E402
 from memrl.engines.base import GenerationRequest, GenerationResult  # noqa: E402
 from memrl.engines.hf import HFEngine, resolve_device_dtype  # noqa: E402
 from memrl.memagent.chunking import tokenize_document  # noqa: E402
@@ -115,7 +115,7 @@ class Measurement:
         return self.tokens / self.wall_s
 
 
-def make_records(tokenizer, cfg: RolloutConfig, questions: int, seed: int) -> list[Record]:
+def make_records(tokenizer, cfg: TaskConfig, questions: int, seed: int) -> list[Record]:
     """Documents of exactly k = 1..max_chunks chunks (equal shares of each k), the last one half to all full."""
     rng = random.Random(seed)
     records = []
@@ -202,9 +202,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--static-kv", default="auto", choices=["auto", "on", "off"],
-                        help="HFEngine static-shape decode (rollout.static_kv; auto: on with CUDA)")
+                        help="HFEngine static-shape decode (engine.static_kv; auto: on with CUDA)")
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
-                        help="CUDA graph per decode bucket (rollout.cuda_graphs; auto: on with CUDA)")
+                        help="CUDA graph per decode bucket (engine.cuda_graphs; auto: on with CUDA)")
     parser.add_argument("--questions", type=int, default=8, help="questions (documents) per rollout")
     parser.add_argument("--samples", type=int, default=4, help="trajectories per question")
     parser.add_argument("--max-chunks", type=int, default=4)
@@ -243,16 +243,17 @@ async def main_async(args: argparse.Namespace) -> None:
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(len(tokenizer), layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2,
                              intermediate=args.intermediate, seed=args.seed)
-    cfg = Config(rollout=RolloutConfig(
-        chunk_tokens=args.chunk_tokens, memory_tokens=args.memory_tokens, final_tokens=args.final_tokens,
-        max_chunks=args.max_chunks, n_samples=args.samples, temperature=1.0, seed=args.seed,
-        max_batch_size=args.max_batch_size))
+    cfg = Config(
+        sampling=SamplingConfig(n_samples=args.samples, temperature=1.0, seed=args.seed),
+        engine=EngineConfig(max_batch_size=args.max_batch_size),
+        task=TaskConfig(chunk_tokens=args.chunk_tokens, memory_tokens=args.memory_tokens,
+                        final_tokens=args.final_tokens, max_chunks=args.max_chunks))
     engine = TimedHFEngine(model, tokenizer, max_batch_size=args.max_batch_size, device=device, dtype=dtype,
                            static_kv=args.static_kv, cuda_graphs=args.cuda_graphs)
     ctx = RolloutContext(engine=engine, tokenizer=tokenizer, config=cfg, progress=False)
     bias = bias_stop_logits(engine.model, builder_of(ctx).stop_token_ids, args.mean_response)
-    records = make_records(tokenizer, cfg.rollout, args.questions, args.seed)
-    chunk_counts = [document_chunks(tokenizer, cfg.rollout, r.context).num_chunks for r in records]
+    records = make_records(tokenizer, cfg.task, args.questions, args.seed)
+    chunk_counts = [document_chunks(tokenizer, cfg.task, r.context).num_chunks for r in records]
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"model: {params:.2f}M-parameter random Qwen3 ({args.layers} layers, hidden {args.hidden}), {device}, "
           f"{dtype}, torch threads {torch.get_num_threads()}; stop-logit bias {bias:+.2f} "
@@ -289,7 +290,7 @@ async def main_async(args: argparse.Namespace) -> None:
           f"{agreement(*pairs[0]):.0%} of turns")
 
     # Batching: the workload's first memory turns, fixed length (no stop) and with the sampled stops.
-    prompts = [builder_of(ctx).memory_prompt_ids(r.question, None, document_chunks(tokenizer, cfg.rollout, r.context)
+    prompts = [builder_of(ctx).memory_prompt_ids(r.question, None, document_chunks(tokenizer, cfg.task, r.context)
                                              .chunks[0]) for r in records]
     stop_ids = builder_of(ctx).stop_token_ids
     print(f"\nbatching, {args.concurrency} requests with memory-turn prompts, concurrent vs one at a time "

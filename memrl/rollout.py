@@ -7,7 +7,7 @@ A task (`plugins.task`, memrl/task.py) samples with a `RolloutContext` and gets 
   keeps their groups apart. Tasks never number slots themselves, so one process and Ray agree.
 - `request_seed(...)`: the per-request seed (same question, sample and turn: same draw on every run).
 - `ctx.reward(traj, golds)`: the task's reward (or `plugins.reward_function`), checked (a finite real
-  number, within `rollout.reward_timeout_s`; else `RewardError`, which fails the rollout step).
+  number, within `task.reward_timeout_s`; else `RewardError`, which fails the rollout step).
 - `finish_rollout(...)`: groups with a failed trajectory are dropped (GRPO needs the whole group) and
   reported; the common metrics; the row count the rollout announces (`None` for a 1:1 task: then the
   loop expects one row per trajectory).
@@ -43,7 +43,7 @@ def request_seed(base_seed: int, *parts: Any) -> int:
 
 
 class RewardError(ValueError, MemrlError):
-    """A reward function returned no finite real number, or did not return within `rollout.reward_timeout_s`:
+    """A reward function returned no finite real number, or did not return within `task.reward_timeout_s`:
     the rollout step fails (in either training loop); the message names the function and what to fix."""
 
 
@@ -78,9 +78,9 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: 
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise RewardError(f"reward function {name} did not return within {timeout_s:g} s (rollout.reward_timeout_s); "
+        raise RewardError(f"reward function {name} did not return within {timeout_s:g} s (task.reward_timeout_s); "
                           f"the call is left running in a background thread; fix the function or raise "
-                          f"rollout.reward_timeout_s")
+                          f"task.reward_timeout_s")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
@@ -129,7 +129,7 @@ class RolloutContext:
 
     def reward(self, traj: Trajectory, golds: Sequence[str]) -> float | None:
         """The configured reward of a finished trajectory; a failed one scores 0 (it is dropped anyway). A
-        value that is no finite real number, or a call past `rollout.reward_timeout_s`, is a RewardError."""
+        value that is no finite real number, or a call past `task.reward_timeout_s`, is a RewardError."""
         if self.reward_function is None:
             return None
         if traj.status == "failed":
@@ -139,7 +139,7 @@ class RolloutContext:
         name = reward_name(self.reward_function)
         try:
             value = call_with_timeout(self.reward_function, (traj, list(golds)),
-                                      self.config.rollout.reward_timeout_s, name)
+                                      self.config.task.reward_timeout_s, name)
             return checked_reward(value, name, traj.trajectory_id)
         except RewardError as error:
             self._reward_failure = error

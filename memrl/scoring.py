@@ -1,6 +1,6 @@
 """One scorer for the training reward and for evaluation (docs/design.md §2).
 
-Answer extraction is a choice (`rollout.answer_extractor`), the same for reward and evaluation:
+Answer extraction is a choice (`task.answer_extractor`), the same for reward and evaluation:
 - `boxed` (default, `extract_boxed`): the content of the last *closed* `\\boxed{...}` anywhere in the
   text (the whole text is read, not a tail). "Last" means the last opening `\\boxed{` that has a
   matching `}`; so in `\\boxed{a \\boxed{b}}` the answer is `b`, and an unclosed trailing `\\boxed{` is
@@ -119,7 +119,7 @@ def extract_therefore(text: str) -> str | None:
     return (boxed if boxed is not None else _strip_wrappers(line)).strip(" \t.")
 
 
-# The `rollout.answer_extractor` choices: name -> function(text) -> answer or None (no answer).
+# The `task.answer_extractor` choices: name -> function(text) -> answer or None (no answer).
 ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
     "boxed": extract_boxed,
     "therefore": extract_therefore,
@@ -139,7 +139,7 @@ def _extractor(name: str) -> Callable[[str], str | None]:
         return ANSWER_EXTRACTORS[name]
     except (KeyError, TypeError):
         raise ScoringError(f"unknown answer extractor {name!r}; use one of {', '.join(ANSWER_EXTRACTORS)} "
-                           "(rollout.answer_extractor)") from None
+                           "(task.answer_extractor)") from None
 
 
 def normalize_answer(s: str) -> str:

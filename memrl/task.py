@@ -5,7 +5,7 @@ so a new task plugs into every command at once. `ctx.phase` says who asks: "trai
 samples per group, rewards) or "eval" (validation, `memrl eval`: one sample per question, `eval_group`).
 
 The former per-function keys (`plugins.generate_function`, `plugins.convert_function`) are refused at
-config load naming `plugins.task` (memrl/config.py), so a half-migrated config cannot mix two tasks.
+config load naming `plugins.task` (memrl/config/sections.py), so a half-migrated config cannot mix two tasks.
 
 The answer scorers here are every task's default: the final answer read by the trajectory's extractor; an
 unfinished trajectory scores 0 (docs/design.md §2), and `trajectory_reward(t, g) == score_trajectory(t, g).em`.
@@ -88,7 +88,7 @@ class Task:
     async def generate(self, ctx: RolloutContext, records: Sequence[Any]) -> RolloutOutput:
         """Every group of the step at once; groups with a failure are left out of training. A 1:1 task
         announces no row count (the loop expects one row per trajectory), any other one row per turn."""
-        n = ctx.config.rollout.n_samples
+        n = ctx.config.sampling.n_samples
         groups = await asyncio.gather(*(self.sample_group(ctx, g, n) for g in ctx.groups(records)))
         return finish_rollout(groups, one_row_per_turn=self.max_rows_per_trajectory(ctx.config) > 1)
 

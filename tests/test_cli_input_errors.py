@@ -117,7 +117,7 @@ def test_a_recipe_that_is_not_utf8_is_named(tmp_path, command):
 @pytest.mark.parametrize("command", [["config"], ["train", "--run-root", "{tmp}/run"]])
 def test_a_recipe_with_a_second_train_block_is_refused(tmp_path, command):
     recipe = tmp_path / "twice.yaml"
-    recipe.write_text("train:\n  lr: 1.0e-3\nrollout:\n  seed: 1\ntrain:\n  seed: 3\n")
+    recipe.write_text("train:\n  lr: 1.0e-3\nsampling:\n  seed: 1\ntrain:\n  seed: 3\n")
     line = one_error_line(runner.invoke(app, [*(a.format(tmp=tmp_path) for a in command), "--recipe", str(recipe)]))
     assert "duplicate key 'train' on lines 1 and 5" in line
 

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from memrl.cli import app
 from memrl.config import Config, ConfigError, import_object, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,45 +17,45 @@ def test_training_recipe_has_the_seed_values():
     cfg = load_config(TRAIN_RECIPE)
     assert cfg.model.path == "Qwen/Qwen3-0.6B"
     assert cfg.model.revision == "c1899de289a04d12100db370d81485cdf75e47ca"
-    r = cfg.rollout
-    assert (r.chunk_tokens, r.memory_tokens, r.final_tokens, r.max_chunks) == (512, 128, 64, 4)
-    assert (r.n_samples, r.temperature, r.top_p, r.seed, r.enable_thinking) == (8, 1.0, 1.0, 4242, False)
+    t, s = cfg.task, cfg.sampling
+    assert (t.chunk_tokens, t.memory_tokens, t.final_tokens, t.max_chunks, t.enable_thinking) == (512, 128, 64, 4, False)
+    assert (s.n_samples, s.temperature, s.top_p, s.seed) == (8, 1.0, 1.0, 4242)
     assert cfg.algorithm.credit == "split"
     assert (cfg.train.lr, cfg.algorithm.kl_coef) == (1e-6, 0.001)
 
 
 def test_eval_recipe_has_the_seed_values():
     cfg = load_config(EVAL_RECIPE)
-    r = cfg.rollout
-    assert (r.chunk_tokens, r.memory_tokens, r.final_tokens, r.max_chunks) == (2048, 1024, 256, 64)
-    assert (r.temperature, r.top_p, r.seed, r.enable_thinking) == (1.0, 1.0, 4242, False)
+    t, s = cfg.task, cfg.sampling
+    assert (t.chunk_tokens, t.memory_tokens, t.final_tokens, t.max_chunks, t.enable_thinking) == (2048, 1024, 256, 64, False)
+    assert (s.temperature, s.top_p, s.seed) == (1.0, 1.0, 4242)
     assert cfg.eval.concurrency == 64
 
 
 def test_override_sets_nested_values_with_yaml_types():
-    cfg = load_config(TRAIN_RECIPE, ["rollout.chunk_tokens=256", "algorithm.credit=share", "train.pad_to_dp=true"])
-    assert cfg.rollout.chunk_tokens == 256
+    cfg = load_config(TRAIN_RECIPE, ["task.chunk_tokens=256", "algorithm.credit=share", "train.pad_to_dp=true"])
+    assert cfg.task.chunk_tokens == 256
     assert cfg.algorithm.credit == "share"
     assert cfg.train.pad_to_dp is True
 
 
 def test_negative_value_names_the_key():
-    with pytest.raises(ConfigError, match=r"rollout\.chunk_tokens = -5"):
-        load_config(TRAIN_RECIPE, ["rollout.chunk_tokens=-5"])
+    with pytest.raises(ConfigError, match=r"task\.chunk_tokens = -5"):
+        load_config(TRAIN_RECIPE, ["task.chunk_tokens=-5"])
 
 
 def test_misspelt_key_is_named_with_a_suggestion(tmp_path):
     raw = yaml.safe_load(TRAIN_RECIPE.read_text())
-    raw["rollout"]["chunk_tokns"] = 5
+    raw["task"]["chunk_tokns"] = 5
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match=r"unknown key 'rollout\.chunk_tokns'.*did you mean 'rollout\.chunk_tokens'"):
+    with pytest.raises(ConfigError, match=r"unknown key 'task\.chunk_tokns'.*did you mean 'task\.chunk_tokens'"):
         load_config(bad)
 
 
 def test_bad_choice_lists_allowed_values():
-    with pytest.raises(ConfigError, match=r"rollout\.truncation = 'middle'.*'head', 'tail', 'center' or 'center_chunks'"):
-        load_config(None, ["rollout.truncation=middle"])
+    with pytest.raises(ConfigError, match=r"task\.truncation = 'middle'.*'head', 'tail', 'center' or 'center_chunks'"):
+        load_config(None, ["task.truncation=middle"])
 
 
 def test_unknown_section_is_an_error():
@@ -63,19 +65,19 @@ def test_unknown_section_is_an_error():
 
 def test_malformed_override_and_missing_recipe():
     with pytest.raises(ConfigError, match="section.key=value"):
-        load_config(None, ["rollout.chunk_tokens"])
+        load_config(None, ["task.chunk_tokens"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/recipe.yaml")
 
 
 def test_expansion_factor_must_cover_memagent_turns():
     with pytest.raises(ConfigError, match="train_sample_expansion_factor"):
-        load_config(None, ["rollout.max_chunks=8", "queue.train_sample_expansion_factor=4"])
+        load_config(None, ["task.max_chunks=8", "queue.train_sample_expansion_factor=4"])
 
 
 def test_final_template_may_not_see_the_chunk():
     with pytest.raises(ConfigError, match="must not contain"):
-        load_config(None, ["rollout.final_template='{question} {memory} {chunk}'"])
+        load_config(None, ["task.final_template='{question} {memory} {chunk}'"])
 
 
 def test_yaml_round_trip():
@@ -126,17 +128,18 @@ def test_fsdp_needs_the_ray_runtime():
 def test_training_and_eval_recipes_prompt_alike():
     # One final prompt for training and evaluation (docs/design.md, pitfall "Different scorer in evaluation"): a policy trained on one wording and
     # evaluated on another measures the wording, not the policy.
-    train = load_config(TRAIN_RECIPE).rollout
-    evaluation = load_config(EVAL_RECIPE).rollout
-    for key in ("memory_template", "final_template", "no_memory_text", "enable_thinking", "temperature", "top_p"):
-        assert getattr(train, key) == getattr(evaluation, key), key
+    train = load_config(TRAIN_RECIPE)
+    evaluation = load_config(EVAL_RECIPE)
+    for key in ("memory_template", "final_template", "no_memory_text", "enable_thinking"):
+        assert getattr(train.task, key) == getattr(evaluation.task, key), key
+    assert (train.sampling.temperature, train.sampling.top_p) == (evaluation.sampling.temperature, evaluation.sampling.top_p)
 
 
 def _fields_accepting(kind):
     """(key, how many items: None for a scalar) of every section field whose values are of type `kind`."""
     from typing import get_args, get_origin
 
-    from memrl.config import _accepted_scalars
+    from memrl.config.base import _accepted_scalars
 
     out = []
     for section, section_field in Config.model_fields.items():
@@ -160,7 +163,7 @@ BOOL_FIELDS = _fields_accepting(bool)
 
 def test_every_kind_of_field_is_found():
     assert ("train.lr", None) in FLOAT_FIELDS and ("train.adam_betas", 2) in FLOAT_FIELDS
-    assert ("rollout.n_samples", None) in INT_FIELDS and ("eval.limit", None) in INT_FIELDS
+    assert ("sampling.n_samples", None) in INT_FIELDS and ("eval.limit", None) in INT_FIELDS
     assert ("train.pad_to_dp", None) in BOOL_FIELDS
 
 
@@ -175,7 +178,7 @@ def test_non_finite_floats_are_config_errors(key, items, value):
 @pytest.mark.parametrize("value", ["true", "false", "1.5", "8.0", "'8'"])
 @pytest.mark.parametrize("key, items", INT_FIELDS, ids=[k for k, _ in INT_FIELDS])
 def test_int_fields_take_only_integers(key, items, value):
-    # Lax mode made `rollout.n_samples=true` 1 and `8.0` 8.
+    # Lax mode made `sampling.n_samples=true` 1 and `8.0` 8.
     with pytest.raises(ConfigError, match=rf"{re.escape(key)} = .*(is a bool where a number|is not a whole number)"):
         load_config(None, [_override(key, items, value)])
 
@@ -187,7 +190,7 @@ def test_bool_fields_take_only_true_or_false(key, items, value):
         load_config(None, [_override(key, items, value)])
 
 
-@pytest.mark.parametrize("key", ["train.lr", "rollout.temperature", "train.adam_betas"])
+@pytest.mark.parametrize("key", ["train.lr", "sampling.temperature", "train.adam_betas"])
 def test_floats_take_true_or_false_never(key):
     value = "[true, 0.9]" if key == "train.adam_betas" else "true"
     with pytest.raises(ConfigError, match="is a bool where a number belongs"):
@@ -207,7 +210,7 @@ def test_assignment_is_checked_too():
     with pytest.raises(ValueError, match="finite number"):
         cfg.train.lr = float("inf")
     with pytest.raises(ValueError, match="not a whole number"):
-        cfg.rollout.n_samples = 4.0
+        cfg.sampling.n_samples = 4.0
 
 
 RETIRED = [("algorithm.tis_cap", "is replaced by algorithm.rollout_is=token + rollout_is_threshold=C"),
@@ -231,11 +234,11 @@ def test_every_recipe_validates():
 
 
 def test_an_overlong_buffer_longer_than_the_answer_limit_is_refused():
-    # It was clamped silently to the limit: B = 100 with rollout.final_tokens = 64 shaped a 32-token answer's
+    # It was clamped silently to the limit: B = 100 with task.final_tokens = 64 shaped a 32-token answer's
     # reward to 1 - 32/64 = 0.5. verl refuses it too; B equal to the limit is allowed (penalty from 0 tokens).
-    with pytest.raises(ConfigError, match=r"overlong_buffer_len = 100 .*rollout\.final_tokens = 64"):
-        load_config(None, ["algorithm.overlong_buffer_len=100", "rollout.final_tokens=64"])
-    assert load_config(None, ["algorithm.overlong_buffer_len=64", "rollout.final_tokens=64"]).algorithm.overlong_buffer_len == 64
+    with pytest.raises(ConfigError, match=r"overlong_buffer_len = 100 .*task\.final_tokens = 64"):
+        load_config(None, ["algorithm.overlong_buffer_len=100", "task.final_tokens=64"])
+    assert load_config(None, ["algorithm.overlong_buffer_len=64", "task.final_tokens=64"]).algorithm.overlong_buffer_len == 64
 
 
 def test_max_num_gen_batches_has_no_unlimited_setting():
@@ -244,3 +247,53 @@ def test_max_num_gen_batches_has_no_unlimited_setting():
     with pytest.raises(ConfigError, match=r"max_num_gen_batches = 0: .*'unlimited'.*set a cap such as 10"):
         load_config(None, ["algorithm.max_num_gen_batches=0"])
     assert load_config(None, ["algorithm.max_num_gen_batches=1"]).algorithm.max_num_gen_batches == 1
+
+
+# The rollout section split in three (issue 25): old keys are spelt from the table here, so that the rename script,
+# which rewrites `rollout.<key>` text, leaves this test as it is.
+OLD = "rollout"
+SPLIT_BY_HAND = {"temperature": "sampling.temperature", "engine": "engine.kind", "chunk_tokens": "task.chunk_tokens",
+                 "server_url": "engine.server_url", "reward_timeout_s": "task.reward_timeout_s", "seed": "sampling.seed"}
+
+
+def test_the_rollout_table_names_every_field_of_the_three_sections():
+    from memrl.config import ROLLOUT_MOVED
+
+    assert {k: ROLLOUT_MOVED[k] for k in SPLIT_BY_HAND} == SPLIT_BY_HAND  # rename.md's examples
+    fields = {f"{s}.{name}" for s in ("sampling", "engine", "task")
+              for name in Config.model_fields[s].annotation.model_fields}
+    assert set(ROLLOUT_MOVED.values()) == fields
+    for new in ROLLOUT_MOVED.values():  # each new place is a key the loader accepts
+        section, name = new.split(".")
+        assert name in type(getattr(Config(), section)).model_fields
+
+
+def _moved_keys():
+    from memrl.config import ROLLOUT_MOVED
+
+    return sorted(ROLLOUT_MOVED.items())
+
+
+@pytest.mark.parametrize("old, new", _moved_keys(), ids=[k for k, _ in _moved_keys()])
+def test_every_old_rollout_key_is_refused_naming_its_new_place(tmp_path, old, new):
+    # Refused both as --set and as a key of a YAML `rollout:` section, even when null.
+    says = f"{OLD}.{old} moved to {new}"
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(None, [f"{OLD}.{old}=null"])
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(yaml.safe_dump({OLD: {old: None}, "train": {"lr": 1e-6}}))
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(recipe)
+    assert OLD not in Config.model_fields
+
+
+def test_an_old_rollout_section_is_refused_in_one_line_naming_each_key(tmp_path):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"{OLD}:\n  n_samples: 4\n  engine: openai\n  chunk_tokns: 5\n")
+    result = CliRunner().invoke(app, ["config", "--recipe", str(recipe)])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"{OLD}.n_samples moved to sampling.n_samples; {OLD}.engine moved to engine.kind" in result.output
+    assert f"{OLD}.chunk_tokns is no key of sampling, engine or task (did you mean {OLD}.chunk_tokens, now " \
+           "task.chunk_tokens?)" in result.output
+    with pytest.raises(ConfigError, match="the rollout section is split into sampling, engine and task"):
+        load_config(None, [f"{OLD}={{}}"])

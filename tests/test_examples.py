@@ -126,8 +126,8 @@ def _hub_stand_ins(tmp_path: Path) -> dict[str, str]:
                                                  "revision": HOTPOTQA_REVISION})}
 
 
-SMALL_ROLLOUT = ["--set", "rollout.chunk_tokens=256", "--set", "rollout.memory_tokens=16",
-                 "--set", "rollout.final_tokens=8", "--set", "rollout.max_chunks=2"]
+SMALL_ROLLOUT = ["--set", "task.chunk_tokens=256", "--set", "task.memory_tokens=16",
+                 "--set", "task.final_tokens=8", "--set", "task.max_chunks=2"]
 
 
 @pytest.mark.slow
@@ -146,7 +146,7 @@ def test_the_readme_gpu_steps_run_end_to_end_on_cpu(tmp_path):
     cpu_env = {"prepare-data.sh": {"NUM_TRAIN": "8", "NUM_HELDOUT": "4"},
                "run-qwen3-0.6B-train.sh": {"MODEL_PATH": str(tiny)}}
     cpu_args = {"run-qwen3-0.6B-train.sh": ["--no-progress", "--set", "train.rollout_batch_size=2",
-                                            "--set", "rollout.n_samples=2", *SMALL_ROLLOUT]}
+                                            "--set", "sampling.n_samples=2", *SMALL_ROLLOUT]}
     cpu_extra_args = {"eval.sh": " ".join(["--no-progress", *SMALL_ROLLOUT])}  # appended to its EXTRA_ARGS
 
     ran = []

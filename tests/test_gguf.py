@@ -139,8 +139,8 @@ def test_the_real_model_trains_converts_and_evaluates_on_real_hotpotqa(smollm2_f
     dev_file.write_text(json.dumps(hotpot_dev_records))  # the shared dev records, as the official JSON
     assert _run("prepare-data", "hotpotqa", "--from-file", str(dev_file), "--out", str(data),
                 "--num-train", "1", "--num-heldout", "1").exit_code == 0
-    sizes = ["rollout.chunk_tokens=64", "rollout.memory_tokens=16", "rollout.final_tokens=16", "rollout.max_chunks=2"]
-    sets = [*sizes, "rollout.n_samples=2", "train.rollout_batch_size=1", "train.num_rollout=1",
+    sizes = ["task.chunk_tokens=64", "task.memory_tokens=16", "task.final_tokens=16", "task.max_chunks=2"]
+    sets = [*sizes, "sampling.n_samples=2", "train.rollout_batch_size=1", "train.num_rollout=1",
             "train.save_interval=1", f"model.path={smollm2_folder}", f"data.dir={data}"]
     result = _run("train", "--run-root", str(tmp_path / "run"), "--no-progress", *[x for s in sets for x in ("--set", s)])
     assert result.exit_code == 0, (result.output, result.exception)

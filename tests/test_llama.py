@@ -75,7 +75,7 @@ def test_prompts_through_a_template_without_enable_thinking(tokenizer):
     chunk = tokenizer("Paris is the capital of France.", add_special_tokens=False)["input_ids"]
     prompts = []
     for thinking in (False, True):
-        cfg = Config.model_validate({"rollout": {"enable_thinking": thinking}}).rollout
+        cfg = Config.model_validate({"task": {"enable_thinking": thinking}}).task
         prompts.append(PromptBuilder(tokenizer, cfg).memory_prompt_ids("Which city?", None, chunk))
     assert prompts[0] == prompts[1]  # the template ignores the switch; nothing else may depend on it
     text = tokenizer.decode(prompts[0])
@@ -134,7 +134,7 @@ def _train_data(root):
 def test_train_convert_and_eval_a_llama(tmp_path, llama_folder):
     runner = CliRunner()
     data = _train_data(tmp_path)
-    sets = ["rollout.chunk_tokens=16", "rollout.memory_tokens=8", "rollout.final_tokens=8", "rollout.n_samples=2",
+    sets = ["task.chunk_tokens=16", "task.memory_tokens=8", "task.final_tokens=8", "sampling.n_samples=2",
             "train.rollout_batch_size=2", "train.num_rollout=1", "train.save_interval=1",
             f"model.path={llama_folder}", f"data.dir={data}"]
     args = ["train", "--run-root", str(tmp_path / "run"), "--no-progress", *[x for s in sets for x in ("--set", s)]]
@@ -151,8 +151,8 @@ def test_train_convert_and_eval_a_llama(tmp_path, llama_folder):
     assert trained.lm_head.weight.data_ptr() == trained.model.embed_tokens.weight.data_ptr()
     assert AutoTokenizer.from_pretrained(str(out)).chat_template == SMOLLM2_CHAT_TEMPLATE
     result = runner.invoke(app, ["eval", "--model", str(out), "--data", str(data / "hotpotqa_dev.jsonl"),
-                                 "--out", str(tmp_path / "eval"), "--set", "rollout.chunk_tokens=16",
-                                 "--set", "rollout.memory_tokens=8", "--set", "rollout.final_tokens=8"])
+                                 "--out", str(tmp_path / "eval"), "--set", "task.chunk_tokens=16",
+                                 "--set", "task.memory_tokens=8", "--set", "task.final_tokens=8"])
     assert result.exit_code == 0, (result.output, result.exception)
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert (summary["total"], summary["succeeded"]) == (2, 2)

@@ -63,7 +63,7 @@ def recurrent_variant_overrides() -> list[str]:
     end = next(i for i, line in enumerate(lines) if line.startswith("  # --- end of the recurrent variant"))
     block = [line.removeprefix("  # ") for line in lines[start + 1:end]]
     keys = yaml.safe_load("\n".join(block[next(i for i, b in enumerate(block) if b.startswith("final_template:")):]))
-    return [f"rollout.{k}={json.dumps(v)}" for k, v in keys.items()]
+    return [f"task.{k}={json.dumps(v)}" for k, v in keys.items()]
 
 
 def test_copied_strings_equal_the_shared_file():
@@ -77,21 +77,22 @@ def test_copied_strings_equal_the_shared_file():
 
 
 def test_recipe_holds_the_official_prompts_and_settings():
-    r = load_config(RECIPE).rollout
-    assert r.memory_template == OFFICIAL_MEMORY_TEMPLATE and "<problem> \n" in r.memory_template
-    assert r.final_template == OFFICIAL_FINAL_TEMPLATE
-    assert r.no_memory_text == OFFICIAL_NO_MEMORY_TEXT
-    assert {k: getattr(r, k) for k in OFFICIAL_SETTINGS} == OFFICIAL_SETTINGS
-    assert (r.strip_inputs, r.answer_extractor, r.enable_thinking, r.n_samples) == (True, "boxed", False, 1)
+    r = load_config(RECIPE)
+    assert r.task.memory_template == OFFICIAL_MEMORY_TEMPLATE and "<problem> \n" in r.task.memory_template
+    assert r.task.final_template == OFFICIAL_FINAL_TEMPLATE
+    assert r.task.no_memory_text == OFFICIAL_NO_MEMORY_TEXT
+    settings = {**r.task.model_dump(), **r.sampling.model_dump()}
+    assert {k: settings[k] for k in OFFICIAL_SETTINGS} == OFFICIAL_SETTINGS
+    assert (r.task.strip_inputs, r.task.answer_extractor, r.task.enable_thinking, r.sampling.n_samples) == (True, "boxed", False, 1)
     # The official evaluation never truncates: the budget covers eval_25600 (~3.5M tokens).
-    assert r.max_chunks * r.chunk_tokens >= 5_000_000
+    assert r.task.max_chunks * r.task.chunk_tokens >= 5_000_000
 
 
 def test_recipe_recurrent_variant_is_the_official_non_boxed_prompt():
-    r = load_config(RECIPE, recurrent_variant_overrides()).rollout
-    assert r.final_template == OFFICIAL_THEREFORE_FINAL_TEMPLATE
-    assert r.answer_extractor == "therefore"
-    assert r.memory_template == OFFICIAL_MEMORY_TEMPLATE  # only the final turn differs
+    r = load_config(RECIPE, recurrent_variant_overrides())
+    assert r.task.final_template == OFFICIAL_THEREFORE_FINAL_TEMPLATE
+    assert r.task.answer_extractor == "therefore"
+    assert r.task.memory_template == OFFICIAL_MEMORY_TEMPLATE  # only the final turn differs
 
 
 def chat(tokenizer, message: str) -> str:
@@ -167,7 +168,7 @@ def test_rendered_prompts_equal_the_official_pipeline(qwen3_tokenizer, official_
 
 def test_without_strip_inputs_the_prompts_differ(qwen3_tokenizer, official_records, tmp_path):
     # The check above would not see a missing strip: with it off, the trailing space reaches the prompt.
-    cfg = load_config(RECIPE, ["rollout.strip_inputs=false"])
+    cfg = load_config(RECIPE, ["task.strip_inputs=false"])
     rec = official_records[1]
     engine = ScriptedEngine(qwen3_tokenizer, lambda p: reply(p, "\\boxed{x}"))
     evaluate(engine, qwen3_tokenizer, cfg, [rec], tmp_path, model_name="scripted", data_sha256="0" * 64,

@@ -49,7 +49,7 @@ def test_finish_rollout_drops_whole_groups_and_counts_rows():
 
 
 def test_rows_per_trajectory_from_the_factor_or_the_task():
-    assert rows_per_trajectory(load_config(None, ["rollout.max_chunks=6"])) == 7  # MemAgent's
+    assert rows_per_trajectory(load_config(None, ["task.max_chunks=6"])) == 7  # MemAgent's
     assert rows_per_trajectory(load_config(None, ["queue.train_sample_expansion_factor=9"])) == 9
     assert rows_per_trajectory(load_config(None, ["plugins.task=memrl.tasks.single_turn:SingleTurnTask"])) == 1
 
@@ -72,14 +72,14 @@ def test_a_tasks_validate_config_runs_at_load(monkeypatch):
 
     class MyTask(Task):
         def validate_config(self, cfg):
-            if cfg.rollout.n_samples < 2:
-                raise ValueError("my task needs rollout.n_samples >= 2")
+            if cfg.sampling.n_samples < 2:
+                raise ValueError("my task needs sampling.n_samples >= 2")
 
     module.MyTask = MyTask
     monkeypatch.setitem(sys.modules, "my_task_for_test", module)
-    with pytest.raises(ConfigError, match="my task needs rollout.n_samples >= 2"):
-        load_config(None, ["plugins.task=my_task_for_test:MyTask", "rollout.n_samples=1"])
-    assert load_config(None, ["plugins.task=my_task_for_test:MyTask"]).rollout.n_samples == 8
+    with pytest.raises(ConfigError, match="my task needs sampling.n_samples >= 2"):
+        load_config(None, ["plugins.task=my_task_for_test:MyTask", "sampling.n_samples=1"])
+    assert load_config(None, ["plugins.task=my_task_for_test:MyTask"]).sampling.n_samples == 8
 
 
 def test_evaluation_recipes_need_no_queue_keys():
@@ -89,7 +89,7 @@ def test_evaluation_recipes_need_no_queue_keys():
     for name in ("ruler-hqa-eval.yaml", "memagent-official-eval.yaml"):
         assert "queue" not in (root / name).read_text()
         cfg = load_config(root / name)
-        assert rows_per_trajectory(cfg) == cfg.rollout.max_chunks + 1
+        assert rows_per_trajectory(cfg) == cfg.task.max_chunks + 1
 
 
 def test_turn_logs_reuse_the_texts_training_decoded_once():
@@ -113,8 +113,7 @@ def test_turn_logs_reuse_the_texts_training_decoded_once():
 # ------------------------------------------------------------------------------------------ ctx.reward
 
 def reward_ctx(fn, timeout_s=60.0):
-    return RolloutContext(engine=None, tokenizer=None, config=Config.model_validate({"rollout": {
-        "reward_timeout_s": timeout_s}}), reward_function=fn)
+    return RolloutContext(engine=None, tokenizer=None, config=Config.model_validate({"task": {"reward_timeout_s": timeout_s}}), reward_function=fn)
 
 
 @pytest.mark.parametrize("value", [True, np.bool_(False), "1.0", float("nan"), float("-inf"), None, [1.0]])
@@ -153,7 +152,7 @@ def test_a_reward_call_past_its_timeout_fails_the_rollout_once_for_all_its_traje
     ctx = reward_ctx(hanging, timeout_s=0.2)
     try:
         with pytest.raises(RewardError, match=r"reward function .*hanging did not return within 0.2 s "
-                                              r"\(rollout.reward_timeout_s\)"):
+                                              r"\(task.reward_timeout_s\)"):
             ctx.reward(traj("g", 0), ["a"])
         # Trajectories still in flight get the same error without calling the hung function again.
         with pytest.raises(RewardError, match="did not return within 0.2 s"):

@@ -7,7 +7,7 @@ MemAgent's table, on CPU (docs/demo.md, "Train short, read long").
     lengths   for every length L (default 1, 2, 3, 8, 16, 32, 64 chunks): held-out questions whose documents
               are exactly L chunks, the answering fact spread evenly over the document and every fact beyond
               the short task's distractors unrelated filler (memrl.data.synthetic.make_length_set)
-    eval      base and trained on every length, one recipe for all (rollout.max_chunks = the longest
+    eval      base and trained on every length, one recipe for all (task.max_chunks = the longest
               length, so no document is truncated), temperature 1.0, per-question seeds independent of
               the model (memrl.eval.runner)
     compare   per length: EM base / trained / difference with 95% intervals, flips and exact McNemar p
@@ -15,7 +15,7 @@ MemAgent's table, on CPU (docs/demo.md, "Train short, read long").
               the document) and memory lengths, to tell a fact lost over many turns from one never kept
     plot      EM against document length for both models (length_em.png)
 
-The memory cap does not change with length (rollout.memory_tokens), so any loss at length is the
+The memory cap does not change with length (task.memory_tokens), so any loss at length is the
 memory failing to carry the fact through more turns, not a memory that grows.
 """
 

@@ -253,7 +253,7 @@ class RolloutWorker:
 
         _quiet_transformers()
         if server_url is not None:
-            cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"server_url": server_url})})
+            cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"server_url": server_url})})
         self.cfg, self.index = cfg, index
         tokenizer = _load_tokenizer(cfg, tokenizer)
         engine = training_engine(cfg, None if served_engine(cfg) else _load_model(cfg, model), tokenizer)

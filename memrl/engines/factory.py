@@ -1,7 +1,7 @@
 """The one place engines are made: for training (a private copy of the policy, or the configured server),
 for Ray rollout workers, for evaluation and for Pass@k (a model folder, or a server URL).
 
-Every engine gets its limits from `rollout` (batch size and tokens, concurrency, the request timeout)
+Every engine gets its limits from `engine` (batch size and tokens, concurrency, the request timeout)
 and the local one its device and dtype from `model` (`auto` resolved by `resolve_device_dtype`, the one
 rule for it), so an engine behaves the same whichever command built it.
 """
@@ -27,7 +27,7 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
              if value is not None]
     if len(given) != 1:
         raise ConfigError(f"an engine needs exactly one of server_url, model, model_path; got {given or 'none'}")
-    r = cfg.rollout
+    r = cfg.engine
     if server_url is not None:
         from memrl.engines.openai import OpenAIEngine
 
@@ -48,10 +48,10 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
 
 
 def training_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> Engine:
-    """The rollout engine of a training run: `rollout.engine` = `openai` (its `server_url`), else a
+    """The rollout engine of a training run: `engine.kind` = `openai` (its `server_url`), else a
     private copy of the policy `model`."""
-    if cfg.rollout.engine == "openai":
-        if not cfg.rollout.server_url:
-            raise ConfigError("rollout.engine = 'openai' needs rollout.server_url")
-        return build_engine(cfg, server_url=cfg.rollout.server_url)
+    if cfg.engine.kind == "openai":
+        if not cfg.engine.server_url:
+            raise ConfigError("engine.kind = 'openai' needs engine.server_url")
+        return build_engine(cfg, server_url=cfg.engine.server_url)
     return build_engine(cfg, model=model, tokenizer=tokenizer)

@@ -2,7 +2,7 @@
 
 Why: a MemAgent step is mostly prompt tokens, and the n samples of a GRPO group read the same document:
 their turn-0 prompts are identical, every prompt starts with the same chat template and instruction, and
-with `rollout.prompt_layout = chunk_first` a group's prompts share the question and the chunk too. One
+with `task.prompt_layout = chunk_first` a group's prompts share the question and the chunk too. One
 wave (the requests HFEngine prefills together, memrl/engines/hf.py `_prefill`) can hold several groups.
 
 The plan (`plan_prefill`, pure) is a prefix tree over the wave's distinct prompts. A node computes one

@@ -71,7 +71,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_TOKENS_LIMIT = 8192
 DEFAULT_MAX_BATCH_PROMPTS = 256
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
-DEFAULT_GATE_TIMEOUT_S = 600.0  # as rollout.request_timeout_s and ray.sync_timeout_s
+DEFAULT_GATE_TIMEOUT_S = 600.0  # as engine.request_timeout_s and ray.sync_timeout_s
 API_KEY_ENV = "MEMRL_API_KEY"
 # Seeds and token ids travel as int64 (torch tensors, SGLang, vLLM); torch.Generator takes < 2**64, but
 # int64 is what every engine behind this API accepts. HFEngine draws its own random seeds below 2**63.

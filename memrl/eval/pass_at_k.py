@@ -7,7 +7,7 @@ task itself (`Task.sample_group`, its reward), so "pass" means exactly what the 
 A question with a failed request gets no count (it is listed under `failed`), never a made-up one.
 
 `--no-context` asks each question without its document (the final turn on the question alone, with
-the empty memory `rollout.no_memory_text`): the counts then say which questions the model answers from
+the empty memory `task.no_memory_text`): the counts then say which questions the model answers from
 what it already knows, the file `prepare-data hotpotqa --drop-answerable-without-context FILE` reads
 (the official MemAgent data pipeline's filter2.py step). The file records `"no_context": true`.
 """
@@ -63,8 +63,8 @@ async def count_passes(engine: Any, tokenizer: Any, cfg: Config, records: Sequen
 
 # What Pass@k reads of a config: a `--set` of any other key (training's) would be silently ignored, so it
 # is refused. `eval.limit` is `--limit`; the task (and a reward replacing its own) samples and scores.
-READ_KEYS = ("model.", "rollout.", "eval.limit", "eval.concurrency", "data.verify_manifest", "plugins.task",
-             "plugins.reward_function", "plugins.config_class")
+READ_KEYS = ("model.", "sampling.", "engine.", "task.", "eval.limit", "eval.concurrency", "data.verify_manifest",
+             "plugins.task", "plugins.reward_function", "plugins.config_class")
 
 
 def check_read_overrides(sets: Sequence[str]) -> None:
@@ -75,7 +75,7 @@ def check_read_overrides(sets: Sequence[str]) -> None:
         key = ".".join(parse_override(text)[0])
         # a key it reads, or a whole section it reads all of (`--set 'eval={limit: 16}'`)
         if any(key == r or (r.endswith(".") and key.startswith(r)) for r in READ_KEYS) or \
-                key in ("model", "rollout", "eval"):
+                key in ("model", "sampling", "engine", "task", "eval"):
             continue
         hint = "; the candidates are --data FILE" if key.startswith("data.") else ""
         raise ConfigError(f"memrl pass-at-k does not read '{key}' (--set {text}){hint}; it reads "
@@ -116,7 +116,7 @@ def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | 
     result = {"k": k, **({"no_context": True} if no_context else {}), "pass_counts": counts, "failed": failed, "model": str(model or server_url),
               "engine": info, "data": str(data), "data_sha256": sha256_file(data), "limit": cfg.eval.limit,
               "questions": len(records),
-              "rollout": cfg.rollout.model_dump(mode="json"),
+              "sampling": cfg.sampling.model_dump(mode="json"), "task": cfg.task.model_dump(mode="json"),
               "mixed": sum(0 < c < k for c in counts.values()), "never": sum(c == 0 for c in counts.values()),
               "always": sum(c == k for c in counts.values())}
     out.parent.mkdir(parents=True, exist_ok=True)

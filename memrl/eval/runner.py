@@ -15,7 +15,7 @@ Invariants:
   questions, or a different data SHA-256 / model / format in `eval_run.json` is an `EvalError`, so
   two runs never mix in one file.
 - Seeds do not depend on the model: question `q` uses group "eval:q", sample 0 and seed key "0:q"
-  (`memrl.task.eval_group`), i.e. turn t samples with `request_seed(rollout.seed, "0:q", 0, t)`.
+  (`memrl.task.eval_group`), i.e. turn t samples with `request_seed(sampling.seed, "0:q", 0, t)`.
 - The scorer is the task's (by default `memrl.scoring.score_answer` over the final answer, as the reward).
 """
 
@@ -91,9 +91,10 @@ def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_
 # ------------------------------------------------------------------------------------------ summary, progress
 
 def _config_record(cfg: Config) -> dict[str, Any]:
-    rollout = cfg.rollout.model_dump(mode="json")
-    rollout.pop("api_key", None)  # never write a credential into results
-    return {"rollout": rollout, "eval": cfg.eval.model_dump(mode="json")}
+    engine = cfg.engine.model_dump(mode="json")
+    engine.pop("api_key", None)  # never write a credential into results
+    return {"sampling": cfg.sampling.model_dump(mode="json"), "engine": engine, "task": cfg.task.model_dump(mode="json"),
+            "eval": cfg.eval.model_dump(mode="json")}
 
 
 class _RunningScore:
@@ -223,8 +224,8 @@ def _read_eval_file(path: Path, verify: bool) -> list[QuestionRecord]:
 def resolve_model_source(cfg: Config, model: str | None, server_url: str | None,
                          tokenizer: str | None) -> tuple[str | None, str | None, str]:
     """(model, server_url, tokenizer path) from the command line, falling back to the recipe."""
-    model = model or (cfg.model.path if server_url is None and cfg.rollout.engine == "hf" else None)
-    server_url = server_url or (cfg.rollout.server_url if model is None else None)
+    model = model or (cfg.model.path if server_url is None and cfg.engine.kind == "hf" else None)
+    server_url = server_url or (cfg.engine.server_url if model is None else None)
     if (model is None) == (server_url is None):
         raise EvalError("give exactly one of --model DIR (local engine) or --server-url URL (a served model)")
     tokenizer_path = tokenizer or cfg.model.tokenizer or model

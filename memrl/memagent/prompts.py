@@ -20,13 +20,13 @@ and memory in place of the placeholders, and the chunk / memory ids occur in it 
 The question is tokenized together with the static text around it, so it reads naturally; questions
 are trusted data (a question that literally contains a special-token string becomes that token).
 
-Layouts (`rollout.prompt_layout`). `memagent` (the default) uses `memory_template` as written: the
+Layouts (`task.prompt_layout`). `memagent` (the default) uses `memory_template` as written: the
 official and memrl's templates read question, memory, chunk. `chunk_first` (`chunk_first_template`)
 moves the memory's block after the chunk's, so at every turn a group's prompts share instruction,
 question and chunk, and differ only from the memory on: the engine computes that prefix once per wave
 (memrl/engines/prefix.py). The final turn has no chunk; its template is used as written in both.
 
-`input_text` is where question and document text enter the prompt path: with `rollout.strip_inputs`
+`input_text` is where question and document text enter the prompt path: with `task.strip_inputs`
 both are `str.strip()`-ed (the official MemAgent evaluation strips them), for the question here in
 `PromptBuilder` and for the document in `memrl.memagent.rollout.document_chunks`.
 """
@@ -38,7 +38,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from memrl.config import RolloutConfig
+from memrl.config import TaskConfig
 from memrl.errors import MemrlError
 from memrl.task import chat_stop_token_ids
 
@@ -86,7 +86,7 @@ def chunk_first_template(template: str) -> str:
     as it is."""
     for placeholder in ("{memory}", "{chunk}"):
         if template.count(placeholder) != 1:
-            raise PromptError(f"rollout.prompt_layout = chunk_first moves the one {placeholder} of memory_template, "
+            raise PromptError(f"task.prompt_layout = chunk_first moves the one {placeholder} of memory_template, "
                               f"but it has {template.count(placeholder)}; use one, or prompt_layout = memagent")
     memory, chunk = _block(template, "{memory}"), _block(template, "{chunk}")
     if memory[0] >= chunk[1]:
@@ -95,7 +95,7 @@ def chunk_first_template(template: str) -> str:
             + template[memory[0]:memory[1]] + template[chunk[1]:])
 
 
-def input_text(cfg: RolloutConfig, text: str) -> str:
+def input_text(cfg: TaskConfig, text: str) -> str:
     """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on.
 
     One function for both, so question and document can never be cleaned differently; off by
@@ -111,7 +111,7 @@ class PromptBuilder:
     sample of a question shares them.
     """
 
-    def __init__(self, tokenizer: Any, rollout_cfg: RolloutConfig, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: Any, rollout_cfg: TaskConfig, cache_size: int = 256) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(
                 "the tokenizer has no chat template; MemAgent prompts go through one "
@@ -134,7 +134,7 @@ class PromptBuilder:
     def memory_prompt_ids(self, question: str, memory_ids: Sequence[int] | None,
                           chunk_ids: Sequence[int]) -> list[int]:
         """Prompt ids of a memory turn: question + previous memory (None: the no-memory text) + chunk, in the
-        order of `rollout.prompt_layout`."""
+        order of `task.prompt_layout`."""
         return self._assemble(self.memory_template, question, memory_ids, chunk_ids)
 
     def final_prompt_ids(self, question: str, memory_ids: Sequence[int] | None) -> list[int]:
@@ -205,7 +205,7 @@ class PromptBuilder:
         for segment in self._segments(template, question):
             if isinstance(segment, str):
                 ids = fill[segment]
-                if ids is None:  # unreachable with a validated RolloutConfig (final has no {chunk})
+                if ids is None:  # unreachable with a validated TaskConfig (final has no {chunk})
                     raise PromptError(f"the template has a {{{segment}}} placeholder but no ids were given for it")
                 out.extend(int(i) for i in ids)
             else:
@@ -213,13 +213,13 @@ class PromptBuilder:
         return out
 
 
-def memory_prompt_ids(tokenizer: Any, cfg: RolloutConfig, question: str,
+def memory_prompt_ids(tokenizer: Any, cfg: TaskConfig, question: str,
                       memory_ids: Sequence[int] | None, chunk_ids: Sequence[int]) -> list[int]:
     """One-off form of `PromptBuilder.memory_prompt_ids` (a rollout should keep one PromptBuilder)."""
     return PromptBuilder(tokenizer, cfg).memory_prompt_ids(question, memory_ids, chunk_ids)
 
 
-def final_prompt_ids(tokenizer: Any, cfg: RolloutConfig, question: str,
+def final_prompt_ids(tokenizer: Any, cfg: TaskConfig, question: str,
                      memory_ids: Sequence[int] | None) -> list[int]:
     """One-off form of `PromptBuilder.final_prompt_ids` (a rollout should keep one PromptBuilder)."""
     return PromptBuilder(tokenizer, cfg).final_prompt_ids(question, memory_ids)

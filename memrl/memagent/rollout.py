@@ -7,7 +7,7 @@ Why one coroutine per trajectory: trajectories never wait for each other (no loc
 docs/design.md, pitfall "Lockstep turns"); the engine batches whatever requests are waiting at the moment.
 Each turn stores exactly what was sampled (prompt ids, response ids, log-probs); the memory passed on is
 the response's token ids, stop tokens stripped and re-cut to `memory_tokens`, never re-tokenized text
-(with `rollout.memory_after_think`, only what follows the last `</think>`: `memory_after_think`).
+(with `task.memory_after_think`, only what follows the last `</think>`: `memory_after_think`).
 A generation error marks the trajectory `failed` with its message; it never kills the batch.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from memrl.config import RolloutConfig
+from memrl.config import SamplingConfig, TaskConfig
 from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, input_text
@@ -88,7 +88,8 @@ def _turn(index: int, kind: str, prompt_ids: list[int], result: GenerationResult
 async def run_trajectory(
     engine: Engine,
     builder: PromptBuilder,
-    cfg: RolloutConfig,
+    task: TaskConfig,
+    sampling: SamplingConfig,
     question: str,
     chunks: Chunks,
     *,
@@ -104,7 +105,7 @@ async def run_trajectory(
     memory_lengths: list[int] = []
     memory_truncations = 0
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, sample_index=sample_index, turns=turns,
-                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": cfg.answer_extractor})
+                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": task.answer_extractor})
 
     def fail(message: str) -> Trajectory:
         traj.status, traj.error = "failed", message
@@ -112,19 +113,19 @@ async def run_trajectory(
         return traj
 
     def ask(prompt: list[int], max_tokens: int, turn: int) -> Awaitable[GenerationResult]:
-        seed = request_seed(cfg.seed, seed_key, sample_index, turn)  # same (question, sample, turn): same draw
-        return _generate_one(engine, GenerationRequest(prompt, max_tokens, cfg.temperature, cfg.top_p, stop_ids,
-                                                       seed=seed))
+        seed = request_seed(sampling.seed, seed_key, sample_index, turn)  # same (question, sample, turn): same draw
+        return _generate_one(engine, GenerationRequest(prompt, max_tokens, sampling.temperature, sampling.top_p,
+                                                       stop_ids, seed=seed))
 
     for i, chunk in enumerate(chunks.chunks):
         prompt = builder.memory_prompt_ids(question, memory_ids, chunk)
-        result = await ask(prompt, cfg.memory_tokens, i)
+        result = await ask(prompt, task.memory_tokens, i)
         if result.finish_reason == "error" or not result.output_ids:
             return fail(f"memory turn {i}: {result.error or 'engine returned no tokens'}")
-        turns.append(_turn(i, "memory", prompt, result, cfg.memory_tokens))
+        turns.append(_turn(i, "memory", prompt, result, task.memory_tokens))
         # The new memory always replaces the old one, even when empty; re-cut to memory_tokens.
         memory_ids, recut = builder.cap_memory(result.output_ids)
-        if cfg.memory_after_think:  # the memory only; the turn above keeps every sampled id for training
+        if task.memory_after_think:  # the memory only; the turn above keeps every sampled id for training
             memory_ids = memory_after_think(builder.tokenizer, memory_ids)
         memory_truncations += int(recut or result.finish_reason == "length")
         memory_lengths.append(len(memory_ids))
@@ -132,10 +133,10 @@ async def run_trajectory(
 
     final_index = len(turns)
     prompt = builder.final_prompt_ids(question, memory_ids)
-    result = await ask(prompt, cfg.final_tokens, final_index)
+    result = await ask(prompt, task.final_tokens, final_index)
     if result.finish_reason == "error" or not result.output_ids:
         return fail(f"final turn: {result.error or 'engine returned no tokens'}")
-    turns.append(_turn(final_index, "final", prompt, result, cfg.final_tokens))
+    turns.append(_turn(final_index, "final", prompt, result, task.final_tokens))
     answer_ids = [t for t in result.output_ids if t not in stop_ids]
     traj.answer = builder.tokenizer.decode(answer_ids, skip_special_tokens=True)
     traj.status = "complete" if result.finish_reason == "stop" else "truncated"
@@ -188,7 +189,7 @@ def chunk_gold_hits_later(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) 
     return asyncio.get_running_loop().run_in_executor(_GOLD_SEARCH, chunk_gold_hits, tokenizer, chunks, list(golds))
 
 
-def document_chunks(tokenizer: Any, cfg: RolloutConfig, context: str) -> Chunks:
+def document_chunks(tokenizer: Any, cfg: TaskConfig, context: str) -> Chunks:
     """Tokenize a document once and cut it into the chunks every sample of the group reads."""
     ids = tokenize_document(tokenizer, input_text(cfg, context))
     return chunk_context(ids, cfg.chunk_tokens, cfg.max_chunks, cfg.truncation)
@@ -197,7 +198,7 @@ def document_chunks(tokenizer: Any, cfg: RolloutConfig, context: str) -> Chunks:
 def builder_of(ctx: RolloutContext) -> PromptBuilder:
     """The context's chat-template prompt builder (stop ids included), built once per context."""
     if "builder" not in ctx.scratch:
-        ctx.scratch["builder"] = PromptBuilder(ctx.tokenizer, ctx.config.rollout)
+        ctx.scratch["builder"] = PromptBuilder(ctx.tokenizer, ctx.config.task)
     return ctx.scratch["builder"]
 
 
@@ -205,13 +206,13 @@ async def generate_group(ctx: RolloutContext, group: GroupSlot, n: int,
                          on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """`n` independent trajectories of one question: one GRPO group, named and seeded by `group` (its slot
     keeps group ids and seeds distinct when a batch holds the same question twice)."""
-    cfg, record = ctx.config.rollout, group.record
-    chunks = document_chunks(ctx.tokenizer, cfg, record.context)
+    record = group.record
+    chunks = document_chunks(ctx.tokenizer, ctx.config.task, record.context)
     gold_hits = chunk_gold_hits_later(ctx.tokenizer, chunks, record.answers)  # while the group generates
 
     async def one(k: int) -> Trajectory:
-        traj = await run_trajectory(ctx.engine, builder_of(ctx), cfg, record.question, chunks,
-                                    trajectory_id=group.trajectory_id(k), group_id=group.group_id, sample_index=k,
+        traj = await run_trajectory(ctx.engine, builder_of(ctx), ctx.config.task, ctx.config.sampling,
+                                    record.question, chunks, trajectory_id=group.trajectory_id(k), group_id=group.group_id, sample_index=k,
                                     seed_key=group.key)
         traj.metadata.update(question_id=record.id, question=record.question, golds=list(record.answers),
                              chunk_golds=await gold_hits)

@@ -97,7 +97,7 @@ class RankShare:
 def loss_scale_factor(config: Config) -> float:
     """L of loss_agg = seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token
     limit (a constant of the run, as Dr. GRPO's normaliser must be)."""
-    a, r = config.algorithm, config.rollout
+    a, r = config.algorithm, config.task
     return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
 
 
@@ -346,7 +346,7 @@ class Actor:
     def _build_forwards(self) -> None:
         """What the optimizer step calls: (input_ids, attention_mask, position_ids, positions, targets) ->
         the response tokens' log-probs and entropy, for the policy and (with a KL term) the reference."""
-        temperature, chunk = self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens
+        temperature, chunk = self.cfg.sampling.temperature, self.cfg.train.logprob_chunk_tokens
         self.policy: torch.nn.Module = ResponseStats(self.model, temperature, chunk)
         self.reference = ResponseStats(self.ref_model, temperature, chunk, with_entropy=False) \
             if self.ref_model is not None else None
@@ -719,7 +719,7 @@ class Actor:
         config = self.model.config
         dtype = "bfloat16" if self.autocast is not None else str(next(self.model.parameters()).dtype)
         return SyncProbe(prompt_ids=list(prompt_ids), continuation_ids=list(continuation_ids),
-                         temperature=self.cfg.rollout.temperature, log_probs=log_probs, version=version,
+                         temperature=self.cfg.sampling.temperature, log_probs=log_probs, version=version,
                          dtype=dtype.removeprefix("torch."), layers=config.num_hidden_layers,
                          width=max(config.hidden_size, getattr(config, "intermediate_size", config.hidden_size)))
 

@@ -63,7 +63,7 @@ def split_ranks(rows: Sequence[TrainRow], dp_size: int, pad_to_dp: bool, pad_tok
             raise PartitionError(
                 f"{len(rows)} rows in an optimizer step do not divide by train.dp_size = {dp_size}; set "
                 f"train.pad_to_dp=true to add {dp_size - remainder} all-zero-loss padding rows (to {up}), or change "
-                f"train.dp_size, rollout.n_samples or train.rollout_batch_size so the row count divides"
+                f"train.dp_size, sampling.n_samples or train.rollout_batch_size so the row count divides"
             )
         rows += [padding_row(pad_token_id, rollout_id) for _ in range(dp_size - remainder)]
     per_rank = len(rows) // dp_size

@@ -141,9 +141,9 @@ def convert_rollout(out: RolloutOutput, tokenizer: Any, algorithm: Any, task: Ta
 
 
 def served_engine(cfg: Config) -> bool:
-    """A served engine (`rollout.engine = openai`) reloads weights from a folder its server reads; an
+    """A served engine (`engine.kind = openai`) reloads weights from a folder its server reads; an
     in-process one copies tensors. The rollout sources declare it (`takes_folders`); the loop reads that."""
-    return cfg.rollout.engine == "openai"
+    return cfg.engine.kind == "openai"
 
 
 def start_rollout_id(cfg: Config, load: Path | None, requested: int | None) -> int:
@@ -180,12 +180,12 @@ def checkpoint_state(cfg: Config, rollout_id: int) -> dict[str, Any]:
 
 
 def warn_about_top_p(cfg: Config) -> None:
-    if cfg.rollout.top_p < 1.0:
+    if cfg.sampling.top_p < 1.0:
         # Renormalizing over the nucleus in the trainer would make a token at the nucleus edge -inf
         # (bf16 engine vs fp32 trainer can disagree on the edge), and the k3 KL of it infinite.
-        log.warning("rollout.top_p = %g < 1: the engine's log-probs are under the nucleus, the trainer's "
+        log.warning("sampling.top_p = %g < 1: the engine's log-probs are under the nucleus, the trainer's "
                     "under the full softmax (temperature applied); logprob_gap and the PPO ratio include "
-                    "that difference. Set rollout.top_p = 1 for matching log-probs.", cfg.rollout.top_p)
+                    "that difference. Set sampling.top_p = 1 for matching log-probs.", cfg.sampling.top_p)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Each eval set (`eval.sets`, or `data.heldout_file` + `data.eval_files`) runs thr
 runner and the run's task (`memrl.eval.runner.evaluate_records`) on the training engine, which holds the policy's
 weights of the step just trained (synced at the end of every step). Sample 0 of a set is exactly what
 `memrl eval --data FILE` of that step's checkpoint computes with the same settings (same per-question
-seeds); sample s uses `rollout.seed + s`. The engine's sampling draws from per-request generators, so
+seeds); sample s uses `sampling.seed + s`. The engine's sampling draws from per-request generators, so
 validating never changes the training run's own randomness.
 
     RUN_ROOT/eval/<set>/<iter_XXXXXXX | initial>/[sample_S/]   results.jsonl, summary.json, eval_run.json
@@ -51,11 +51,14 @@ def eval_set_configs(cfg: Config) -> list[EvalSetConfig]:
 
 
 def set_config(cfg: Config, spec: EvalSetConfig, sample: int) -> Config:
-    """The run's config with a set's own settings: what the runner reads (rollout.*, eval.limit)."""
-    rollout = {key: getattr(spec, key) for key in ("temperature", "max_chunks", "memory_tokens", "final_tokens")
-               if getattr(spec, key) is not None}
-    rollout["seed"] = cfg.rollout.seed + sample
-    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=rollout)})
+    """The run's config with a set's own settings: what the runner reads (sampling.*, task.*, eval.limit)."""
+    task = {key: getattr(spec, key) for key in ("max_chunks", "memory_tokens", "final_tokens")
+            if getattr(spec, key) is not None}
+    sampling = {"seed": cfg.sampling.seed + sample}
+    if spec.temperature is not None:
+        sampling["temperature"] = spec.temperature
+    return cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update=sampling),
+                                  "task": cfg.task.model_copy(update=task)})
 
 
 @dataclass

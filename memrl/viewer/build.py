@@ -235,7 +235,7 @@ def _rollout_files(path: Path) -> list[Path]:
 
 
 def _answer_extractor(run_root: Path | None) -> str:
-    """The run's `rollout.answer_extractor` from its config.yaml (the logs score with it), else `boxed`."""
+    """The run's `task.answer_extractor` from its config.yaml (the logs score with it), else `boxed`."""
     import yaml
 
     config = run_root / "config.yaml" if run_root is not None else None
@@ -245,10 +245,10 @@ def _answer_extractor(run_root: Path | None) -> str:
         values = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise ViewerError(f"{config} is not a YAML config memrl wrote ({e}); pass a run root memrl wrote") from e
-    rollout = values.get("rollout") if isinstance(values, dict) else None
-    extractor = (rollout.get("answer_extractor") if isinstance(rollout, dict) else None) or "boxed"
+    task = values.get("task") if isinstance(values, dict) else None
+    extractor = (task.get("answer_extractor") if isinstance(task, dict) else None) or "boxed"
     if extractor not in ANSWER_EXTRACTORS:
-        raise ViewerError(f"{config}: rollout.answer_extractor is {_short(extractor)}, expected one of "
+        raise ViewerError(f"{config}: task.answer_extractor is {_short(extractor)}, expected one of "
                           f"{', '.join(ANSWER_EXTRACTORS)}; pass a run root memrl wrote")
     return extractor
 

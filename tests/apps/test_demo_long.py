@@ -34,9 +34,9 @@ def test_every_length_is_evaluated_for_both_models_on_documents_of_that_length(t
             # Every document read whole (max_chunks = the longest length): L memory turns + the final one.
             assert all(x["num_chunks"] == length and not x["document_truncated"] and x["turns"] == length + 1
                        for x in lines)
-            assert row[name]["memory_max_tokens"] <= summary["config"]["rollout"]["memory_tokens"]
+            assert row[name]["memory_max_tokens"] <= summary["config"]["task"]["memory_tokens"]
         # One recipe for all lengths: the result folders share one format (compare would refuse otherwise).
-        assert summary["config"]["rollout"]["max_chunks"] == 8
+        assert summary["config"]["task"]["max_chunks"] == 8
         assert row["wrong_to_right"] + row["right_to_wrong"] <= 5 and 0.0 <= row["mcnemar_p"] <= 1.0
         assert (tmp_path / f"len{length}" / "compare" / "report.md").is_file()
         assert (tmp_path / "data" / f"length_{length}.jsonl").is_file()

@@ -72,7 +72,7 @@ def test_pass_at_k_no_context_asks_the_question_alone(tiny_tokenizer, tmp_path, 
                               context="zebra document " * 40, metadata={}) for i in range(2)]
     write_jsonl(tmp_path / "cands.jsonl", records)
     monkeypatch.setattr(runner, "open_engine", lambda cfg, model, url, tok: (tiny_tokenizer, Recorder(), {"kind": "x"}))
-    sets = ["rollout.chunk_tokens=16", "rollout.memory_tokens=8", "rollout.final_tokens=8"]
+    sets = ["task.chunk_tokens=16", "task.memory_tokens=8", "task.final_tokens=8"]
     result = pass_at_k.pass_at_k_command("m", None, None, tmp_path / "cands.jsonl", tmp_path / "nc.json", 3, sets,
                                          tokenizer="t", progress=False, no_context=True)
     assert result["no_context"] is True and result["pass_counts"] == {"q0": 3, "q1": 3}

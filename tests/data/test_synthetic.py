@@ -34,8 +34,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def rollout_cfg():
-    # The toy recipe's rollout section (chunk_tokens 21, max_chunks 3, short templates).
-    return load_config(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml").rollout
+    # The toy recipe's task section (chunk_tokens 21, max_chunks 3, short templates).
+    return load_config(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml").task
 
 
 def test_exactly_one_fact_answers_and_every_distractor_shares_one_key():

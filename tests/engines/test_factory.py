@@ -11,10 +11,10 @@ from memrl.engines.openai import OpenAIEngine
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model
 
 
-def cfg(**rollout) -> Config:
+def cfg(**engine) -> Config:
     return Config.model_validate({"model": {"device": "cpu", "dtype": "float32"},
-                                  "rollout": {"max_batch_size": 3, "max_batch_tokens": 999, "request_timeout_s": 5.0,
-                                              "max_concurrency": 7, **rollout}})
+                                  "engine": {"max_batch_size": 3, "max_batch_tokens": 999, "request_timeout_s": 5.0,
+                                             "max_concurrency": 7, **engine}})
 
 
 def test_every_kind_of_engine_gets_the_configs_limits(tmp_path):
@@ -47,6 +47,6 @@ def test_exactly_one_source_and_a_server_url_for_openai():
         build_engine(cfg())
     with pytest.raises(ConfigError, match="exactly one"):
         build_engine(cfg(), server_url="http://x", model_path="m")
-    with pytest.raises(ConfigError, match="rollout.server_url"):
-        training_engine(cfg(engine="openai"), None, None)
-    assert isinstance(training_engine(cfg(engine="openai", server_url="http://127.0.0.1:9"), None, None), OpenAIEngine)
+    with pytest.raises(ConfigError, match="engine.server_url"):
+        training_engine(cfg(kind="openai"), None, None)
+    assert isinstance(training_engine(cfg(kind="openai", server_url="http://127.0.0.1:9"), None, None), OpenAIEngine)

@@ -122,7 +122,7 @@ def test_refuses_different_data_naming_both_shas(results, tmp_path):
 
 
 def test_refuses_different_format_naming_each_key_and_both_values(tiny_tokenizer, results, tmp_path):
-    cfg = small_config(chunk_tokens=48, temperature=0.7)
+    cfg = small_config(sampling={"temperature": 0.7}, chunk_tokens=48)
     run_eval(tiny_tokenizer, AnswerEngine(tiny_tokenizer), tmp_path / "long", cfg=cfg)
     with pytest.raises(CompareError) as err:
         compare_results([results["base"], tmp_path / "long"])

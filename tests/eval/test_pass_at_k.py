@@ -34,7 +34,7 @@ class SeedOracle:
 
 
 def test_pass_counts_match_the_reward_of_each_sample(tiny_tokenizer, tmp_path):
-    cfg = Config.model_validate({"rollout": {"chunk_tokens": 64, "memory_tokens": 16, "final_tokens": 16}})
+    cfg = Config.model_validate({"task": {"chunk_tokens": 64, "memory_tokens": 16, "final_tokens": 16}})
     records = [QuestionRecord(id=f"q{i}", question=f"Q{i}?", answers=["Paris"], context="", metadata={})
                for i in range(5)]
     counts, failed = asyncio.run(count_passes(SeedOracle(tiny_tokenizer, fail_ids=[3]), tiny_tokenizer, cfg,
@@ -44,7 +44,7 @@ def test_pass_counts_match_the_reward_of_each_sample(tiny_tokenizer, tmp_path):
         if rec.id == "q3":
             continue
         # empty context: the final turn is turn 0; seeds as the rollout derives them
-        expected = sum(request_seed(cfg.rollout.seed, f"0:{slot}:{rec.id}", k, 0) % 2 == 0 for k in range(8))
+        expected = sum(request_seed(cfg.sampling.seed, f"0:{slot}:{rec.id}", k, 0) % 2 == 0 for k in range(8))
         assert counts[rec.id] == expected
     # the file format prepare-data reads, and the selection it feeds
     path = tmp_path / "pc.json"
@@ -71,7 +71,7 @@ def _fake_engine(monkeypatch, tokenizer):
                                                                              {"kind": "fake"}))
 
 
-SMALL = ["rollout.chunk_tokens=64", "rollout.memory_tokens=16", "rollout.final_tokens=16"]
+SMALL = ["task.chunk_tokens=64", "task.memory_tokens=16", "task.final_tokens=16"]
 
 
 @pytest.mark.parametrize(("sets", "limit", "expected"), [
@@ -96,7 +96,7 @@ def test_pass_at_k_reads_the_question_limit(tiny_tokenizer, tmp_path, monkeypatc
     ("train.lr=1e-5", "does not read 'train.lr'"),
     ("data.dir=/data", "the candidates are --data FILE"),
     ("queue.timeout_s=5", "does not read 'queue.timeout_s'"),
-    ("algorithm.kl_coef=0", "it reads model.*, rollout.*, eval.limit"),
+    ("algorithm.kl_coef=0", "it reads model.*, sampling.*, engine.*, task.*, eval.limit"),
 ])
 def test_pass_at_k_refuses_a_key_it_would_ignore(tiny_tokenizer, tmp_path, monkeypatch, key, words):
     from memrl.config import ConfigError

@@ -47,7 +47,7 @@ def test_ruler_eval_runs_end_to_end_on_real_text(tmp_path):
     records = load_eval_data(data)[:2]
     lines = {line["id"]: line for line in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
     assert set(lines) == {record.id for record in records}
-    r = recipe.rollout
+    r = recipe.task
     for record in records:
         line, tokens = lines[record.id], len(tokenize_document(tok, record.context))
         # Read whole (50 documents fit in 64 chunks), one memory turn per 2048-token chunk, memory capped.

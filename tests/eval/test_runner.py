@@ -35,7 +35,7 @@ from memrl.eval.stats import bootstrap_interval, mcnemar_p, metric_summary, wils
 from memrl.rollout import request_seed
 
 N_QUESTIONS = 16
-SMALL = ["rollout.chunk_tokens=64", "rollout.memory_tokens=16", "rollout.final_tokens=8", "rollout.max_chunks=2"]
+SMALL = ["task.chunk_tokens=64", "task.memory_tokens=16", "task.final_tokens=8", "task.max_chunks=2"]
 _QUESTION = re.compile(r"What is item (\d+)\?")
 
 
@@ -44,9 +44,10 @@ def make_records(n: int = N_QUESTIONS, prefix: str = "q") -> list[QuestionRecord
                            " ".join(f"item{k} is alpha{k}." for k in range(8 + i))) for i in range(n)]
 
 
-def small_config(**rollout) -> Config:
-    return Config.model_validate({"rollout": {"chunk_tokens": 32, "memory_tokens": 8, "final_tokens": 32,
-                                              "max_chunks": 3, "temperature": 0.0, **rollout},
+def small_config(sampling: dict | None = None, engine: dict | None = None, **task) -> Config:
+    return Config.model_validate({"task": {"chunk_tokens": 32, "memory_tokens": 8, "final_tokens": 32, "max_chunks": 3,
+                                           **task},
+                                  "sampling": {"temperature": 0.0, **(sampling or {})}, "engine": engine or {},
                                   "eval": {"concurrency": 4}})
 
 
@@ -123,7 +124,7 @@ def test_one_line_per_question_and_counts_add_up(tiny_tokenizer, tmp_path):
     assert lines["q3"]["num_chunks"] >= 1 and len(lines["q3"]["memory_lengths"]) == lines["q3"]["num_chunks"]
     on_disk = json.loads((tmp_path / SUMMARY_FILE).read_text())
     assert on_disk["metrics"] == summary["metrics"] and on_disk["data"]["sha256"] == "sha-a"
-    assert on_disk["format"]["chunk_tokens"] == 32 and "api_key" not in on_disk["config"]["rollout"]
+    assert on_disk["format"]["chunk_tokens"] == 32 and "api_key" not in on_disk["config"]["engine"]
 
 
 def test_a_run_without_one_success_is_refused_with_its_first_error(tiny_tokenizer, tmp_path):
@@ -139,7 +140,7 @@ def test_a_run_without_one_success_is_refused_with_its_first_error(tiny_tokenize
 
 def test_seeds_are_the_model_independent_eval_seeds_and_concurrency_is_bounded(tiny_tokenizer, tmp_path):
     engine = AnswerEngine(tiny_tokenizer, delay_s=0.01)
-    cfg = small_config(seed=77)
+    cfg = small_config(sampling={"seed": 77})
     run_eval(tiny_tokenizer, engine, tmp_path, cfg=cfg)
     expected = set()
     for r in make_records():
@@ -303,7 +304,7 @@ def _app() -> typer.Typer:
 
 
 def _cli_eval(args: list[str]):
-    sets = [x for s in [*SMALL, "rollout.temperature=0"] for x in ("--set", s)]
+    sets = [x for s in [*SMALL, "sampling.temperature=0"] for x in ("--set", s)]
     result = CliRunner().invoke(_app(), ["eval", *args, *sets, "--no-progress"])
     assert result.exit_code == 0, (result.output, result.exception)
     return result
@@ -416,7 +417,7 @@ def test_the_local_engine_times_requests_out_as_the_recipe_says(tmp_path):
     from memrl.tiny import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
-    cfg = small_config(request_timeout_s=4.0)
+    cfg = small_config(engine={"request_timeout_s": 4.0})
     _, engine, info = open_engine(cfg, str(model_dir), None, model_dir)
     try:
         assert info["kind"] == "hf" and engine.request_timeout_s == 4.0

@@ -1,4 +1,4 @@
-"""`rollout.memory_after_think`: the official MemAgent memory update (the text after the last </think>,
+"""`task.memory_after_think`: the official MemAgent memory update (the text after the last </think>,
 stripped) as an option; the training default keeps the whole response, and the turn always trains on every
 sampled id."""
 
@@ -27,15 +27,15 @@ def official_memory(content: str) -> str:
     return content.split("</think>")[-1].strip() if "</think>" in content else content
 
 
-def rollout_with(tokenizer, **rollout):
-    cfg = Config.model_validate({"rollout": {"chunk_tokens": 16, "memory_tokens": 40, "final_tokens": 8,
-                                             "max_chunks": 2, "n_samples": 1, **rollout}})
+def rollout_with(tokenizer, **task):
+    cfg = Config.model_validate({"task": {"chunk_tokens": 16, "memory_tokens": 40, "final_tokens": 8, "max_chunks": 2,
+                                          **task}, "sampling": {"n_samples": 1}})
     engine = ScriptedEngine(tokenizer, lambda p: REPLY if "Rewrite your memory" in p else "\\boxed{Paris}")
     ctx = RolloutContext(engine=engine, tokenizer=tokenizer, config=cfg, rollout_id=0,
                          reward_function=lambda traj, golds: 0.0, progress=False)
     record = SimpleNamespace(id="q", question="What is the capital?", answers=["Paris"],
                              context=" ".join(f"fact{k} is alpha{k}." for k in range(6)))
-    (traj,) = asyncio.run(generate_group(ctx, GroupSlot(0, record, f"0:{record.id}"), cfg.rollout.n_samples))
+    (traj,) = asyncio.run(generate_group(ctx, GroupSlot(0, record, f"0:{record.id}"), cfg.sampling.n_samples))
     return traj, engine
 
 
@@ -94,7 +94,7 @@ def test_without_a_think_token_the_split_is_made_in_text(content):
 
 
 def test_the_official_eval_recipe_sets_it_and_the_eval_format_records_it(tiny_tokenizer):
-    assert load_config(RECIPE).rollout.memory_after_think is True
-    assert Config().rollout.memory_after_think is False  # the training default keeps the whole response
+    assert load_config(RECIPE).task.memory_after_think is True
+    assert Config().task.memory_after_think is False  # the training default keeps the whole response
     assert eval_format(load_config(RECIPE), tiny_tokenizer, [0])["memory_after_think"] is True
     assert "memory_after_think" not in eval_format(Config(), tiny_tokenizer, [0])  # old runs still resume

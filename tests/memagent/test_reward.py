@@ -83,7 +83,7 @@ def test_real_hotpotqa_answers_score_one_when_boxed(hotpot_dev_records):
         assert trajectory_reward(_traj(f"So the answer is {gold}"), [gold]) == 0.0
 
 
-# --- The answer extractor (rollout.answer_extractor) -------------------------------------------------
+# --- The answer extractor (task.answer_extractor) -------------------------------------------------
 def test_the_extractor_recorded_by_the_rollout_is_used():
     traj = _traj("Therefore, the answer is Paris.")
     assert trajectory_reward(traj, ["Paris"]) == 0.0  # no metadata: boxed, as before
@@ -115,13 +115,13 @@ def test_rollout_reward_reads_the_configured_extractor(tiny_tokenizer, extractor
     from memrl.memagent.rollout import generate_group
     from memrl.rollout import GroupSlot, RolloutContext
 
-    cfg = Config.model_validate({"rollout": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 32,
-                                             "max_chunks": 2, "n_samples": 2, "answer_extractor": extractor}})
+    cfg = Config.model_validate({"task": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 32, "max_chunks": 2, "answer_extractor": extractor},
+                                 "sampling": {"n_samples": 2}})
     engine = ScriptedEngine(tiny_tokenizer, lambda prompt: final if "\\boxed{}" in prompt else "fact3 alpha3")
     ctx = RolloutContext(engine=engine, tokenizer=tiny_tokenizer, config=cfg, reward_function=trajectory_reward,
                          progress=False)
     record = SimpleNamespace(id="q", question="What is fact3?", answers=["alpha3"], context="fact3 is alpha3.")
-    group = asyncio.run(generate_group(ctx, GroupSlot(0, record, f"0:{record.id}"), cfg.rollout.n_samples))
+    group = asyncio.run(generate_group(ctx, GroupSlot(0, record, f"0:{record.id}"), cfg.sampling.n_samples))
     assert [t.status for t in group] == ["complete"] * 2
     assert [t.reward for t in group] == [expected] * 2
     assert all(t.metadata["answer_extractor"] == extractor for t in group)

@@ -18,16 +18,16 @@ from memrl.rl.validate import validate_groups, validate_trajectory
 from memrl.rollout import GroupSlot, RolloutContext, request_seed
 
 
-def make_ctx(tokenizer, engine, **rollout):
-    cfg = Config.model_validate({"rollout": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 6,
-                                             "max_chunks": 3, "n_samples": 4, **rollout}})
+def make_ctx(tokenizer, engine, n_samples: int = 4):
+    cfg = Config.model_validate({"task": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 6, "max_chunks": 3},
+                                 "sampling": {"n_samples": n_samples}})
     return RolloutContext(engine=engine, tokenizer=tokenizer, config=cfg, rollout_id=3,
                           reward_function=lambda traj, golds: float(traj.answer.strip() in golds), progress=False)
 
 
 def one_group(ctx, rec, n=None):
-    """One group of `rec` keyed "<rollout_id>:<id>" (no slot), `n` samples (default rollout.n_samples)."""
-    return generate_group(ctx, GroupSlot(0, rec, f"{ctx.rollout_id}:{rec.id}"), n or ctx.config.rollout.n_samples)
+    """One group of `rec` keyed "<rollout_id>:<id>" (no slot), `n` samples (default sampling.n_samples)."""
+    return generate_group(ctx, GroupSlot(0, rec, f"{ctx.rollout_id}:{rec.id}"), n or ctx.config.sampling.n_samples)
 
 
 def word_ids(tokenizer):
@@ -157,7 +157,7 @@ class ScriptedEngine:
     """
 
     def __init__(self, ctx, keys, respond, n_samples=1, max_turns=8):
-        seed = ctx.config.rollout.seed
+        seed = ctx.config.sampling.seed
         self.turn_of = {request_seed(seed, key, s, t): (key, s, t)
                         for key in keys for s in range(n_samples) for t in range(max_turns)}
         self.respond = respond
@@ -188,7 +188,7 @@ def test_empty_memory_update_replaces_the_old_memory(tiny_tokenizer):
     """Pitfall "Inconsistent memory updates" (docs/design.md): "an empty update that silently keeps the old memory (VIME)": the new memory always wins."""
     ctx = make_ctx(tiny_tokenizer, None, n_samples=1)
     rec = record()
-    chunks = document_chunks(tiny_tokenizer, ctx.config.rollout, rec.context).chunks
+    chunks = document_chunks(tiny_tokenizer, ctx.config.task, rec.context).chunks
     assert len(chunks) == 3
     eos = tiny_tokenizer.eos_token_id
     # The prompts the test expects once the memory is empty; turn 0's memory uses ids that occur in
@@ -211,7 +211,7 @@ def test_empty_memory_update_replaces_the_old_memory(tiny_tokenizer):
     traj = run(one_group(ctx, rec))[0]
     assert traj.status == "complete" and [t.kind for t in traj.turns] == ["memory"] * 3 + ["final"]
     assert contains_run(engine.requests["3:q1", 0, 1].prompt_ids, memory0)  # turn 1 did see turn 0's memory
-    no_memory = builder_of(ctx).tokenizer(ctx.config.rollout.no_memory_text, add_special_tokens=False)["input_ids"]
+    no_memory = builder_of(ctx).tokenizer(ctx.config.task.no_memory_text, add_special_tokens=False)["input_ids"]
     got = engine.requests["3:q1", 0, 2].prompt_ids
     assert not set(memory0) & set(got), "turn 2 still carries turn 0's memory"
     assert not contains_run(got, no_memory), "turn 2 shows the no-memory text for an empty memory"
@@ -257,7 +257,7 @@ def test_a_short_trajectory_does_not_wait_for_a_slow_turn_of_another(tiny_tokeni
     turn ends. A's slow turn waits for B's final request, with a timeout so the test can never hang."""
     ctx = make_ctx(tiny_tokenizer, None, n_samples=1)
     rec_a, rec_b = record("qa"), record("qb", n_words=1)
-    assert len(document_chunks(tiny_tokenizer, ctx.config.rollout, rec_b.context).chunks) == 1
+    assert len(document_chunks(tiny_tokenizer, ctx.config.task, rec_b.context).chunks) == 1
     words, eos = word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id
     b_final_arrived = asyncio.Event()
 
@@ -285,7 +285,7 @@ def test_rollout_records_the_gold_positions_the_search_finds(tiny_tokenizer):
     ctx = make_ctx(tiny_tokenizer, engine)
     rec = SimpleNamespace(**{**vars(record(n_words=6)), "answers": ["alpha0", "alpha5"]})
     out = run(MemAgentTask().generate(ctx, [rec]))
-    expected = chunk_gold_hits(tiny_tokenizer, document_chunks(tiny_tokenizer, ctx.config.rollout, rec.context),
+    expected = chunk_gold_hits(tiny_tokenizer, document_chunks(tiny_tokenizer, ctx.config.task, rec.context),
                                rec.answers)
     assert any(expected) and [t.metadata["chunk_golds"] for t in out.trajectories] == [expected] * 4
 

@@ -160,7 +160,7 @@ def test_config_refuses_a_zero_chunk_and_accepts_unset():
 def actor_step(chunk, rows, **algorithm):
     cfg = Config.model_validate({
         "train": {"lr": 1e-3, "grad_clip": 1e9, "micro_batch_tokens": 40, "logprob_chunk_tokens": chunk},
-        "rollout": {"temperature": 0.8},
+        "sampling": {"temperature": 0.8},
         "algorithm": {"kl_coef": 0.0, **algorithm}})
     actor = Actor(tiny_model(), cfg, pad_token_id=0)
     actor.optimizer.step = lambda *a, **k: None  # keep the gradient, skip the update

@@ -36,8 +36,9 @@ def test_served_engine_is_reloaded_with_the_trained_weights(tmp_path):
     run_root = tmp_path / "run"
     with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[run_root])) as url:
         cfg = Config.model_validate({
-            "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
-                        "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+            "engine": {"kind": "openai", "server_url": url},
+            "task": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2},
+            "sampling": {"n_samples": 4},
             "train": {"num_rollout": 1, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
             "plugins": {"reward_function": f"{__name__}:parity_reward"},
         })
@@ -61,7 +62,7 @@ def test_a_resumed_run_first_syncs_the_served_engine_to_its_checkpoint(tmp_path)
     records = [QuestionRecord(id="q0", question="Which city?", answers=["Paris"],
                               context="Document 1: Paris is the capital of France. " * 3, metadata={})]
     first = Trainer(Config.model_validate({
-        "rollout": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+        "task": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2}, "sampling": {"n_samples": 4},
         "train": {"num_rollout": 1, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
         "plugins": {"reward_function": f"{__name__}:parity_reward"}}),
         TrainOptions(run_root=tmp_path / "run", progress=False),
@@ -71,8 +72,9 @@ def test_a_resumed_run_first_syncs_the_served_engine_to_its_checkpoint(tmp_path)
     served = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")  # the base weights
     with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[tmp_path / "run"])) as url:
         cfg = Config.model_validate({
-            "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
-                        "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+            "engine": {"kind": "openai", "server_url": url},
+            "task": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2},
+            "sampling": {"n_samples": 4},
             "train": {"num_rollout": 2, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},  # 1 step left
             "plugins": {"reward_function": f"{__name__}:parity_reward"}})
         Trainer(cfg, TrainOptions(run_root=tmp_path / "run", progress=False, load=tmp_path / "run"),
@@ -82,7 +84,7 @@ def test_a_resumed_run_first_syncs_the_served_engine_to_its_checkpoint(tmp_path)
 
 
 def test_the_overlapped_pipeline_feeds_a_served_engine_one_folder_per_weight_version(tmp_path):
-    # train.max_staleness=1 with rollout.engine=openai: each published version is a folder of its own that
+    # train.max_staleness=1 with engine.kind=openai: each published version is a folder of its own that
     # the server reloads before the rollouts that sample with it; the schedule and the samples are those of
     # the in-process engine's pipeline, and no version folder is left once the run ends.
     model_dir = save_tiny_model(tmp_path / "model", layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
@@ -91,10 +93,10 @@ def test_the_overlapped_pipeline_feeds_a_served_engine_one_folder_per_weight_ver
                               context=f"Document {k}: Paris is the capital of France. " * 3, metadata={})
                for k in range(2)]
 
-    def run(root, **rollout):
+    def run(root, **engine):
         cfg = Config.model_validate({
-            "rollout": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2, "n_samples": 4,
-                        **rollout},
+            "task": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2},
+            "sampling": {"n_samples": 4}, "engine": engine,
             "train": {"num_rollout": 3, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10, "max_staleness": 1},
             "plugins": {"reward_function": f"{__name__}:parity_reward"}})
         return Trainer(cfg, TrainOptions(run_root=root, progress=False),
@@ -111,7 +113,7 @@ def test_the_overlapped_pipeline_feeds_a_served_engine_one_folder_per_weight_ver
 
     served.reload_from_path = counting_reload
     with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[tmp_path / "run"])) as url:
-        history = run(tmp_path / "run", engine="openai", server_url=url)
+        history = run(tmp_path / "run", kind="openai", server_url=url)
     assert [m["pipeline/staleness"] for m in history] == [m["pipeline/staleness"] for m in in_process] == [0, 1, 1]
     assert [m["reward/mean"] for m in history] == [m["reward/mean"] for m in in_process]
     assert reloads == ["v0000001"]  # rollout 2 samples with version 1; rollouts 0 and 1 with the served model's
@@ -132,8 +134,9 @@ def test_a_served_engine_that_does_not_reload_is_caught_at_the_next_step(tmp_pat
     rollouts = []
     with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[tmp_path / "run"])) as url:
         cfg = Config.model_validate({
-            "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
-                        "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+            "engine": {"kind": "openai", "server_url": url},
+            "task": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2},
+            "sampling": {"n_samples": 4},
             "train": {"num_rollout": 2, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
             "plugins": {"reward_function": f"{__name__}:parity_reward"}})
         trainer = Trainer(cfg, TrainOptions(run_root=tmp_path / "run", progress=False),
@@ -160,8 +163,9 @@ def test_a_server_that_cannot_score_fails_at_start_saying_how_to_train_without_t
         completions = []
         with serve_in_thread(vllm_like_app("ok", completions)) as url:
             cfg = Config.model_validate({
-                "rollout": {"engine": "openai", "server_url": url, "chunk_tokens": 48, "memory_tokens": 6,
-                            "final_tokens": 5, "max_chunks": 2, "n_samples": 4},
+                "engine": {"kind": "openai", "server_url": url},
+                "task": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2},
+                "sampling": {"n_samples": 4},
                 "train": {"num_rollout": 1, "rollout_batch_size": 1, "save_interval": 10, "sync_check": check},
                 "plugins": {"reward_function": f"{__name__}:parity_reward"}})
             trainer = Trainer(cfg, TrainOptions(run_root=tmp_path / f"run_{check}", progress=False),

@@ -81,8 +81,8 @@ def test_sft_lowers_the_nll(tokenizer):
 
 
 def test_sft_config_turns_off_rl_terms():
-    cfg = sft_config(load_config(None, ["algorithm.kl_coef=0.1", "rollout.temperature=0.7"]), SFTOptions(lr=5e-3))
-    assert cfg.algorithm.kl_coef == 0 and cfg.rollout.temperature == 1.0 and cfg.train.lr == 5e-3
+    cfg = sft_config(load_config(None, ["algorithm.kl_coef=0.1", "sampling.temperature=0.7"]), SFTOptions(lr=5e-3))
+    assert cfg.algorithm.kl_coef == 0 and cfg.sampling.temperature == 1.0 and cfg.train.lr == 5e-3
     assert cfg.algorithm.loss_agg == "token_mean"
 
 

@@ -63,7 +63,7 @@ def test_the_engine_scores_the_probe_as_the_trainer_does(tokenizer, temperature)
     # Actor.sync_probe (the old-log-prob path) agree within the default float32 tolerance, at the run's
     # temperature; scored at another temperature they would not.
     cfg = config()
-    cfg.rollout.temperature = temperature
+    cfg.sampling.temperature = temperature
     model = build_tiny_model(len(tokenizer), layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64)
     actor = Actor(model, cfg, pad_token_id=tokenizer.pad_token_id)
     engine = build_engine(cfg, model=actor.model, tokenizer=tokenizer)

@@ -1,0 +1,102 @@
+"""What every config section shares: `Section` (unknown keys refused, strict ints and bools, retired keys
+named with their replacement), `ConfigError`, and `import_object` for the config's `module:name` paths."""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+import types
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+
+from memrl.errors import MemrlError
+
+
+class ConfigError(ValueError, MemrlError):
+    """A recipe or override that cannot be used; the message names the key and what to change."""
+
+
+_SCALARS = {bool, int, float, str}
+
+
+def _accepted_scalars(annotation: Any) -> set[type]:
+    """The scalar types a field, or the items of a list/tuple field, accepts: `int | None` -> {int},
+    `tuple[float, float]` -> {float}, `Literal[0, 1]` -> {int}; empty for sections and dicts."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _accepted_scalars(get_args(annotation)[0])
+    if origin is Literal:
+        return {type(arg) for arg in get_args(annotation)} & _SCALARS
+    if origin in (Union, types.UnionType, list, tuple):
+        return set().union(*(_accepted_scalars(arg) for arg in get_args(annotation) if arg is not Ellipsis))
+    return {annotation} & _SCALARS
+
+
+def _lax_coercion(value: Any, accepted: set[type]) -> str | None:
+    """Why pydantic's lax mode would silently change `value` (None if it would not): `true` would become
+    1, `1.5` an int 1 or an error far from the cause, `"yes"` a bool. Floats still take ints (`lr: 1`) and
+    numeric text (YAML 1.1 reads `1e-6` as a string); NaN and infinities are refused by allow_inf_nan."""
+    if isinstance(value, (list, tuple)):
+        return next(filter(None, (_lax_coercion(item, accepted) for item in value)), None)
+    numeric = accepted & {int, float}
+    if isinstance(value, bool):
+        return None if bool in accepted or not numeric else f"{value!r} is a bool where a number belongs; write the number"
+    if type(value) in accepted or value is None:
+        return None
+    if bool in accepted and not numeric:
+        return f"{value!r} is not a bool; write true or false"
+    if numeric == {int} and not isinstance(value, numbers.Integral):
+        return f"{value!r} is not a whole number; write an integer such as 4 (not 4.0, 1.5 or '4')"
+    return None
+
+
+class Section(BaseModel):
+    # allow_inf_nan=False: `train.lr=.inf` turned every weight into NaN, `queue.timeout_s=.inf` overflowed
+    # a later wait. Strict ints and bools (see `_lax_coercion`) for every field, also of plugin sections.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # Keys an earlier release had, each with the message that names what replaces it (or says it is gone):
+    # refused even when set to null, so an old recipe stops with what to write instead of a bare "unknown key".
+    retired_keys: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_retired_keys(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            old = [key for key in cls.retired_keys if key in raw]
+            if old:
+                raise ValueError("; ".join(cls.retired_keys[key] for key in old))
+        return raw
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lax_coercion(cls, value: Any, info: ValidationInfo) -> Any:
+        problem = _lax_coercion(value, _accepted_scalars(cls.model_fields[info.field_name].annotation))
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+
+
+def _split_import_path(spec: str) -> tuple[str, str]:
+    """`module:attr` (also `module.attr`) -> (module, attr)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    return module_name, attr
+
+
+def import_object(spec: str) -> Any:
+    """Load `module:attr` (also `module.attr`); a clear error when either part is missing."""
+    module_name, attr = _split_import_path(spec)
+    if not module_name or not attr:
+        raise ConfigError(f"'{spec}' is not an import path; write it as 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import module '{module_name}' of '{spec}': {e}") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError as e:
+        raise ConfigError(f"module '{module_name}' has no '{attr}' (from '{spec}')") from e
+
