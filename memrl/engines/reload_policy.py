@@ -1,12 +1,9 @@
 """Which folders `memrl serve` may reload weights from, and what they must hold (POST /v1/reload_weights).
 
 Reloads are disabled unless the operator names folders (`--reload-root`). A path outside them gets one
-refusal (403) whether or not it exists (`..` collapsed as text, then symlinks resolved and checked
-again), and so does a folder inside them holding a link (file or folder, at any depth) that resolves
-outside them; a folder whose config or tokenizer differs from the served model's gets a 409, never a
-silent swap (token ids are checked against, and decoded with, the served tokenizer). A path the OS
-cannot look at (a name too long, a permission denied) is a 400. Kept apart from the HTTP app so the
-rules read on their own; the server turns `ReloadRefused` into its error response.
+403 whether or not it exists (`..` collapsed as text, then symlinks resolved and checked again), as does
+a folder holding a link (at any depth) that resolves outside them; a folder whose config or tokenizer
+differs from the served model's is a 409, never a silent swap; a path the OS cannot look at is a 400.
 """
 
 from __future__ import annotations
@@ -19,18 +16,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from memrl.config import ConfigError
+from memrl.engines.server_requests import APIError
 
 logger = logging.getLogger("memrl.engines.server")  # the server's log, where refusals are explained
 
 
-class ReloadRefused(Exception):
-    """A reload request refused with an HTTP `status` (400, 403, 409) and an OpenAI-style error `kind`."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
+class ReloadRefused(APIError):
+    """A reload request refused with an HTTP `status` (400, 403, 409); the server answers it as any APIError."""
 
 
 RELOAD_DISABLED_MESSAGE = (
@@ -48,34 +40,13 @@ LINK_OUT_MESSAGE = (
 # Config fields that decide the shapes of a model's weights (or, model_type/architectures, which module
 # holds them). Names differ between model families, so each is compared only where a config has it.
 ARCHITECTURE_FIELDS = (
-    "model_type",
-    "architectures",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "tie_word_embeddings",
-    "num_experts",
-    "num_local_experts",
-    "moe_intermediate_size",
-    "n_embd",
-    "n_layer",
-    "n_head",
-    "n_inner",
-    "n_positions",
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
+    "num_local_experts", "moe_intermediate_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # Every file a tokenizer's vocabulary is read from: equal bytes, equal vocabulary, no reload needed.
-TOKENIZER_INPUTS = (
-    *TOKENIZER_FILES,
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "merges.txt",
-    "vocab.txt",
-)
+TOKENIZER_INPUTS = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.txt")
 
 
 def _tokenizer_digest(folder: Path) -> str:

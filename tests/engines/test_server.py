@@ -22,7 +22,8 @@ import uvicorn
 
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.engines.sampling import sampling_log_probs
-from memrl.engines.server import MAX_TEMPERATURE, MIN_TEMPERATURE, TEXT_PROMPT_MESSAGE, create_app
+from memrl.engines.server import create_app
+from memrl.engines.server_requests import MAX_TEMPERATURE, MIN_TEMPERATURE, TEXT_PROMPT_MESSAGE
 
 FAIL_TOKEN = 99  # a prompt holding it gets an `error` result
 RAISE_TOKEN = 98  # a prompt holding it makes generate() raise
