@@ -58,9 +58,7 @@ def _tokenizer_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def _architecture_differences(
-    served: Mapping[str, Any], other: Mapping[str, Any], prefix: str = ""
-) -> list[str]:
+def _architecture_differences(served: Mapping[str, Any], other: Mapping[str, Any], prefix: str = "") -> list[str]:
     """'field: other (served: value)' for each architecture field that differs, nested text_config too."""
     diffs = []
     for key in ARCHITECTURE_FIELDS:
@@ -97,10 +95,8 @@ def check_reload_roots(roots: Sequence[str | os.PathLike] | None) -> None:
     for root in roots or ():
         real = Path(os.path.realpath(root))
         if real.exists() and not real.is_dir():
-            raise ConfigError(
-                f"reload root {str(root)!r} is not a folder; pass the folder that holds the weights "
-                "(e.g. the training run root)"
-            )
+            raise ConfigError(f"reload root {str(root)!r} is not a folder; pass the folder that holds the weights "
+                              "(e.g. the training run root)")
 
 
 class ReloadPolicy:
@@ -111,9 +107,8 @@ class ReloadPolicy:
     request) cannot lead out of them.
     """
 
-    def __init__(
-        self, roots: Sequence[str | os.PathLike] | None, config: Mapping[str, Any] | None, tokenizer: Any
-    ) -> None:
+    def __init__(self, roots: Sequence[str | os.PathLike] | None, config: Mapping[str, Any] | None,
+                 tokenizer: Any) -> None:
         check_reload_roots(roots)
         self.roots = [(Path(os.path.abspath(root)), Path(os.path.realpath(root))) for root in roots or ()]
         self.config = dict(config) if config is not None else None
@@ -138,9 +133,8 @@ class ReloadPolicy:
             if self.vocab is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
                 self._check_vocab(folder, path)
         except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP: the path is unusable, whatever it names
-            raise ReloadRefused(
-                400, f"reload path {path!r} cannot be read on the server's machine: {exc.strerror or exc}"
-            ) from exc
+            raise ReloadRefused(400, f"reload path {path!r} cannot be read on the server's machine: "
+                                     f"{exc.strerror or exc}") from exc
         return folder
 
     def _inside_roots(self, real: Path) -> bool:
@@ -163,9 +157,8 @@ class ReloadPolicy:
                     if not self._inside_roots(Path(os.path.realpath(entry.path))):
                         relative = os.path.relpath(entry.path, folder)
                         logger.warning("refused a reload from %r: %s links outside the roots", given, relative)
-                        raise ReloadRefused(
-                            403, LINK_OUT_MESSAGE.format(given=given, entry=relative), "permission_denied"
-                        )
+                        raise ReloadRefused(403, LINK_OUT_MESSAGE.format(given=given, entry=relative),
+                                            "permission_denied")
                     if entry.is_dir():  # follows links, which now lie inside a root
                         pending.append(Path(entry.path))
 
@@ -178,9 +171,7 @@ class ReloadPolicy:
         if not self.roots:
             raise ReloadRefused(403, RELOAD_DISABLED_MESSAGE, "permission_denied")
         lexical = Path(os.path.abspath(path))
-        if not any(
-            lexical.is_relative_to(given) or lexical.is_relative_to(real) for given, real in self.roots
-        ):
+        if not any(lexical.is_relative_to(given) or lexical.is_relative_to(real) for given, real in self.roots):
             self._forbid(path)
         try:
             real = Path(os.path.realpath(lexical))
@@ -192,34 +183,23 @@ class ReloadPolicy:
 
     def _forbid(self, path: str) -> NoReturn:
         # The caller learns nothing about the path; the operator finds what was asked in the log.
-        logger.warning(
-            "refused a reload from %r: outside --reload-root %s", path, [str(r) for r, _ in self.roots]
-        )
+        logger.warning("refused a reload from %r: outside --reload-root %s", path, [str(r) for r, _ in self.roots])
         raise ReloadRefused(403, RELOAD_FORBIDDEN_MESSAGE, "permission_denied")
 
     def _check_config(self, folder: Path, given: str) -> None:
         if not (folder / "config.json").is_file():
-            raise ReloadRefused(
-                400, f"reload folder {given!r} has no config.json; reload from a Hugging Face model folder"
-            )
+            raise ReloadRefused(400, f"reload folder {given!r} has no config.json; reload from a Hugging Face model folder")
         try:
             config = read_model_config(folder)
         except Exception as exc:  # unknown model_type, broken JSON: not the served architecture either way
-            raise ReloadRefused(
-                409,
-                f"the config.json in {given!r} does not load as the served model's config ({exc}); "
-                "reload only checkpoints of the served model, or restart memrl serve on the new model",
-                "conflict",
-            ) from exc
+            raise ReloadRefused(409, f"the config.json in {given!r} does not load as the served model's config ({exc}); "
+                                "reload only checkpoints of the served model, or restart memrl serve on the new model",
+                                "conflict") from exc
         diffs = _architecture_differences(self.config, config)
         if diffs:
-            raise ReloadRefused(
-                409,
-                f"reload folder {given!r} holds a different model than the one served: {'; '.join(diffs)}. "
-                "Reload only checkpoints of the served model (same architecture and vocabulary), or restart "
-                "memrl serve on the new model",
-                "conflict",
-            )
+            raise ReloadRefused(409, f"reload folder {given!r} holds a different model than the one served: "
+                                f"{'; '.join(diffs)}. Reload only checkpoints of the served model (same architecture "
+                                "and vocabulary), or restart memrl serve on the new model", "conflict")
 
     def _check_vocab(self, folder: Path, given: str) -> None:
         from transformers import AutoTokenizer
@@ -230,22 +210,14 @@ class ReloadPolicy:
         if digest in self._matching_tokenizers:
             return
         try:
-            vocab = AutoTokenizer.from_pretrained(
-                str(folder), local_files_only=True, trust_remote_code=False
-            ).get_vocab()
+            vocab = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False).get_vocab()
         except Exception as exc:
-            raise ReloadRefused(
-                409,
-                f"the tokenizer files in {given!r} do not load ({type(exc).__name__}: {exc}); the served "
-                "tokenizer decodes every reply, so a reload folder may only carry that same tokenizer",
-                "conflict",
-            ) from exc
+            raise ReloadRefused(409, f"the tokenizer files in {given!r} do not load ({type(exc).__name__}: {exc}); the "
+                                "served tokenizer decodes every reply, so a reload folder may only carry that same "
+                                "tokenizer", "conflict") from exc
         if vocab != self.vocab:
-            raise ReloadRefused(
-                409,
-                f"the tokenizer in {given!r} has a different vocabulary ({len(vocab)} tokens, served: "
-                f"{len(self.vocab)}; {_first_vocab_difference(self.vocab, vocab)}). Token ids are checked and "
-                "decoded with the served tokenizer: reload only folders with that tokenizer (or none)",
-                "conflict",
-            )
+            raise ReloadRefused(409, f"the tokenizer in {given!r} has a different vocabulary ({len(vocab)} tokens, "
+                                f"served: {len(self.vocab)}; {_first_vocab_difference(self.vocab, vocab)}). Token ids "
+                                "are checked and decoded with the served tokenizer: reload only folders with that "
+                                "tokenizer (or none)", "conflict")
         self._matching_tokenizers.add(digest)
