@@ -26,14 +26,7 @@ class SpareLayer(DynamicLayer):
     @classmethod
     def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, spare: int) -> SpareLayer:
         """A layer holding `keys`/`values` [B, H, L, D] (copied) with room for `spare` more columns."""
-        layer = cls()
-        layer.device, layer.is_initialized = keys.device, True
-        layer._key_buffer = keys.new_empty(*keys.shape[:2], keys.shape[2] + spare, keys.shape[3])
-        layer._value_buffer = values.new_empty(*values.shape[:2], values.shape[2] + spare, values.shape[3])
-        layer._key_buffer[:, :, : keys.shape[2]] = keys
-        layer._value_buffer[:, :, : values.shape[2]] = values
-        layer._set_views(0, keys.shape[2])
-        return layer
+        return cls.merged([(keys, values)], keys.shape[2], spare)
 
     @classmethod
     def merged(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, spare: int) -> SpareLayer:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 
 from memrl.config import ConfigError, import_object
 from memrl.engines.base import Engine, EngineError, GenerationRequest, GenerationResult
@@ -321,42 +321,33 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        service.check_key(request)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(service.check_key)])
+
+    @v1.get("/models")
+    async def models() -> dict:
         return service.models()
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(body: CompletionBody, request: Request) -> dict:
-        service.check_key(request)
         return await service.completions(body, request)
 
-    @app.post("/v1/score")
-    async def score(body: ScoreBody, request: Request) -> dict:
-        service.check_key(request)
+    @v1.post("/score")
+    async def score(body: ScoreBody) -> dict:
         return await service.score(body)
 
-    @app.post("/v1/reload_weights")
-    async def reload_weights(body: ReloadBody, request: Request) -> dict:
-        service.check_key(request)
+    @v1.post("/reload_weights")
+    async def reload_weights(body: ReloadBody) -> dict:
         return await service.reload_weights(body)
 
+    app.include_router(v1)
 
-def create_app(
-    engine: Engine,
-    model_name: str,
-    api_key: str | None = None,
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
-    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
-    max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    tokenizer: Any = None,
-    vocab_size: int | None = None,
-    close_engine_on_shutdown: bool = True,
-    gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
-    reload_roots: Sequence[str | os.PathLike] | None = None,
-    model_config: Mapping[str, Any] | None = None,
-) -> FastAPI:
+
+def create_app(engine: Engine, model_name: str, api_key: str | None = None,
+               max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+               max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               tokenizer: Any = None, vocab_size: int | None = None, close_engine_on_shutdown: bool = True,
+               gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S, reload_roots: Sequence[str | os.PathLike] | None = None,
+               model_config: Mapping[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name`.
 
     `tokenizer` (optional) only decodes `text` and per-token strings for humans; `vocab_size` (optional)
@@ -417,9 +408,8 @@ def _served_config(engine: Any, model_path: str) -> dict[str, Any] | None:
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # those both logging and uvicorn know
 
 
-def check_serve_options(
-    port: int, reload_roots: Sequence[str | os.PathLike] | None, shutdown_timeout_s: float, log_level: str
-) -> None:
+def check_serve_options(port: int, reload_roots: Sequence[str | os.PathLike] | None, shutdown_timeout_s: float,
+                        log_level: str) -> None:
     """ConfigError for options uvicorn or the reload policy would refuse only with a traceback, and only
     after the model has loaded."""
     if log_level not in LOG_LEVELS:
@@ -441,22 +431,12 @@ def _log_exposure(host: str, api_key: str | None, reload_roots: Sequence[str | o
         logger.info("weight reloads disabled (no --reload-root)")
 
 
-def serve(
-    model_path: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
-    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
-    engine_factory: str | None = None,
-    log_level: str = "info",
-    gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
-    reload_roots: Sequence[str | os.PathLike] | None = None,
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-) -> None:
+def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, device: str = "auto", dtype: str = "auto",
+          max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+          engine_factory: str | None = None, log_level: str = "info", gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+          reload_roots: Sequence[str | os.PathLike] | None = None,
+          shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Load the model (HFEngine, or `engine_factory` 'module:function(model_path) -> Engine') and serve it
     as `served_model_name` (default: the folder's name) until interrupted. `reload_roots` default to none
     (reloads disabled): a served model has no business loading arbitrary folders unless the operator says
@@ -471,16 +451,9 @@ def serve(
     _log_exposure(host, api_key, reload_roots)
     engine = _load_engine(model_path, engine_factory, device, dtype)
     vocab_size = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
-    app = create_app(
-        engine,
-        model_name=served_model_name or Path(model_path).name or model_path,
-        api_key=api_key,
-        max_prompt_tokens=max_prompt_tokens,
-        max_tokens_limit=max_tokens_limit,
-        tokenizer=getattr(engine, "tokenizer", None),  # HFEngine loads the folder's tokenizer
-        vocab_size=vocab_size if isinstance(vocab_size, int) else None,
-        gate_timeout_s=gate_timeout_s,
-        reload_roots=reload_roots,
-        model_config=_served_config(engine, model_path),
-    )
+    app = create_app(engine, served_model_name or Path(model_path).name or model_path, api_key=api_key,
+                     max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
+                     tokenizer=getattr(engine, "tokenizer", None),  # HFEngine loads the folder's tokenizer
+                     vocab_size=vocab_size if isinstance(vocab_size, int) else None, gate_timeout_s=gate_timeout_s,
+                     reload_roots=reload_roots, model_config=_served_config(engine, model_path))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s)

@@ -8,12 +8,12 @@ engine would overflow on (a seed past int64) or sample nonsense from (an infinit
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
 
 # Seeds and token ids travel as int64 (torch tensors, SGLang, vLLM); torch.Generator takes < 2**64, but
 # int64 is what every engine behind this API accepts. HFEngine draws its own random seeds below 2**63.
@@ -63,6 +63,10 @@ def _temperature_in_range(value: float) -> float:
     return value
 
 
+# Strict types: a JSON `true` or "0.7" in a numeric field is a client bug, not 1 or 0.7.
+Temperature = Annotated[StrictFloat, Field(allow_inf_nan=False), AfterValidator(_temperature_in_range)]
+
+
 class CompletionBody(BaseModel):
     """The /v1/completions request. Unknown OpenAI/vLLM fields are ignored; unsupported ones refused."""
 
@@ -70,9 +74,8 @@ class CompletionBody(BaseModel):
 
     model: str | None = None
     prompt: Any
-    # Strict types: a JSON `true` or "0.7" in a numeric field is a client bug, not 1 or 0.7.
     max_tokens: StrictInt = Field(16, ge=1)
-    temperature: StrictFloat = Field(1.0, allow_inf_nan=False)
+    temperature: Temperature = 1.0
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: StrictInt | None = None
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
@@ -87,11 +90,6 @@ class CompletionBody(BaseModel):
     @classmethod
     def _prompt_is_token_ids(cls, value: Any) -> list[list[int]]:
         return _parse_prompt(value)
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature_in_range(cls, value: float) -> float:
-        return _temperature_in_range(value)
 
     @field_validator("seed")
     @classmethod
@@ -121,12 +119,7 @@ class ScoreBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt_ids: list[StrictInt] = Field(min_length=1)
     continuation_ids: list[StrictInt] = Field(min_length=1)
-    temperature: StrictFloat = Field(1.0, allow_inf_nan=False)
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature_in_range(cls, value: float) -> float:
-        return _temperature_in_range(value)
+    temperature: Temperature = 1.0
 
 
 class ReloadBody(BaseModel):
