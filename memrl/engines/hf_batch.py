@@ -34,11 +34,8 @@ class _Pending:
 @dataclass
 class EngineStats:
     """What the engine computed since it was created or `reset_stats()`; written by the worker thread only.
-
-    One prefill per batch or per group of requests admitted together. `prefill_tokens / prompt_tokens` is
-    what prefix sharing saves: a plain prefill computes rows x its widest prompt, a shared one the prefix
-    once and the distinct suffixes.
-    """
+    One prefill per batch or per group admitted together; `prefill_tokens / prompt_tokens` is what prefix
+    sharing saves (a plain prefill computes rows x its widest prompt)."""
 
     prefills: int = 0
     prefill_requests: int = 0

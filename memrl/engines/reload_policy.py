@@ -101,11 +101,8 @@ def check_reload_roots(roots: Sequence[str | os.PathLike] | None) -> None:
 
 class ReloadPolicy:
     """Which folders /v1/reload_weights may load, and what they must hold to fit the served model.
-
-    `roots` are kept in two forms: as given (made absolute) and with symlinks resolved at startup, so
-    a root reached through a symlink is recognised either way, while a path's own symlinks (resolved per
-    request) cannot lead out of them.
-    """
+    `roots` are kept as given (made absolute) and with symlinks resolved at startup, so a root reached through
+    a symlink is recognised either way, while a path's own symlinks (resolved per request) cannot lead out."""
 
     def __init__(self, roots: Sequence[str | os.PathLike] | None, config: Mapping[str, Any] | None,
                  tokenizer: Any) -> None:
@@ -117,12 +114,9 @@ class ReloadPolicy:
         self._matching_tokenizers: set[str] = set()  # digests of tokenizer files found to match
 
     def check(self, path: str) -> Path:
-        """The real folder `path` names, if the engine may load it (blocking I/O); ReloadRefused if not.
-
-        403 outside the roots (`resolve`) or with a link out of them; 400 unless a model folder, or when
-        the OS refuses to look at the path; 409 unless it matches the served model. The server calls it
-        again right before the engine loads the folder, so what is loaded is what was checked.
-        """
+        """The real folder `path` names, if the engine may load it (blocking I/O); ReloadRefused if not: 403
+        outside the roots or with a link out of them, 400 unless a readable model folder, 409 unless it
+        matches the served model."""
         folder = self.resolve(path)
         try:
             if not folder.is_dir():
@@ -163,11 +157,9 @@ class ReloadPolicy:
                         pending.append(Path(entry.path))
 
     def resolve(self, path: str) -> Path:
-        """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not.
-
-        `..` is collapsed as text first, so nothing outside the roots is even looked at; only then are
-        symlinks resolved, and the result is checked again (a link inside a root may point out of it).
-        """
+        """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not. `..` is
+        collapsed as text first, so nothing outside the roots is even looked at; then symlinks are resolved
+        and the result checked again (a link inside a root may point out of it)."""
         if not self.roots:
             raise ReloadRefused(403, RELOAD_DISABLED_MESSAGE, "permission_denied")
         lexical = Path(os.path.abspath(path))

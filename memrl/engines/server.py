@@ -63,12 +63,9 @@ DISCONNECT_POLL_S = 0.5
 
 
 class _ReloadGate:
-    """Generations share the engine; a reload needs it alone (a small readers-writer lock).
-
-    Waiting reloads take precedence over new generations, so a busy server still reloads. Each wait
-    to enter lasts at most `timeout_s`, then raises a 503 APIError; the condition's lock is only held
-    to read and change the counters, never across a generation or a reload.
-    """
+    """Generations share the engine; a reload needs it alone (a small readers-writer lock). Waiting reloads
+    go before new generations, so a busy server still reloads; each wait lasts at most `timeout_s` (then a
+    503), and the condition's lock is held only to change the counters, never across a generation."""
 
     def __init__(self, timeout_s: float) -> None:
         self._cond = asyncio.Condition()
@@ -134,11 +131,8 @@ class _ClientGone(Exception):
 
 
 async def _while_connected(request: Request, work: Awaitable[Any]) -> Any:
-    """`work`'s result, or `_ClientGone` once the client has disconnected (`work` is then cancelled).
-
-    If this handler is itself cancelled (a shutdown past its grace period), `work` is cancelled too:
-    the engine drops the cancelled requests' rows instead of generating for nobody.
-    """
+    """`work`'s result, or `_ClientGone` once the client has disconnected. `work` is cancelled then, and when
+    this handler is (a shutdown past its grace period): the engine drops those rows."""
     task = asyncio.ensure_future(work)
     try:
         while True:
