@@ -412,6 +412,17 @@ def test_api_key_required_on_v1_routes_but_not_health():
         assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
+def test_without_the_key_a_malformed_request_is_refused_as_unauthorized_not_explained():
+    # The key is checked before the body is validated: a client without it learns nothing about the API.
+    app = create_app(FakeEngine(), "fake", api_key="s3cret")
+    with serve_in_thread(app) as url:
+        r = post(url, {"prompt": "text", "max_tokens": True}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        assert "API key" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/score", json={"prompt_ids": []}, timeout=10)
+        assert r.status_code == 401
+
+
 class LetterTokenizer:
     """Token t is the letter chr(65 + t % 26); token 0 is special."""
 
