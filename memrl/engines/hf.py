@@ -251,19 +251,13 @@ class HFEngine:
                     if not batch:
                         continue
                     self._in_flight = batch
+                    run = self._run_session if self.continuous_batching else self._run_batch
                     try:
-                        if self.continuous_batching:  # results are posted as rows finish
-                            await loop.run_in_executor(self._executor, self._run_session, batch)
-                            results = None
-                        else:
-                            results = await loop.run_in_executor(self._executor, self._run_batch,
-                                                                 [p.request for p in batch])
+                        await loop.run_in_executor(self._executor, run, batch)
                     except Exception as error:  # the batch failed: its waiters learn why, later batches still run
                         message = f"batch of {len(self._in_flight)} failed: {type(error).__name__}: {error}"
-                        batch, results = self._in_flight, [GenerationResult.failed(message) for _ in self._in_flight]
-                    if results is not None:
-                        for pending, result in zip(batch, results, strict=True):
-                            self._resolve(pending, result)
+                        for pending in self._in_flight:
+                            self._resolve(pending, GenerationResult.failed(message))
                     self._in_flight = []
         finally:
             self._fail_pending("engine worker stopped")
@@ -308,10 +302,12 @@ class HFEngine:
         return batch
 
     # ------------------------------------------------------------------------ blocking torch work
-    def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Whole-request batching: decode `requests` together until every one has finished."""
+    def _run_batch(self, batch: list[_Pending]) -> None:
+        """Whole-request batching: decode `batch` together until every one has finished, then post the results."""
         with self._batch_thread(), self._timed():
-            return self._decode(requests)
+            results = self._decode([p.request for p in batch])
+        for pending, result in zip(batch, results, strict=True):
+            self._post(pending, result)
 
     def _run_session(self, first: list[_Pending]) -> None:
         """Continuous batching: decode `first` and admit newcomers between steps until none is left."""
