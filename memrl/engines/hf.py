@@ -137,12 +137,12 @@ class HFEngine:
         on_cuda = self.device.type == "cuda"
         if cuda_graphs == "on" and not on_cuda:
             raise EngineError(f"cuda_graphs = 'on' needs a CUDA device, but the engine runs on {self.device}; "
-                              "set rollout.cuda_graphs to auto or off")
+                              "set engine.cuda_graphs to auto or off")
         if cuda_graphs == "on" and static_kv == "off":
             raise EngineError("cuda_graphs = 'on' captures the static-shape decode step; it needs static_kv auto or on")
         unsupported = supports_static_decode(self.model)
         if static_kv == "on" and unsupported:
-            raise EngineError(f"static_kv = 'on' cannot serve this model: {unsupported}; set rollout.static_kv to auto or off")
+            raise EngineError(f"static_kv = 'on' cannot serve this model: {unsupported}; set engine.static_kv to auto or off")
         if static_kv == "off" or unsupported or (static_kv == "auto" and not on_cuda):
             return None
         graphs = on_cuda and cuda_graphs != "off"
@@ -204,7 +204,7 @@ class HFEngine:
             # slow or busy machine fails every request the same way, so the message names the knob.
             return GenerationResult.failed(
                 f"request timed out after {self.request_timeout_s:g} s in the local engine, queueing included; on a "
-                f"slow or busy machine raise rollout.request_timeout_s or run fewer requests at once")
+                f"slow or busy machine raise engine.request_timeout_s or run fewer requests at once")
         except asyncio.CancelledError:
             future.cancel()  # the caller gave up (e.g. a server's client left): its row leaves the batch too
             raise
@@ -450,7 +450,7 @@ class HFEngine:
             log_probs = await asyncio.wait_for(scored, self.request_timeout_s)
         except TimeoutError:
             raise EngineError(f"score timed out after {self.request_timeout_s} s behind a running batch "
-                              f"(rollout.request_timeout_s)") from None
+                              f"(engine.request_timeout_s)") from None
         return ScoreResult(log_probs, str(self.dtype).removeprefix("torch."))
 
     def _score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> list[float]:

@@ -54,7 +54,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_TOKENS_LIMIT = 8192
 DEFAULT_MAX_BATCH_PROMPTS = 256
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
-DEFAULT_GATE_TIMEOUT_S = 600.0  # as rollout.request_timeout_s and ray.sync_timeout_s
+DEFAULT_GATE_TIMEOUT_S = 600.0  # as engine.request_timeout_s and ray.sync_timeout_s
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 API_KEY_ENV = "MEMRL_API_KEY"
 # How often a running generation asks whether its client is still connected: a gone client's work

@@ -139,7 +139,7 @@ class StaticDecoder:
         except Exception as error:  # noqa: BLE001 - auto mode degrades to eager decoding, loudly
             if self.strict:
                 raise EngineError(f"capturing the decode step as a CUDA graph failed ({type(error).__name__}: "
-                                  f"{error}); set rollout.cuda_graphs to off (or auto, which falls back)") from error
+                                  f"{error}); set engine.cuda_graphs to off (or auto, which falls back)") from error
             log.warning("CUDA graph capture failed (%s: %s); decoding eagerly on static buffers", type(error).__name__,
                         error)
             self.graphs = False
@@ -187,7 +187,7 @@ class StaticBatch:
         layers = getattr(cache, "layers", None) or []
         if not layers or any(getattr(layer, "keys", None) is None or layer.keys.dim() != 4 for layer in layers):
             raise EngineError("static decode needs a prefill cache of plain [batch, heads, length, dim] layers; "
-                              "set rollout.static_kv to off for this model")
+                              "set engine.static_kv to off for this model")
         self.decoder.bind(layers[0].keys, len(layers))
         device = mask.device
         prompt_lengths = [len(r.request.prompt_ids) for r in rows]
