@@ -12,7 +12,7 @@ from memrl.errors import MemrlError
 PACKAGE = Path(__file__).resolve().parents[1] / "memrl"
 # Error classes a command never shows a user, each with the reason.
 NOT_USER_FACING = {
-    "memrl.engines.server:APIError": "a request the server refuses: it becomes an HTTP error response",
+    "memrl.engines.server_requests:APIError": "a request the server refuses: it becomes an HTTP error response",
 }
 
 

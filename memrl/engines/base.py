@@ -1,20 +1,12 @@
 """The engine contract: token ids in, token ids and their log-probs out, asynchronously.
 
-Engines never take text prompts. A result carries, for every generated token (the stop token included
-when one was sampled), its log-prob under the distribution it was sampled from (temperature and top_p
-applied), and a finish reason: `stop` (a stop token was sampled), `length` (max_tokens reached), or
-`error` (with a message; output may be empty). An engine never raises for one bad request when it can
-report `error` instead, so one failure never kills a batch.
-
-Weight sync is part of the contract: `sync_from(source)` makes an engine generate with the trainer's
-current weights. The source offers them two ways, and each engine takes the one it can use: an
-in-process engine copies `whole_weights()`, a served one asks its server to reload `saved_folder()`.
-The loop never asks which kind of engine it holds.
-
-After a sync the trainer checks it (the weight-sync canary, memrl/train/sync_check.py): `score` gives the
-engine's teacher-forced log-probs of a fixed continuation, which must match the trainer's own (a
-`SyncProbe`) to float tolerance. A source the trainer froze for later (the overlapped pipeline) carries
-its probe with it.
+Engines never take text prompts. A result carries, for every generated token (a sampled stop token
+included), its log-prob under the distribution it was sampled from (temperature and top_p applied), and a
+finish reason: `stop`, `length`, or `error` (with a message); an engine reports `error` for one bad
+request rather than raise, so one failure never kills a batch. Weight sync is part of the contract:
+`sync_from(source)` takes the trainer's weights in the form the engine can use (an in-process engine
+copies `whole_weights()`, a served one has its server reload `saved_folder()`), and `score` gives the
+teacher-forced log-probs the trainer's weight-sync canary compares (memrl/train/sync_check.py).
 """
 
 from __future__ import annotations
@@ -62,10 +54,9 @@ class EngineError(RuntimeError, MemrlError):
 
 @dataclass(frozen=True)
 class SyncProbe:
-    """The trainer's log-probs of `continuation_ids` after `prompt_ids` (teacher-forced, at `temperature`, as it
-    computes old log-probs), taken while it held weight version `version` (the weights after step
-    version - 1). `dtype` is what the trainer's forward ran in; `layers` and `width` (the model's depth and
-    widest matrix product) scale the float tolerance of the comparison."""
+    """The trainer's teacher-forced log-probs of `continuation_ids` after `prompt_ids` at `temperature`, taken
+    while it held weight version `version` (the weights after step version - 1); `dtype` (its forward's),
+    `layers` and `width` (depth, widest matrix product) scale the float tolerance of the comparison."""
 
     prompt_ids: list[int]
     continuation_ids: list[int]
@@ -93,8 +84,8 @@ class WeightSource(Protocol):
         ...
 
     def saved_folder(self) -> str:
-        """A Hugging Face folder holding these weights, on storage the engine's server can read (written
-        on the first call for a weight version)."""
+        """A Hugging Face folder holding these weights that the engine's server can read (written on the
+        first call for a weight version)."""
         ...
 
 

@@ -39,8 +39,7 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
               "request_timeout_s": r.request_timeout_s,  # a stuck local batch fails its requests, no hang
               "static_kv": r.static_kv, "cuda_graphs": r.cuda_graphs, "share_prefixes": r.share_prefixes}
     if model is not None:
-        return HFEngine(copy.deepcopy(model), tokenizer, device=cfg.model.device, dtype=cfg.model.dtype,
-                        progress=False, **limits)
+        return HFEngine(copy.deepcopy(model), tokenizer, device=cfg.model.device, dtype=cfg.model.dtype, **limits)
     # The recipe's pinned revision applies to the recipe's own hub id, not to a folder given on the CLI.
     revision = cfg.model.revision if str(model_path) == cfg.model.path else None
     return HFEngine.from_pretrained(model_path, device=cfg.model.device, dtype=cfg.model.dtype,

@@ -1,60 +1,14 @@
 """The default engine: a local transformers model serving concurrent async requests in dynamic batches.
 
-Where things live: this module holds `HFEngine` (async queue, worker, admission limits, model calls,
-weight sync) and `resolve_device_dtype`; the running batch it decodes (KV-cache merging, per-row state,
-`EngineStats`) is in memrl/engines/hf_batch.py, and the pure sampling functions (`sampling_log_probs`,
-`sample_tokens`) in memrl/engines/sampling.py. All of these are re-exported here, so
-`from memrl.engines.hf import HFEngine, EngineStats, sampling_log_probs, ...` keeps working.
+`HFEngine` owns the async queue, the worker and its thread, admission limits, the model calls and weight
+sync; the running batch it decodes is in hf_batch.py (static-shape decode, `static_kv`/`cuda_graphs`:
+static_decode.py), the sampling rules in sampling.py, prefix sharing in prefix.py. How they fit together,
+and why the engine runs its own decode loop instead of `model.generate`: docs/engines.md.
 
-How it works. `generate` puts its requests on a queue and awaits their futures. One background worker
-(an asyncio task) hands the waiting requests, up to `max_batch_size` requests and `max_batch_tokens`
-padded tokens, to a dedicated thread (so the event loop stays responsive) that runs a left-padded
-prefill, then a KV-cached decode loop, one token per step for every unfinished row. A row leaves the
-batch (its KV cache rows are dropped) as soon as it samples a stop token (`stop`, the stop token is kept
-in the output) or reaches its `max_tokens` (`length`).
-
-Continuous batching (`continuous_batching=True`, the default). Between two decode steps the thread
-admits the requests that arrived meanwhile (within the same size and token limits): it prefills them
-and merges their KV cache into the running one (how, without changing any logit: hf_batch.py). A
-finished request's future is resolved at once (not when the batch ends), so a MemAgent trajectory can
-send its next turn while the batch keeps running. With `continuous_batching=False` requests that
-arrive during a batch wait for the whole batch to end (the previous behaviour, kept for comparison:
-bench/rollout.py). Caches that cannot be merged (sliding-window, quantized or shared-KV layers) fall
-back to admitting only into an empty batch.
-
-Why our own loop and not `model.generate`: one batch mixes requests with different temperature,
-top_p, seed, stop tokens and max_tokens, and we need the exact log-prob of every sampled token under
-the distribution it was sampled from. It is as fast as batched `generate` (bench/engine.py, 4M-parameter
-Qwen3, 16 requests x 64 tokens: H200 bf16 2310 vs 2889 tokens/s, 64 x 128: 10101 vs 9814; 2 CPU threads
-2293 vs 2456), and about 10x faster than transformers' continuous batching `generate_batch` there
-(222 and 975 tokens/s on the H200), so we do not use the latter.
-
-Sampling (rules: sampling.py). Each request draws its uniforms from its own CPU `torch.Generator`
-seeded with `request.seed` (a random seed when None), so a seeded request's random draws never depend
-on its batch mates, when it was admitted, or the device (its tokens are the same alone or in any
-batch, as far as padded fp32 logits agree; tested on CPU).
-
-Prefix sharing (`share_prefixes=True`, `engine.share_prefixes`; off by default until the demo has been
-measured with it: bench/README.md; memrl/engines/prefix.py). Each prefill (a batch, or
-a wave of requests admitted together) computes what its prompts share once: a repeated prompt (the
-turn-0 prompts of a GRPO group) for one row, copied to the others; a prefix of at least
-`min_shared_prefix` tokens common to several prompts (chat template and instruction; with the chunk-first
-prompt layout also a group's question and chunk) for one row, the rest of each prompt continuing from a
-copy. The result has the plain prefill's layout, so both decode paths below take it unchanged; a wave
-that shares nothing runs the plain prefill, bit for bit. `stats.prefill_tokens` counts what was
-computed, `stats.prompt_tokens` what was asked for.
-
-Static-shape decode (`static_kv`, `cuda_graphs`; memrl/engines/static_decode.py). With `static_kv` on
-(`auto`: on CUDA), rows decode in slots of preallocated KV buffers bucketed by batch size and length,
-and with `cuda_graphs` on (`auto`: whenever the static path runs on CUDA) each bucket's decode step is
-a captured CUDA graph: launch overhead gone, same sampling rules and random draws. On CPU the default
-stays the dynamic path above; `static_kv="on"` runs the static one eagerly (what the CPU tests check).
-
-Failure rules: a request with out-of-vocabulary ids fails alone; a batch that raises fails each of its
-unfinished waiters with `GenerationResult.failed(...)` and the engine keeps serving; if the worker stops
-(or `close()` is called, even mid-batch), every pending request is failed; with `request_timeout_s`
-set, a request that waits longer is failed (in continuous mode its row also leaves the batch).
-An engine serves one event loop at a time (a new loop, e.g. a second `asyncio.run`, starts a new worker).
+Invariants: a seeded request's tokens never depend on its batch mates, its admission time or the device
+(its uniforms come from its own CPU generator); a request with out-of-vocabulary ids fails alone; a batch
+that raises fails only its own waiters; `close()` or a stopped worker fails every pending request; past
+`request_timeout_s` a request fails and its row leaves the batch. One event loop at a time.
 """
 
 from __future__ import annotations
@@ -72,18 +26,14 @@ from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, ScoreResult, WeightSource
 from memrl.engines.hf_batch import EngineStats, _Pending, _plain_layers, _Row, _RunningBatch
 from memrl.engines.prefix import MIN_SHARED_PREFIX, HeldPrompts, plan_prefill, run_plan
-from memrl.engines.sampling import sample_tokens, sampling_log_probs
+from memrl.engines.sampling import sampling_log_probs
 from memrl.engines.static_decode import StaticBatch, StaticDecoder
 from memrl.engines.static_kv import supports_static_decode
-
-# Re-exported: callers and tests import these from memrl.engines.hf, where they used to live.
-__all__ = ["EngineStats", "HFEngine", "resolve_device_dtype", "sample_tokens", "sampling_log_probs"]
 
 
 def resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
@@ -104,11 +54,21 @@ def _weight_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-class _EngineRunner:
-    """An engine's model calls as its running batches see them (`hf_batch.ModelRunner`).
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """The name under which this model's forward takes its KV cache (newer transformers: `cache`)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    Looks the engine's `_prefill`, `_forward` and `stats` up at every call, so a method patched on the
-    engine (tests do) or a `reset_stats()` takes effect even in the middle of a batch."""
+
+def _load_model(path: str | Path, dtype: torch.dtype, revision: str | None = None) -> PreTrainedModel:
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, revision=revision)
+    except OSError as error:
+        raise EngineError(f"cannot load a model from {path}: {error}") from error
+
+
+class _EngineRunner:
+    """An engine's model calls as its running batches see them (`hf_batch.ModelRunner`), looked up at every
+    call, so a method patched on the engine (tests do) or `reset_stats()` takes effect mid-batch."""
 
     def __init__(self, engine: HFEngine) -> None:
         self._engine = engine
@@ -127,34 +87,20 @@ class _EngineRunner:
 
 
 class HFEngine:
-    """Local transformers engine implementing the `Engine` protocol (async generate, close).
+    """Local transformers engine implementing the `Engine` protocol.
 
-    The engine owns `model`: it is moved to `device`/`dtype` (None keeps the model's own; `auto` picks
-    CUDA/bfloat16 when available, else CPU/float32) and put in eval mode. To serve a trainer's model,
-    give the engine its own copy and sync it with `sync_from` (or `load_weights`); these
-    wait for a running batch (in continuous mode: until no request is left), so call them between
-    rollouts (they block the caller meanwhile). `max_batch_tokens` bounds batch size x (longest cache
-    row + most tokens any row may still generate), i.e. the KV cache. `stats` counts the work done.
-    `share_prefixes=False` (the default) computes every prompt in full (benches compare the two).
+    The engine owns `model`, moved to `device`/`dtype` (None keeps the model's own; `auto`: see
+    `resolve_device_dtype`) and put in eval mode: give it its own copy of a trainer's model and sync it with
+    `sync_from`, which waits for a running batch (in continuous mode: until no request is left).
+    `max_batch_tokens` bounds batch size x (longest cache row + most tokens any row may still generate),
+    i.e. the KV cache. `stats` counts the work done.
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer=None,
-        *,
-        max_batch_size: int = 32,
-        max_batch_tokens: int = 65536,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        progress: bool = False,
-        request_timeout_s: float | None = None,
-        continuous_batching: bool = True,
-        static_kv: str = "auto",
-        cuda_graphs: str = "auto",
-        share_prefixes: bool = False,
-        min_shared_prefix: int = MIN_SHARED_PREFIX,
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer=None, *, max_batch_size: int = 32, max_batch_tokens: int = 65536,
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+                 request_timeout_s: float | None = None, continuous_batching: bool = True, static_kv: str = "auto",
+                 cuda_graphs: str = "auto", share_prefixes: bool = False,
+                 min_shared_prefix: int = MIN_SHARED_PREFIX) -> None:
         if max_batch_size <= 0 or max_batch_tokens <= 0:
             raise EngineError(f"max_batch_size ({max_batch_size}) and max_batch_tokens ({max_batch_tokens}) must be > 0")
         for name, value in (("static_kv", static_kv), ("cuda_graphs", cuda_graphs)):
@@ -166,16 +112,14 @@ class HFEngine:
             dtype = next(model.parameters()).dtype
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens
-        self.progress = progress
-        self.request_timeout_s = request_timeout_s
+        self.tokenizer, self.request_timeout_s = tokenizer, request_timeout_s
+        self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.continuous_batching = continuous_batching
         self.share_prefixes, self.min_shared_prefix = share_prefixes, min_shared_prefix
         self.stats = EngineStats()
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self._decoder = self._static_decoder(static_kv, cuda_graphs)
+        self._cache_kwarg = _cache_kwarg(model)
+        # The static-shape decoder (None on the dynamic path); benches and tests read its `captures`.
+        self.static_decoder = self._build_static_decoder(static_kv, cuda_graphs)
         self._lock = threading.Lock()  # one batch (or session) or one weight update at a time
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._seed_rng = random.Random()
@@ -186,10 +130,9 @@ class HFEngine:
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._in_flight: list[_Pending] = []  # replaced (never mutated) by the worker thread
-        self._bar: tqdm | None = None
         self._closed = False
 
-    def _static_decoder(self, static_kv: str, cuda_graphs: str) -> StaticDecoder | None:
+    def _build_static_decoder(self, static_kv: str, cuda_graphs: str) -> StaticDecoder | None:
         """The static-shape decoder these settings ask for, or None for the dynamic path."""
         on_cuda = self.device.type == "cuda"
         if cuda_graphs == "on" and not on_cuda:
@@ -206,14 +149,9 @@ class HFEngine:
         return StaticDecoder(self.model, self._cache_kwarg, self.max_batch_size, graphs=graphs,
                              strict=cuda_graphs == "on")
 
-    @property
-    def static_decoder(self) -> StaticDecoder | None:
-        """The static-shape decoder (None on the dynamic path); benches and tests read its `captures`."""
-        return self._decoder
-
     def _new_batch(self):
         runner = _EngineRunner(self)
-        return StaticBatch(runner, self._decoder) if self._decoder is not None else _RunningBatch(runner)
+        return StaticBatch(runner, self.static_decoder) if self.static_decoder is not None else _RunningBatch(runner)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto",
@@ -221,10 +159,7 @@ class HFEngine:
         """Load a Hugging Face model folder or hub id (pinned at `revision`, and its tokenizer, if it has
         one); kwargs go to `HFEngine`."""
         device_, dtype_ = resolve_device_dtype(device, dtype)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype_, revision=revision)
-        except OSError as error:
-            raise EngineError(f"cannot load a model from {path}: {error}") from error
+        model = _load_model(path, dtype_, revision)
         try:
             tok_revision = revision if tokenizer_path is None or str(tokenizer_path) == str(path) else None
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or path), revision=tok_revision)
@@ -246,7 +181,6 @@ class HFEngine:
         loop = asyncio.get_running_loop()
         vocab = self.model.get_input_embeddings().num_embeddings
         futures: list[asyncio.Future] = []
-        queued = 0
         for request in requests:
             future = loop.create_future()
             bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
@@ -255,11 +189,7 @@ class HFEngine:
             else:
                 with self._queue_lock:
                     self._queue.append(_Pending(request, future))
-                queued += 1
             futures.append(future)
-        if self._bar is not None:
-            self._bar.total += queued
-            self._bar.refresh()
         self._wakeup.set()
         return list(await asyncio.gather(*(self._wait(f) for f in futures)))
 
@@ -285,25 +215,20 @@ class HFEngine:
         if self._worker is not None and not self._worker.done():
             if self._loop is asyncio.get_running_loop():
                 self._worker.cancel()
-                try:
+                with contextlib.suppress(asyncio.CancelledError):
                     await self._worker
-                except asyncio.CancelledError:
-                    pass
             elif not self._loop.is_closed():  # a worker of another, still running loop
                 self._loop.call_soon_threadsafe(self._worker.cancel)
         if self._loop is asyncio.get_running_loop() or self._loop is None or self._loop.is_closed():
             self._fail_pending("engine closed")
         self._executor.shutdown(wait=False)
         # The static path's KV storage and graphs can hold much of a GPU: free them now, unless a batch
-        # still runs on them (it frees them as it ends: `_release_if_closed`).
-        if self._decoder is not None and self._lock.acquire(blocking=False):
+        # still runs on them (it frees them as it ends: `_batch_thread`).
+        if self.static_decoder is not None and self._lock.acquire(blocking=False):
             try:
-                self._decoder.release()
+                self.static_decoder.release()
             finally:
                 self._lock.release()
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
 
     def _ensure_worker(self) -> None:
         loop = asyncio.get_running_loop()
@@ -314,8 +239,6 @@ class HFEngine:
             self._wakeup, self._worker = asyncio.Event(), None
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._serve(), name="hf-engine-worker")
-        if self.progress and self._bar is None:
-            self._bar = tqdm(total=0, desc="generate", unit="req", dynamic_ncols=True)
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -328,19 +251,13 @@ class HFEngine:
                     if not batch:
                         continue
                     self._in_flight = batch
+                    run = self._run_session if self.continuous_batching else self._run_batch
                     try:
-                        if self.continuous_batching:  # results are posted as rows finish
-                            await loop.run_in_executor(self._executor, self._run_session, batch)
-                            results = None
-                        else:
-                            results = await loop.run_in_executor(self._executor, self._run_batch,
-                                                                 [p.request for p in batch])
+                        await loop.run_in_executor(self._executor, run, batch)
                     except Exception as error:  # the batch failed: its waiters learn why, later batches still run
                         message = f"batch of {len(self._in_flight)} failed: {type(error).__name__}: {error}"
-                        batch, results = self._in_flight, [GenerationResult.failed(message) for _ in self._in_flight]
-                    if results is not None:
-                        for pending, result in zip(batch, results, strict=True):
-                            self._resolve(pending, result)
+                        for pending in self._in_flight:
+                            self._resolve(pending, GenerationResult.failed(message))
                     self._in_flight = []
         finally:
             self._fail_pending("engine worker stopped")
@@ -349,8 +266,6 @@ class HFEngine:
         """On the event loop: hand one result to its waiter (unless it timed out or was failed)."""
         if not pending.future.done():
             pending.future.set_result(result)
-        if self._bar is not None:
-            self._bar.update(1)
 
     def _post(self, pending: _Pending, result: GenerationResult) -> None:
         """From the worker thread: resolve on the waiter's own loop, now rather than at the batch's end."""
@@ -387,27 +302,28 @@ class HFEngine:
         return batch
 
     # ------------------------------------------------------------------------ blocking torch work
-    def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Whole-request batching: decode `requests` together until every one has finished."""
-        with self._lock, torch.inference_mode(), self._attention_backends(), self._timed():
-            try:
-                return self._decode(requests)
-            finally:
-                self._release_if_closed()
+    def _run_batch(self, batch: list[_Pending]) -> None:
+        """Whole-request batching: decode `batch` together until every one has finished, then post the results."""
+        with self._batch_thread(), self._timed():
+            results = self._decode([p.request for p in batch])
+        for pending, result in zip(batch, results, strict=True):
+            self._post(pending, result)
 
     def _run_session(self, first: list[_Pending]) -> None:
         """Continuous batching: decode `first` and admit newcomers between steps until none is left."""
+        with self._batch_thread():
+            self._decode_continuously(first)
+
+    @contextlib.contextmanager
+    def _batch_thread(self):
+        """The batch thread's hold on the model; at the end, a closed engine frees the static path's
+        storage and graphs (close() could not while this batch held them)."""
         with self._lock, torch.inference_mode(), self._attention_backends():
             try:
-                self._decode_continuously(first)
+                yield
             finally:
-                self._release_if_closed()
-
-    def _release_if_closed(self) -> None:
-        """Under the lock, at a batch's end: a closed engine frees the static path's storage and graphs
-        (close() could not while this batch held them)."""
-        if self._closed and self._decoder is not None:
-            self._decoder.release()
+                if self._closed and self.static_decoder is not None:
+                    self.static_decoder.release()
 
     @contextlib.contextmanager
     def _timed(self):
@@ -420,9 +336,8 @@ class HFEngine:
             self.stats.compute_s += time.perf_counter() - start
 
     def _attention_backends(self):
-        """On CUDA, keep SDPA off cuDNN attention: it builds a graph per (batch, length) shape and caches
-        it per thread, so our ever-changing decode shapes cost ~35 ms per step on an H200 (measured:
-        5 ms/step without it). Flash / memory-efficient kernels need no per-shape build."""
+        """On CUDA, keep SDPA off cuDNN attention: it builds a graph per (batch, length) shape, so our
+        ever-changing decode shapes cost ~35 ms per step on an H200 (5 ms/step without it, measured)."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
@@ -434,12 +349,10 @@ class HFEngine:
 
     def _prefill(self, requests: list[GenerationRequest], held: HeldPrompts | None = None):
         """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits).
-
-        With `share_prefixes`, what the prompts share (repeated prompts, common prefixes, prefixes of the
-        prompts of `held`, the running rows) is computed once (memrl/engines/prefix.py); the result has the
-        same layout either way."""
+        With `share_prefixes`, what the prompts share (among them and with `held`, the running rows) is
+        computed once (prefix.py); the result has the same layout either way."""
         prompts = [r.prompt_ids for r in requests]
-        cache = self._new_cache()
+        cache = DynamicCache(config=self.model.config)
         plan = None
         if self.share_prefixes and _plain_layers(cache):
             plan = plan_prefill(prompts, self.min_shared_prefix, held.held_prompts() if held is not None else ())
@@ -454,12 +367,6 @@ class HFEngine:
         self.stats.prefill_tokens += computed
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
         return cache, attention_mask, attention_mask.sum(-1), logits
-
-    def _new_cache(self) -> DynamicCache:
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers
-            return DynamicCache()
 
     def _padded_forward(self, prompts: list, cache: DynamicCache,
                         past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,9 +405,8 @@ class HFEngine:
 
     def _decode_continuously(self, first: list[_Pending]) -> None:
         batch, newcomers, owner = self._new_batch(), first, self._loop
-        # Stops when nothing is running or waiting (the worker then takes over the queue again), or on
-        # close(), whose waiters are already failed. Compute time is counted per step, since a session
-        # can span a whole rollout.
+        # Stops when nothing is running or waiting (the worker then takes the queue again), or on close(),
+        # whose waiters are already failed. Compute time is counted per step: a session can span a rollout.
         while not self._closed and (newcomers or batch.rows):
             start = time.perf_counter()
             if newcomers:
@@ -519,8 +425,8 @@ class HFEngine:
 
     # ------------------------------------------------------------------------------ weight sync
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy weights into the engine's own model (cast to its dtype/device); waits for a running batch.
-        The copy is in place (the parameters keep their storage), so captured CUDA graphs stay valid."""
+        """Copy weights into the engine's own model in place (cast to its dtype/device; captured CUDA graphs
+        stay valid); waits for a running batch."""
         with self._lock:
             try:
                 self.model.load_state_dict(dict(state_dict), strict=True)
@@ -528,7 +434,6 @@ class HFEngine:
                 raise EngineError(f"weights do not fit the engine's model ({type(self.model).__name__}): {error}") from error
 
     async def sync_from(self, source: WeightSource) -> None:
-        """The engine contract's weight sync: copy the source's whole weights into the engine's model."""
         self.load_weights(source.whole_weights())
 
     async def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> ScoreResult:
@@ -539,9 +444,8 @@ class HFEngine:
         vocab = self.model.get_input_embeddings().num_embeddings
         if not prompt_ids or not continuation_ids or any(not 0 <= t < vocab for t in [*prompt_ids, *continuation_ids]):
             raise EngineError(f"score needs a prompt and a continuation, both of ids in the vocabulary [0, {vocab})")
-        loop = asyncio.get_running_loop()
-        scored = loop.run_in_executor(self._executor, self._score, list(prompt_ids), list(continuation_ids),
-                                      temperature)
+        scored = asyncio.get_running_loop().run_in_executor(self._executor, self._score, list(prompt_ids),
+                                                            list(continuation_ids), temperature)
         try:  # bounded as a request is: behind a stuck batch it fails instead of waiting for ever
             log_probs = await asyncio.wait_for(scored, self.request_timeout_s)
         except TimeoutError:
@@ -552,7 +456,7 @@ class HFEngine:
     def _score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> list[float]:
         n = len(continuation_ids)
         ids = torch.tensor([prompt_ids + continuation_ids], device=self.device)
-        with self._lock, torch.inference_mode(), self._attention_backends():
+        with self._batch_thread():
             # The positions predicting the continuation: the last n + 1 but the very last.
             logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1]
         # The sampling rule's distribution (top_p 1): what a rollout's log-probs are taken from.
@@ -562,11 +466,7 @@ class HFEngine:
 
     def reload_from_path(self, path: str | Path) -> None:
         """Replace the model with the Hugging Face folder at `path` (same device and dtype)."""
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
-        except OSError as error:
-            raise EngineError(f"cannot load a model from {path}: {error}") from error
-        model = model.to(self.device).eval()
+        model = _load_model(path, self.dtype).to(self.device).eval()
         # Whatever a caller checked before, this is what was read: a folder swapped meanwhile for another
         # architecture must not replace the served model (nor the static decoder's buffers sized for it).
         if _weight_shapes(model) != _weight_shapes(self.model):
@@ -574,6 +474,6 @@ class HFEngine:
                               "reload only checkpoints of the served architecture")
         with self._lock:
             self.model = model
-            self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-            if self._decoder is not None:  # new parameters: graphs captured over the old ones are stale
-                self._decoder.reset(model, self._cache_kwarg)
+            self._cache_kwarg = _cache_kwarg(model)
+            if self.static_decoder is not None:  # new parameters: graphs captured over the old ones are stale
+                self.static_decoder.reset(model, self._cache_kwarg)

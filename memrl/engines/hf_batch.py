@@ -1,27 +1,10 @@
 """The running batch behind HFEngine: rows decoded together in one right-aligned, mergeable KV cache.
 
-What lives here and why: the per-step tensor bookkeeping of a batch (`_RunningBatch`: admit, sample,
-keep, advance), the per-request state it carries (`_Row`, `_Pending`), and the counters it and the
-engine update (`EngineStats`). The engine (memrl/engines/hf.py) keeps the async queue, the worker
-thread, batch admission limits and weight sync; the model calls (`_prefill`, `_forward`) stay on the
-engine so tests can patch them there. A batch reaches them only through the `ModelRunner` it is given
-(prefill, forward, count a decode step), never through the engine itself: this module does not import
-hf.py, so the two modules form no import cycle (tests/test_imports.py).
-
-Merging. A group of requests admitted together is prefilled left-padded among themselves, then joins
-the running rows by left-padding the shorter side's keys/values with zeros (attention mask 0) along
-the sequence; position ids are per row, so the padding changes no logit. When rows leave, the columns
-every remaining row masks are trimmed, so the cache never outgrows its longest row. Caches that cannot
-be merged (sliding-window, quantized or shared-KV layers, see `_mergeable`) only ever start a batch.
-
-Held prompts. At admission a mergeable batch hands itself to the prefill as `HeldPrompts`: its rows'
-prompts, and `prefix_block` to copy a prompt prefix's keys/values out of the merged cache, so a newcomer
-whose prompt starts like a running row's copies those tokens instead of computing them
-(memrl/engines/prefix.py). Prompt columns never change once written, so the copy is the row's own.
-
-Spare capacity. A mergeable cache's layers become `SpareLayer`s (memrl/engines/kv_cache.py) with room
-for the tokens its rows may still generate, so a decode step writes its keys/values in place instead
-of copying the whole cache (transformers' `DynamicLayer` concatenates); trimming only moves an offset.
+Owns the per-step bookkeeping of a batch (`_RunningBatch`: admit, sample, keep, advance), the per-request
+state (`_Row`, `_Pending`) and the counters (`EngineStats`). A batch reaches the engine's model calls only
+through its `ModelRunner`, so this module never imports hf.py. Invariant: merging, trimming and copying
+prompt prefixes between rows change no logit (zero keys/values under mask 0, per-row position ids); how:
+docs/engines.md.
 """
 
 from __future__ import annotations
@@ -34,16 +17,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.engines.kv_cache import SpareLayer
 from memrl.engines.prefix import HeldPrompts, KeyValues, copy_columns, picks_mask
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
-
-try:  # transformers >= 4.56 keeps one layer object per decoder layer; older caches are never merged
-    from transformers.cache_utils import DynamicLayer
-except ImportError:  # pragma: no cover
-    DynamicLayer = None
 
 
 @dataclass
@@ -55,12 +34,8 @@ class _Pending:
 @dataclass
 class EngineStats:
     """What the engine computed since it was created or `reset_stats()`; written by the worker thread only.
-
-    One prefill per batch (whole-request batching) or per group of requests admitted together
-    (continuous batching); `decode_rows / decode_steps` is the mean number of rows per decode step.
-    `prefill_tokens / prompt_tokens` is what prefix sharing saves (memrl/engines/prefix.py): a plain
-    prefill computes rows x its widest prompt, a shared one the prefix once and the distinct suffixes.
-    """
+    One prefill per batch or per group admitted together; `prefill_tokens / prompt_tokens` is what prefix
+    sharing saves (a plain prefill computes rows x its widest prompt)."""
 
     prefills: int = 0
     prefill_requests: int = 0
@@ -102,19 +77,13 @@ class _Row:
 
 
 class ModelRunner(Protocol):
-    """All a `_RunningBatch` needs of the engine: its model calls and its decode-step counters.
-
-    HFEngine hands each batch one (`memrl.engines.hf._EngineRunner`) that forwards to the engine's
-    `_prefill` / `_forward` / `stats` at every call. The device and the sampling rules are not part of
-    it: the batch puts its tensors on the device of the prefill's attention mask and samples with the
-    pure functions of memrl/engines/sampling.py.
-    """
+    """All a `_RunningBatch` needs of the engine: its model calls and its decode-step counters (the batch
+    puts its tensors on the device of the prefill's attention mask and samples with sampling.py)."""
 
     def prefill(self, requests: list[GenerationRequest],
                 held: HeldPrompts | None = None) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits);
-        counts the prefill in the engine's stats. `held`: the running batch, whose prompts' keys/values the
-        prefill may copy instead of computing them (memrl/engines/prefix.py)."""
+        """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits),
+        counted in the engine's stats. `held`: the running batch, whose prompts' keys/values it may copy."""
         ...
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -123,7 +92,6 @@ class ModelRunner(Protocol):
         ...
 
     def count_decode_step(self, rows: int) -> None:
-        """Count one decode step of `rows` rows in the engine's stats."""
         ...
 
 
@@ -261,7 +229,7 @@ def _plain_layers(cache) -> bool:
     """Every layer a plain full-attention `DynamicLayer`: sliding-window, quantized or shared-KV layers store
     keys/values that padding, copying between rows or merging would corrupt."""
     layers = getattr(cache, "layers", None)
-    return bool(layers) and DynamicLayer is not None and all(type(layer) is DynamicLayer for layer in layers)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 def _mergeable(cache) -> bool:

@@ -1,20 +1,10 @@
 """A KV-cache layer with spare capacity, for HFEngine's running batch (memrl/engines/hf_batch.py).
 
-Why: transformers' `DynamicLayer.update` appends a token by `torch.cat` of the whole cache, so every
-decode step copies (and allocates) all keys/values: O(L) per step, O(L^2) per sequence. Profiled on
-CPU with the tiny bench model, those copies were ~30% of a decode step. `SpareLayer` keeps keys/values
-in preallocated buffers [B, H, capacity, D]; `keys`/`values` are views of the filled columns
-[start, start + width), an append writes the next columns in place, and a full buffer is reallocated
-with room for as many columns again (doubling; amortized O(1) per token). Attention sees the same
-values as before, so no logit changes.
-
-The running batch's layout operations map onto the buffer: dropping rows indexes the buffer (spare
-columns included), trimming left columns every row masks only moves `start`, and merging two batches
-(`merged`) writes both, right-aligned and zero-padded on the left, into one new buffer.
-
-Code outside this module may still assign `layer.keys`/`layer.values` (transformers' `crop`, `reset`,
-offloading): `update` notices that the attributes are no longer its own views and adopts whatever they
-hold into a fresh buffer, so such code stays correct, it just costs one copy.
+transformers' `DynamicLayer.update` appends a token by `torch.cat` of the whole cache (O(L) per step;
+~30% of a CPU decode step, profiled). `SpareLayer` keeps keys/values in preallocated buffers with free
+columns on the right, `keys`/`values` being views of the filled ones: an append writes in place, a full
+buffer doubles. Attention sees the same values, so no logit changes. Code that assigns `layer.keys` /
+`layer.values` itself (transformers' `crop`, `reset`) stays correct: `update` adopts what they hold.
 """
 
 from __future__ import annotations
@@ -36,14 +26,7 @@ class SpareLayer(DynamicLayer):
     @classmethod
     def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, spare: int) -> SpareLayer:
         """A layer holding `keys`/`values` [B, H, L, D] (copied) with room for `spare` more columns."""
-        layer = cls()
-        layer.device, layer.is_initialized = keys.device, True
-        layer._key_buffer = keys.new_empty(*keys.shape[:2], keys.shape[2] + spare, keys.shape[3])
-        layer._value_buffer = values.new_empty(*values.shape[:2], values.shape[2] + spare, values.shape[3])
-        layer._key_buffer[:, :, : keys.shape[2]] = keys
-        layer._value_buffer[:, :, : values.shape[2]] = values
-        layer._set_views(0, keys.shape[2])
-        return layer
+        return cls.merged([(keys, values)], keys.shape[2], spare)
 
     @classmethod
     def merged(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, spare: int) -> SpareLayer:

@@ -1,24 +1,13 @@
 """An Engine over a served model: `memrl serve`, vLLM's OpenAI server, or SGLang's native API.
 
-Protocols (see docs/servers.md for the server flags):
-- `memrl` and `vllm`: POST {root}/v1/completions with `prompt` = token ids, `logprobs: 1`,
-  `return_token_ids: true` (vLLM >= 0.10), `skip_special_tokens: false`, `stop_token_ids`, `seed`.
-  Output ids come from `choices[0].token_ids`, or, failing that, from `choices[0].logprobs.tokens` when
-  the server writes them as `token_id:N` (vLLM's `--return-tokens-as-token-ids`). Log-probs come from
-  `choices[0].logprobs.token_logprobs`.
-- `sglang`: POST {root}/generate with `input_ids`, `sampling_params`, `return_logprob: true`; ids and
-  log-probs come from `meta_info.output_token_logprobs` ([logprob, token_id, text] per token) and the
-  finish reason from `meta_info.finish_reason.type`.
-`server_kind='auto'` asks GET /v1/models for `owned_by` (memrl, vllm, sglang) once; anything else is
-spoken to as vLLM.
+The protocols (`/v1/completions` with token-id prompts, or SGLang's `/generate`), where token ids and
+log-probs are read from, and `server_kind='auto'` (GET /v1/models' `owned_by`): docs/servers.md.
 
-Invariants:
-- `generate` never raises and never hangs: each request has `timeout_s` per attempt; connection errors
-  (and 502/503/504) are retried `max_retries` times with exponential backoff from `backoff_s`; every
-  other failure becomes `GenerationResult.failed` with a message that says what to change.
-- At most `max_concurrency` HTTP requests are in flight at once, whatever the number of callers.
-- A result always has one log-prob per output token; a response without token ids or log-probs is a
-  failure (never re-tokenized from text).
+Invariants: `generate` never raises and never hangs (each attempt lasts at most `timeout_s`; connection
+errors and 502/503/504 are retried `max_retries` times with exponential backoff from `backoff_s`; every
+other failure is a `GenerationResult.failed` saying what to change); at most `max_concurrency` HTTP
+requests are in flight at once; a result has one log-prob per output token, and a response without token
+ids or log-probs is a failure (never re-tokenized from text).
 """
 
 from __future__ import annotations
@@ -61,11 +50,6 @@ class _LoopState:
     ready_lock: asyncio.Lock
 
 
-def _root_url(base_url: str) -> str:
-    root = base_url.rstrip("/")
-    return root.removesuffix("/v1")
-
-
 def _short(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -73,17 +57,9 @@ def _short(text: str, limit: int = 500) -> str:
 class OpenAIEngine:
     """The Engine protocol over HTTP. Use one instance per server; `close()` when done."""
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str | None = None,
-        api_key: str | None = None,
-        max_concurrency: int = 64,
-        timeout_s: float = 600.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        server_kind: ServerKind = "auto",
-    ) -> None:
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 max_concurrency: int = 64, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
+                 server_kind: ServerKind = "auto") -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if timeout_s <= 0:
@@ -92,31 +68,20 @@ class OpenAIEngine:
             raise ValueError(f"max_retries and backoff_s must be >= 0, got {max_retries}, {backoff_s}")
         if server_kind not in ("auto", "vllm", "sglang", "memrl"):
             raise ValueError(f"server_kind must be auto, vllm, sglang or memrl, got {server_kind!r}")
-        self.root_url = _root_url(base_url)
-        self.model = model
-        self.api_key = api_key
-        self.max_concurrency = max_concurrency
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.server_kind: ServerKind = server_kind
+        self.root_url = base_url.rstrip("/").removesuffix("/v1")
+        self.model, self.api_key, self.server_kind = model, api_key, server_kind
+        self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
+        self.max_retries, self.backoff_s = max_retries, backoff_s
         self._state: _LoopState | None = None
         self._ready_failures = 0
         self._ready_error = ""
-
-    # ---- plumbing -------------------------------------------------------------------------------
 
     def _loop_state(self) -> _LoopState:
         loop = asyncio.get_running_loop()
         if self._state is None or self._state.loop is not loop:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            client = httpx.AsyncClient(
-                headers=headers,
-                timeout=httpx.Timeout(self.timeout_s),
-                limits=httpx.Limits(
-                    max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency
-                ),
-            )
+            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+            client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(self.timeout_s), limits=limits)
             self._state = _LoopState(loop, client, asyncio.Semaphore(self.max_concurrency), asyncio.Lock())
         return self._state
 
@@ -131,15 +96,12 @@ class OpenAIEngine:
             try:
                 async with state.semaphore:
                     # wait_for bounds the whole attempt; httpx's own timeouts are per read/write.
-                    return await asyncio.wait_for(
-                        self._attempt(state.client, method, url, payload), self.timeout_s
-                    )
+                    return await asyncio.wait_for(self._attempt(state.client, method, url, payload), self.timeout_s)
             except _Retryable as err:
                 last = str(err)
             except TimeoutError as err:
-                raise RequestFailed(
-                    f"{method} {url} timed out after {self.timeout_s:g} s; raise timeout_s or check the server"
-                ) from err
+                raise RequestFailed(f"{method} {url} timed out after {self.timeout_s:g} s; raise timeout_s or check "
+                                    "the server") from err
         raise RequestFailed(f"{method} {url} failed after {self.max_retries + 1} attempts: {last}")
 
     async def _attempt(self, client: httpx.AsyncClient, method: str, url: str, payload: dict | None) -> Any:
@@ -164,11 +126,8 @@ class OpenAIEngine:
         return self.server_kind != "auto" and (self.model is not None or self.server_kind == "sglang")
 
     async def _ensure_ready(self) -> None:
-        """Resolve the server kind and model name once (GET /v1/models).
-
-        Callers that queued behind a failed attempt share its error instead of each retrying in turn,
-        so N requests to a dead server fail in one retry cycle, not N.
-        """
+        """Resolve the server kind and model name once (GET /v1/models). Callers queued behind a failed
+        attempt share its error, so N requests to a dead server fail in one retry cycle, not N."""
         if self._is_ready():
             return
         state = self._loop_state()
@@ -201,8 +160,6 @@ class OpenAIEngine:
                 raise RequestFailed(f"{self.root_url}/v1/models lists no model; pass model= explicitly")
             self.model = str(cards[0]["id"])
 
-    # ---- the Engine protocol --------------------------------------------------------------------
-
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
 
@@ -217,23 +174,14 @@ class OpenAIEngine:
         except RequestFailed as err:
             return GenerationResult.failed(str(err))
         except Exception as err:  # a malformed response must not kill the batch
-            return GenerationResult.failed(
-                f"unexpected {type(err).__name__} talking to {self.root_url}: {err}"
-            )
+            return GenerationResult.failed(f"unexpected {type(err).__name__} talking to {self.root_url}: {err}")
 
     def _completions_payload(self, request: GenerationRequest) -> dict[str, Any]:
+        # logprobs 1: token_logprobs holds the sampled token's log-prob whatever the top-k.
         payload: dict[str, Any] = {
-            "model": self.model,
-            "prompt": list(request.prompt_ids),
-            "max_tokens": request.max_tokens,
-            "temperature": request.temperature,
-            "top_p": request.top_p,
-            "n": 1,
-            "stream": False,
-            "logprobs": 1,  # token_logprobs holds the sampled token's log-prob whatever the top-k
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-            "stop_token_ids": list(request.stop_token_ids),
+            "model": self.model, "prompt": list(request.prompt_ids), "max_tokens": request.max_tokens,
+            "temperature": request.temperature, "top_p": request.top_p, "n": 1, "stream": False, "logprobs": 1,
+            "return_token_ids": True, "skip_special_tokens": False, "stop_token_ids": list(request.stop_token_ids),
         }
         if request.seed is not None:
             payload["seed"] = request.seed
@@ -241,27 +189,19 @@ class OpenAIEngine:
 
     def _sglang_payload(self, request: GenerationRequest) -> dict[str, Any]:
         sampling: dict[str, Any] = {
-            "max_new_tokens": request.max_tokens,
-            "temperature": request.temperature,
-            "top_p": request.top_p,
-            "stop_token_ids": list(request.stop_token_ids),
-            "skip_special_tokens": False,
-            "no_stop_trim": True,
+            "max_new_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+            "stop_token_ids": list(request.stop_token_ids), "skip_special_tokens": False, "no_stop_trim": True,
         }
         if request.seed is not None:
             sampling["sampling_seed"] = request.seed  # honoured under --enable-deterministic-inference
         return {"input_ids": list(request.prompt_ids), "sampling_params": sampling, "return_logprob": True}
 
     async def sync_from(self, source: WeightSource) -> None:
-        """The engine contract's weight sync: the server reloads the folder the source saved."""
         await self.reload_weights(source.saved_folder())
 
     async def reload_weights(self, path: str) -> None:
-        """Make the server load weights from the folder `path` (a path on the server's machine).
-
-        memrl serve: POST /v1/reload_weights {"path"}; SGLang: POST /update_weights_from_disk
-        {"model_path"}. vLLM's OpenAI server has no such endpoint: EngineError.
-        """
+        """Make the server load weights from the folder `path` (on the server's machine): memrl serve's
+        POST /v1/reload_weights, SGLang's POST /update_weights_from_disk; vLLM has none (EngineError)."""
         try:
             await self._ensure_ready()
             if self.server_kind == "memrl":
@@ -334,9 +274,7 @@ def _error_text(response: httpx.Response) -> str:
 def _finish(reason: Any) -> Literal["stop", "length"]:
     if reason in ("stop", "length"):
         return reason
-    raise RequestFailed(
-        f"the server ended generation with finish_reason={reason!r} (expected stop or length)"
-    )
+    raise RequestFailed(f"the server ended generation with finish_reason={reason!r} (expected stop or length)")
 
 
 def parse_completions_response(body: Any) -> GenerationResult:
@@ -354,18 +292,11 @@ def parse_completions_response(body: Any) -> GenerationResult:
         ids = [int(t.removeprefix(_TOKEN_ID_PREFIX)) for t in tokens]
     token_logprobs = logprobs.get("token_logprobs")
     if token_logprobs is None:
-        raise RequestFailed(
-            "the server returned no logprobs.token_logprobs; send `logprobs` >= 0 (memrl sends 1)"
-        )
+        raise RequestFailed("the server returned no logprobs.token_logprobs; send `logprobs` >= 0 (memrl sends 1)")
     if len(token_logprobs) != len(ids) or any(lp is None for lp in token_logprobs):
-        raise RequestFailed(
-            f"{len(ids)} token ids but log-probs {_short(str(token_logprobs), 200)}: not one per token"
-        )
-    return GenerationResult(
-        output_ids=[int(t) for t in ids],
-        log_probs=[float(lp) for lp in token_logprobs],
-        finish_reason=_finish(choice.get("finish_reason")),
-    )
+        raise RequestFailed(f"{len(ids)} token ids but log-probs {_short(str(token_logprobs), 200)}: not one per token")
+    return GenerationResult(output_ids=[int(t) for t in ids], log_probs=[float(lp) for lp in token_logprobs],
+                            finish_reason=_finish(choice.get("finish_reason")))
 
 
 def parse_score_response(body: Any, expected: int) -> ScoreResult:
@@ -389,14 +320,9 @@ def parse_sglang_response(body: Any) -> GenerationResult:
         raise RequestFailed(f"SGLang response has no meta_info: {_short(json.dumps(body))}")
     entries = meta.get("output_token_logprobs")
     if entries is None:
-        raise RequestFailed(
-            "SGLang response has no meta_info.output_token_logprobs (token ids and log-probs); "
-            "the request sends return_logprob=true: check the server is SGLang's native /generate"
-        )
+        raise RequestFailed("SGLang response has no meta_info.output_token_logprobs (token ids and log-probs); the "
+                            "request sends return_logprob=true: check the server is SGLang's native /generate")
     finish = meta.get("finish_reason")
     reason = finish.get("type") if isinstance(finish, dict) else finish
-    return GenerationResult(
-        output_ids=[int(e[1]) for e in entries],
-        log_probs=[float(e[0]) for e in entries],
-        finish_reason=_finish(reason),
-    )
+    return GenerationResult(output_ids=[int(e[1]) for e in entries], log_probs=[float(e[0]) for e in entries],
+                            finish_reason=_finish(reason))

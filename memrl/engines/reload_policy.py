@@ -1,12 +1,9 @@
 """Which folders `memrl serve` may reload weights from, and what they must hold (POST /v1/reload_weights).
 
 Reloads are disabled unless the operator names folders (`--reload-root`). A path outside them gets one
-refusal (403) whether or not it exists (`..` collapsed as text, then symlinks resolved and checked
-again), and so does a folder inside them holding a link (file or folder, at any depth) that resolves
-outside them; a folder whose config or tokenizer differs from the served model's gets a 409, never a
-silent swap (token ids are checked against, and decoded with, the served tokenizer). A path the OS
-cannot look at (a name too long, a permission denied) is a 400. Kept apart from the HTTP app so the
-rules read on their own; the server turns `ReloadRefused` into its error response.
+403 whether or not it exists (`..` collapsed as text, then symlinks resolved and checked again), as does
+a folder holding a link (at any depth) that resolves outside them; a folder whose config or tokenizer
+differs from the served model's is a 409, never a silent swap; a path the OS cannot look at is a 400.
 """
 
 from __future__ import annotations
@@ -19,18 +16,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from memrl.config import ConfigError
+from memrl.engines.server_requests import APIError
 
 logger = logging.getLogger("memrl.engines.server")  # the server's log, where refusals are explained
 
 
-class ReloadRefused(Exception):
-    """A reload request refused with an HTTP `status` (400, 403, 409) and an OpenAI-style error `kind`."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
+class ReloadRefused(APIError):
+    """A reload request refused with an HTTP `status` (400, 403, 409); the server answers it as any APIError."""
 
 
 RELOAD_DISABLED_MESSAGE = (
@@ -48,34 +40,13 @@ LINK_OUT_MESSAGE = (
 # Config fields that decide the shapes of a model's weights (or, model_type/architectures, which module
 # holds them). Names differ between model families, so each is compared only where a config has it.
 ARCHITECTURE_FIELDS = (
-    "model_type",
-    "architectures",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "tie_word_embeddings",
-    "num_experts",
-    "num_local_experts",
-    "moe_intermediate_size",
-    "n_embd",
-    "n_layer",
-    "n_head",
-    "n_inner",
-    "n_positions",
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
+    "num_local_experts", "moe_intermediate_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # Every file a tokenizer's vocabulary is read from: equal bytes, equal vocabulary, no reload needed.
-TOKENIZER_INPUTS = (
-    *TOKENIZER_FILES,
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "merges.txt",
-    "vocab.txt",
-)
+TOKENIZER_INPUTS = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.txt")
 
 
 def _tokenizer_digest(folder: Path) -> str:
@@ -87,9 +58,7 @@ def _tokenizer_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def _architecture_differences(
-    served: Mapping[str, Any], other: Mapping[str, Any], prefix: str = ""
-) -> list[str]:
+def _architecture_differences(served: Mapping[str, Any], other: Mapping[str, Any], prefix: str = "") -> list[str]:
     """'field: other (served: value)' for each architecture field that differs, nested text_config too."""
     diffs = []
     for key in ARCHITECTURE_FIELDS:
@@ -126,23 +95,17 @@ def check_reload_roots(roots: Sequence[str | os.PathLike] | None) -> None:
     for root in roots or ():
         real = Path(os.path.realpath(root))
         if real.exists() and not real.is_dir():
-            raise ConfigError(
-                f"reload root {str(root)!r} is not a folder; pass the folder that holds the weights "
-                "(e.g. the training run root)"
-            )
+            raise ConfigError(f"reload root {str(root)!r} is not a folder; pass the folder that holds the weights "
+                              "(e.g. the training run root)")
 
 
 class ReloadPolicy:
     """Which folders /v1/reload_weights may load, and what they must hold to fit the served model.
+    `roots` are kept as given (made absolute) and with symlinks resolved at startup, so a root reached through
+    a symlink is recognised either way, while a path's own symlinks (resolved per request) cannot lead out."""
 
-    `roots` are kept in two forms: as given (made absolute) and with symlinks resolved at startup, so
-    a root reached through a symlink is recognised either way, while a path's own symlinks (resolved per
-    request) cannot lead out of them.
-    """
-
-    def __init__(
-        self, roots: Sequence[str | os.PathLike] | None, config: Mapping[str, Any] | None, tokenizer: Any
-    ) -> None:
+    def __init__(self, roots: Sequence[str | os.PathLike] | None, config: Mapping[str, Any] | None,
+                 tokenizer: Any) -> None:
         check_reload_roots(roots)
         self.roots = [(Path(os.path.abspath(root)), Path(os.path.realpath(root))) for root in roots or ()]
         self.config = dict(config) if config is not None else None
@@ -151,12 +114,9 @@ class ReloadPolicy:
         self._matching_tokenizers: set[str] = set()  # digests of tokenizer files found to match
 
     def check(self, path: str) -> Path:
-        """The real folder `path` names, if the engine may load it (blocking I/O); ReloadRefused if not.
-
-        403 outside the roots (`resolve`) or with a link out of them; 400 unless a model folder, or when
-        the OS refuses to look at the path; 409 unless it matches the served model. The server calls it
-        again right before the engine loads the folder, so what is loaded is what was checked.
-        """
+        """The real folder `path` names, if the engine may load it (blocking I/O); ReloadRefused if not: 403
+        outside the roots or with a link out of them, 400 unless a readable model folder, 409 unless it
+        matches the served model."""
         folder = self.resolve(path)
         try:
             if not folder.is_dir():
@@ -167,9 +127,8 @@ class ReloadPolicy:
             if self.vocab is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
                 self._check_vocab(folder, path)
         except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP: the path is unusable, whatever it names
-            raise ReloadRefused(
-                400, f"reload path {path!r} cannot be read on the server's machine: {exc.strerror or exc}"
-            ) from exc
+            raise ReloadRefused(400, f"reload path {path!r} cannot be read on the server's machine: "
+                                     f"{exc.strerror or exc}") from exc
         return folder
 
     def _inside_roots(self, real: Path) -> bool:
@@ -192,24 +151,19 @@ class ReloadPolicy:
                     if not self._inside_roots(Path(os.path.realpath(entry.path))):
                         relative = os.path.relpath(entry.path, folder)
                         logger.warning("refused a reload from %r: %s links outside the roots", given, relative)
-                        raise ReloadRefused(
-                            403, LINK_OUT_MESSAGE.format(given=given, entry=relative), "permission_denied"
-                        )
+                        raise ReloadRefused(403, LINK_OUT_MESSAGE.format(given=given, entry=relative),
+                                            "permission_denied")
                     if entry.is_dir():  # follows links, which now lie inside a root
                         pending.append(Path(entry.path))
 
     def resolve(self, path: str) -> Path:
-        """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not.
-
-        `..` is collapsed as text first, so nothing outside the roots is even looked at; only then are
-        symlinks resolved, and the result is checked again (a link inside a root may point out of it).
-        """
+        """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not. `..` is
+        collapsed as text first, so nothing outside the roots is even looked at; then symlinks are resolved
+        and the result checked again (a link inside a root may point out of it)."""
         if not self.roots:
             raise ReloadRefused(403, RELOAD_DISABLED_MESSAGE, "permission_denied")
         lexical = Path(os.path.abspath(path))
-        if not any(
-            lexical.is_relative_to(given) or lexical.is_relative_to(real) for given, real in self.roots
-        ):
+        if not any(lexical.is_relative_to(given) or lexical.is_relative_to(real) for given, real in self.roots):
             self._forbid(path)
         try:
             real = Path(os.path.realpath(lexical))
@@ -221,34 +175,23 @@ class ReloadPolicy:
 
     def _forbid(self, path: str) -> NoReturn:
         # The caller learns nothing about the path; the operator finds what was asked in the log.
-        logger.warning(
-            "refused a reload from %r: outside --reload-root %s", path, [str(r) for r, _ in self.roots]
-        )
+        logger.warning("refused a reload from %r: outside --reload-root %s", path, [str(r) for r, _ in self.roots])
         raise ReloadRefused(403, RELOAD_FORBIDDEN_MESSAGE, "permission_denied")
 
     def _check_config(self, folder: Path, given: str) -> None:
         if not (folder / "config.json").is_file():
-            raise ReloadRefused(
-                400, f"reload folder {given!r} has no config.json; reload from a Hugging Face model folder"
-            )
+            raise ReloadRefused(400, f"reload folder {given!r} has no config.json; reload from a Hugging Face model folder")
         try:
             config = read_model_config(folder)
         except Exception as exc:  # unknown model_type, broken JSON: not the served architecture either way
-            raise ReloadRefused(
-                409,
-                f"the config.json in {given!r} does not load as the served model's config ({exc}); "
-                "reload only checkpoints of the served model, or restart memrl serve on the new model",
-                "conflict",
-            ) from exc
+            raise ReloadRefused(409, f"the config.json in {given!r} does not load as the served model's config ({exc}); "
+                                "reload only checkpoints of the served model, or restart memrl serve on the new model",
+                                "conflict") from exc
         diffs = _architecture_differences(self.config, config)
         if diffs:
-            raise ReloadRefused(
-                409,
-                f"reload folder {given!r} holds a different model than the one served: {'; '.join(diffs)}. "
-                "Reload only checkpoints of the served model (same architecture and vocabulary), or restart "
-                "memrl serve on the new model",
-                "conflict",
-            )
+            raise ReloadRefused(409, f"reload folder {given!r} holds a different model than the one served: "
+                                f"{'; '.join(diffs)}. Reload only checkpoints of the served model (same architecture "
+                                "and vocabulary), or restart memrl serve on the new model", "conflict")
 
     def _check_vocab(self, folder: Path, given: str) -> None:
         from transformers import AutoTokenizer
@@ -259,22 +202,14 @@ class ReloadPolicy:
         if digest in self._matching_tokenizers:
             return
         try:
-            vocab = AutoTokenizer.from_pretrained(
-                str(folder), local_files_only=True, trust_remote_code=False
-            ).get_vocab()
+            vocab = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False).get_vocab()
         except Exception as exc:
-            raise ReloadRefused(
-                409,
-                f"the tokenizer files in {given!r} do not load ({type(exc).__name__}: {exc}); the served "
-                "tokenizer decodes every reply, so a reload folder may only carry that same tokenizer",
-                "conflict",
-            ) from exc
+            raise ReloadRefused(409, f"the tokenizer files in {given!r} do not load ({type(exc).__name__}: {exc}); the "
+                                "served tokenizer decodes every reply, so a reload folder may only carry that same "
+                                "tokenizer", "conflict") from exc
         if vocab != self.vocab:
-            raise ReloadRefused(
-                409,
-                f"the tokenizer in {given!r} has a different vocabulary ({len(vocab)} tokens, served: "
-                f"{len(self.vocab)}; {_first_vocab_difference(self.vocab, vocab)}). Token ids are checked and "
-                "decoded with the served tokenizer: reload only folders with that tokenizer (or none)",
-                "conflict",
-            )
+            raise ReloadRefused(409, f"the tokenizer in {given!r} has a different vocabulary ({len(vocab)} tokens, "
+                                f"served: {len(self.vocab)}; {_first_vocab_difference(self.vocab, vocab)}). Token ids "
+                                "are checked and decoded with the served tokenizer: reload only folders with that "
+                                "tokenizer (or none)", "conflict")
         self._matching_tokenizers.add(digest)

@@ -1,15 +1,11 @@
-"""How HFEngine turns logits into tokens: pure, batched, row-independent tensor functions.
+"""How HFEngine turns logits into tokens: pure, batched, row-independent tensor functions (no state, no
+model), so tests and trainers recompute the exact log-probs the engine reported.
 
-Kept apart from the engine (memrl/engines/hf.py) and its running batch (hf_batch.py) because they hold
-no state and no model: tests and trainers import them to recompute the exact log-probs the engine
-reported, without touching its threads or caches.
-
-Temperature T > 0: the distribution is softmax(logits / T), restricted when top_p < 1 to the smallest
-set of most-likely tokens whose mass reaches top_p, and renormalized; the token is drawn from it and
-its log-prob under exactly that distribution is returned. T == 0 is greedy (argmax); its log-prob is
-that of the raw T = 1 distribution (top_p ignored, since argmax is always kept). The uniforms come from
-the caller (HFEngine draws each request's from its own seeded CPU `torch.Generator`), so a row's token
-never depends on its batch mates.
+T > 0: softmax(logits / T), restricted when top_p < 1 to the smallest most-likely set whose mass reaches
+top_p and renormalized; the token is drawn from it, its log-prob is under exactly that distribution.
+T == 0 is greedy (argmax), its log-prob that of the raw T = 1 distribution (top_p ignored: argmax is always
+kept). The uniforms come from the caller (one seeded CPU generator per request), so a row's token never
+depends on its batch mates.
 """
 
 from __future__ import annotations
@@ -19,13 +15,9 @@ import torch
 
 def sampling_log_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, *,
                        any_nucleus: bool | None = None) -> torch.Tensor:
-    """Log-probs (N, V) of the distributions each row samples from; every row is computed independently.
-
-    Row i: log_softmax(logits_i / T_i), and when 0 < T_i and top_p_i < 1, tokens outside the smallest
-    most-likely set whose probability reaches top_p_i get -inf and the rest are renormalized. Rows with
-    T_i == 0 (greedy) get the raw log_softmax(logits_i). Computed in float32. `any_nucleus`: whether some
-    row has T_i > 0 and top_p_i < 1, when the caller knows it (asking the device would sync with it).
-    """
+    """Log-probs (N, V), in float32, of the distributions each row samples from (the module's rules).
+    `any_nucleus`: whether some row has T > 0 and top_p < 1, when the caller knows it (asking the device
+    would sync with it)."""
     logits = logits.float()
     greedy = temperatures <= 0
     scale = torch.where(greedy, torch.ones_like(temperatures), temperatures).to(logits)

@@ -1,42 +1,11 @@
 """HFEngine's static-shape decode: rows in slots of preallocated KV buffers, one CUDA graph per bucket.
 
-What and why. The dynamic path (hf_batch.py) gives the model new tensor shapes at every step (the cache
-width grows, rows join and leave), so each step pays Python and kernel-launch overhead for every
-layer: on an H200 ~20 ms per step whatever the batch (bench/README.md). Here the rows of a running batch
-sit in the slots of a bucket of S slots x C columns (S: a power of two up to `max_batch_size`, the last
-bucket being `max_batch_size` itself; C: a power of two holding every row's prompt and all it may still
-generate), so a step's shapes depend only on the bucket: on CUDA its forward is captured once per bucket
-as a CUDA graph and replayed (`StaticDecoder`), on CPU it runs eagerly (what the CPU tests check).
-
-A step, and its one host sync. Sampled tokens go into the slot-ordered input buffer on the device, the
-forward (graph replay or eager) writes each slot's key/value at its own column and returns the slots'
-logits, and sampling runs on the device with the exact rules and random draws of the dynamic path
-(`sampling_log_probs` / `sample_tokens`; each request's uniforms are drawn up front from its own seeded
-CPU generator, the same numbers in the same order as the dynamic path draws one per step, and uploaded
-once). The only device->host transfer per step is the sampled tokens and their log-probs, which the
-finished-row check needs (stop tokens, length); everything else stays on the device. That transfer is
-queued before the next step's forward is launched, so the host's bookkeeping of step n (results,
-finished rows, admissions) runs while the device computes step n + 1 (`StaticBatch.sample`).
-
-Continuous batching. Admission prefills the newcomers eagerly (the engine's own `_prefill`, the same
-call and numbers as the dynamic path; it may copy prompt prefixes the running slots hold, `prefix_block`,
-memrl/engines/prefix.py) and copies each one's keys/values into a free slot, left-aligned;
-a leaving row frees its slot. When the rows or their lengths outgrow the bucket, or shrink to a quarter
-of it (hysteresis, so a batch hovering at a bucket's edge does not relayout every step), the live rows
-are copied into a new bucket (`_relayout`), compacted into its first slots.
-
-Memory. A bucket holds slots x columns token positions of keys/values: up to 2x the rows and 2x the
-longest row's need, so up to 4x what `max_batch_tokens` bounds for the dynamic path. The storage is
-kept between batches (captured graphs point into it; it grows, never shrinks, while the engine lives)
-and freed when the engine closes.
-
-Numbers. The prefill and the first token's log-prob are bitwise those of the dynamic path; later steps
-attend over C columns with the rows left-aligned instead of right-aligned, so float32 reductions run in
-another order: log-probs agree within the float32 bound of tests/engines/numerics.py, and tokens agree
-unless a uniform lands within that bound of a CDF boundary.
-
-Weight sync keeps graphs valid: `load_weights` copies into the parameters in place (same data pointers,
-tested); `reload_from_path` replaces the model, so it resets the decoder (graphs recaptured).
+Rows sit in the slots of a bucket of S slots x C columns (powers of two), so a step's shapes depend only
+on the bucket: on CUDA its forward is captured once per bucket as a CUDA graph and replayed
+(`StaticDecoder`), on CPU it runs eagerly. Invariants: same sampling rules and random draws as the dynamic
+path, the prefill and first log-prob bitwise its own, later log-probs within the float32 bound of
+tests/engines/numerics.py; one device->host transfer per step (the sampled tokens and log-probs). Why,
+and how admission, relayout and memory work: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -78,8 +47,7 @@ class StaticDecoder:
 
     def __init__(self, model: torch.nn.Module, cache_kwarg: str, max_slots: int, *, graphs: bool,
                  strict: bool) -> None:
-        self.max_slots, self.strict = max_slots, strict
-        self.graphs = graphs
+        self.max_slots, self.strict, self.graphs = max_slots, strict, graphs
         self.captures = 0  # CUDA graphs captured since the last reset (tests and benches read it)
         self.reset(model, cache_kwarg)
 
@@ -331,12 +299,10 @@ class StaticBatch:
 
     # ------------------------------------------------------------------------------ steps
     def sample(self) -> list[_Row]:
-        """One token for every row from its pending logits; returns the rows that finished with it.
-
-        Overlap: the next step's forward is launched on the device (for every row, before the host knows
-        which rows just finished) before the host waits for the sampled tokens, so the finished-row check,
-        the results and the admissions of step n run while the device computes step n + 1. A row that
-        finished wastes that one row-step; when every row is sure to finish by length, none is launched."""
+        """One token for every row from its pending logits; returns the rows that finished with it. The next
+        step's forward (every row's) is launched before the host waits for the sampled tokens, so the host's
+        bookkeeping of step n overlaps the device's step n + 1 (none when every row is sure to finish by
+        length; a finished row wastes that one row-step)."""
         uniforms = self.uniforms.gather(1, self.steps[:, None]).squeeze(1)
         row_log_probs = sampling_log_probs(self.logits, self.temperatures, self.top_ps, any_nucleus=self.any_nucleus)
         self.tokens = sample_tokens(row_log_probs, self.temperatures, uniforms)

@@ -1,24 +1,10 @@
 """Preallocated, slotted KV storage for HFEngine's static-shape decode (memrl/engines/static_decode.py).
 
-Layout. Every layer's keys and values live in one allocation, viewed for a bucket of S slots x C columns
-as [S, kv_heads, C, head_dim] tensors that all start at the allocation's first element; a request owns
-one slot, its token at position p sits in column p (left-aligned: column = position id), and a decode
-step writes each slot's new key/value at its own column (`SlotLayer.update`, a scatter). Attention masks
-columns past each slot's length, so the shapes of a step depend only on the bucket (S, C), never on the
-rows' lengths: that is what lets the step be captured once per bucket as a CUDA graph (the views' data
-pointers never move while the allocation lives).
-
-Why not transformers' `StaticCache`: its `StaticLayer.update` writes all rows at one shared column
-(`cumulative_length`, one counter for the batch), so rows of different lengths would have to stay
-right-aligned and every admission would shift the whole cache, and it has no way to move one row into
-a free slot or to relayout into another bucket. Continuous batching needs per-row write columns,
-per-slot copies and relayouts: that is the part written here; the model, its mask passthrough (a 4D
-mask is used as given) and its attention-function registry are transformers'.
-
-Decode attention (`slot_decode_attention`). For one query token, grouped-query attention is computed
-without repeating keys/values per query head: the G query heads sharing a kv head become G query rows
-of one SDPA call (`repeat_kv`, what transformers' SDPA path does whenever a mask is given, would copy
-the whole cache twice per layer per step).
+Every layer's keys and values live in one allocation, viewed for a bucket of S slots x C columns as
+[S, kv_heads, C, head_dim] tensors; a request owns one slot, its token at position p sits in column p, and
+a decode step writes each slot's key/value at its own column. The views' data pointers never move while
+the allocation lives, which is what lets a step be captured as a CUDA graph. Why not transformers'
+`StaticCache` (one shared write column for all rows): docs/engines.md.
 """
 
 from __future__ import annotations
@@ -35,7 +21,8 @@ DECODE_ATTENTION = "memrl_slot_decode"
 
 def slot_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                           scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of one new token per slot: query [S, H, 1, D], key/value [S, H_kv, C, D], mask [S, 1, 1, C]."""
+    """Attention of one new token per slot: query [S, H, 1, D], key/value [S, H_kv, C, D], mask [S, 1, 1, C].
+    The G query heads sharing a kv head are G query rows of one SDPA call (`repeat_kv` would copy the cache)."""
     slots, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     if q_len != 1:
@@ -137,5 +124,3 @@ class SlotStorage:
         shape = (slots, self.kv_heads, capacity, self.head_dim)
         return [(self._flat[i, 0, :n].view(shape), self._flat[i, 1, :n].view(shape)) for i in range(self.layers)]
 
-    def release(self) -> None:
-        self._flat, self.tokens = None, 0

@@ -16,7 +16,8 @@ from staggering import staggered as hold_and_join
 
 import memrl.engines.hf_batch as hf_batch
 from memrl.engines.base import GenerationRequest
-from memrl.engines.hf import HFEngine, sampling_log_probs
+from memrl.engines.hf import HFEngine
+from memrl.engines.sampling import sampling_log_probs
 
 
 @pytest.fixture(scope="module", autouse=True)

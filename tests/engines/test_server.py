@@ -22,7 +22,8 @@ import uvicorn
 
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.engines.sampling import sampling_log_probs
-from memrl.engines.server import MAX_TEMPERATURE, MIN_TEMPERATURE, TEXT_PROMPT_MESSAGE, create_app
+from memrl.engines.server import create_app
+from memrl.engines.server_requests import MAX_TEMPERATURE, MIN_TEMPERATURE, TEXT_PROMPT_MESSAGE
 
 FAIL_TOKEN = 99  # a prompt holding it gets an `error` result
 RAISE_TOKEN = 98  # a prompt holding it makes generate() raise
@@ -409,6 +410,17 @@ def test_api_key_required_on_v1_routes_but_not_health():
         assert httpx.post(url + "/v1/reload_weights", json={"path": "/"}, timeout=10).status_code == 401
         assert post(url, body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_without_the_key_a_malformed_request_is_refused_as_unauthorized_not_explained():
+    # The key is checked before the body is validated: a client without it learns nothing about the API.
+    app = create_app(FakeEngine(), "fake", api_key="s3cret")
+    with serve_in_thread(app) as url:
+        r = post(url, {"prompt": "text", "max_tokens": True}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        assert "API key" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/score", json={"prompt_ids": []}, timeout=10)
+        assert r.status_code == 401
 
 
 class LetterTokenizer:
