@@ -12,6 +12,7 @@ file, its 0-based index in a JSON list, and its id) and the field.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,7 @@ def read_jsonl(path: str | Path) -> list[Any]:
     return [value for _, value in read_jsonl_lines(path)]
 
 
-def check_unique_ids(records: list[QuestionRecord], source: str | Path, positions: list[int] | None = None) -> None:
+def check_unique_ids(records: Sequence[Any], source: str | Path, positions: Sequence[int] | None = None) -> None:
     """Ids must be unique; `positions` (e.g. `Line`s) name the records in the error, default their index."""
     positions = positions if positions is not None else list(range(len(records)))
     seen: dict[str, int] = {}
