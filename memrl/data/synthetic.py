@@ -39,6 +39,7 @@ BOX_OPEN, BOX_CLOSE = "\\boxed{", "}"
 TEMPLATE_WORDS = ["user", "assistant", "system", "question", "memory", "text", "answer", ":", "nothing", "yet",
                   "what", "is", "the", "of", "?", ".", "unknown"]
 UNKNOWN = "unknown"  # the value a memory holds until the answer fact is seen
+RELATED_CAPACITY = (len(ATTRIBUTES) - 1) + (len(ENTITIES) - 1)  # distractors sharing entity or attribute
 
 
 class SyntheticTaskError(ValueError, MemrlError):
@@ -87,11 +88,10 @@ class TaskSpec:
                                      "must both be >= 1")
         if self.filler:
             return  # filler facts are unbounded; related distractors are capped by make_padded_record
-        # Distractors share the entity (other attributes) or the attribute (other entities).
-        capacity = (len(ATTRIBUTES) - 1) + (len(ENTITIES) - 1)
-        if self.max_chunks * self.facts_per_chunk - 1 > capacity:
+        if self.max_chunks * self.facts_per_chunk - 1 > RELATED_CAPACITY:
             raise SyntheticTaskError(f"a document of {self.max_chunks} x {self.facts_per_chunk} facts needs more "
-                                     f"distractors than the {capacity} available; lower max_chunks or facts_per_chunk")
+                                     f"distractors than the {RELATED_CAPACITY} available; lower max_chunks or "
+                                     "facts_per_chunk")
 
 
 def _related_distractors(rng: random.Random, attribute: str, entity: str, value: str,
@@ -140,7 +140,6 @@ def make_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionR
 
 
 # ---- long documents: the short task padded with unrelated facts (`memrl demo-long`) ---------------------------
-RELATED_CAPACITY = (len(ATTRIBUTES) - 1) + (len(ENTITIES) - 1)  # distractors sharing entity or attribute
 
 
 def make_long_record(rng: random.Random, record_id: str, *, num_chunks: int, position: float,
