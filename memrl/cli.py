@@ -38,11 +38,11 @@ class _Commands(TyperGroup):
 
 app = typer.Typer(help="memrl: train and evaluate MemAgent-style long-document readers with RL.", cls=_Commands,
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+app.add_typer(prepare_data, name="prepare-data")
 
 SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a config value: section.key=value.")]
 DemoSetOption = Annotated[list[str] | None, typer.Option(
     "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")]
-app.add_typer(prepare_data, name="prepare-data")
 
 
 @app.command()
