@@ -141,9 +141,8 @@ def parse_hotpot_record(raw: Any, source: Any, index: int) -> HotpotExample:
 
 def parse_hotpot_records(rows: Iterable[Any], source: Any, total: int | None = None,
                          positions: Sequence[int] | None = None) -> list[HotpotExample]:
-    """Parse rows of either format; duplicate ids are a `DataError` (id lists must be unambiguous).
-
-    Errors name a row by `positions[i]` (the `Line`s of a JSONL file), else by its index."""
+    """Parse rows of either format; duplicate ids are a `DataError` (id lists must be unambiguous). Errors
+    name a row by `positions[i]` (the `Line`s of a JSONL file), else by its index."""
     examples = [parse_hotpot_record(raw, source, positions[index] if positions is not None else index)
                 for index, raw in enumerate(tqdm(rows, total=total, desc="parse hotpotqa", unit="q", leave=False,
                                                  disable=total is not None and total < 5000))]
@@ -181,8 +180,7 @@ def load_hotpotqa_hub(split: str = "train", revision: str = HOTPOTQA_REVISION,
 # ---------------------------------------------------------------------------------------------- contexts
 
 def derived_seed(seed: int, tag: str) -> int:
-    """A 64-bit seed from a base seed and a tag (a question id, "heldout", ...), stable across runs and
-    Python versions (unlike hash())."""
+    """A 64-bit seed from a base seed and a tag (a question id, "heldout", ...), stable unlike hash()."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{tag}".encode()).digest()[:8], "big")
 
 
@@ -236,11 +234,8 @@ def select_by_seed(candidates: Iterable[str], num: int, seed: int) -> list[str]:
 
 
 def select_by_pass_counts(pass_counts: dict[str, int], k: int, num: int, *, seed: int | None = None) -> list[str]:
-    """Ids whose pass count c satisfies 0 < c < k (neither always nor never solved), `num` of them.
-
-    Pure. Eligible ids keep the order of `pass_counts` (the candidate order), or are shuffled by `seed`
-    when one is given; the first `num` are returned. Counts must be integers in [0, k].
-    """
+    """The first `num` ids whose pass count c satisfies 0 < c < k (neither always nor never solved), in the
+    candidates' order or shuffled by `seed`; counts must be integers in [0, k]."""
     if k < 2:
         raise SelectionError(f"pass-k = {k}: with k < 2 no question is solved strictly between 0 and k times")
     for qid, count in pass_counts.items():
@@ -257,10 +252,8 @@ def select_by_pass_counts(pass_counts: dict[str, int], k: int, num: int, *, seed
 
 
 def read_pass_counts(path: str | Path, k: int | None = None) -> tuple[dict[str, int], int | None]:
-    """Read `{id: count}` or `{"k": k, "pass_counts": {id: count}}` (our own recorded form).
-
-    Returns (counts, k recorded in the file or None). A k in the file that differs from `k` is an error.
-    """
+    """(counts, the file's k or None) of `{id: count}` or our recorded `{"k": k, "pass_counts": {...}}`; a
+    recorded k other than `k` is an error."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))

@@ -132,10 +132,8 @@ def prepare_hotpotqa(examples: Sequence[HotpotExample], out: str | Path, *, num_
 def build_ruler_files(examples: Sequence[HotpotExample], out: str | Path, num_docs: Sequence[int], *,
                       seed: int = DEFAULT_SEED, limit: int | None = None, layout: str = "memrl",
                       args: dict[str, Any] | None = None) -> dict[str, Path]:
-    """RULER-style `eval_{N}.json` for each N, built offline from a HotpotQA pool, into `out/ruler_built/`.
-
-    With `limit`, only the first `limit` questions get records; fillers still come from all of them.
-    `layout` is `build_ruler_set`'s (memrl's, or the official builder's); the manifest records it."""
+    """RULER-style `eval_{N}.json` for each N, built offline from a HotpotQA pool, into `out/ruler_built/`;
+    with `limit`, only the first `limit` questions get records (fillers still come from all of them)."""
     folder = Path(out) / BUILT_RULER_DIR
     questions = examples[:limit] if limit is not None else examples
     written: dict[str, int | None] = {
