@@ -118,9 +118,8 @@ def new_run_root(run_root: Path) -> Path:
 
 def quiet_single_thread() -> None:
     """How every demo command runs: memrl's logs at WARNING (the summary is the output) and, unless
-    OMP_NUM_THREADS says otherwise, one torch thread. The demo's model is tiny: one thread is as fast, and on a
-    shared or busy machine extra OpenMP threads spin-wait for cores and slow every step (measured in
-    bench/README.md). The timings in docs/demo.md were taken this way."""
+    OMP_NUM_THREADS says otherwise, one torch thread: as fast for the tiny model, and on a busy machine extra
+    OpenMP threads spin-wait for cores and slow every step (bench/README.md)."""
     import logging
     import os
 
@@ -323,9 +322,8 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
 
 def demo_command(run_root: Path, quick: bool = False, overrides: Sequence[str] = (),
                  eval_interval: int | None = None) -> int:
-    """`memrl demo [--run-root DIR] [--quick] [--set section.key=value ...]`: 0 when both targets are met,
-    1 when not; an error is a `DemoError` (or a `ConfigError` for a bad override), exit 2 in memrl.cli.
-    `overrides` apply to the GRPO training recipe (recipes/toy.yaml), after the demo's own sizes."""
+    """`memrl demo`: 0 when both targets are met, else 1; `overrides` apply to the GRPO training recipe
+    (recipes/toy.yaml) after the demo's own sizes."""
     quiet_single_thread()
     settings = replace(QUICK if quick else FULL, overrides=tuple(overrides))
     if eval_interval is not None:

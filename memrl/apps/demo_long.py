@@ -58,11 +58,9 @@ def _position_third(record: Any) -> str:
 
 
 def first_match_rates(records: Sequence[Any], lines: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """How often the boxed answer is the value of the document's first fact with the question's attribute
-    (the answer itself or a same-attribute distractor), and how often that first fact is the answer.
-
-    A reader that writes the first attribute-matching fact into memory and never replaces it scores
-    about the second figure; the measured full run's trained policy does (docs/demo.md)."""
+    """How often the boxed answer is the value of the document's first fact with the question's attribute,
+    and how often that fact is the answer: a reader that keeps the first attribute match scores about the
+    second figure, as the full run's trained policy does (docs/demo.md)."""
     answered = first_is_answer = 0
     for record in records:
         m = record.metadata
