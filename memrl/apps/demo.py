@@ -220,7 +220,7 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
                                    "grpo-trained", base.heldout_sha, base.paths["heldout"])
     times["eval_trained_s"] = time.perf_counter() - t
 
-    summary = _summary(run_root, settings, len(base.heldout), base_eval, trained_eval, history)
+    summary = _compare_and_summarize(run_root, settings, len(base.heldout), base_eval, trained_eval, history)
     summary["times_s"] = {**times, "total_s": time.perf_counter() - started}
     (run_root / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -248,7 +248,7 @@ def _scores(result: dict[str, Any]) -> dict[str, Any]:
             "f1": m["f1"]["value"]}
 
 
-def _summary(run_root: Path, settings: DemoSettings, heldout_questions: int, base_eval: dict[str, Any],
+def _compare_and_summarize(run_root: Path, settings: DemoSettings, heldout_questions: int, base_eval: dict[str, Any],
              trained_eval: dict[str, Any], history: list[dict[str, float]]) -> dict[str, Any]:
     """The comparison (memrl compare), plots (memrl report) and viewer pages (memrl view), and the summary
     of the figures; `times_s` is the caller's to add."""
