@@ -77,9 +77,9 @@ def demo_config(settings: DemoSettings, data_dir: Path | None = None) -> Config:
         raise DemoError(f"the toy recipe {RECIPE} is missing; run the demo from a memrl checkout")
     from memrl.data.synthetic import FACT_TOKENS
 
-    overrides = [f"rollout.chunk_tokens={FACT_TOKENS * settings.facts_per_chunk}",
-                 f"rollout.max_chunks={settings.max_chunks}",
-                 f"rollout.n_samples={settings.n_samples}", f"train.num_rollout={settings.num_rollout}",
+    overrides = [f"task.chunk_tokens={FACT_TOKENS * settings.facts_per_chunk}",
+                 f"task.max_chunks={settings.max_chunks}",
+                 f"sampling.n_samples={settings.n_samples}", f"train.num_rollout={settings.num_rollout}",
                  f"train.rollout_batch_size={settings.rollout_batch_size}", f"train.lr={settings.grpo_lr}",
                  f"train.seed={settings.seed + 1234}", f"train.eval_interval={settings.eval_interval}"]
     if data_dir is not None:
@@ -167,7 +167,7 @@ def warm_start(run_root: Path, settings: DemoSettings, cfg: Config, progress: bo
     model = build_tiny_model(len(tokenizer), layers=settings.layers, hidden=settings.hidden, heads=settings.heads,
                              kv_heads=settings.kv_heads, intermediate=settings.intermediate, seed=settings.seed,
                              eos_token_id=tokenizer.eos_token_id)
-    builder = PromptBuilder(tokenizer, cfg.rollout)
+    builder = PromptBuilder(tokenizer, cfg.task)
     rng = random.Random(f"demo-sft:{settings.seed}")
     # Two phases on disjoint training questions: perfect demonstrations teach finding and copying the
     # fact (a clean signal learns fastest); imperfect ones then make the reader overlook it often, so
@@ -177,7 +177,7 @@ def warm_start(run_root: Path, settings: DemoSettings, cfg: Config, progress: bo
     for phase, records, keep in (("sft/clean", clean, 1.0), ("sft/imperfect", noisy, settings.keep_prob)):
         if not records:
             continue
-        demos = [demonstration_turns(r, tokenizer, builder, cfg.rollout, keep, rng,
+        demos = [demonstration_turns(r, tokenizer, builder, cfg.task, keep, rng,
                                      unknown_answer=settings.unknown_answer) for r in records]
         run_sft(model, tokenizer, cfg, demos,
                 SFTOptions(epochs=settings.sft_epochs, batch_size=settings.sft_batch_size, lr=settings.sft_lr,

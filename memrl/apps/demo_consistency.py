@@ -50,7 +50,7 @@ class ConsistencySettings:
     rollout_workers: int = 2
     trainer_workers: int = 2
     max_staleness: int = 1
-    seed_offset: int = 1  # local-seed2 trains with train.seed and rollout.seed this much above local's
+    seed_offset: int = 1  # local-seed2 trains with train.seed and sampling.seed this much above local's
     thresholds: tuple[tuple[str, float], ...] = (("sub_em", 3.0),)
 
 
@@ -84,10 +84,10 @@ def run_configs(settings: ConsistencySettings) -> dict[str, Config]:
                  f"train.max_staleness={settings.max_staleness}", f"ray.num_rollout_workers={settings.rollout_workers}",
                  "ray.backend=gloo", "ray.trainer_num_gpus=0", "ray.rollout_num_gpus=0")
     # Both seeds: with train.seed alone the run is local's, sample for sample (measured), as long as GRPO
-    # does not pass over its questions twice; rollout.seed draws every sample. Evaluation is unaffected: every
+    # does not pass over its questions twice; sampling.seed draws every sample. Evaluation is unaffected: every
     # policy is evaluated with local's recipe.
     seed2 = config("train.max_staleness=0", f"train.seed={local.train.seed + settings.seed_offset}",
-                   f"rollout.seed={local.rollout.seed + settings.seed_offset}")
+                   f"sampling.seed={local.sampling.seed + settings.seed_offset}")
     return {"local": local, "ray": ray, "local-seed2": seed2}
 
 
@@ -96,9 +96,9 @@ def describe(cfg: Config) -> str:
     t = cfg.train
     if t.runtime == "ray":
         return (f"Ray: {cfg.ray.num_rollout_workers} rollout workers, {t.dp_size} DDP ranks ({cfg.ray.backend}), "
-                f"max_staleness {t.max_staleness}, seeds {t.seed}/{cfg.rollout.seed}")
+                f"max_staleness {t.max_staleness}, seeds {t.seed}/{cfg.sampling.seed}")
     sync = "synchronous" if t.max_staleness == 0 else f"max_staleness {t.max_staleness}"
-    return f"1 process, {sync}, seeds {t.seed}/{cfg.rollout.seed}"
+    return f"1 process, {sync}, seeds {t.seed}/{cfg.sampling.seed}"
 
 
 def _weights_distance(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -200,7 +200,7 @@ def _train_and_evaluate(name: str, cfg: Config, eval_cfg: Config, run_root: Path
         "path": describe(cfg), "runtime": cfg.train.runtime,
         "rollout_workers": cfg.ray.num_rollout_workers if cfg.train.runtime == "ray" else 1,
         "trainer_ranks": cfg.train.dp_size, "max_staleness": cfg.train.max_staleness, "train_seed": cfg.train.seed,
-        "rollout_seed": cfg.rollout.seed,
+        "rollout_seed": cfg.sampling.seed,
         "steps": len(history),
         # the staleness each step trained at, as logged (0 synchronous; 1 from the second step when overlapped)
         "staleness_per_step": [float(m.get("pipeline/staleness", 0.0)) for m in history],

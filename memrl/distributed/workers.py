@@ -226,7 +226,7 @@ class RolloutWorker:
 
         _quiet_transformers()
         if server_url is not None:
-            cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"server_url": server_url})})
+            cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"server_url": server_url})})
         self.cfg, self.index = cfg, index
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
         if served_engine(cfg):
