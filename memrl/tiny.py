@@ -53,21 +53,14 @@ yes no the a an of and in to is was for on with by as at from that which who whe
 
 
 def build_tiny_tokenizer(words: list[str] | None = None, vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A small fast tokenizer with Qwen-style special tokens and chat template.
-
-    Default: byte-level BPE trained on a tiny built-in corpus (deterministic, lossless for any text).
-    With `words`: a word-level vocabulary (whitespace/punctuation split), for tasks made of known words.
-    """
+    """A small fast tokenizer with Qwen-style special tokens and chat template: byte-level BPE trained on a
+    tiny built-in corpus (deterministic, lossless for any text), or with `words` a word-level vocabulary."""
     if words is None:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=SPECIAL_TOKENS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
         tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
     else:
         vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, "[UNK]"])}
@@ -89,22 +82,10 @@ def build_tiny_tokenizer(words: list[str] | None = None, vocab_size: int = 512) 
     return fast
 
 
-def build_tiny_model(
-    vocab_size: int,
-    *,
-    layers: int = 2,
-    hidden: int = 64,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate: int = 128,
-    seed: int = 0,
-    eos_token_id: int | None = None,
-) -> Qwen3ForCausalLM:
-    """A randomly initialised Qwen3 causal LM (float32, eval mode), identical for identical arguments.
-
-    Tied input/output embeddings and `head_dim = hidden // heads`; the defaults give a few hundred
-    thousand parameters with the tiny tokenizer. `hidden` must divide by `heads` and `heads` by `kv_heads`.
-    """
+def build_tiny_model(vocab_size: int, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                     intermediate: int = 128, seed: int = 0, eos_token_id: int | None = None) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 causal LM (float32, eval mode, tied embeddings), identical for identical
+    arguments; `hidden` must divide by `heads` and `heads` by `kv_heads`."""
     if vocab_size <= 0:
         raise TinyModelError(f"vocab_size must be > 0, got {vocab_size}")
     if min(layers, hidden, heads, kv_heads, intermediate) <= 0:
@@ -113,21 +94,12 @@ def build_tiny_model(
         raise TinyModelError(f"hidden ({hidden}) must be a multiple of heads ({heads}); change one of them")
     if heads % kv_heads:
         raise TinyModelError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}); change one of them")
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=eos_token_id,
-        # No pad_token_id: it would make the (tied) embedding row of the pad token a zero, untrainable
-        # padding_idx row. Padding is masked by attention, as for the real Qwen3 config.
-        bos_token_id=None,
-    )
+    # No pad_token_id: it would make the (tied) embedding row of the pad token a zero, untrainable
+    # padding_idx row. Padding is masked by attention, as for the real Qwen3 config.
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=hidden // heads, max_position_embeddings=4096, tie_word_embeddings=True,
+                         eos_token_id=eos_token_id, bos_token_id=None)
     # Seed only a private RNG scope: building a model must not move the caller's global torch RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -143,25 +115,12 @@ def _check_target(out: Path, overwrite: bool) -> None:
                              f"the files it would write)")
 
 
-def save_tiny_model(
-    out: str | Path,
-    tokenizer_dir: str | Path | None = None,
-    layers: int = 2,
-    hidden: int = 64,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate: int = 128,
-    seed: int = 0,
-    words: list[str] | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write a Hugging Face model folder (weights, config, tokenizer with chat template) to `out`.
-
-    The tokenizer is `tokenizer_dir` when given (its own chat template is kept; the Qwen-style one is
-    added only when it has none), else `build_tiny_tokenizer(words)`. The folder loads with
-    `AutoModelForCausalLM` / `AutoTokenizer` and with every memrl command. `out` must be new or empty
-    unless `overwrite` (then files of the same names are replaced, others kept). Returns `out` as a Path.
-    """
+def save_tiny_model(out: str | Path, tokenizer_dir: str | Path | None = None, layers: int = 2, hidden: int = 64,
+                    heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0,
+                    words: list[str] | None = None, overwrite: bool = False) -> Path:
+    """Write a Hugging Face model folder (weights, config, tokenizer with chat template) to `out`, new or
+    empty unless `overwrite` (files of the same names replaced, others kept). The tokenizer is
+    `tokenizer_dir`'s (the Qwen-style template added only when it has none), else `build_tiny_tokenizer(words)`."""
     out = Path(out)
     _check_target(out, overwrite)
     if tokenizer_dir is not None:
@@ -172,29 +131,18 @@ def save_tiny_model(
             tokenizer.chat_template = QWEN_STYLE_CHAT_TEMPLATE
     else:
         tokenizer = build_tiny_tokenizer(words=words)
-    model = build_tiny_model(
-        len(tokenizer),  # len() counts added special tokens, which vocab_size may not
-        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, seed=seed,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    model = build_tiny_model(len(tokenizer),  # len() counts added special tokens, which vocab_size may not
+                             layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+                             seed=seed, eos_token_id=tokenizer.eos_token_id)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return out
 
 
-def make_tiny_model_command(
-    out: Path,
-    tokenizer: Path | None = None,
-    layers: int = 2,
-    hidden: int = 64,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate: int = 128,
-    seed: int = 0,
-    overwrite: bool = False,
-) -> None:
-    """Write a random-initialised tiny Qwen3 model folder to OUT (for tests and the CPU demo)."""
+def make_tiny_model_command(out: Path, tokenizer: Path | None = None, layers: int = 2, hidden: int = 64, heads: int = 4,
+                            kv_heads: int = 2, intermediate: int = 128, seed: int = 0, overwrite: bool = False) -> None:
+    """`memrl make-tiny-model`: `save_tiny_model`, then what it wrote."""
     path = save_tiny_model(out, tokenizer_dir=tokenizer, layers=layers, hidden=hidden, heads=heads,
                            kv_heads=kv_heads, intermediate=intermediate, seed=seed, overwrite=overwrite)
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(path)).parameters())

@@ -74,8 +74,7 @@ class Trajectory:
         return len(self.turns)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        return d
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
@@ -110,20 +109,12 @@ class TrainRow:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainRow:
-        return cls(**d)
-
 
 @dataclass
 class RolloutOutput:
-    """One rollout step's batch: what a task's `generate` returns (memrl/task.py), and then, scored and
-    converted where it was generated (`memrl.train.setup.convert_rollout`), what every rollout source hands
-    to the loop.
-
-    `train_row_count` is the exact number of rows the converter will produce from `trajectories` (None on
-    a plain 1:1 rollout, where it equals the number of trajectories).
-    """
+    """One rollout step's batch: what a task's `generate` returns (memrl/task.py), then, scored and converted
+    where it was generated (`memrl.train.setup.convert_rollout`), what every rollout source hands the loop.
+    `train_row_count`: the exact number of rows the converter makes (None on a plain 1:1 rollout)."""
 
     trajectories: list[Trajectory]
     metrics: dict[str, float] = field(default_factory=dict)

@@ -1,25 +1,10 @@
-"""`memrl demo`: the CPU main job. Shows, with no GPU and no download, that GRPO through the MemAgent loop
-teaches a model to keep the right fact in its memory (docs/demo.md).
+"""`memrl demo`: the CPU main job. With no GPU and no download, GRPO through the MemAgent loop teaches a
+tiny model to keep the right fact in its memory (stages and measurements: docs/demo.md).
 
-    data      synthetic memory task (memrl.data.synthetic): training and held-out questions, disjoint
-    sft       tiny Qwen3 + word-level tokenizer built in code; supervised warm start on imperfect
-              demonstrations (the memory keeps the needed fact only `keep_prob` of the time, and
-              the answer is "unknown" when it did not) -> base
-    eval_base held-out boxed EM of the base (memrl.eval.runner; temperature 1.0, fixed per-question seeds)
-    train     GRPO with the real controller (queue, converter 1:N, checkpoints, logs, TensorBoard)
-    (validation during training: the same held-out evaluation every `eval_interval` GRPO steps)
-    eval_trained  the same held-out questions, the same sampling settings and seeds
-    compare   memrl compare (flips, McNemar p); report: memrl report plots of the training run;
-              view: memrl view pages of base vs trained (viewer.html) and of the training run
-
-Why temperature 1.0 for both evaluations: it is the recipe's sampling (docs/design.md §6) and the distribution
-GRPO optimizes; seeds are per question and turn, independent of the model, so base and trained see
-identical randomness. Targets (issue): held-out EM trained >= base + 15 pp; training reward, mean of the
-last 10 rollouts >= mean of the first 10 + 0.15. Both are measured and printed, never assumed.
-
-The stages and helpers the other demos reuse (`memrl demo-long`, `memrl demo-consistency`) are public names
-here: DemoSettings, demo_config, warm_start, grpo_records, evaluate_policy, window_means, new_run_root,
-quiet_single_thread.
+Both evaluations sample at temperature 1.0 (the recipe's sampling, the distribution GRPO optimizes) with
+per-question seeds independent of the model, so base and trained see identical randomness. Targets:
+held-out EM +15 pp; training reward, last 10 rollouts vs first 10, +0.15; measured, never assumed.
+The other demos reuse the stages through this module's public names.
 """
 
 from __future__ import annotations
@@ -133,9 +118,8 @@ def new_run_root(run_root: Path) -> Path:
 
 def quiet_single_thread() -> None:
     """How every demo command runs: memrl's logs at WARNING (the summary is the output) and, unless
-    OMP_NUM_THREADS says otherwise, one torch thread. The demo's model is tiny: one thread is as fast, and on a
-    shared or busy machine extra OpenMP threads spin-wait for cores and slow every step (measured in
-    bench/README.md). The timings in docs/demo.md were taken this way."""
+    OMP_NUM_THREADS says otherwise, one torch thread: as fast for the tiny model, and on a busy machine extra
+    OpenMP threads spin-wait for cores and slow every step (bench/README.md)."""
     import logging
     import os
 
@@ -212,81 +196,94 @@ def grpo_records(settings: DemoSettings, train: Sequence[Any]) -> Sequence[Any]:
 
 
 def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = True) -> dict[str, Any]:
-    """Run every stage into `run_root` (which must be new or empty); returns the summary (also
-    written to run_root/demo_summary.json)."""
-    from memrl.eval.compare import compare_results
-    from memrl.train.controller import Trainer, TrainOptions
-    from memrl.train.report import write_report
-    from memrl.viewer.build import write_viewer
-
+    """Run every stage into `run_root` (new or empty); returns the summary (also run_root/demo_summary.json)."""
     run_root = new_run_root(run_root)
     run_root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    times: dict[str, float] = {}
     cfg = demo_config(settings, data_dir=run_root / "data")
     (run_root / "demo_settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
     base = warm_start(run_root, settings, cfg, progress)
-    paths, train, heldout, heldout_sha = base.paths, base.train, base.heldout, base.heldout_sha
-    tokenizer, model = base.tokenizer, base.model
-    times["data+sft_s"] = base.seconds
+    times = {"data+sft_s": base.seconds}
 
-    # 3. Held-out evaluation of the base.
     t = time.perf_counter()
-    base = evaluate_policy(model, tokenizer, cfg, heldout, run_root / "eval_base", "sft-base", heldout_sha, paths["heldout"])
+    base_eval = evaluate_policy(base.model, base.tokenizer, cfg, base.heldout, run_root / "eval_base", "sft-base",
+                                base.heldout_sha, base.paths["heldout"])
     times["eval_base_s"] = time.perf_counter() - t
 
-    # 4. GRPO through the real training controller (queue, converter, checkpoints, logs).
     t = time.perf_counter()
+    history, trained_model = train_grpo(run_root, settings, cfg, base, progress)
+    times["train_s"] = time.perf_counter() - t
+
+    # The same held-out questions, sampling settings and seeds as the base's evaluation.
+    t = time.perf_counter()
+    trained_eval = evaluate_policy(trained_model, base.tokenizer, cfg, base.heldout, run_root / "eval_trained",
+                                   "grpo-trained", base.heldout_sha, base.paths["heldout"])
+    times["eval_trained_s"] = time.perf_counter() - t
+
+    summary = _compare_and_summarize(run_root, settings, len(base.heldout), base_eval, trained_eval, history)
+    summary["times_s"] = {**times, "total_s": time.perf_counter() - started}
+    (run_root / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def train_grpo(run_root: Path, settings: DemoSettings, cfg: Config, base: WarmStart,
+               progress: bool) -> tuple[list[dict[str, float]], torch.nn.Module]:
+    """GRPO from a copy of the base through the real controller (queue, converter, checkpoints, logs) into
+    run_root/train; returns the history and the trained model, also saved to run_root/trained_model."""
+    from memrl.train.controller import Trainer, TrainOptions
+
     trainer = Trainer(cfg, TrainOptions(run_root=run_root / "train", progress=progress),
-                      model=copy.deepcopy(model), tokenizer=tokenizer, records=grpo_records(settings, train))
+                      model=copy.deepcopy(base.model), tokenizer=base.tokenizer,
+                      records=grpo_records(settings, base.train))
     history = trainer.run()
     trained_model = trainer.parts.policy.merged_model().eval()  # with model.lora: base + adapters, merged
     trained_model.save_pretrained(run_root / "trained_model")
-    tokenizer.save_pretrained(run_root / "trained_model")
-    times["train_s"] = time.perf_counter() - t
+    base.tokenizer.save_pretrained(run_root / "trained_model")
+    return history, trained_model
 
-    # 5. Held-out evaluation of the trained policy: same questions, sampling settings and seeds.
-    t = time.perf_counter()
-    trained = evaluate_policy(trained_model, tokenizer, cfg, heldout, run_root / "eval_trained", "grpo-trained",
-                        heldout_sha, paths["heldout"])
-    times["eval_trained_s"] = time.perf_counter() - t
 
-    # 6. Comparison (memrl compare) and training plots (memrl report).
+def _scores(result: dict[str, Any]) -> dict[str, Any]:
+    m = result["metrics"]
+    return {"em": m["em"]["value"], "em_ci95": [m["em"]["low"], m["em"]["high"]], "sub_em": m["sub_em"]["value"],
+            "f1": m["f1"]["value"]}
+
+
+def _compare_and_summarize(run_root: Path, settings: DemoSettings, heldout_questions: int, base_eval: dict[str, Any],
+             trained_eval: dict[str, Any], history: list[dict[str, float]]) -> dict[str, Any]:
+    """The comparison (memrl compare), plots (memrl report) and viewer pages (memrl view), and the summary
+    of the figures; `times_s` is the caller's to add."""
+    from memrl.eval.compare import compare_results
+    from memrl.train.report import write_report
+    from memrl.train.run_log import EVAL_METRICS_FILE, read_metrics
+    from memrl.viewer.build import write_viewer
+
     report = compare_results([run_root / "eval_base", run_root / "eval_trained"], names=["base", "trained"])
     report.write(run_root / "compare")
     plots = write_report(run_root / "train")
-    # memrl view: base vs trained question by question, and the training run's steps and groups.
     write_viewer(run_root / "eval_base", run_root / "eval_trained", run_root / "viewer.html")
     write_viewer(run_root / "train")
 
     rewards = [float(m.get("reward/mean", 0.0)) for m in history]
     first, last, window = window_means(rewards)
-    base_em, trained_em = base["metrics"]["em"]["value"], trained["metrics"]["em"]["value"]
+    base, trained = _scores(base_eval), _scores(trained_eval)
     pair = report.pairs[0]
-    from memrl.train.run_log import EVAL_METRICS_FILE, read_metrics
     validation = [[r["rollout_id"], r["eval/heldout/em"]] for r in read_metrics(run_root / "train", EVAL_METRICS_FILE)]
-    summary = {
+    return {
         "settings": asdict(settings),
-        "heldout_questions": len(heldout),
-        "base": {"em": base_em, "em_ci95": [base["metrics"]["em"]["low"], base["metrics"]["em"]["high"]],
-                 "sub_em": base["metrics"]["sub_em"]["value"], "f1": base["metrics"]["f1"]["value"]},
-        "trained": {"em": trained_em,
-                    "em_ci95": [trained["metrics"]["em"]["low"], trained["metrics"]["em"]["high"]],
-                    "sub_em": trained["metrics"]["sub_em"]["value"], "f1": trained["metrics"]["f1"]["value"]},
-        "em_gain_pp": trained_em - base_em,
+        "heldout_questions": heldout_questions,
+        "base": base,
+        "trained": trained,
+        "em_gain_pp": trained["em"] - base["em"],
         "flips": {"wrong_to_right": len(pair.wrong_to_right), "right_to_wrong": len(pair.right_to_wrong),
                   "mcnemar_p": pair.mcnemar_p},
         "validation": {"interval": settings.eval_interval, "heldout_em": validation},
         "reward": {"window": window, "first": first, "last": last, "gain": last - first, "per_rollout": rewards},
-        "targets": {"em_gain_pp": {"target": EM_TARGET_PP, "met": trained_em - base_em >= EM_TARGET_PP},
+        "targets": {"em_gain_pp": {"target": EM_TARGET_PP, "met": trained["em"] - base["em"] >= EM_TARGET_PP},
                     "reward_gain": {"target": REWARD_TARGET, "met": last - first >= REWARD_TARGET}},
         "paths": {"eval_base": "eval_base", "eval_trained": "eval_trained", "compare": "compare/report.md",
                   "train": "train", "report": "train/report/report.md", "plots": [str(p) for p in plots],
                   "viewer": "viewer.html", "train_viewer": "train/viewer.html"},
-        "times_s": {**times, "total_s": time.perf_counter() - started},
     }
-    (run_root / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def format_summary(summary: dict[str, Any], run_root: Path) -> str:
@@ -325,9 +322,8 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
 
 def demo_command(run_root: Path, quick: bool = False, overrides: Sequence[str] = (),
                  eval_interval: int | None = None) -> int:
-    """`memrl demo [--run-root DIR] [--quick] [--set section.key=value ...]`: 0 when both targets are met,
-    1 when not; an error is a `DemoError` (or a `ConfigError` for a bad override), exit 2 in memrl.cli.
-    `overrides` apply to the GRPO training recipe (recipes/toy.yaml), after the demo's own sizes."""
+    """`memrl demo`: 0 when both targets are met, else 1; `overrides` apply to the GRPO training recipe
+    (recipes/toy.yaml) after the demo's own sizes."""
     quiet_single_thread()
     settings = replace(QUICK if quick else FULL, overrides=tuple(overrides))
     if eval_interval is not None:

@@ -1,23 +1,10 @@
 """`memrl demo-consistency`: two training paths agree, the 3 pp consistency test (docs/multinode.md).
 
-One recipe, trained by two paths whose numerics differ, plus a seed yardstick:
-
-    base         `memrl demo`'s data and warm start, done once (memrl.apps.demo.warm_start) into RUN_ROOT/data,
-                 RUN_ROOT/sft; held-out EM of the base into RUN_ROOT/eval_base (context only)
-    local        one process, synchronous (train.max_staleness 0): the demo's GRPO settings and seed
-    ray          the Ray runtime: 2 rollout workers, 2 DDP trainer workers (gloo on CPU), rollout n+1
-                 overlapped with training step n (train.max_staleness 1), the same seed
-    local-seed2  one process, synchronous, other seeds (train.seed and sampling.seed + 1): how much two
-                 seeds differ. sampling.seed is the one that matters: it seeds every GRPO sample, while
-                 train.seed only orders the questions after the first pass over them (memrl.train.setup.DataSource)
-    eval         every trained policy (its last checkpoint) on the same held-out questions, the same
-                 sampling settings and per-question seeds (memrl.apps.demo.evaluate_policy, temperature 1.0)
-    compare      memrl compare over local, ray, local-seed2 (every pair: EM / sub_EM differences, flips,
-                 McNemar p), threshold |sub_EM(ray) - sub_EM(local)| <= 3 pp -> RUN_ROOT/compare
-
-All three start from the same base weights and train on the same GRPO questions. Why the yardstick: two
-paths that agree within 3 pp mean little if two seeds of one path differ by 10; the seed pair shows the
-spread a difference of paths has to be compared with. Exit 0 when the local-vs-ray threshold passes, else 1.
+`memrl demo`'s data and warm start, done once; from that base, the demo's GRPO three ways: `local` (one
+process, synchronous), `ray` (2 rollout workers, 2 DDP ranks on gloo, max_staleness 1, the same seeds) and
+`local-seed2` (local with other seeds: the yardstick, since two paths agreeing within 3 pp mean little if
+two seeds of one path differ by 10). Every policy is evaluated alike and every pair compared; exit 0 when
+|sub_EM(ray) - sub_EM(local)| <= 3 pp, else 1.
 """
 
 from __future__ import annotations
@@ -144,7 +131,6 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
     """Warm start once, train local / ray / local-seed2 from that base, evaluate and compare; returns the
     summary (also RUN_ROOT/consistency_summary.json)."""
     from memrl.eval.compare import compare_results
-    from memrl.train.checkpoint import load_checkpoint
 
     run_root = new_run_root(run_root)
     configs = run_configs(settings)
@@ -153,61 +139,28 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
     (run_root / "consistency_settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
     started = time.perf_counter()
     times: dict[str, float] = {}
-    eval_cfg = configs["local"]  # one evaluation recipe for every policy (the format keys compare checks)
-
     base = warm_start(run_root, settings.demo, demo_config(settings.demo, data_dir=run_root / "data"), progress)
     times["data+sft_s"] = base.seconds
     records = grpo_records(settings.demo, base.train)
-
-    def evaluate(model: Any, out: Path, name: str) -> dict[str, Any]:
-        t = time.perf_counter()
-        result = evaluate_policy(model, base.tokenizer, eval_cfg, base.heldout, out, name, base.heldout_sha,
-                           base.paths["heldout"])
-        times[f"eval_{name}_s"] = time.perf_counter() - t
-        return result
-
-    base_eval = evaluate(base.model, run_root / "eval_base", "base")
+    eval_cfg = configs["local"]  # one evaluation recipe for every policy (the format keys compare checks)
+    base_eval = _evaluate(base, eval_cfg, base.model, run_root / "eval_base", "base", times)
     base_weights = {k: v.detach().clone() for k, v in base.model.state_dict().items()}
     runs: dict[str, dict[str, Any]] = {}
     weights: dict[str, dict[str, Any]] = {}
     for name in RUNS:
-        cfg, t = configs[name], time.perf_counter()
-        history = _train(name, cfg, run_root / name / "train", base, records, progress)
-        times[f"train_{name}_s"] = time.perf_counter() - t
-        # Every run evaluated alike: its last checkpoint loaded into a copy of the base.
-        model = copy.deepcopy(base.model)
-        load_checkpoint(run_root / name / "train", model, restore_rng=False)
-        model.eval()
-        weights[name] = model.state_dict()
-        result = evaluate(model, run_root / name / "eval", name)
-        rewards = [float(m.get("reward/mean", 0.0)) for m in history]
-        first, last, window = window_means(rewards)
-        runs[name] = {
-            "path": describe(cfg), "runtime": cfg.train.runtime,
-            "rollout_workers": cfg.ray.num_rollout_workers if cfg.train.runtime == "ray" else 1,
-            "trainer_ranks": cfg.train.dp_size, "max_staleness": cfg.train.max_staleness, "train_seed": cfg.train.seed,
-            "rollout_seed": cfg.sampling.seed,
-            "steps": len(history),
-            # the staleness each step trained at, as logged (0 synchronous; 1 from the second step when overlapped)
-            "staleness_per_step": [float(m.get("pipeline/staleness", 0.0)) for m in history],
-            "em": _metric(result, "em"), "sub_em": _metric(result, "sub_em"), "f1": _metric(result, "f1"),
-            "reward": {"window": window, "first": first, "last": last, "per_rollout": rewards},
-            "weights_moved_from_base": _weights_distance(weights[name], base_weights),
-        }
+        runs[name], weights[name] = _train_and_evaluate(name, configs[name], eval_cfg, run_root, base, records,
+                                                        times, progress)
+        runs[name]["weights_moved_from_base"] = _weights_distance(weights[name], base_weights)
     report = compare_results([run_root / name / "eval" for name in RUNS], names=list(RUNS),
                              max_abs_diff=dict(settings.thresholds), pairs=[CHECKED_PAIR])
     report.write(run_root / "compare")
-    pairs = [{"a": p.a, "b": p.b, "em_diff_pp": p.diffs["em"], "sub_em_diff_pp": p.diffs["sub_em"],
-              "f1_diff_pp": p.diffs["f1"], "wrong_to_right": len(p.wrong_to_right),
-              "right_to_wrong": len(p.right_to_wrong), "mcnemar_p": p.mcnemar_p,
-              "weights_distance": _weights_distance(weights[p.b], weights[p.a])} for p in report.pairs]
     summary = {
         "settings": asdict(settings),
         "heldout_questions": len(base.heldout),
         "grpo_questions": len(records),
         "base": {"em": _metric(base_eval, "em"), "sub_em": _metric(base_eval, "sub_em"), "f1": _metric(base_eval, "f1")},
         "runs": runs,
-        "pairs": pairs,
+        "pairs": [_pair(p, weights) for p in report.pairs],
         "thresholds": [{"pair": [c.a, c.b], "metric": c.metric, "abs_diff_pp": c.diff, "limit_pp": c.limit,
                         "passed": c.passed} for c in report.checks],
         "passed": report.passed,
@@ -217,6 +170,51 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
     }
     (run_root / "consistency_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _evaluate(base: Any, cfg: Config, model: Any, out: Path, name: str, times: dict[str, float]) -> dict[str, Any]:
+    """Every policy evaluated alike: the base's held-out questions and data identity, one recipe; timed."""
+    t = time.perf_counter()
+    result = evaluate_policy(model, base.tokenizer, cfg, base.heldout, out, name, base.heldout_sha, base.paths["heldout"])
+    times[f"eval_{name}_s"] = time.perf_counter() - t
+    return result
+
+
+def _train_and_evaluate(name: str, cfg: Config, eval_cfg: Config, run_root: Path, base: Any,
+                        records: Sequence[Any], times: dict[str, float],
+                        progress: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run: trained from a copy of the base, its last checkpoint loaded into another copy and evaluated;
+    returns its summary entry and its trained weights."""
+    from memrl.train.checkpoint import load_checkpoint
+
+    t = time.perf_counter()
+    history = _train(name, cfg, run_root / name / "train", base, records, progress)
+    times[f"train_{name}_s"] = time.perf_counter() - t
+    model = copy.deepcopy(base.model)
+    load_checkpoint(run_root / name / "train", model, restore_rng=False)
+    model.eval()
+    result = _evaluate(base, eval_cfg, model, run_root / name / "eval", name, times)
+    rewards = [float(m.get("reward/mean", 0.0)) for m in history]
+    first, last, window = window_means(rewards)
+    run = {
+        "path": describe(cfg), "runtime": cfg.train.runtime,
+        "rollout_workers": cfg.ray.num_rollout_workers if cfg.train.runtime == "ray" else 1,
+        "trainer_ranks": cfg.train.dp_size, "max_staleness": cfg.train.max_staleness, "train_seed": cfg.train.seed,
+        "rollout_seed": cfg.sampling.seed,
+        "steps": len(history),
+        # the staleness each step trained at, as logged (0 synchronous; 1 from the second step when overlapped)
+        "staleness_per_step": [float(m.get("pipeline/staleness", 0.0)) for m in history],
+        "em": _metric(result, "em"), "sub_em": _metric(result, "sub_em"), "f1": _metric(result, "f1"),
+        "reward": {"window": window, "first": first, "last": last, "per_rollout": rewards},
+    }
+    return run, model.state_dict()
+
+
+def _pair(p: Any, weights: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {"a": p.a, "b": p.b, "em_diff_pp": p.diffs["em"], "sub_em_diff_pp": p.diffs["sub_em"],
+            "f1_diff_pp": p.diffs["f1"], "wrong_to_right": len(p.wrong_to_right),
+            "right_to_wrong": len(p.right_to_wrong), "mcnemar_p": p.mcnemar_p,
+            "weights_distance": _weights_distance(weights[p.b], weights[p.a])}
 
 
 def verdict(checks: Sequence[dict[str, Any]]) -> int:

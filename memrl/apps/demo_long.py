@@ -1,22 +1,11 @@
 """`memrl demo-long`: train short, read long. The seed's length-generalization test in the shape of
 MemAgent's table, on CPU (docs/demo.md, "Train short, read long").
 
-    train     `memrl demo`'s stages, settings and seeds (memrl.apps.demo.run_demo: warm start -> base, GRPO ->
-              trained) on short documents padded with filler (4 chunks, memrl.data.synthetic.
-              make_padded_record; `--no-filler`: the demo's own 1-3-chunk task), into RUN_ROOT/train
-    lengths   for every length L (default 1, 2, 3, 8, 16, 32, 64 chunks): held-out questions whose documents
-              are exactly L chunks, the answering fact spread evenly over the document and every fact beyond
-              the short task's distractors unrelated filler (memrl.data.synthetic.make_length_set)
-    eval      base and trained on every length, one recipe for all (task.max_chunks = the longest
-              length, so no document is truncated), temperature 1.0, per-question seeds independent of
-              the model (memrl.eval.runner)
-    compare   per length: EM base / trained / difference with 95% intervals, flips and exact McNemar p
-              (memrl.eval.compare); EM by where the answering fact sits (first / middle / last third of
-              the document) and memory lengths, to tell a fact lost over many turns from one never kept
-    plot      EM against document length for both models (length_em.png)
-
-The memory cap does not change with length (task.memory_tokens), so any loss at length is the
-memory failing to carry the fact through more turns, not a memory that grows.
+`memrl demo`'s training on short documents padded with filler (`--no-filler`: its own 1-3-chunk task), then
+base and trained on held-out documents of exactly L chunks for every length (the answering fact spread
+evenly, every fact beyond the short task's distractors unrelated filler), one recipe for all lengths
+(max_chunks = the longest, so nothing is truncated). The memory cap does not change with length, so a loss
+at length is the memory failing to carry the fact through more turns, not a memory that grows.
 """
 
 from __future__ import annotations
@@ -69,11 +58,9 @@ def _position_third(record: Any) -> str:
 
 
 def first_match_rates(records: Sequence[Any], lines: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """How often the boxed answer is the value of the document's first fact with the question's attribute
-    (the answer itself or a same-attribute distractor), and how often that first fact is the answer.
-
-    A reader that writes the first attribute-matching fact into memory and never replaces it scores
-    about the second figure; the measured full run's trained policy does (docs/demo.md)."""
+    """How often the boxed answer is the value of the document's first fact with the question's attribute,
+    and how often that fact is the answer: a reader that keeps the first attribute match scores about the
+    second figure, as the full run's trained policy does (docs/demo.md)."""
     answered = first_is_answer = 0
     for record in records:
         m = record.metadata
@@ -84,26 +71,28 @@ def first_match_rates(records: Sequence[Any], lines: dict[str, dict[str, Any]]) 
             "first_match_is_answer_pct": 100 * first_is_answer / len(records)}
 
 
+def _check_lengths(settings: LongDemoSettings) -> None:
+    if not settings.lengths or min(settings.lengths) < 1 or settings.questions_per_length < 1:
+        raise DemoError(f"--lengths ({list(settings.lengths)}) must be >= 1 chunk and --questions "
+                        f"({settings.questions_per_length}) >= 1")
+
+
 def evaluate_lengths(models: dict[str, tuple[Any, Any]], settings: LongDemoSettings, out_root: Path,
                      exclude: set[tuple[str, str]] | frozenset = frozenset(), progress: bool = True
                      ) -> list[dict[str, Any]]:
-    """Evaluate every model (name -> (model, tokenizer)) at every length; one row per length.
+    """Evaluate two models (name -> (model, tokenizer)) at every length; one row per length.
 
     The first model is the baseline of each comparison (`diff` = other - first). Every length's data
     is written to out_root/data/length_L.jsonl (its SHA-256 is the results' data identity)."""
     from memrl.data.manifest import sha256_file
     from memrl.data.records import write_jsonl
     from memrl.data.synthetic import make_length_set
-    from memrl.eval.compare import compare_results
 
     if len(models) != 2:
         raise DemoError(f"evaluate_lengths compares two models (base, trained), got {len(models)}")
-    if not settings.lengths or min(settings.lengths) < 1 or settings.questions_per_length < 1:
-        raise DemoError(f"lengths ({settings.lengths}) must be >= 1 chunk and questions_per_length "
-                        f"({settings.questions_per_length}) >= 1")
+    _check_lengths(settings)
     # One recipe for every length: documents are never truncated, and every result folder shares one format.
     cfg = demo_config(replace(settings.train, max_chunks=max(settings.lengths)))
-    (a, b) = models
     rows = []
     for length in sorted(set(settings.lengths)):
         records = make_length_set(settings.questions_per_length, length, settings.seed,
@@ -113,38 +102,48 @@ def evaluate_lengths(models: dict[str, tuple[Any, Any]], settings: LongDemoSetti
         data.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(data, records)
         sha = sha256_file(data)
-        dirs, summaries, times = {}, {}, {}
+        summaries, times = {}, {}
         for name, (model, tokenizer) in models.items():
-            dirs[name] = out_root / f"len{length}" / name
             t = time.perf_counter()
-            summaries[name] = evaluate_policy(model, tokenizer, cfg, records, dirs[name], name, sha, data)
+            summaries[name] = evaluate_policy(model, tokenizer, cfg, records, out_root / f"len{length}" / name, name,
+                                              sha, data)
             times[name] = time.perf_counter() - t
-        report = compare_results([dirs[a], dirs[b]], names=[a, b])
-        report.write(out_root / f"len{length}" / "compare")
-        pair = report.pairs[0]
-        by_third: dict[str, dict[str, float]] = {}
-        first_match: dict[str, dict[str, float]] = {}
-        for name in models:
-            lines = {line["id"]: line for line in report.results[list(models).index(name)].lines.values()}
-            for third in ("first", "middle", "last"):
-                ids = [r.id for r in records if _position_third(r) == third]
-                if ids:
-                    by_third.setdefault(name, {})[third] = 100 * sum(lines[i]["em"] for i in ids) / len(ids)
-            first_match[name] = first_match_rates(records, lines)
-        rows.append({
-            "length": length, "questions": len(records), "document_tokens": len(records[0].context.split()),
-            **{name: {"em": s["metrics"]["em"]["value"],
-                      "em_ci95": [s["metrics"]["em"]["low"], s["metrics"]["em"]["high"]],
-                      "failed": s["failed"], "eval_s": round(times[name], 1),
-                      "memory_max_tokens": max((max(line["memory_lengths"], default=0)
-                                                for line in report.results[i].lines.values()), default=0),
-                      "memory_truncations": sum(line["memory_truncations"] for line in report.results[i].lines.values())}
-               for i, (name, s) in enumerate(summaries.items())},
-            "diff_pp": pair.diffs["em"], "wrong_to_right": len(pair.wrong_to_right),
-            "right_to_wrong": len(pair.right_to_wrong), "mcnemar_p": pair.mcnemar_p,
-            "em_by_position_third": by_third, "first_match": first_match,
-        })
+        rows.append(_length_row(length, records, summaries, times, out_root / f"len{length}"))
     return rows
+
+
+def _length_row(length: int, records: Sequence[Any], summaries: dict[str, dict[str, Any]],
+                times: dict[str, float], folder: Path) -> dict[str, Any]:
+    """One length's comparison (written to folder/compare) and its row: EM per model, flips, McNemar p, EM by
+    the answering fact's third of the document and the first-match rates."""
+    from memrl.eval.compare import compare_results
+
+    a, b = summaries
+    report = compare_results([folder / a, folder / b], names=[a, b])
+    report.write(folder / "compare")
+    pair = report.pairs[0]
+    by_third: dict[str, dict[str, float]] = {}
+    first_match: dict[str, dict[str, float]] = {}
+    for name, result in zip(summaries, report.results, strict=True):
+        lines = {line["id"]: line for line in result.lines.values()}
+        for third in ("first", "middle", "last"):
+            ids = [r.id for r in records if _position_third(r) == third]
+            if ids:
+                by_third.setdefault(name, {})[third] = 100 * sum(lines[i]["em"] for i in ids) / len(ids)
+        first_match[name] = first_match_rates(records, lines)
+    return {
+        "length": length, "questions": len(records), "document_tokens": len(records[0].context.split()),
+        **{name: {"em": s["metrics"]["em"]["value"],
+                  "em_ci95": [s["metrics"]["em"]["low"], s["metrics"]["em"]["high"]],
+                  "failed": s["failed"], "eval_s": round(times[name], 1),
+                  "memory_max_tokens": max((max(line["memory_lengths"], default=0)
+                                            for line in result.lines.values()), default=0),
+                  "memory_truncations": sum(line["memory_truncations"] for line in result.lines.values())}
+           for (name, s), result in zip(summaries.items(), report.results, strict=True)},
+        "diff_pp": pair.diffs["em"], "wrong_to_right": len(pair.wrong_to_right),
+        "right_to_wrong": len(pair.right_to_wrong), "mcnemar_p": pair.mcnemar_p,
+        "em_by_position_third": by_third, "first_match": first_match,
+    }
 
 
 def plot_lengths(rows: Sequence[dict[str, Any]], names: Sequence[str], path: Path,
@@ -271,8 +270,7 @@ def demo_long_command(run_root: Path, quick: bool = False, overrides: Sequence[s
     a `DemoError` / `ConfigError` is exit 2 in memrl.cli."""
     quiet_single_thread()
     settings = long_settings(quick, overrides, questions_per_length, lengths, filler)
-    if min(settings.lengths) < 1 or settings.questions_per_length < 1:
-        raise DemoError(f"--lengths ({list(settings.lengths)}) must be >= 1 and --questions ({settings.questions_per_length}) >= 1")
+    _check_lengths(settings)
     demo_config(replace(settings.train, max_chunks=max(settings.lengths)))  # a bad override fails before training
     summary = run_long_demo(Path(run_root), settings)
     print(format_summary(summary, Path(run_root)))

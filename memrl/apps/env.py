@@ -1,11 +1,9 @@
 """`memrl env`: the machine as a bug report needs it, on one screen; `--json`: all of it as data.
 
-Built on `torch.utils.collect_env` (OS, libc, compiler, CPU model, nvcc, driver; `--json` carries all its
-fields). memrl adds what it leaves out: memrl's version and commit, torch's own cuDNN / NCCL, each GPU's
-memory and compute capability, the core libraries, memrl's extras, the paths memrl reads (hub cache,
-datasets cache, data folder), the environment variables that change a run, and which secrets are set
-(never their values). Never failing: versions come from installed metadata (nothing optional is imported),
-and a broken torch, a CUDA error or a collect_env that fails or hangs becomes a line of the report.
+`torch.utils.collect_env` (OS, libc, compiler, CPU, driver), plus what it leaves out: memrl's version and
+commit, torch's cuDNN / NCCL, each GPU, the libraries and extras, the paths memrl reads, the environment
+variables that change a run and which secrets are set (never their values). Never failing: versions come
+from installed metadata, and a broken torch or a collect_env that fails or hangs becomes a line.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?")
 
 
 def package_version(name: str) -> str | None:
-    """The installed distribution's version, or None when it is absent (nothing is imported)."""
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -84,8 +81,8 @@ def extras() -> dict[str, dict[str, list[str]]]:
 
 
 def _torch_env() -> dict[str, Any]:
-    """What torch says: `torch.utils.collect_env`'s fields ("collect_env") and what they leave out, as torch
-    itself sees it (its cuDNN and NCCL, CPU threads, each GPU's memory, compute capability and bf16)."""
+    """`torch.utils.collect_env`'s fields ("collect_env") and what torch itself says beyond them (its cuDNN
+    and NCCL, CPU threads, each GPU's memory, compute capability and bf16)."""
     try:
         import torch
         from torch.utils import collect_env
@@ -112,9 +109,8 @@ def _torch_env() -> dict[str, Any]:
 
 
 def _collect_env(collect_env: Any) -> dict[str, Any]:
-    """`collect_env.get_env_info()` as a dict. It runs pip, nvidia-smi, lscpu and the compilers with no
-    timeout of its own, so it runs in a daemon thread given COLLECT_TIMEOUT_S: a hung nvidia-smi becomes a
-    line of the report, not a hung command."""
+    """`collect_env.get_env_info()` as a dict, in a daemon thread given COLLECT_TIMEOUT_S: it runs pip,
+    nvidia-smi and lscpu with no timeout of its own, and a hung nvidia-smi must be a line, not a hung command."""
     done: dict[str, dict[str, Any]] = {}
 
     def run() -> None:
@@ -221,7 +217,6 @@ def _install_hint(extra: str, location: str) -> str:
 
 
 def _system_lines(env: dict[str, Any], cpu: dict[str, Any]) -> list[str]:
-    """collect_env's OS, libc, compiler and CPU model, with memrl's usable cores and memory."""
     model = re.search(r"^Model name:\s*(.+)$", env.get("cpu_info") or "", re.M)
     gcc = f", gcc {env['gcc_version']}" if env.get("gcc_version") else ""
     system = (f"os            {env['os']}, {env['libc_version']}{gcc}" if "error" not in env
@@ -256,7 +251,6 @@ def _torch_lines(t: dict[str, Any], env: dict[str, Any]) -> list[str]:
 
 
 def format_env(report: dict[str, Any]) -> str:
-    """The report as aligned lines, one screen (what `memrl env` prints)."""
     m, py, cpu, paths = report["memrl"], report["python"], report["cpu"], report["paths"]
     env = report["torch"].get("collect_env", {"error": "needs an importable torch"})
     lines = ["memrl env: paste this into a bug report", "",

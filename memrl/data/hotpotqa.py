@@ -1,17 +1,11 @@
 """HotpotQA (distractor): parse, build per-question contexts, choose held-out and training ids.
 
-Sources: the hub dataset `hotpotqa/hotpot_qa` ("distractor") at a pinned revision, via `datasets`
-(imported lazily), or a local copy of the official JSON. Both parse to `HotpotExample`.
-
-Context of a question (invariants, tested):
-- each paragraph is one document `title + "\\n" + "".join(sentences)`;
-- the question's own paragraphs are shuffled with `random.Random(question_seed(seed, id))`, so every
-  question gets its own order (one global shuffle would pin gold paragraphs to the same positions);
-- documents are numbered `Document i:` (1-based) and joined by blank lines;
-- `gold_positions` are the 1-based numbers of the documents whose title is a supporting-fact title.
-
-Id lists: the held-out ids are drawn first, by seed, from all ids (never from any model's answers);
-training ids come from the rest, by seed or by Pass@k counts (`select_by_pass_counts`).
+Sources: the hub dataset `hotpotqa/hotpot_qa` at a pinned revision (via `datasets`, imported lazily), or a
+local copy of the official JSON; both parse to `HotpotExample`. A question's context is its own paragraphs
+(`title + "\\n" + "".join(sentences)`), shuffled per question with `derived_seed(seed, id)` (one global
+shuffle would pin gold paragraphs to the same positions), numbered `Document i:` and joined by blank lines.
+The held-out ids are drawn first, by seed, from all ids (never from any model's answers); training ids
+come from the rest, by seed or by Pass@k counts.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from memrl.data.records import DataError, QuestionRecord, location, read_jsonl_lines, require_module
+from memrl.data.records import DataError, QuestionRecord, check_unique_ids, read_jsonl_lines, require_module
 from memrl.errors import MemrlError
 
 HOTPOTQA_REPO = "hotpotqa/hotpot_qa"
@@ -77,14 +71,28 @@ def _fact(title: Any, sent_id: Any, source: Any, index: int, record_id: Any, pos
     return title, sent_id
 
 
+def _record_id(raw: Any, key: str, source: Any, index: int) -> str:
+    if not isinstance(raw, dict):
+        raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
+    record_id = raw.get(key)
+    if not isinstance(record_id, str) or not record_id:
+        raise DataError(source, f"must be a non-empty string, got {record_id!r}", index, record_id, key)
+    return record_id
+
+
+def _example(raw: dict, source: Any, index: int, record_id: str, facts: list[tuple[str, int]],
+             paragraphs: list[tuple[str, tuple[str, ...]]]) -> HotpotExample:
+    def text(name: str, optional: bool = False) -> str:
+        return _text_field(raw, name, source, index, record_id, optional)
+
+    return HotpotExample(id=record_id, question=text("question"), answer=text("answer"), type=text("type", True),
+                         level=text("level", True), supporting_facts=tuple(facts), paragraphs=tuple(paragraphs))
+
+
 def parse_official_record(raw: Any, source: Any, index: int) -> HotpotExample:
     """One record of the official JSON: {_id, question, answer, supporting_facts:[[title, sent_id]...],
     context:[[title, [sentence...]]...], type, level}."""
-    if not isinstance(raw, dict):
-        raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
-    record_id = raw.get("_id")
-    if not isinstance(record_id, str) or not record_id:
-        raise DataError(source, f"must be a non-empty string, got {record_id!r}", index, record_id, "_id")
+    record_id = _record_id(raw, "_id", source, index)
     context, facts = raw.get("context"), raw.get("supporting_facts")
     if not isinstance(context, list) or not context:
         raise DataError(source, "must be a non-empty list of [title, sentences]", index, record_id, "context")
@@ -100,22 +108,13 @@ def parse_official_record(raw: Any, source: Any, index: int) -> HotpotExample:
         if not isinstance(item, list | tuple) or len(item) != 2:
             raise DataError(source, f"fact {pos} must be [title, sentence index]", index, record_id, "supporting_facts")
         parsed_facts.append(_fact(item[0], item[1], source, index, record_id, pos))
-    return HotpotExample(
-        id=record_id, question=_text_field(raw, "question", source, index, record_id),
-        answer=_text_field(raw, "answer", source, index, record_id),
-        type=_text_field(raw, "type", source, index, record_id, optional=True),
-        level=_text_field(raw, "level", source, index, record_id, optional=True),
-        supporting_facts=tuple(parsed_facts), paragraphs=tuple(paragraphs))
+    return _example(raw, source, index, record_id, parsed_facts, paragraphs)
 
 
 def parse_hub_record(raw: Any, source: Any, index: int) -> HotpotExample:
     """One row of the hub dataset: {id, question, answer, type, level,
     supporting_facts:{title:[...], sent_id:[...]}, context:{title:[...], sentences:[[...]...]}}."""
-    if not isinstance(raw, dict):
-        raise DataError(source, f"expected an object, got {type(raw).__name__}", index)
-    record_id = raw.get("id")
-    if not isinstance(record_id, str) or not record_id:
-        raise DataError(source, f"must be a non-empty string, got {record_id!r}", index, record_id, "id")
+    record_id = _record_id(raw, "id", source, index)
     context, facts = raw.get("context"), raw.get("supporting_facts")
     if not isinstance(context, dict) or not isinstance(context.get("title"), list) \
             or not isinstance(context.get("sentences"), list) \
@@ -126,16 +125,11 @@ def parse_hub_record(raw: Any, source: Any, index: int) -> HotpotExample:
             or not isinstance(facts.get("sent_id"), list) or len(facts["title"]) != len(facts["sent_id"]):
         raise DataError(source, "must be {title: [...], sent_id: [...]} of equal lengths",
                         index, record_id, "supporting_facts")
-    paragraphs = tuple(_paragraph(t, s, source, index, record_id, pos)
-                       for pos, (t, s) in enumerate(zip(context["title"], context["sentences"], strict=True)))
-    parsed_facts = tuple(_fact(t, s, source, index, record_id, pos)
-                         for pos, (t, s) in enumerate(zip(facts["title"], facts["sent_id"], strict=True)))
-    return HotpotExample(
-        id=record_id, question=_text_field(raw, "question", source, index, record_id),
-        answer=_text_field(raw, "answer", source, index, record_id),
-        type=_text_field(raw, "type", source, index, record_id, optional=True),
-        level=_text_field(raw, "level", source, index, record_id, optional=True),
-        supporting_facts=parsed_facts, paragraphs=paragraphs)
+    paragraphs = [_paragraph(t, s, source, index, record_id, pos)
+                  for pos, (t, s) in enumerate(zip(context["title"], context["sentences"], strict=True))]
+    parsed_facts = [_fact(t, s, source, index, record_id, pos)
+                    for pos, (t, s) in enumerate(zip(facts["title"], facts["sent_id"], strict=True))]
+    return _example(raw, source, index, record_id, parsed_facts, paragraphs)
 
 
 def parse_hotpot_record(raw: Any, source: Any, index: int) -> HotpotExample:
@@ -147,19 +141,12 @@ def parse_hotpot_record(raw: Any, source: Any, index: int) -> HotpotExample:
 
 def parse_hotpot_records(rows: Iterable[Any], source: Any, total: int | None = None,
                          positions: Sequence[int] | None = None) -> list[HotpotExample]:
-    """Parse rows of either format; duplicate ids are a `DataError` (id lists must be unambiguous).
-
-    Errors name a row by `positions[i]` (the `Line`s of a JSONL file), else by its index."""
-    examples: list[HotpotExample] = []
-    seen: dict[str, int] = {}
-    for index, raw in enumerate(tqdm(rows, total=total, desc="parse hotpotqa", unit="q", leave=False,
-                                     disable=total is not None and total < 5000)):
-        at = positions[index] if positions is not None else index
-        example = parse_hotpot_record(raw, source, at)
-        if example.id in seen:
-            raise DataError(source, f"duplicate id, first seen at {location(seen[example.id])}", at, example.id, "id")
-        seen[example.id] = at
-        examples.append(example)
+    """Parse rows of either format; duplicate ids are a `DataError` (id lists must be unambiguous). Errors
+    name a row by `positions[i]` (the `Line`s of a JSONL file), else by its index."""
+    examples = [parse_hotpot_record(raw, source, positions[index] if positions is not None else index)
+                for index, raw in enumerate(tqdm(rows, total=total, desc="parse hotpotqa", unit="q", leave=False,
+                                                 disable=total is not None and total < 5000))]
+    check_unique_ids(examples, source, positions)
     return examples
 
 
@@ -193,8 +180,7 @@ def load_hotpotqa_hub(split: str = "train", revision: str = HOTPOTQA_REVISION,
 # ---------------------------------------------------------------------------------------------- contexts
 
 def derived_seed(seed: int, tag: str) -> int:
-    """A 64-bit seed from a base seed and a tag (a question id, "heldout", ...), stable across runs and
-    Python versions (unlike hash())."""
+    """A 64-bit seed from a base seed and a tag (a question id, "heldout", ...), stable unlike hash()."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{tag}".encode()).digest()[:8], "big")
 
 
@@ -229,30 +215,27 @@ def to_question_record(example: HotpotExample, seed: int) -> QuestionRecord:
 
 # ---------------------------------------------------------------------------------------------- id lists
 
-def select_heldout(all_ids: Iterable[str], num: int, seed: int) -> list[str]:
-    """`num` ids drawn by seed from all ids (sorted first, so the input order does not matter)."""
-    pool = sorted(set(all_ids))
+def _draw(ids: Iterable[str], num: int, seed: int, tag: str, what: str, too_few: str) -> list[str]:
+    """`num` ids drawn by `derived_seed(seed, tag)` from `ids`, sorted first so the input order does not
+    matter; the drawn order is the frozen one. `too_few` ends the error: where the ids are, what to change."""
+    pool = sorted(set(ids))
     if num > len(pool):
-        raise SelectionError(f"asked for {num} held-out ids but the data has only {len(pool)} questions; "
-                             f"lower --num-heldout")
-    return random.Random(derived_seed(seed, "heldout")).sample(pool, num)
+        raise SelectionError(f"asked for {num} {what} ids but only {len(pool)} questions {too_few}")
+    return random.Random(derived_seed(seed, tag)).sample(pool, num)
+
+
+def select_heldout(all_ids: Iterable[str], num: int, seed: int) -> list[str]:
+    return _draw(all_ids, num, seed, "heldout", "held-out", "are in the data; lower --num-heldout")
 
 
 def select_by_seed(candidates: Iterable[str], num: int, seed: int) -> list[str]:
-    """`num` training ids drawn by seed from `candidates`, in the drawn (frozen) order."""
-    pool = sorted(set(candidates))
-    if num > len(pool):
-        raise SelectionError(f"asked for {num} training ids but only {len(pool)} questions remain after the "
-                             f"held-out set; lower --num-train or --num-heldout")
-    return random.Random(derived_seed(seed, "train")).sample(pool, num)
+    return _draw(candidates, num, seed, "train", "training",
+                 "remain after the held-out set; lower --num-train or --num-heldout")
 
 
 def select_by_pass_counts(pass_counts: dict[str, int], k: int, num: int, *, seed: int | None = None) -> list[str]:
-    """Ids whose pass count c satisfies 0 < c < k (neither always nor never solved), `num` of them.
-
-    Pure. Eligible ids keep the order of `pass_counts` (the candidate order), or are shuffled by `seed`
-    when one is given; the first `num` are returned. Counts must be integers in [0, k].
-    """
+    """The first `num` ids whose pass count c satisfies 0 < c < k (neither always nor never solved), in the
+    candidates' order or shuffled by `seed`; counts must be integers in [0, k]."""
     if k < 2:
         raise SelectionError(f"pass-k = {k}: with k < 2 no question is solved strictly between 0 and k times")
     for qid, count in pass_counts.items():
@@ -269,10 +252,8 @@ def select_by_pass_counts(pass_counts: dict[str, int], k: int, num: int, *, seed
 
 
 def read_pass_counts(path: str | Path, k: int | None = None) -> tuple[dict[str, int], int | None]:
-    """Read `{id: count}` or `{"k": k, "pass_counts": {id: count}}` (our own recorded form).
-
-    Returns (counts, k recorded in the file or None). A k in the file that differs from `k` is an error.
-    """
+    """(counts, the file's k or None) of `{id: count}` or our recorded `{"k": k, "pass_counts": {...}}`; a
+    recorded k other than `k` is an error."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))

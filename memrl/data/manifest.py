@@ -1,16 +1,11 @@
-"""SHA-256 manifests for prepared data and the check of an output folder option.
+"""SHA-256 manifests for prepared data, and the check of an output folder option.
 
-Every folder that `memrl prepare-data` writes holds a `manifest.json`:
+Every folder `memrl prepare-data` writes holds a `manifest.json`:
 
-    {"files": {"<relative path>": {"sha256": "...", "bytes": 123, "records": 60}, ...},
+    {"files": {"<relative POSIX path>": {"sha256": "...", "bytes": 123, "records": 60}, ...},
      "created_by": "memrl prepare-data hotpotqa", "args": {...}, "history": [...]}
 
-Invariants:
-- Paths in the manifest are relative to its folder, in POSIX form.
-- A file is written atomically (`memrl.io`), so a reader never sees half a file; the manifest is written
-  last, after every file it lists.
-- `verify_manifest` recomputes size and SHA-256 of each listed file and raises `ManifestError` naming
-  the first file that is missing or changed.
+written atomically and last, after every file it lists.
 """
 
 from __future__ import annotations
@@ -37,8 +32,8 @@ class OutputFolderError(ValueError, MemrlError):
 
 def output_folder(path: str | Path, option: str) -> Path:
     """`path` as a Path if a folder can be made there (it is one, or its first existing parent is one).
-    Commands check it before reading their inputs: a file there was a FileExistsError traceback at the
-    first write, after the work. `option` names the flag in the message."""
+    Commands check it before reading their inputs: a file there was a traceback at the first write, after
+    the work. `option` names the flag in the message."""
     path = Path(path)
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
@@ -57,7 +52,6 @@ def sha256_file(path: str | Path) -> str:
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:
-    """The parsed manifest of `folder`; `ManifestError` when it is missing or malformed."""
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
         raise ManifestError(f"no {MANIFEST_NAME} in '{folder}'; prepare the data with `memrl prepare-data`")
@@ -89,10 +83,8 @@ def _shape_problem(manifest: Any) -> str | None:
 def write_manifest(folder: str | Path, records: dict[str, int | None], created_by: str,
                    args: dict[str, Any]) -> Path:
     """Hash the files named in `records` (relative path -> record count or None) and write the manifest.
-
     Entries of an existing manifest for other files that still exist are kept (two commands may write
-    into one folder); the previous `created_by`/`args` move into `history`.
-    """
+    into one folder); the previous `created_by`/`args` move into `history`."""
     folder = Path(folder)
     previous: dict[str, Any] = {}
     if (folder / MANIFEST_NAME).is_file():
@@ -119,10 +111,8 @@ def write_manifest(folder: str | Path, records: dict[str, int | None], created_b
 
 
 def verify_manifest(folder: str | Path, files: list[str] | None = None) -> dict[str, Any]:
-    """Check size and SHA-256 of `files` (relative to `folder`; default: every listed file).
-
-    Returns the manifest. Raises `ManifestError` naming the file that is missing, unlisted or changed.
-    """
+    """Check size and SHA-256 of `files` (relative to `folder`; default: every listed file); returns the
+    manifest, or raises `ManifestError` naming the first file that is missing, unlisted or changed."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     listed: dict[str, Any] = manifest["files"]

@@ -6,13 +6,11 @@ Layout of OUT (`--out`, default $DATA_DIR):
     ruler_hqa/eval_{N}.json + manifest.json     (published RULER-HQA, normalized)
     ruler_built/eval_{N}.json + manifest.json   (RULER-style sets built offline from HotpotQA)
 
-Same inputs and seed → byte-identical files (the manifest records the arguments, not the output path).
-Pass@k workflow: prepare with `--num-train 4000` (candidates), run Pass@k over hotpotqa_train.jsonl,
-then prepare again with the same seed and `--pass-counts`: the held-out set does not change, because
-it is drawn first, by seed, from all ids.
-No-context filter (MemAgent's filter2.py): `memrl pass-at-k --no-context` over the candidates, then
-`--drop-answerable-without-context FILE`: training questions are drawn only from candidates that run
-judged and never solved without the document; the dropped ids and the counts are in the manifest.
+Same inputs and seed give byte-identical files (the manifest records the arguments, not the output path).
+Pass@k: prepare candidates (`--num-train 4000`), run `memrl pass-at-k` over them, prepare again with the
+same seed and `--pass-counts`; the held-out set does not change (drawn first, from all ids). With
+`--drop-answerable-without-context` (MemAgent's filter2.py), training draws only candidates that a
+`pass-at-k --no-context` run judged and never solved.
 """
 
 from __future__ import annotations
@@ -38,10 +36,7 @@ from memrl.data.hotpotqa import (
     select_heldout,
     to_question_record,
 )
-from memrl.data.manifest import (
-    sha256_file,
-    write_manifest,
-)
+from memrl.data.manifest import sha256_file, write_manifest
 from memrl.data.records import write_jsonl
 from memrl.data.ruler_hqa import (
     RULER_REPO,
@@ -134,29 +129,11 @@ def prepare_hotpotqa(examples: Sequence[HotpotExample], out: str | Path, *, num_
     return {name: out / name for name in written}
 
 
-def prepare_ruler_hqa(out: str | Path, lengths: Sequence[int], *, from_dir: str | Path | None = None,
-                      pool: str | Path | None = None, revision: str = RULER_REVISION,
-                      cache_dir: str | None = None, args: dict[str, Any] | None = None) -> dict[str, Path]:
-    """Read `eval_{N}.json` from `from_dir` (or the hub), validate/normalize, write `out/ruler_hqa/`."""
-    folder = Path(out) / RULER_DIR
-    written: dict[str, int | None] = {}
-    sources: dict[str, str] = {}
-    for n in tqdm(lengths, desc="ruler-hqa files", unit="file", leave=False):
-        src = Path(from_dir) / ruler_filename(n) if from_dir is not None else download_ruler_file(n, revision, cache_dir)
-        records = read_ruler_file(src, pool=pool)
-        written[ruler_filename(n)] = write_ruler_file(folder / ruler_filename(n), records)
-        sources[ruler_filename(n)] = sha256_file(src)
-    write_manifest(folder, written, _created_by("ruler-hqa"), {**(args or {}), "source_sha256": sources})
-    return {name: folder / name for name in written}
-
-
 def build_ruler_files(examples: Sequence[HotpotExample], out: str | Path, num_docs: Sequence[int], *,
                       seed: int = DEFAULT_SEED, limit: int | None = None, layout: str = "memrl",
                       args: dict[str, Any] | None = None) -> dict[str, Path]:
-    """RULER-style `eval_{N}.json` for each N, built offline from a HotpotQA pool, into `out/ruler_built/`.
-
-    With `limit`, only the first `limit` questions get records; fillers still come from all of them.
-    `layout` is `build_ruler_set`'s (memrl's, or the official builder's); the manifest records it."""
+    """RULER-style `eval_{N}.json` for each N, built offline from a HotpotQA pool, into `out/ruler_built/`;
+    with `limit`, only the first `limit` questions get records (fillers still come from all of them)."""
     folder = Path(out) / BUILT_RULER_DIR
     questions = examples[:limit] if limit is not None else examples
     written: dict[str, int | None] = {
@@ -212,11 +189,20 @@ def hotpotqa_command(out: str | Path, *, from_file: str | Path | None = None, sp
 def ruler_hqa_command(out: str | Path, lengths: Sequence[int], *, from_dir: str | Path | None = None,
                       pool: str | Path | None = None, revision: str = RULER_REVISION,
                       cache_dir: str | None = None) -> dict[str, Path]:
-    """`prepare-data ruler-hqa`: `prepare_ruler_hqa`, the source and arguments recorded in the manifest."""
+    """`prepare-data ruler-hqa`: `eval_{N}.json` from `from_dir` (or the hub), validated and normalized, into
+    `out/ruler_hqa/`; the manifest records the source, its files' SHA-256 and the arguments."""
+    folder = Path(out) / RULER_DIR
+    written: dict[str, int | None] = {}
+    sources: dict[str, str] = {}
+    for n in tqdm(lengths, desc="ruler-hqa files", unit="file", leave=False):
+        src = Path(from_dir) / ruler_filename(n) if from_dir is not None else download_ruler_file(n, revision, cache_dir)
+        records = read_ruler_file(src, pool=pool)
+        written[ruler_filename(n)] = write_ruler_file(folder / ruler_filename(n), records)
+        sources[ruler_filename(n)] = sha256_file(src)
     args = {"source": str(from_dir) if from_dir else {"hub": RULER_REPO, "revision": revision},
-            "lengths": list(lengths), "pool": str(pool) if pool else None}
-    return prepare_ruler_hqa(out, lengths, from_dir=from_dir, pool=pool, revision=revision, cache_dir=cache_dir,
-                             args=args)
+            "lengths": list(lengths), "pool": str(pool) if pool else None, "source_sha256": sources}
+    write_manifest(folder, written, _created_by("ruler-hqa"), args)
+    return {name: folder / name for name in written}
 
 
 def build_ruler_command(from_file: str | Path, out: str | Path, num_docs: Sequence[int], *, seed: int = DEFAULT_SEED,

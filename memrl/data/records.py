@@ -1,17 +1,15 @@
 """The question record every data source turns into, and our prepared JSONL format.
 
-One JSON object per line: {"id", "question", "answers", "context", "metadata"}. `context` is the
-whole document the reader sees ("Document 1:\\n{title}\\n{text}\\n\\nDocument 2:..."); `metadata` holds
-what the source adds (gold positions, seeds, type, level, ...).
-
-Invariants: ids are non-empty strings, unique within a file; `answers` is a non-empty list of strings.
-A record that breaks them is a `DataError` naming the file, the record (its 1-based line in a JSONL
-file, its 0-based index in a JSON list, and its id) and the field.
+One JSON object per line: {"id", "question", "answers", "context", "metadata"}; `context` is the whole
+document the reader sees, `metadata` what the source adds (gold positions, seeds, ...). Ids are non-empty
+and unique within a file, `answers` a non-empty list of strings; a record that breaks this is a
+`DataError` naming the file, the record (its line, or its index in a JSON list, and its id) and the field.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,6 @@ class Line(int):
 
 
 def location(index: int) -> str:
-    """`line N` of a JSONL file (a `Line`) or `record N` (0-based) of a JSON list."""
     return f"line {index}" if isinstance(index, Line) else f"record {index}"
 
 
@@ -74,7 +71,6 @@ class QuestionRecord:
 
 
 def question_record_from_dict(raw: Any, source: str | Path, index: int) -> QuestionRecord:
-    """Validate one prepared record; `DataError` names the first bad field."""
     if not isinstance(raw, dict):
         raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
     record_id = raw.get("id")
@@ -93,17 +89,13 @@ def question_record_from_dict(raw: Any, source: str | Path, index: int) -> Quest
 
 
 def write_jsonl(path: str | Path, records: list[QuestionRecord] | list[dict[str, Any]]) -> int:
-    """Write records (QuestionRecords or plain dicts) as UTF-8 JSONL, atomically. Returns the count.
-
-    Byte-deterministic: same records in the same order give the same file.
-    """
+    """Records (QuestionRecords or dicts) as UTF-8 JSONL, atomically and byte-deterministic; returns the count."""
     lines = [json.dumps(r.to_dict() if isinstance(r, QuestionRecord) else r, ensure_ascii=False) for r in records]
     atomic_write_text(path, "".join(line + "\n" for line in lines))
     return len(lines)
 
 
 def read_jsonl_lines(path: str | Path) -> list[tuple[Line, Any]]:
-    """(line number, value) of each non-blank line of a JSONL file; a bad line is a `DataError` naming it."""
     path = Path(path)
     if not path.is_file():
         raise DataError(path, "file does not exist")
@@ -113,11 +105,10 @@ def read_jsonl_lines(path: str | Path) -> list[tuple[Line, Any]]:
 
 
 def read_jsonl(path: str | Path) -> list[Any]:
-    """Parse a JSONL file (blank lines skipped); a bad line is a `DataError` naming its line number."""
     return [value for _, value in read_jsonl_lines(path)]
 
 
-def check_unique_ids(records: list[QuestionRecord], source: str | Path, positions: list[int] | None = None) -> None:
+def check_unique_ids(records: Sequence[Any], source: str | Path, positions: Sequence[int] | None = None) -> None:
     """Ids must be unique; `positions` (e.g. `Line`s) name the records in the error, default their index."""
     positions = positions if positions is not None else list(range(len(records)))
     seen: dict[str, int] = {}
@@ -128,18 +119,14 @@ def check_unique_ids(records: list[QuestionRecord], source: str | Path, position
 
 
 def verify_if_manifest(path: str | Path) -> None:
-    """Verify `path` against the manifest of its folder when that folder has one."""
     path = Path(path)
     if (path.parent / MANIFEST_NAME).is_file():
         verify_manifest(path.parent, [path.name])
 
 
 def load_questions(path: str | Path, verify: bool = True) -> list[QuestionRecord]:
-    """Read a prepared JSONL file into QuestionRecords.
-
-    With `verify`, the file is first checked against the `manifest.json` of its folder when there is
-    one (`ManifestError` names a changed file); every record is validated (`DataError`).
-    """
+    """A prepared JSONL file as validated QuestionRecords; with `verify`, first checked against its folder's
+    manifest when there is one."""
     path = Path(path)
     if verify:
         verify_if_manifest(path)

@@ -1,14 +1,10 @@
 """RULER-HQA: read the published `eval_{N}.json` files, and build sets of the same shape offline.
 
-Published files (`BytedTsinghua-SIA/hotpotqa` at a pinned revision, repo_type dataset) are JSON lists
-of `{context, input, answers, num_docs, index}`, 128 per file, where `context` is `num_docs` Wikipedia
-paragraphs formatted `Document i:\\n{title}\\n{text}` and joined by blank lines. For the largest sets
-(12800/25600) `context` is instead a list of document indices into a pool the repository does not
-ship; such a file is readable only with that pool (a JSON list of documents), else it is an error.
-
-Invariants of every record we return or write: `context` is a string, `input` a non-empty string,
-`answers` a non-empty list of strings, `num_docs` and `index` integers; extra fields (id,
-gold_positions, seed, ...) are kept. A violation is a `DataError` naming file, record and field.
+Published files (`BytedTsinghua-SIA/hotpotqa` at a pinned revision) are JSON lists of `{context, input,
+answers, num_docs, index}`, `context` being `num_docs` paragraphs formatted as `format_documents` does. In
+the largest sets (12800/25600) `context` is a list of indices into a pool the repository does not ship:
+readable only with that pool. Every record returned or written has a string `context`, a non-empty
+`input`, non-empty string `answers` and integer `num_docs` / `index` (else a `DataError`); extra fields stay.
 """
 
 from __future__ import annotations
@@ -55,7 +51,6 @@ def ruler_filename(num_docs: int) -> str:
 
 
 def download_ruler_file(num_docs: int, revision: str = RULER_REVISION, cache_dir: str | None = None) -> Path:
-    """`eval_{num_docs}.json` from the hub at the pinned revision (cached by huggingface_hub)."""
     hub = require_module("huggingface_hub", "downloading RULER-HQA from the hub", "hub")
     return Path(hub.hf_hub_download(repo_id=RULER_REPO, filename=ruler_filename(num_docs), repo_type="dataset",
                                     revision=revision, cache_dir=cache_dir))
@@ -162,7 +157,7 @@ def load_ruler_file(path: str | Path, pool: str | Path | Sequence[Any] | None = 
 
 
 def write_ruler_file(path: str | Path, records: Sequence[dict[str, Any]]) -> int:
-    """Write records as one JSON list (compact, deterministic), atomically. Returns the count."""
+    """Records as one compact JSON list, written atomically; returns the count."""
     atomic_write_json(path, list(records), indent=None)
     return len(records)
 
@@ -182,11 +177,8 @@ def _distinct_paragraphs(examples: Sequence[HotpotExample]) -> list[Paragraph]:
 
 
 def _distinct_texts(examples: Sequence[HotpotExample]) -> list[Paragraph]:
-    """Every paragraph once by its document text, sorted by that text (the official `sorted(set(...))`).
-
-    Unlike `_distinct_paragraphs`, two paragraphs with one title and different texts (an article
-    excerpted differently in two questions) are two documents.
-    """
+    """Every paragraph once by its document text, sorted by that text (the official `sorted(set(...))`): one
+    title with two texts (an article excerpted differently in two questions) is two documents."""
     seen: dict[str, Paragraph] = {}
     for example in examples:
         for title, sentences in example.paragraphs:
@@ -203,12 +195,9 @@ def _kept_own(own: list[Paragraph], gold: list[Paragraph], num_docs: int, exampl
 
 
 def _draw_fillers(paragraphs: list[Paragraph], excluded: set[str], key: Callable[[Paragraph], str], need: int,
-                  rng: random.Random,
-                  example: HotpotExample, num_docs: int) -> list[Paragraph]:
-    """`need` distinct paragraphs of the pool, in draw order, none whose `key` is in `excluded`.
-
-    `excluded` are keys of the question's own paragraphs, all of them in the pool (it holds every question).
-    """
+                  rng: random.Random, example: HotpotExample, num_docs: int) -> list[Paragraph]:
+    """`need` distinct paragraphs of the pool, in draw order, none whose `key` is in `excluded` (the keys of
+    the question's own paragraphs, all of them in the pool)."""
     available = len(paragraphs) - len(excluded)
     if need > available:
         raise RulerBuildError(f"the pool has only {available} distinct paragraphs outside question "
@@ -236,14 +225,10 @@ def _memrl_documents(example: HotpotExample, paragraphs: list[Paragraph], num_do
 
 def _official_documents(example: HotpotExample, paragraphs: list[Paragraph], num_docs: int,
                         seed: int) -> tuple[list[Paragraph], list[int], int]:
-    """The official layout: (documents, gold positions, shuffle seed).
-
-    As different_docs_eval.py: own paragraphs (source order) + fillers of other texts, then a fresh
-    `random.Random(4).shuffle`, so every question of one length gets the same permutation and its own
-    paragraphs land on the same "Document N" slots. A pool of exactly `num_docs` documents is used whole,
-    in sorted order, as there. The official fillers come from the process-global RNG of a process pool
-    (not reproducible); here they are drawn with `random.Random(derived_seed(seed, id))`.
-    """
+    """The official layout (different_docs_eval.py): own paragraphs + fillers of other texts, then a fresh
+    `random.Random(4).shuffle`, so every question of one length lands on the same "Document N" slots; a
+    pool of exactly `num_docs` documents is used whole. The official fillers come from a process pool's
+    global RNG (not reproducible); here from `random.Random(derived_seed(seed, id))`."""
     own = list(example.paragraphs)
     gold = [p for p in own if p[0] in example.gold_titles]
     if num_docs == len(paragraphs):
@@ -262,16 +247,10 @@ def _official_documents(example: HotpotExample, paragraphs: list[Paragraph], num
 
 def build_ruler_set(examples: Sequence[HotpotExample], num_docs: int, seed: int, *,
                     pool: Sequence[HotpotExample] | None = None, layout: str = "memrl") -> list[dict[str, Any]]:
-    """RULER-HQA-style records with `num_docs` documents per question, built from a HotpotQA pool.
-
-    Each question of `examples` keeps its own paragraphs (gold first if `num_docs` is below their count)
-    and is filled up with paragraphs of the other questions of `pool` (default: `examples`).
-    `layout` "memrl" (default): distinct titles, none of its own, drawn and then shuffled with
-    `random.Random(derived_seed(seed, id))`, so gold positions vary per question (docs/design.md, pitfall "Fixed document shuffle").
-    `layout` "official": the official builder's layout (`_official_documents`): documents distinct
-    by text, one fixed shuffle for every question. Records: {context, input, answers, num_docs, index,
-    id, gold_positions, seed, shuffle_seed}; gold_positions are 1-based document numbers.
-    """
+    """RULER-HQA-style records with `num_docs` documents per question: its own paragraphs (gold first if
+    `num_docs` is below their count), filled up with paragraphs of the other questions of `pool`. Layout
+    "memrl": distinct titles, drawn and shuffled per question, so gold positions vary (docs/design.md,
+    pitfall "Fixed document shuffle"); "official": `_official_documents`. gold_positions are 1-based."""
     if layout not in RULER_LAYOUTS:
         raise RulerBuildError(f"layout = {layout!r}; use one of {', '.join(RULER_LAYOUTS)}")
     if num_docs < 1:
@@ -286,8 +265,6 @@ def build_ruler_set(examples: Sequence[HotpotExample], num_docs: int, seed: int,
         out.append({
             "context": format_documents([paragraph_document(t, s) for t, s in documents]),
             "input": example.question, "answers": [example.answer], "num_docs": num_docs, "index": index,
-            "id": example.id,
-            "gold_positions": gold_positions,
-            "seed": seed, "shuffle_seed": shuffle_seed,
+            "id": example.id, "gold_positions": gold_positions, "seed": seed, "shuffle_seed": shuffle_seed,
         })
     return out

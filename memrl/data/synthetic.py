@@ -1,34 +1,18 @@
 """A synthetic long-document memory task that a tiny model can learn on CPU (the `memrl demo` task).
 
-A document is 1..`max_chunks` chunks of `facts_per_chunk` facts each, every fact the same 7 words:
+A document is 1..`max_chunks` chunks of `facts_per_chunk` facts, each the same 7 words:
 
     "the color of bram is teal ."          question: "what is the color of bram ?"   answer: "teal"
 
-Exactly one fact answers the question (same attribute *and* same entity). Every other fact is a
-distractor that shares the entity or the attribute with the question, so matching one of the two is
-never enough; no (attribute, entity) pair occurs twice in a document. The answer fact sits in a random
-chunk, so a reader must notice it when it passes and carry it through its memory to the final turn:
-the final turn sees only question + memory (docs/design.md §1.3), never the document.
+Exactly one fact answers the question; every other fact shares the entity or the attribute with it, so
+matching one of the two is never enough; no (attribute, entity) pair occurs twice in a document. The
+answer sits in a random chunk, so a reader must carry it through its memory to the final turn, which sees
+only question + memory. With `task_tokenizer` every word is one token: a fact is `FACT_TOKENS` tokens and
+`chunk_tokens = FACT_TOKENS * facts_per_chunk` puts whole facts in every chunk.
 
-With the word-level tokenizer of `task_tokenizer` every word is one token, so a fact is `FACT_TOKENS`
-tokens and `chunk_tokens = FACT_TOKENS * facts_per_chunk` puts whole facts in every chunk (checked).
-
-Demonstrations (`demonstration_turns`, in memagent/demonstrations.py) are the memory/answer turns a supervised warm start learns:
-memory = the answer fact once seen, else the question's key with the value "unknown"
-("the color of bram is unknown ."); final = `\\boxed{ value }` of the fact in memory (a guess among
-the attribute's values when it is unknown). With `keep_prob < 1` the memory turn at the answer chunk
-often overlooks the fact (an imperfect reader): the warm-started policy then answers right mostly when
-its memory kept the fact, and only the final reward, flowing back to memory turns through the 1:N
-expansion, can raise the keep rate.
-
-Training and held-out sets come from disjoint seeded streams (`make_splits`); a held-out document is
-never identical to a training one (checked), and the held-out set never depends on any model.
-
-Long documents (`make_long_record`, `make_length_set`; the length-generalization demo, `memrl demo-long`):
-exactly `num_chunks` chunks, at most `related` distractors of the kind above and every other fact filler
-about another entity *and* another attribute (RULER pads with unrelated documents the same way), the
-answering fact at a given position, spread evenly over a held-out set. They use separate seeded streams,
-so the short task's generation is unchanged by them (pinned by a test).
+Training and held-out sets come from disjoint seeded streams (`make_splits`) and never share a document.
+Long documents (`make_long_record`, `make_length_set`, `memrl demo-long`) use separate streams, so the
+short task's generation does not change with them (pinned by a test).
 """
 
 from __future__ import annotations
@@ -55,6 +39,7 @@ BOX_OPEN, BOX_CLOSE = "\\boxed{", "}"
 TEMPLATE_WORDS = ["user", "assistant", "system", "question", "memory", "text", "answer", ":", "nothing", "yet",
                   "what", "is", "the", "of", "?", ".", "unknown"]
 UNKNOWN = "unknown"  # the value a memory holds until the answer fact is seen
+RELATED_CAPACITY = (len(ATTRIBUTES) - 1) + (len(ENTITIES) - 1)  # distractors sharing entity or attribute
 
 
 class SyntheticTaskError(ValueError, MemrlError):
@@ -62,13 +47,12 @@ class SyntheticTaskError(ValueError, MemrlError):
 
 
 def task_words() -> list[str]:
-    """Every word the task and the toy recipe's templates use (the word-level vocabulary), in fixed order."""
+    """The word-level vocabulary: every word of the task and of the toy recipe's templates, in fixed order."""
     values = [v for vs in ATTRIBUTES.values() for v in vs]
     return [*TEMPLATE_WORDS, *ENTITIES, *ATTRIBUTES, *values, BOX_OPEN, BOX_CLOSE]
 
 
 def task_tokenizer() -> Any:
-    """The word-level tiny tokenizer (Qwen-style chat template) on which every word is one token."""
     from memrl.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer(words=task_words())
@@ -83,16 +67,12 @@ def question_text(attribute: str, entity: str) -> str:
 
 
 def answer_text(value: str) -> str:
-    """The boxed final answer the demonstrations teach (`memrl.scoring` extracts `value`)."""
     return f"{BOX_OPEN} {value} {BOX_CLOSE}"
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """Size of the task. `chunk_tokens` (for the recipe) holds exactly `facts_per_chunk` facts.
-
-    `filler=True` pads the task with unrelated facts to `max_chunks` chunks (`make_padded_record`): the
-    training documents of `memrl demo-long`, whose first chunks often say nothing about the question."""
+    """Size of the task; `filler=True` pads every document to `max_chunks` chunks (`make_padded_record`)."""
 
     max_chunks: int = 3
     facts_per_chunk: int = 3
@@ -108,11 +88,10 @@ class TaskSpec:
                                      "must both be >= 1")
         if self.filler:
             return  # filler facts are unbounded; related distractors are capped by make_padded_record
-        # Distractors share the entity (other attributes) or the attribute (other entities).
-        capacity = (len(ATTRIBUTES) - 1) + (len(ENTITIES) - 1)
-        if self.max_chunks * self.facts_per_chunk - 1 > capacity:
+        if self.max_chunks * self.facts_per_chunk - 1 > RELATED_CAPACITY:
             raise SyntheticTaskError(f"a document of {self.max_chunks} x {self.facts_per_chunk} facts needs more "
-                                     f"distractors than the {capacity} available; lower max_chunks or facts_per_chunk")
+                                     f"distractors than the {RELATED_CAPACITY} available; lower max_chunks or "
+                                     "facts_per_chunk")
 
 
 def _related_distractors(rng: random.Random, attribute: str, entity: str, value: str,
@@ -161,21 +140,16 @@ def make_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionR
 
 
 # ---- long documents: the short task padded with unrelated facts (`memrl demo-long`) ---------------------------
-RELATED_CAPACITY = (len(ATTRIBUTES) - 1) + (len(ENTITIES) - 1)  # distractors sharing entity or attribute
 
 
 def make_long_record(rng: random.Random, record_id: str, *, num_chunks: int, position: float,
                      facts_per_chunk: int = 3, related: int = 8) -> QuestionRecord:
     """A document of exactly `num_chunks` chunks, the answering fact at `position` (0 = first fact, 1 = last).
 
-    At most `related` facts are distractors of the short task (sharing the entity or the attribute); every
-    other fact is filler that shares neither with the question, as RULER pads a question's documents with
-    unrelated ones. So a longer document is harder only by its length: more turns through which the
-    memory must carry the fact, and more text it must not be distracted by. Filler keys run through the
-    unrelated (attribute, entity) pairs in a seeded order before any repeats (a repeated filler key may
-    carry another value; it is about neither the question's entity nor its attribute). Distractors and
-    filler are shuffled together, then the answering fact is placed at `position`.
-    """
+    At most `related` facts are the short task's distractors; every other fact is filler sharing neither
+    entity nor attribute with the question (as RULER pads with unrelated documents), so a longer document
+    is harder only by its length. Filler keys run through the unrelated pairs in a seeded order before any
+    repeats."""
     if num_chunks < 1 or facts_per_chunk < 1:
         raise SyntheticTaskError(f"num_chunks ({num_chunks}) and facts_per_chunk ({facts_per_chunk}) must be >= 1")
     if not 0.0 <= position <= 1.0:
@@ -212,16 +186,10 @@ PADDED_RELATED = (0, 2)
 
 
 def make_padded_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionRecord:
-    """A short document padded with filler (`TaskSpec(filler=True)`): exactly `max_chunks` chunks,
-    `PADDED_RELATED` related distractors (as many as fit), filler for the rest, the answering fact at any
-    position (every fact index equally likely).
-
-    Why (docs/demo.md, "Train short, read long"): in the short task the first chunk almost always holds a
-    fact with the question's attribute, so a reader trained on it learns to commit to a value at its first
-    memory turn and copy it, which at length is a guess (the first chunks of a long document are mostly
-    filler). Here a document often opens with chunks that hold nothing with the question's attribute, so
-    committing early is punished and keeping "unknown" until a matching fact appears pays.
-    """
+    """A short document padded with filler: exactly `max_chunks` chunks, `PADDED_RELATED` related distractors,
+    the answering fact at any index. Why (docs/demo.md, "Train short, read long"): trained on the short
+    task, whose first chunk almost always matches the attribute, a reader commits at its first memory turn,
+    which at length is a guess; here committing early is punished and keeping "unknown" pays."""
     num_facts = spec.max_chunks * spec.facts_per_chunk
     related = rng.randint(min(PADDED_RELATED[0], num_facts - 1), min(PADDED_RELATED[1], num_facts - 1))
     # make_long_record puts the answer at round(position * (num_facts - 1)): an index drawn uniformly.
@@ -232,11 +200,8 @@ def make_padded_record(rng: random.Random, spec: TaskSpec, record_id: str) -> Qu
 
 def make_length_set(n: int, num_chunks: int, seed: int = 0, *, facts_per_chunk: int = 3, related: int = 8,
                     exclude: set[tuple[str, str]] | frozenset = frozenset()) -> list[QuestionRecord]:
-    """`n` held-out questions whose documents are all `num_chunks` chunks long, the answering fact's position
-    spread evenly over the document (question i at (i + 0.5) / n of it), deterministic by (num_chunks, seed).
-
-    A draw whose (question, document) is in `exclude` (the training set) is redrawn at the same position.
-    """
+    """`n` held-out questions of `num_chunks` chunks, question i's answer at (i + 0.5) / n of its document,
+    deterministic by (num_chunks, seed); a draw in `exclude` (the training set) is redrawn at that position."""
     rng = random.Random(f"memrl-synthetic:length:{num_chunks}:{seed}")
     records = []
     for i in range(n):
@@ -256,11 +221,8 @@ def make_records(n: int, spec: TaskSpec, seed: int, prefix: str) -> list[Questio
 
 def make_splits(num_train: int, num_heldout: int, spec: TaskSpec, seed: int = 0
                 ) -> tuple[list[QuestionRecord], list[QuestionRecord]]:
-    """Training and held-out questions from two independent seeded streams; no shared (question, document).
-
-    A held-out record that happens to equal a training record (possible only for tiny documents) is
-    replaced by the next draw of the held-out stream, so the held-out set is never trained on.
-    """
+    """Training and held-out questions from two seeded streams; a held-out draw equal to a training record
+    (possible only for tiny documents) is replaced by the stream's next draw."""
     train = make_records(num_train, spec, seed, "train")
     seen = {(r.question, r.context) for r in train}
     rng = random.Random(f"memrl-synthetic:heldout:{seed}")
@@ -275,8 +237,7 @@ def make_splits(num_train: int, num_heldout: int, spec: TaskSpec, seed: int = 0
 # ---- `memrl prepare-data synthetic` ----------------------------------------------------------------------
 def prepare_synthetic(out: str | Path, *, num_train: int = 2000, num_heldout: int = 200, max_chunks: int = 3,
                       facts_per_chunk: int = 3, seed: int = 0, filler: bool = False) -> dict[str, Path]:
-    """Write synthetic_train.jsonl / synthetic_heldout.jsonl and a SHA-256 manifest to `out`
-    (`filler`: documents padded with unrelated facts, `make_padded_record`)."""
+    """Write synthetic_train.jsonl / synthetic_heldout.jsonl and a SHA-256 manifest to `out`."""
     from memrl.data.manifest import write_manifest
     from memrl.data.records import write_jsonl
 

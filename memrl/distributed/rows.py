@@ -1,14 +1,8 @@
 """Training rows that go from the rollout worker that made them straight to the trainer ranks.
 
-A rollout worker converts its slice's trajectories into rows and puts them once into Ray's object store
-(`put_rows`; a replay on Ray puts its rows from the driver); what it returns, and what the driver's TransferQueue holds and counts, are `RowRef`s:
-one small handle per row (the slice's object reference and the row's index in it). Each trainer rank
-fetches the slices itself (`fetch_rows`), so rows never pass through the driver; the driver passes
-references. The queue's exact accounting is unchanged: one `RowRef` per row, and the ranks check that
-every reference resolves to a row (`rows/fetched` in the step's metrics).
-
-The slice's object belongs to the rollout worker that put it (Ray's ownership): if that worker dies
-before the ranks fetch its rows, the fetch fails with an error that says so.
+A slice's rows go once into Ray's object store (`put_rows`); the driver's queue holds and counts one
+`RowRef` per row, and each rank fetches the slices itself (`fetch_rows`). The object belongs to the
+worker that put it: if that worker dies before the fetch, the fetch fails with an error that says so.
 """
 
 from __future__ import annotations

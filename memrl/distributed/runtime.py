@@ -1,24 +1,8 @@
-"""`memrl train --runtime ray`: the one training loop (`memrl.train.controller.Trainer`), given parts
-that live on Ray actors (`ray_parts`):
-
-    parts.rollout -> RolloutPool    rollout workers; the step's questions are split across them; each
-                                    worker runs the one-process source (`LocalRollout`) over its slice
-                                    and leaves the rows in the object store (a replay puts its own)
-    parts.rows    -> TransferQueue  in the driver, holding one `RowRef` per row (exact counts as in one
-                                    process), never the rows themselves
-    parts.policy  -> TrainerGroup   trainer workers (one torch.distributed group, DDP or FSDP2); every
-                                    rank fetches the step's rows itself, plans the step (`plan_rollout`,
-                                    the same plan on every rank) and trains its share; checkpoints: every
-                                    rank gathers, rank 0 writes (the same files as the one-process run)
-
-Weight sync is the engines' contract (`sync_from(WeightSource)`, memrl/engines/base.py): the group's
-`weight_source` offers the whole weights as an object-store reference (gathered from the shards under
-FSDP by rank 0, fetched by each rollout worker: never through the driver) or, for served engines, a
-Hugging Face folder that rank 0 writes and each server reloads.
-
-Faults: every remote wait has a timeout (`ray.*_timeout_s`); a worker that dies, raises or does
-not answer fails the step with an error naming it (`WorkerError`). Checkpoints are written atomically
-by rank 0, so the last complete one stays loadable; resume with `--load` as in the one-process run.
+"""`memrl train --runtime ray`: the one training loop (`memrl.train.controller.Trainer`) given parts that
+live on Ray actors (`ray_parts`; docs/multinode.md): a `RolloutPool` of rollout workers, the driver's
+`TransferQueue` holding one `RowRef` per row (never the rows), and a `TrainerGroup` of trainer ranks that
+fetch the rows themselves. Every remote wait has a timeout (`ray.*_timeout_s`) and a worker that dies,
+raises or does not answer fails the step with a `WorkerError` naming it.
 """
 
 from __future__ import annotations
@@ -117,9 +101,8 @@ class TrainerGroup:
         self.names = [f"trainer rank {r} (pid {setups[n]['pid']})" for r, n in enumerate(self.names)]
 
     def train_rollout(self, rows: list[RowRef], rollout_id: int) -> dict[str, float]:
-        """Train one rollout step; the plan is the one process's with train.dp_size ranks. Every rank gets the
-        references (rows a rollout worker, or a replay, left in the object store), fetches the rows and plans
-        the step itself, so the rows never pass through the driver."""
+        """Train one rollout step: every rank gets the row references, fetches the rows and plans the step
+        itself (the one process's plan with train.dp_size ranks), so no row passes through the driver."""
         what = f"rollout {rollout_id}: train"
         refs = {name: w.train_streamed.remote(list(rows), rollout_id, self.settings.sync_timeout_s)
                 for name, w in zip(self.names, self.workers, strict=True)}
@@ -137,15 +120,14 @@ class TrainerGroup:
         return wait_named(refs, self.settings.sync_timeout_s, what)[self.names[0]]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole weights, fetched to the caller (tests and tools; the loop never fetches them)."""
+        """The whole weights, fetched to the caller (for tests; the loop never fetches them)."""
         return self._on_every_rank(lambda w: w.state_dict.remote(), "fetch weights")
 
     def publish_weights(self) -> Any:
-        """An object ref of the whole weights, put into the object store by rank 0."""
         return self._on_every_rank(lambda w: w.publish_weights.remote(), "weight sync (gather)")
 
     def weight_snapshot(self) -> ObjectStoreWeights:
-        """The whole weights as of now: rank 0's copy in the object store (immutable), for the pipeline."""
+        """The whole weights as of now: rank 0's immutable copy in the object store, for the pipeline."""
         return ObjectStoreWeights(self.publish_weights(), self.settings.sync_timeout_s)
 
     def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> SyncProbe:
@@ -167,13 +149,13 @@ class TrainerGroup:
 
 class GroupWeights:
     """The trainer group's current weights as an engine's `WeightSource`: an object-store reference
-    (fetched by whoever loads it, so never by the driver), or a folder rank 0 writes on demand."""
+    (fetched by whoever loads it, never by the driver), or a folder rank 0 writes on demand."""
 
     def __init__(self, group: TrainerGroup, folder: Path, tokenizer: Any) -> None:
         self.group, self.folder, self.tokenizer = group, folder, tokenizer
 
     def whole_weights(self) -> ObjectStoreWeights:
-        return ObjectStoreWeights(self.group.publish_weights(), self.group.settings.sync_timeout_s)
+        return self.group.weight_snapshot()
 
     def saved_folder(self) -> str:
         return self.group.save_pretrained(self.folder, self.tokenizer)
@@ -221,12 +203,12 @@ class RolloutPool:
         return merge_rollout_outputs([results[self.names[k]] for k in range(n)])
 
     def sync_from(self, source: WeightSource) -> None:
-        """Every rollout engine to `source`'s weights, in the one form its engines take (the pool built them
-        from `engine.kind`): a folder for served engines (shared storage), whole weights otherwise."""
+        """Every rollout engine to `source`'s weights: a folder for served engines (shared storage), whole
+        weights (an object-store reference) otherwise."""
         if self.takes_folders:
             payload: WeightSource = WeightsOnDisk(source.saved_folder())
         else:
-            payload = WeightsInMemory(source.whole_weights())  # an object-store reference travels, not tensors
+            payload = WeightsInMemory(source.whole_weights())
         refs = {n: w.sync_from.remote(payload) for n, w in zip(self.names, self.workers, strict=True)}
         wait_named(refs, self.settings.sync_timeout_s, "weight sync")
 
@@ -288,14 +270,9 @@ def start_ray(ray_address: str | None, settings: RayConfig, dp_size: int) -> boo
 
 def run_ray_training(cfg: Config, options: TrainOptions, ray_address: str | None = None,
                      **kwargs: Any) -> list[dict[str, float]]:
-    """`memrl train --runtime ray [--ray-address ADDR]`: the training loop on Ray.
-
-    Joins the cluster at `ray_address` (or uses a Ray already initialised in this process), else starts a
-    local one and shuts it down at the end. Every actor this run created is killed at the end, also on
-    failure. Workers, resources and timeouts come from the config's `ray` section; `kwargs` (model,
-    tokenizer, records) are as for `Trainer`. Returns the per-step metrics, as `memrl.train.controller.train`
-    does.
-    """
+    """`memrl train --runtime ray`: the training loop on Ray (`kwargs`: model, tokenizer, records, as for
+    `Trainer`); returns the per-step metrics. A Ray this call started is shut down at the end, and every
+    actor the run created is killed, also on failure."""
     started = start_ray(ray_address, cfg.ray, cfg.train.dp_size)
     ray = _import_ray()
     handles: list[Any] = []

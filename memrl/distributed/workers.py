@@ -1,15 +1,9 @@
 """Ray worker classes (plain classes; the runtime wraps them with `ray.remote`) and the bounded wait.
 
-- `TrainerWorker`: one data-parallel rank. Joins a torch.distributed group (gloo on CPU, NCCL on GPU),
-  builds the same `Actor` as the one-process trainer with `rank`/`world_size`, and runs its own share of
-  each optimizer step (DDP all-reduces gradients; FSDP reduce-scatters them). Weight hand-out and
-  checkpoints run on every rank (FSDP gathers the shards); rank 0 returns the weights and writes files.
-- `RolloutWorker`: the one-process rollout source (`LocalRollout`: an engine, a local copy of the policy or
-  a client of its own server, and the configured task) over its slice of a rollout step; it generates,
-  scores and converts as in one process and leaves the rows in the object store.
-- `wait_named`: every remote wait of the runtime goes through it: a timeout, and an error that names
-  the worker (died, raised, or did not answer in time). It returns on the first failure, so one rank that
-  raises never leaves the driver waiting for peers stuck in a collective.
+`TrainerWorker` is one data-parallel rank running the one-process `Actor`; `RolloutWorker` runs the
+one-process rollout source (`LocalRollout`) over its slice of a step and leaves the rows in the object
+store. Every remote wait goes through `wait_named`: a timeout, an error naming the worker, and a return at
+the first failure, so one rank that raises never leaves the driver waiting on peers stuck in a collective.
 """
 
 from __future__ import annotations
@@ -45,10 +39,7 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
 
 def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool = False) -> dict[str, Any]:
     """`ray.get` of named object refs, bounded by `timeout_s` in total; fails at the first failure.
-
-    `reraise=True` re-raises a task's own exception (Ray's error subclasses the cause) instead of wrapping it
-    in `WorkerError`; a dead actor or a timeout is always a `WorkerError` naming the worker.
-    """
+    `reraise=True` re-raises a task's own exception instead of wrapping it in `WorkerError`."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
@@ -80,12 +71,9 @@ def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool 
 
 
 def merge_rollout_outputs(outputs: list[RolloutOutput]) -> RolloutOutput:
-    """One rollout step's output from its workers' slices, in slice order.
-
-    Trajectory and row counts add up. Metrics: `time/*` take the slowest worker; counts (`*/total`,
-    `*/failed`, `groups/*`, `tokens/*`) add up; every other metric is averaged weighted by the worker's
-    number of trajectories (kept + dropped), which is exact for per-trajectory means such as reward/mean.
-    """
+    """One rollout step's output from its workers' slices, in slice order. Metrics: `time/*` take the
+    slowest worker; counts (`*/total`, `*/failed`, `groups/*`, `tokens/*`) add up; the rest are averaged
+    weighted by each worker's trajectories (kept + dropped), exact for per-trajectory means."""
     if len(outputs) == 1:
         return outputs[0]
     counts = [float(len(o.trajectories) + len(o.dropped)) for o in outputs]
@@ -149,17 +137,9 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _load_model(cfg: Config, model: torch.nn.Module | None) -> torch.nn.Module:
-    return model if model is not None else load_policy(cfg)
-
-
-def _load_tokenizer(cfg: Config, tokenizer: Any) -> Any:
-    return tokenizer if tokenizer is not None else load_tokenizer(cfg)
-
-
 class TrainerWorker:
-    """Data-parallel rank `rank` of `world_size`. Call `address` on rank 0, then `setup` on every rank at
-    once (init_process_group waits for all of them), then `train` on every rank for each rollout step."""
+    """Data-parallel rank `rank` of `world_size`: `address` on rank 0, then `setup` on every rank at once
+    (init_process_group waits for all of them), then `train_streamed` on every rank for each step."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
         _quiet_transformers()
@@ -185,14 +165,13 @@ class TrainerWorker:
         seed_everything(self.cfg.train.seed)
         device = torch.device("cuda" if use_cuda else "cpu")
         # Every rank loads the same files (`load`), so replicas, shards and optimizer states agree.
-        self.actor = Actor(_load_model(self.cfg, model), self.cfg, pad_token_id=pad_token_id, device=device,
+        self.actor = Actor(model if model is not None else load_policy(self.cfg), self.cfg, pad_token_id=pad_token_id, device=device,
                            rank=self.rank, world_size=self.world_size, load=load)
         return {"rank": self.rank, "pid": os.getpid(), "global_step": self.actor.global_step}
 
     def train_streamed(self, refs: list[Any], rollout_id: int, timeout_s: float) -> dict[str, float]:
-        """One rollout step from row references (`RowRef`s): this rank fetches the rows from the object store,
-        plans the step itself (a pure function of the rows, so every rank plans alike) and trains its share
-        of every optimizer step."""
+        """One rollout step from `RowRef`s: this rank fetches the rows, plans the step (a pure function of the
+        rows, so every rank plans alike) and trains its share of every optimizer step."""
         from memrl.distributed.rows import fetch_rows
         from memrl.train.actor import plan_rollout
 
@@ -208,28 +187,23 @@ class TrainerWorker:
     # returns or writes anything.
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """CPU copies of the policy weights (Hugging Face keys), for the rollout engines."""
         return self.actor.full_state_dict()
 
     def publish_weights(self) -> Any:
-        """`state_dict()` put into Ray's object store by rank 0; its object ref (None elsewhere). The driver
-        hands the ref to the rollout workers, so the weights never pass through the driver."""
+        """Rank 0's whole weights put into the object store; its ref (None elsewhere), for the rollout workers."""
         import ray
 
         weights = self.actor.full_state_dict()
         return None if weights is None else ray.put(weights)
 
     def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> Any:
-        """The weight-sync canary's reference: this rank's log-probs of the probe (`Actor.sync_probe`)."""
         return self.actor.sync_probe(prompt_ids, continuation_ids, version)
 
     def save_pretrained(self, path: str, tokenizer: Any = None) -> str | None:
-        """A Hugging Face folder of the current weights (for served engines that reload from disk)."""
         saved = self.actor.save_pretrained(path, tokenizer)
         return None if saved is None else str(saved)
 
     def save(self, run_root: str, rollout_id: int, state: dict[str, Any], tokenizer: Any = None) -> str | None:
-        """The checkpoint of `rollout_id`, the same files as the one-process run's."""
         saved = self.actor.save_checkpoint(run_root, rollout_id, state, tokenizer=tokenizer)
         return None if saved is None else str(saved)
 
@@ -244,8 +218,7 @@ class TrainerWorker:
 
 
 class RolloutWorker:
-    """The one-process rollout source (`LocalRollout`: an engine plus the configured task, one event loop
-    for the worker's life) over a slice of each step's batch."""
+    """The one-process rollout source (`LocalRollout`) over a slice of each step's batch."""
 
     def __init__(self, cfg: Config, index: int, tokenizer: Any = None, model: torch.nn.Module | None = None,
                  server_url: str | None = None) -> None:
@@ -255,8 +228,12 @@ class RolloutWorker:
         if server_url is not None:
             cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"server_url": server_url})})
         self.cfg, self.index = cfg, index
-        tokenizer = _load_tokenizer(cfg, tokenizer)
-        engine = training_engine(cfg, None if served_engine(cfg) else _load_model(cfg, model), tokenizer)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+        if served_engine(cfg):
+            model = None  # the server holds the weights
+        elif model is None:
+            model = load_policy(cfg)
+        engine = training_engine(cfg, model, tokenizer)
         self.source = LocalRollout(cfg, engine, tokenizer, load_task(cfg), progress=False)
 
     def ping(self) -> int:
@@ -264,14 +241,9 @@ class RolloutWorker:
 
     def generate(self, rollout_id: int, records: list[Any], slot_offset: int = 0,
                  weight_version: int | None = None) -> RolloutOutput:
-        """`records`, the slice of the step's batch starting at `slot_offset` (slots name groups and seed
-        requests: a slice keeps its batch positions), generated and converted as in one process; the rows
-        stay in the object store (`RolloutOutput.rows` are `RowRef`s).
-
-        Converting a slice gives the rows converting the whole batch would: advantages are per prompt group
-        and a group never spans slices; the plan takes rows in group order whatever the slicing
-        (`memrl.train.actor.plan_rollout`).
-        """
+        """The slice of the step's batch starting at `slot_offset` (slots name groups and seed requests, so a
+        slice keeps its batch positions), generated and converted as in one process: advantages are per
+        prompt group and a group never spans slices. The rows stay in the object store (`RowRef`s)."""
         from memrl.distributed.rows import put_rows
 
         out = self.source.generate(rollout_id, records, weight_version, slot_offset)
@@ -279,11 +251,9 @@ class RolloutWorker:
         return out
 
     def sync_from(self, source: Any) -> None:
-        """The engine to `source`'s weights (a `WeightSource`: an object-store reference, or a folder)."""
         self.source.sync_from(source)
 
     def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> Any:
-        """The engine's teacher-forced log-probs of the weight-sync probe (`Engine.score`)."""
         return self.source.loop.run_until_complete(self.source.engine.score(prompt_ids, continuation_ids,
                                                                             temperature))
 

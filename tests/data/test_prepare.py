@@ -167,7 +167,7 @@ def test_build_ruler_layout_flag_is_recorded_in_the_manifest(app, dev_file, tmp_
     result = invoke(app, "build-ruler", "--from-file", dev_file, "--num-docs", 20, "--layout", "verl",
                     "--out", tmp_path / "bad")
     assert result.exit_code == 2 and "verl" in result.output
-    from memrl.cli import RulerLayout
+    from memrl.cli_prepare import RulerLayout
 
     assert tuple(RulerLayout) == RULER_LAYOUTS  # the CLI offers exactly the library's layouts
 
