@@ -42,11 +42,13 @@ from memrl.distributed.workers import (
     wait_named,
 )
 from memrl.engines.base import ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
+from memrl.engines.factory import served_engine
 from memrl.task import rows_per_trajectory
 from memrl.train.checkpoint import resolve_checkpoint
-from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
+from memrl.train.controller import Trainer, TrainingParts, TrainOptions
 from memrl.train.queue import TransferQueue
-from memrl.train.setup import pad_token_id, run_start, served_engine, start_rollout_id
+from memrl.train.setup import pad_token_id, run_start, start_rollout_id
+from memrl.train.sources import ReplayRollout
 from memrl.types import RolloutOutput
 
 log = logging.getLogger("memrl.distributed")
@@ -192,7 +194,7 @@ class ObjectStoreReplay(ReplayRollout):
 class RolloutPool:
     """The rollout source the loop sees: rollout workers generating slices of each step's batch."""
 
-    generates, in_process = True, False  # capabilities the loop reads (memrl.train.controller.RolloutSource)
+    generates, in_process = True, False  # capabilities the loop reads (memrl.train.sources.RolloutSource)
 
     def __init__(self, ray: Any, cfg: Config, options: list[dict], tokenizer: Any, model_ref: Any,
                  handles: list[Any]) -> None:

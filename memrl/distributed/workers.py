@@ -26,8 +26,8 @@ import torch
 from memrl.config import Config
 from memrl.errors import MemrlError
 from memrl.task import load_task
-from memrl.train.controller import LocalRollout
-from memrl.train.setup import load_policy, load_tokenizer, seed_everything, served_engine
+from memrl.train.setup import load_policy, load_tokenizer, seed_everything
+from memrl.train.sources import LocalRollout
 from memrl.types import RolloutOutput
 
 
@@ -194,7 +194,7 @@ class TrainerWorker:
         plans the step itself (a pure function of the rows, so every rank plans alike) and trains its share
         of every optimizer step."""
         from memrl.distributed.rows import fetch_rows
-        from memrl.train.actor import plan_rollout
+        from memrl.train.partition import plan_rollout
 
         rows = fetch_rows(refs, timeout_s)
         plan = plan_rollout(rows, self.cfg, self.actor.pad_token_id, rollout_id, self.actor.vocab_size)
@@ -249,7 +249,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, index: int, tokenizer: Any = None, model: torch.nn.Module | None = None,
                  server_url: str | None = None) -> None:
-        from memrl.engines.factory import training_engine
+        from memrl.engines.factory import served_engine, training_engine
 
         _quiet_transformers()
         if server_url is not None:
@@ -270,7 +270,7 @@ class RolloutWorker:
 
         Converting a slice gives the rows converting the whole batch would: advantages are per prompt group
         and a group never spans slices; the plan takes rows in group order whatever the slicing
-        (`memrl.train.actor.plan_rollout`).
+        (`memrl.train.partition.plan_rollout`).
         """
         from memrl.distributed.rows import put_rows
 

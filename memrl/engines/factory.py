@@ -47,10 +47,16 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
                                     tokenizer_path=tokenizer_path, revision=revision, **limits)
 
 
+def served_engine(cfg: Config) -> bool:
+    """A served engine (`rollout.engine = openai`) reloads weights from a folder its server reads; an
+    in-process one copies tensors. Rollout sources declare it (`takes_folders`); the loop reads that."""
+    return cfg.rollout.engine == "openai"
+
+
 def training_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> Engine:
     """The rollout engine of a training run: `rollout.engine` = `openai` (its `server_url`), else a
     private copy of the policy `model`."""
-    if cfg.rollout.engine == "openai":
+    if served_engine(cfg):
         if not cfg.rollout.server_url:
             raise ConfigError("rollout.engine = 'openai' needs rollout.server_url")
         return build_engine(cfg, server_url=cfg.rollout.server_url)

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from memrl.config import Config
 from memrl.errors import MemrlError
+from memrl.rl.loss import compute_token_weights
+from memrl.rl.validate import validate_train_rows
 from memrl.types import TrainRow
 
 
@@ -114,3 +118,51 @@ def padding_fraction(batches: Sequence[Sequence[TrainRow]]) -> float:
     real = sum(len(r.tokens) for b in batches for r in b if not r.is_padding)
     padded = sum(max(len(r.tokens) for r in b) * len(b) for b in batches if b)
     return 1.0 - real / padded if padded else 0.0
+
+
+@dataclass
+class RankShare:
+    """One rank's work in one optimizer step: its micro-batches and every row's weight in the whole step.
+
+    Invariant: `weights[k][i]` belongs to `micro_batches[k][i]`; padding rows have weight 0.
+    """
+
+    micro_batches: list[list[TrainRow]]
+    weights: list[list[float]]
+
+
+def loss_scale_factor(config: Config) -> float:
+    """L of loss_agg = seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token
+    limit (a constant of the run, as Dr. GRPO's normaliser must be)."""
+    a, r = config.algorithm, config.rollout
+    return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
+
+
+def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[RankShare]:
+    """Deal one optimizer step's rows to `train.dp_size` ranks, weigh them over the whole step, cut each
+    rank's rows into micro-batches, and give every rank the same number of micro-batches."""
+    t, a = config.train, config.algorithm
+    ranks = split_ranks(rows, t.dp_size, t.pad_to_dp, pad_token_id, rollout_id)
+    all_rows = [r for rank in ranks for r in rank]
+    weights = dict(zip(map(id, all_rows), compute_token_weights(
+        [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg,
+        loss_scale_factor(config)), strict=True))
+    batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens, t.packing) for rank in ranks],
+                                          pad_token_id, rollout_id)
+    return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]
+
+
+def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int,
+                 vocab_size: int | None = None) -> list[list[RankShare]]:
+    """`[optimizer step][rank] -> RankShare` for one rollout step's rows (prompt groups kept in one step),
+    after the rows are validated (`validate_train_rows`, token ids against the model's `vocab_size`):
+    whoever trains them plans them through here.
+
+    Rows are taken in `group_id` order (a stable sort, so a group's rows keep theirs): the plan depends on
+    the step's rows, not on how the batch was cut across rollout workers. The converters already emit
+    rows in that order, so for one process the sort changes nothing.
+    """
+    validate_train_rows(rows, vocab_size)
+    rows = sorted(rows, key=lambda r: r.group_id)
+    return [plan_optimizer_step(step, config, pad_token_id, rollout_id)
+            for step in split_optimizer_steps(rows, config.train.num_optimizer_steps)]

@@ -140,12 +140,6 @@ def convert_rollout(out: RolloutOutput, tokenizer: Any, algorithm: Any, task: Ta
     return out
 
 
-def served_engine(cfg: Config) -> bool:
-    """A served engine (`rollout.engine = openai`) reloads weights from a folder its server reads; an
-    in-process one copies tensors. The rollout sources declare it (`takes_folders`); the loop reads that."""
-    return cfg.rollout.engine == "openai"
-
-
 def start_rollout_id(cfg: Config, load: Path | None, requested: int | None) -> int:
     """The first rollout step to run: `--start-rollout-id`, else the one after the checkpoint `load` names
     (its state.json), else 0; read before any model loads, so that a run with nothing to do stops at once.

@@ -89,7 +89,7 @@ def sft_config(cfg: Config, options: SFTOptions) -> Config:
 @torch.no_grad()
 def mean_nll(model: torch.nn.Module, rows: Sequence[TrainRow], pad_token_id: int) -> float:
     """Token-mean negative log-likelihood of the rows' response tokens (one batched forward)."""
-    from memrl.train.actor import MicroBatch, response_log_probs
+    from memrl.train.microbatch import MicroBatch, response_log_probs
 
     device = next(model.parameters()).device
     mb = MicroBatch.build(list(rows), [0.0] * len(rows), pad_token_id, device)
