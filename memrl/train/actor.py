@@ -173,8 +173,7 @@ class Actor:
 
     def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> TokenStats:
         with self.autocast if self.autocast is not None else contextlib.nullcontext():
-            return module(mb.input_ids, mb.attention_mask, mb.position_ids, mb.row_lengths, mb.cu_seq_lens,
-                          mb.positions, mb.targets)
+            return module(*mb.inputs())
 
     def _build(self, rows: list[TrainRow], weights: list[float]) -> MicroBatch:
         return MicroBatch.build(rows, weights, self.pad_token_id, self.device, packed=self.cfg.train.packing)

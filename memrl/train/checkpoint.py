@@ -244,12 +244,10 @@ def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Modul
 
 def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Module, optimizer: Any,
                     scheduler: Any, state: dict[str, Any], tokenizer: Any = None,
-                    keep_last: int | None = None, weights: Mapping[str, torch.Tensor] | None = None) -> Path:
-    """Save `iter_{rollout_id:07d}` atomically, point `latest` at it, keep only `keep_last` newest.
+                    weights: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Save `iter_{rollout_id:07d}` atomically and point `latest` at it.
     `optimizer`/`scheduler` may be None (no file). A sharded model (FSDP) passes its gathered `weights`
     and its gathered optimizer state (a `state_dict()`-form mapping) as `optimizer`."""
-    if keep_last is not None and keep_last < 1:
-        raise CheckpointError(f"keep_last = {keep_last}; use None to keep every checkpoint, or a number >= 1")
     name = checkpoint_name(rollout_id)
     ckpt_dir = _checkpoints_dir(run_root)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -276,10 +274,6 @@ def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Modul
         os.replace(tmp, final)
     _fsync_dir(ckpt_dir)
     atomic_write_text(ckpt_dir / LATEST_FILE, name + "\n")
-    if keep_last is not None:
-        for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
-            if stale != final:
-                shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -427,12 +421,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any = N
             obj.load_state_dict(read_checkpoint_file(ckpt, filename))
     if restore_rng:
         _restore_rng(read_checkpoint_file(ckpt, RNG_FILE))
-    return read_state(ckpt)
-
-
-def read_state(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's state.json (where to resume, the config); `path` as for `load_checkpoint`."""
-    return read_state_file(resolve_checkpoint(path))
+    return read_state_file(ckpt)
 
 
 def read_state_file(ckpt: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,13 +20,9 @@ from memrl.types import TrainRow
 
 @dataclass
 class MicroBatch:
-    """The tensors of a micro-batch; response values live in [rows, max_response] tensors.
-
-    Padded (`packed=False`): rows right-padded to the longest, [B, L] with a 2-D attention mask.
-    Packed: rows concatenated into one [1, T] sequence, T = their total length, no padding; each row's
-    position ids restart at 0 and the attention gets the row boundaries (`memrl.train.packing`: a
-    variable-length kernel, no mask), so every token sees exactly the tokens it sees in the padded layout.
-    """
+    """The tensors of a micro-batch; response values live in [rows, max_response] tensors. Padded: rows
+    right-padded to the longest, with a 2-D mask. Packed: one [1, T] sequence whose position ids restart at
+    each row and whose attention gets the row boundaries, so every token sees what it sees padded."""
 
     input_ids: Tensor              # [B, L] padded, [1, T] packed
     attention_mask: Tensor | None  # [B, L] padded; None packed
@@ -84,39 +81,26 @@ class MicroBatch:
                    put(torch.tensor(ridx, dtype=torch.long).reshape(-1, 2)), put(mask), put(old),
                    put(torch.tensor([r.advantage for r in rows])), put(torch.tensor(weights, dtype=torch.float)))
 
+    def inputs(self) -> tuple[Any, ...]:
+        """The arguments of `ResponseStats.forward` (tensors as arguments: DDP and FSDP hook the forward)."""
+        return (self.input_ids, self.attention_mask, self.position_ids, self.row_lengths, self.cu_seq_lens,
+                self.positions, self.targets)
+
     def scatter(self, flat: Tensor) -> Tensor:
         out = flat.new_zeros(self.loss_mask.shape)
         out[self.resp_index[:, 0], self.resp_index[:, 1]] = flat
         return out
 
 
-def _response_stats(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
-                    position_ids: Tensor | None, row_lengths: list[int] | None, cu_seq_lens: Tensor | None,
-                    positions: Tensor, targets: Tensor, temperature: float, chunk_tokens: int | None,
-                    with_entropy: bool = True) -> TokenStats:
-    if row_lengths is None:
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=position_ids).last_hidden_state
-    else:  # packed: the attention gets the row boundaries and no mask (memrl.train.packing)
-        packing.check_enabled(model)
-        hidden = model.base_model(input_ids=input_ids, attention_mask=packing.no_masks(), position_ids=position_ids,
-                                  **packing.packed_kwargs(row_lengths, cu_seq_lens)).last_hidden_state
-    selected = hidden[positions[:, 0], positions[:, 1]]
-    return response_token_stats(selected, targets, model.get_output_embeddings(), temperature, chunk_tokens,
-                                with_entropy)
-
-
 def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_tokens: int | None) -> Tensor:
     """Log-probs [N] of the micro-batch's response tokens under `model` at the sampling temperature."""
-    return _response_stats(model, mb.input_ids, mb.attention_mask, mb.position_ids, mb.row_lengths, mb.cu_seq_lens,
-                           mb.positions, mb.targets, temperature, chunk_tokens).log_probs
+    return ResponseStats(model, temperature, chunk_tokens)(*mb.inputs()).log_probs
 
 
 class ResponseStats(torch.nn.Module):
-    """Response tokens' log-probs and entropy (`memrl.train.logprobs`) as a module's forward, so DDP (whose
-    gradient hooks are armed by its own forward) and FSDP (which gathers the root's parameters, the LM head
-    among them, in a hook on it) can wrap it; `self.model` is the plain Hugging Face model, shared, never
-    copied."""
+    """Response tokens' log-probs and entropy as a module's forward, so DDP (whose gradient hooks its own
+    forward arms) and FSDP (which gathers the root's parameters in a hook on it) can wrap it; `self.model`
+    is the plain Hugging Face model, shared, never copied."""
 
     def __init__(self, model: torch.nn.Module, temperature: float, chunk_tokens: int | None,
                  with_entropy: bool = True) -> None:
@@ -127,5 +111,14 @@ class ResponseStats(torch.nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                 row_lengths: list[int] | None, cu_seq_lens: Tensor | None, positions: Tensor,
                 targets: Tensor) -> TokenStats:
-        return _response_stats(self.model, input_ids, attention_mask, position_ids, row_lengths, cu_seq_lens,
-                               positions, targets, self.temperature, self.chunk_tokens, self.with_entropy)
+        if row_lengths is None:
+            hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                           position_ids=position_ids).last_hidden_state
+        else:  # packed: the attention gets the row boundaries and no mask (memrl.train.packing)
+            packing.check_enabled(self.model)
+            hidden = self.model.base_model(input_ids=input_ids, attention_mask=packing.no_masks(),
+                                           position_ids=position_ids,
+                                           **packing.packed_kwargs(row_lengths, cu_seq_lens)).last_hidden_state
+        return response_token_stats(hidden[positions[:, 0], positions[:, 1]], targets,
+                                    self.model.get_output_embeddings(), self.temperature, self.chunk_tokens,
+                                    self.with_entropy)
