@@ -91,6 +91,7 @@ class Actor:
         self.rank, self.world_size = rank, world_size
         self.strategy = config.train.strategy if world_size > 1 else "single"
         self.cfg = config
+        self.correction = RolloutCorrection.from_config(config.algorithm)  # None when off
         self.device = device or next(model.parameters()).device
         self._prepare_model(model)
         self.ref_model = None
@@ -263,7 +264,7 @@ class Actor:
         # ratio must be taken against the policy before this rollout's first update, computed up front.
         # A trajectory-level rollout correction needs them up front too: a trajectory's rows may be in
         # several micro-batches, and its total log-ratio must be known before the first of them.
-        correction = RolloutCorrection.from_config(self.cfg.algorithm)
+        correction = self.correction
         up_front = len(steps) > 1 or (correction is not None and correction.needs_trajectory_totals)
         olds = [self._old_log_probs(shares) for shares in steps] if up_front else [None] * len(steps)
         for index, (shares, old) in enumerate(zip(steps, olds, strict=True)):
@@ -296,8 +297,7 @@ class Actor:
         """Per micro-batch, the per-row trajectory totals its loss needs (memrl/rl/correction.py): GSPO's mean
         log-ratio (`gspo`), the rollout correction's summed log rho and token count (`rc_sum`, `rc_tokens`),
         known before any micro-batch's backward (a trajectory's rows may be in several)."""
-        a = self.cfg.algorithm
-        correction = RolloutCorrection.from_config(a)
+        a, correction = self.cfg.algorithm, self.correction
         terms: list[dict[str, Tensor]] = [{} for _ in work]
         if old_log_probs is None:  # one step: old = this very forward, so GSPO's log-ratio is 0
             if a.loss_mode == "gspo":
@@ -425,10 +425,9 @@ class Actor:
         """The rollout correction's importance weights (None when off) and the loss mask less the tokens it
         drops; its metrics into sums. A dropped token (rollout_rs) leaves every term, its weight stays in the
         step's sum."""
-        correction = RolloutCorrection.from_config(self.cfg.algorithm)
-        if correction is None:
+        if self.correction is None:
             return None, mb.loss_mask
-        iw, keep, rc_metrics = correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
+        iw, keep, rc_metrics = self.correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
                                                 terms.get("rc_sum"), terms.get("rc_tokens"))
         n_mb = mb.loss_mask.sum().double()
         for key, value in rc_metrics.items():

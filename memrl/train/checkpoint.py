@@ -104,16 +104,6 @@ def find_latest_checkpoint(run_root: str | Path) -> Path | None:
 # ---------------------------------------------------------------------------------------------- saving
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    # DDP keeps the real model in `.module`; torch.compile in `._orig_mod`. save_pretrained and the
-    # state-dict keys must be those of the plain Hugging Face model.
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
 def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state(legacy=False)
     # numpy's MT19937 key is stored as a tensor so `torch.load(weights_only=True)` can read it back.
@@ -219,7 +209,7 @@ def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Modul
                             weights: Mapping[str, torch.Tensor] | None) -> None:
     """Everything of one checkpoint into `target`, COMPLETE last."""
     target.mkdir(parents=True)
-    _unwrap(model).save_pretrained(target / MODEL_DIR, **({"state_dict": dict(weights)} if weights is not None else {}))
+    model.save_pretrained(target / MODEL_DIR, **({"state_dict": dict(weights)} if weights is not None else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(target / MODEL_DIR)
     if optimizer is not None:
@@ -392,7 +382,6 @@ def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(str(file)))
-    model = _unwrap(model)
     _check_shapes(weights, model.state_dict(), model_dir)
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:

@@ -195,10 +195,7 @@ class TransferQueue:
         return state.asked and state.status == "consumed"
 
     def _producer_state(self, rollout_id: int) -> _Rollout:
-        if self._closed:
-            raise QueueClosedError(f"rollout {rollout_id}: the queue is closed; nothing more can be put")
-        state = self._rollouts.setdefault(_checked_int(rollout_id, "rollout_id"), _Rollout())
-        self._raise_if_failed(rollout_id, state)
+        state = self._checked(rollout_id)
         if state.finished:
             raise QueueError(f"rollout {rollout_id} was already finished with {state.rows_put} rows; "
                              f"nothing more can be put for it")
@@ -214,13 +211,9 @@ class TransferQueue:
         if self._closed:
             raise QueueClosedError(f"rollout {rollout_id}: the queue was closed")
         state = self._rollouts.setdefault(_checked_int(rollout_id, "rollout_id"), _Rollout())
-        self._raise_if_failed(rollout_id, state)
-        return state
-
-    @staticmethod
-    def _raise_if_failed(rollout_id: int, state: _Rollout) -> None:
         if state.error is not None:
             raise RolloutFailedError(f"rollout {rollout_id} failed: {state.error!r}") from state.error
+        return state
 
     def _announce_locked(self, rollout_id: int, state: _Rollout, count: int) -> None:
         if not _is_int(count):

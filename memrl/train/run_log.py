@@ -81,7 +81,8 @@ def read_metrics(run_root: str | Path, filename: str = METRICS_FILE) -> list[dic
 def reward_summary(records: list[dict[str, Any]], key: str = REWARD_KEY, window: int = 10) -> dict[str, Any]:
     """Per-rollout mean reward, the mean of the first / last `window` rollouts (over all of them when
     fewer), and the best rollout; rollouts without a finite `key` are left out."""
-    rewards = [(int(r["rollout_id"]), float(r[key])) for r in records if _json_safe(r.get(key)) is not None]
+    rewards = [(int(r["rollout_id"]), float(r[key])) for r in records
+               if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
     if not rewards:
         return {"num_rollouts": 0, "per_rollout": [], "first_10_mean": None, "last_10_mean": None, "best": None}
     values = [v for _, v in rewards]
