@@ -92,7 +92,7 @@ def demo_consistency(
         "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml) of all three runs: "
         "section.key=value.")] = None,
     seed_offset: Annotated[int, typer.Option(
-        help="local-seed2 trains with train.seed and rollout.seed this much above the other runs'.")] = 1,
+        help="local-seed2 trains with train.seed and sampling.seed this much above the other runs'.")] = 1,
     max_abs_diff: Annotated[list[str] | None, typer.Option(
         "--max-abs-diff", help="METRIC=POINTS limit on |local - ray| (repeat; default sub_em=3).")] = None,
 ) -> None:
@@ -126,7 +126,7 @@ def sft(
     output_folder(out, "--out")
     cfg = load_config(recipe, list(set_ or []))
     tokenizer = load_pretrained(AutoTokenizer, model, "model")
-    demos = load_demonstrations(data, tokenizer, cfg.rollout.enable_thinking)
+    demos = load_demonstrations(data, tokenizer, cfg.task.enable_thinking)
     policy = load_pretrained(AutoModelForCausalLM, model, "model", dtype="float32")
     history = run_sft(policy, tokenizer, cfg, demos, options, out)
     nll = [h["nll"] for h in history if "nll" in h]

@@ -27,9 +27,9 @@ def test_help_lists_the_real_commands():
 
 def test_bad_override_fails_naming_the_key(tmp_path):
     result = runner.invoke(app, ["train", "--recipe", str(ROOT / "recipes" / "qwen3-0.6b-hotpotqa.yaml"),
-                                 "--run-root", str(tmp_path), "--set", "rollout.chunk_tokens=-5"])
+                                 "--run-root", str(tmp_path), "--set", "task.chunk_tokens=-5"])
     assert result.exit_code == 2
-    assert "rollout.chunk_tokens = -5" in result.output
+    assert "task.chunk_tokens = -5" in result.output
 
 
 def test_missing_model_path_says_what_to_set(tmp_path):
@@ -48,7 +48,7 @@ def test_make_tiny_model_then_convert_errors_clearly(tmp_path):
 # ------------------------------------------------------------------------------------------ expected errors
 # Every command: an error the user fixes is one line naming it, exit 2; never a traceback.
 
-TRAIN_SETS = ["rollout.chunk_tokens=16", "rollout.memory_tokens=8", "rollout.final_tokens=8", "rollout.n_samples=2",
+TRAIN_SETS = ["task.chunk_tokens=16", "task.memory_tokens=8", "task.final_tokens=8", "sampling.n_samples=2",
               "train.rollout_batch_size=2", "train.num_rollout=1"]
 
 
@@ -163,8 +163,8 @@ def test_train_against_a_server_that_refuses_every_connection_is_one_line(tiny, 
     # it, the step's generations fail, and the loop names them before the queue sees 0 rows.
     root, model, _ = tiny
     url = refused_url()
-    args = ["--set", f"data.dir={root / 'data'}", "--set", "rollout.engine=openai", "--set",
-            f"rollout.server_url={url}", "--set", f"train.max_staleness={max_staleness}"]
+    args = ["--set", f"data.dir={root / 'data'}", "--set", "engine.kind=openai", "--set",
+            f"engine.server_url={url}", "--set", f"train.max_staleness={max_staleness}"]
     line = one_error_line(train(tmp_path / "checked", model, *args))
     assert "scoring the weight-sync probe failed" in line
     assert f"{url}/v1/models" in line and "connection refused" in line

@@ -224,7 +224,7 @@ class RolloutPool:
 
     def sync_from(self, source: WeightSource) -> None:
         """Every rollout engine to `source`'s weights, in the one form its engines take (the pool built them
-        from `rollout.engine`): a folder for served engines (shared storage), whole weights otherwise."""
+        from `engine.kind`): a folder for served engines (shared storage), whole weights otherwise."""
         if self.takes_folders:
             payload: WeightSource = WeightsOnDisk(source.saved_folder())
         else:
@@ -257,7 +257,7 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
     load = resolve_checkpoint(options.load) if options.load is not None else None
     # The driver's queue holds row references (memrl/distributed/rows.py), the rows stay in the object store.
     queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1),
-                                      cfg.rollout.n_samples, rows_per_trajectory(cfg))
+                                      cfg.sampling.n_samples, rows_per_trajectory(cfg))
     model_ref = ray.put(model) if model is not None else None
     trainer_opts, rollout_opts = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)
     group = TrainerGroup(ray, cfg, trainer_opts, pad_token_id(tokenizer), model_ref, load, handles)

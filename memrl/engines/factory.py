@@ -27,7 +27,7 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
              if value is not None]
     if len(given) != 1:
         raise ConfigError(f"an engine needs exactly one of server_url, model, model_path; got {given or 'none'}")
-    r = cfg.rollout
+    r = cfg.engine
     if server_url is not None:
         from memrl.engines.openai import OpenAIEngine
 
@@ -48,16 +48,16 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
 
 
 def served_engine(cfg: Config) -> bool:
-    """A served engine (`rollout.engine = openai`) reloads weights from a folder its server reads; an
+    """A served engine (`engine.kind = openai`) reloads weights from a folder its server reads; an
     in-process one copies tensors. Rollout sources declare it (`takes_folders`); the loop reads that."""
-    return cfg.rollout.engine == "openai"
+    return cfg.engine.kind == "openai"
 
 
 def training_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> Engine:
-    """The rollout engine of a training run: `rollout.engine` = `openai` (its `server_url`), else a
+    """The rollout engine of a training run: `engine.kind` = `openai` (its `server_url`), else a
     private copy of the policy `model`."""
     if served_engine(cfg):
-        if not cfg.rollout.server_url:
-            raise ConfigError("rollout.engine = 'openai' needs rollout.server_url")
-        return build_engine(cfg, server_url=cfg.rollout.server_url)
+        if not cfg.engine.server_url:
+            raise ConfigError("engine.kind = 'openai' needs engine.server_url")
+        return build_engine(cfg, server_url=cfg.engine.server_url)
     return build_engine(cfg, model=model, tokenizer=tokenizer)

@@ -128,7 +128,7 @@ class Actor:
             packing.enable(self.model)
 
     def _build_forwards(self) -> None:
-        temperature, chunk = self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens
+        temperature, chunk = self.cfg.sampling.temperature, self.cfg.train.logprob_chunk_tokens
         self.policy: torch.nn.Module = ResponseStats(self.model, temperature, chunk)
         self.reference = ResponseStats(self.ref_model, temperature, chunk, with_entropy=False) \
             if self.ref_model is not None else None
@@ -459,7 +459,7 @@ class Actor:
         config = self.model.config
         dtype = "bfloat16" if self.autocast is not None else str(next(self.model.parameters()).dtype)
         return SyncProbe(prompt_ids=list(prompt_ids), continuation_ids=list(continuation_ids),
-                         temperature=self.cfg.rollout.temperature, log_probs=log_probs, version=version,
+                         temperature=self.cfg.sampling.temperature, log_probs=log_probs, version=version,
                          dtype=dtype.removeprefix("torch."), layers=config.num_hidden_layers,
                          width=max(config.hidden_size, getattr(config, "intermediate_size", config.hidden_size)))
 

@@ -156,7 +156,7 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=trainer_device(cfg), load=options.load)
     # Room for the rollouts in flight at once: this step's and the k the pipeline may generate ahead.
     in_flight = cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1)
-    queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.rollout.n_samples, rows_per_trajectory(cfg))
+    queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.sampling.n_samples, rows_per_trajectory(cfg))
     # An in-process engine copies the actor's weights (after any load), so it starts in sync; a served
     # engine serves whatever its server loaded, so a resumed run syncs it to the checkpoint first.
     rollout: RolloutSource = (ReplayRollout(options.replay_rollouts, cfg, tokenizer, start.task)

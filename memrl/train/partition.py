@@ -65,7 +65,7 @@ def split_ranks(rows: Sequence[TrainRow], dp_size: int, pad_to_dp: bool, pad_tok
             raise PartitionError(
                 f"{len(rows)} rows in an optimizer step do not divide by train.dp_size = {dp_size}; set "
                 f"train.pad_to_dp=true to add {dp_size - remainder} all-zero-loss padding rows (to {up}), or change "
-                f"train.dp_size, rollout.n_samples or train.rollout_batch_size so the row count divides"
+                f"train.dp_size, sampling.n_samples or train.rollout_batch_size so the row count divides"
             )
         rows += [padding_row(pad_token_id, rollout_id) for _ in range(dp_size - remainder)]
     per_rank = len(rows) // dp_size
@@ -130,7 +130,7 @@ class RankShare:
 def loss_scale_factor(config: Config) -> float:
     """L of seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token limit
     (a constant of the run, as Dr. GRPO's normaliser must be)."""
-    a, r = config.algorithm, config.rollout
+    a, r = config.algorithm, config.task
     return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
 
 

@@ -161,12 +161,12 @@ def checkpoint_state(cfg: Config, rollout_id: int) -> dict[str, Any]:
 
 
 def warn_about_top_p(cfg: Config) -> None:
-    if cfg.rollout.top_p < 1.0:
+    if cfg.sampling.top_p < 1.0:
         # Renormalizing over the nucleus in the trainer would make a token at the nucleus edge -inf
         # (bf16 engine vs fp32 trainer can disagree on the edge), and the k3 KL of it infinite.
-        log.warning("rollout.top_p = %g < 1: the engine's log-probs are under the nucleus, the trainer's "
+        log.warning("sampling.top_p = %g < 1: the engine's log-probs are under the nucleus, the trainer's "
                     "under the full softmax (temperature applied); logprob_gap and the PPO ratio include "
-                    "that difference. Set rollout.top_p = 1 for matching log-probs.", cfg.rollout.top_p)
+                    "that difference. Set sampling.top_p = 1 for matching log-probs.", cfg.sampling.top_p)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def sft_config(cfg: Config, options: SFTOptions) -> Config:
     raw = cfg.model_dump()
     raw["algorithm"].update(kl_coef=0.0, entropy_coef=0.0, loss_agg="token_mean", rollout_is=None,
                             rollout_rs=None, loss_mode="vanilla")  # demonstrations have no rollout log-probs
-    raw["rollout"]["temperature"] = 1.0  # the actor divides logits by it: SFT fits the raw distribution
+    raw["sampling"]["temperature"] = 1.0  # the actor divides logits by it: SFT fits the raw distribution
     raw["train"].update(lr=options.lr, warmup_steps=options.warmup_steps, num_optimizer_steps=1, dp_size=1)
     # The warm start trains every weight, in place, and saves a plain model: model.lora is the RL stage's.
     raw["model"]["lora"] = None

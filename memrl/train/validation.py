@@ -3,7 +3,7 @@
 Each eval set (`eval.sets`, or `data.heldout_file` + `data.eval_files`) runs through `memrl eval`'s runner
 and the run's task on the training engine, which holds the weights of the step just trained. Sample 0 is
 exactly what `memrl eval` of that step's checkpoint computes (same per-question seeds); sample s uses
-`rollout.seed + s`. Per-request generators: validating never changes the training run's randomness.
+`sampling.seed + s`. Per-request generators: validating never changes the training run's randomness.
 
     RUN_ROOT/eval/<set>/<iter_XXXXXXX | initial>/[sample_S/]   results.jsonl, summary.json, eval_run.json
     RUN_ROOT/logs/eval_metrics.jsonl                          one line per validation: eval/<set>/<metric>
@@ -49,7 +49,7 @@ def eval_set_configs(cfg: Config) -> list[EvalSetConfig]:
 def set_config(cfg: Config, spec: EvalSetConfig, sample: int) -> Config:
     rollout = {key: getattr(spec, key) for key in ("temperature", "max_chunks", "memory_tokens", "final_tokens")
                if getattr(spec, key) is not None}
-    rollout["seed"] = cfg.rollout.seed + sample
+    rollout["seed"] = cfg.sampling.seed + sample
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=rollout)})
 
 

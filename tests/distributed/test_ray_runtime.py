@@ -77,8 +77,9 @@ def config(plugins=None, ray_section=None, **train):
     return Config.model_validate({
         "ray": {**TIMEOUTS, **(ray_section or {})},
         "plugins": {"reward_function": "ray_test_plugins:parity_reward", **(plugins or {})},
-        "rollout": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3, "n_samples": 8,
-                    "temperature": 1.0, "max_batch_size": 1},
+        "task": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3},
+        "sampling": {"n_samples": 8, "temperature": 1.0},
+        "engine": {"max_batch_size": 1},
         "algorithm": {"kl_coef": 0.01},
         "train": {"lr": 1e-3, "num_rollout": 2, "rollout_batch_size": 1, "save_interval": 1, **train},
         "queue": {"train_sample_expansion_factor": 4},
@@ -292,7 +293,7 @@ def test_a_replay_on_ray_trains_its_rows_from_the_object_store_as_one_process_do
 
 @pytest.mark.slow
 def test_fsdp_trainers_feed_a_served_engine_through_a_weights_folder(cluster, tmp_path):
-    # rollout.engine=openai under FSDP: every rank helps gather, rank 0 writes RUN_ROOT/weights_sync, the
+    # engine.kind=openai under FSDP: every rank helps gather, rank 0 writes RUN_ROOT/weights_sync, the
     # server reloads it; after the run the served weights are the trained (checkpointed) ones.
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
@@ -310,7 +311,7 @@ def test_fsdp_trainers_feed_a_served_engine_through_a_weights_folder(cluster, tm
     with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[tmp_path / "run"])) as url:
         cfg = config(dp_size=2, runtime="ray", strategy="fsdp", num_rollout=1, ray_section={"rollout_server_urls": [url]})
         cfg.model.path = str(model_dir)
-        cfg.rollout.engine = "openai"
+        cfg.engine.kind = "openai"
         history = run_ray_training(cfg, TrainOptions(run_root=tmp_path / "run", progress=False), tokenizer=tok,
                                    records=records())
     assert history[0]["rows/saved"] == history[0]["rows/consumed"] > 0 and history[0]["grad_norm"] > 0
@@ -404,7 +405,7 @@ def test_dynamic_sampling_on_two_rollout_workers_matches_one_process(cluster, to
     # algorithm.filter_groups on Ray: the further generation batches go to the rollout workers (slots after
     # the step's batch), the kept groups' row references go to the ranks, and the run equals one process's.
     def filtered(cfg):
-        cfg.rollout.n_samples = 2  # groups of 2 under the parity reward: about half have equal rewards
+        cfg.sampling.n_samples = 2  # groups of 2 under the parity reward: about half have equal rewards
         cfg.algorithm.filter_groups, cfg.algorithm.over_sampling_batch_size = True, 2
         cfg.algorithm.max_num_gen_batches = 6
         return cfg

@@ -324,7 +324,7 @@ def test_dr_grpo_fixed_normaliser_reaches_the_gradient():
     got = grads_of(Actor(tiny_model(), cfg, pad_token_id=0), rows)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name] * tokens / (n_rows * 5), atol=1e-6, rtol=1e-4, msg=name)
-    assert loss_scale_factor(Config()) == 128.0  # unset: max(rollout.memory_tokens 128, rollout.final_tokens 64)
+    assert loss_scale_factor(Config()) == 128.0  # unset: max(task.memory_tokens 128, task.final_tokens 64)
 
 
 def test_rows_of_a_trajectory_share_one_optimizer_step():

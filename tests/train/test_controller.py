@@ -45,8 +45,9 @@ def parity_reward(traj, golds):
 def config(**train):
     return Config.model_validate({
         "plugins": {"reward_function": f"{__name__}:parity_reward"},
-        "rollout": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3, "n_samples": 8,
-                    "temperature": 1.0, "max_batch_size": 1},
+        "task": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3},
+        "sampling": {"n_samples": 8, "temperature": 1.0},
+        "engine": {"max_batch_size": 1},
         "algorithm": {"kl_coef": 0.01},
         "train": {"lr": 1e-3, "num_rollout": 2, "rollout_batch_size": 1, "save_interval": 1, **train},
         "queue": {"train_sample_expansion_factor": 4},
@@ -141,7 +142,7 @@ def test_engine_uses_actor_weights_after_sync(tokenizer, tmp_path, temperature):
     from memrl.types import TrainRow
 
     cfg = config(num_rollout=1)
-    cfg.rollout.temperature = temperature  # the trainer's log-probs must be under the same temperature
+    cfg.sampling.temperature = temperature  # the trainer's log-probs must be under the same temperature
     trainer = make_trainer(tokenizer, tmp_path / "run", cfg)
     with RunLogger(tmp_path / "run", use_tensorboard=False) as logger:
         metrics = trainer.step(0, logger)  # the actor's weights change, then are synced into the engine
@@ -180,10 +181,10 @@ def test_expanded_rollout_without_row_count_is_an_error(tokenizer, tmp_path, mon
 def test_top_p_below_one_is_warned_about(tokenizer, tmp_path, caplog):
     # The engine samples from the nucleus, the trainer scores under the full softmax: say so at start.
     cfg = config(num_rollout=1)
-    cfg.rollout.top_p = 0.9
+    cfg.sampling.top_p = 0.9
     with caplog.at_level("WARNING", logger="memrl.train"):
         make_trainer(tokenizer, tmp_path / "run", cfg)
-    assert any("rollout.top_p = 0.9 < 1" in r.getMessage() for r in caplog.records)
+    assert any("sampling.top_p = 0.9 < 1" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING", logger="memrl.train"):
         make_trainer(tokenizer, tmp_path / "run1", config(num_rollout=1))
@@ -195,7 +196,7 @@ def test_the_local_engine_times_requests_out_as_the_config_says(tokenizer):
     from memrl.engines.factory import training_engine
 
     cfg = config()
-    cfg.rollout.request_timeout_s = 7.5
+    cfg.engine.request_timeout_s = 7.5
     engine = training_engine(cfg, build_tiny_model(len(tokenizer)), tokenizer)
     try:
         assert engine.request_timeout_s == 7.5
@@ -341,7 +342,7 @@ RELEASE_HUNG_REWARDS = threading.Event()
 
 
 def hanging_reward(traj, golds):
-    RELEASE_HUNG_REWARDS.wait(60)  # "hangs" far past the test's rollout.reward_timeout_s
+    RELEASE_HUNG_REWARDS.wait(60)  # "hangs" far past the test's task.reward_timeout_s
     return 0.0
 
 
@@ -355,14 +356,14 @@ def release_hung_rewards():
 @pytest.mark.parametrize("max_staleness", [0, 1])
 @pytest.mark.parametrize(("reward", "words"), [
     ("boolean_reward", r"boolean_reward returned (True|False) \(bool\) for trajectory r0:0:q0:s"),
-    ("hanging_reward", r"hanging_reward did not return within 0.5 s \(rollout.reward_timeout_s\)"),
+    ("hanging_reward", r"hanging_reward did not return within 0.5 s \(task.reward_timeout_s\)"),
 ])
 def test_a_bad_reward_function_fails_the_step_in_both_loops(tokenizer, tmp_path, release_hung_rewards,
                                                              max_staleness, reward, words):
     # The synchronous loop raises the RewardError itself, the overlapped one names it (the producer's error).
     cfg = config(num_rollout=1, max_staleness=max_staleness)
     cfg.plugins.reward_function = f"{__name__}:{reward}"
-    cfg.rollout.reward_timeout_s = 0.5
+    cfg.task.reward_timeout_s = 0.5
     with pytest.raises(RewardError if max_staleness == 0 else TrainingError, match=words):
         make_trainer(tokenizer, tmp_path / "run", cfg).run()
     assert not list_checkpoints(tmp_path / "run")  # nothing was trained

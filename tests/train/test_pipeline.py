@@ -172,8 +172,8 @@ def test_a_failure_saving_the_raw_rollout_reaches_the_trainer(tokenizer, tmp_pat
 
 def test_max_staleness_runs_everywhere_and_must_be_at_least_0():
     assert load_config(None, ["train.max_staleness=1", "train.runtime=ray"]).train.max_staleness == 1
-    assert load_config(None, ["train.max_staleness=2", "rollout.engine=openai",
-                              "rollout.server_url=http://x"]).train.max_staleness == 2
+    assert load_config(None, ["train.max_staleness=2", "engine.kind=openai",
+                              "engine.server_url=http://x"]).train.max_staleness == 2
     with pytest.raises(ConfigError, match="max_staleness"):
         load_config(None, ["train.max_staleness=-1"])
 

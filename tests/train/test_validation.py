@@ -144,7 +144,7 @@ def test_per_set_settings_reach_the_runner(tokenizer, tmp_path):
     folder = run_root / "eval" / "short" / "iter_0000000"
     summaries = [json.loads((folder / f"sample_{s}" / "summary.json").read_text()) for s in (0, 1)]
     assert [s["total"] for s in summaries] == [1, 1]
-    assert [s["format"]["seed"] for s in summaries] == [cfg.rollout.seed, cfg.rollout.seed + 1]
+    assert [s["format"]["seed"] for s in summaries] == [cfg.sampling.seed, cfg.sampling.seed + 1]
     assert {s["format"]["temperature"] for s in summaries} == {0.0}
     assert {s["format"]["final_tokens"] for s in summaries} == {3}
     assert set(eval_lines(run_root)[0]) >= {"eval/short/em", "eval/short/f1"}
