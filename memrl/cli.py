@@ -247,9 +247,9 @@ def convert_to_hf(
     """Export a training checkpoint as a plain Hugging Face model folder (LoRA adapters merged in)."""
     import json
 
-    from memrl.train.export import EXPORT_FILE, convert_to_hf_command
+    from memrl.train.export import EXPORT_FILE, export_to_hf
 
-    path = convert_to_hf_command(ckpt, out, base_model=base_model, allow_other_base=allow_other_base)
+    path = export_to_hf(ckpt, out, base_model=base_model, allow_other_base=allow_other_base)
     typer.echo(f"wrote {path}")
     export = json.loads((path / EXPORT_FILE).read_text())
     if "base_model" in export:
@@ -259,9 +259,9 @@ def convert_to_hf(
 @app.command()
 def report(run_root: Annotated[Path, typer.Argument(help="A training run root.")]) -> None:
     """Write PNG plots (reward, KL, log-prob gap, lengths) and a markdown summary of a run."""
-    from memrl.train.report import report_command
+    from memrl.train.report import write_report
 
-    paths = report_command(run_root)
+    paths = write_report(run_root)
     for p in paths:
         typer.echo(str(p))
 

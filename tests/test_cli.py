@@ -229,6 +229,6 @@ def test_an_unexpected_error_keeps_its_traceback(monkeypatch, tmp_path):
     def broken(run_root):
         raise KeyError("bug")
 
-    monkeypatch.setattr(report, "report_command", broken)
+    monkeypatch.setattr(report, "write_report", broken)
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 1 and isinstance(result.exception, KeyError)

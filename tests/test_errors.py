@@ -58,7 +58,7 @@ def test_packing_error_is_one_line_exit_2(monkeypatch, tmp_path):
         raise packing.PackingError("train.packing does not support sliding-window attention layers;\n"
                                    "set train.packing to false for this model")
 
-    monkeypatch.setattr(report, "report_command", refuse)
+    monkeypatch.setattr(report, "write_report", refuse)
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output

@@ -9,8 +9,8 @@ from memrl.data.records import DataError, read_jsonl_lines
 from memrl.eval.results import EvalError, read_results
 from memrl.io import atomic_save_figure, atomic_write_bytes, atomic_write_json, cut_torn_tail, jsonl_lines
 from memrl.train.checkpoint import COMPLETE_MARKER, write_best
-from memrl.train.controller import save_raw_rollout
 from memrl.train.run_log import RunLogger, read_metrics
+from memrl.train.sources import save_raw_rollout
 from memrl.types import RolloutOutput
 
 # A record holding characters that `str.splitlines` takes for line breaks (json.dumps leaves them unescaped

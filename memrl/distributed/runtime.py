@@ -26,11 +26,13 @@ from memrl.distributed.workers import (
     wait_named,
 )
 from memrl.engines.base import ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
+from memrl.engines.factory import served_engine
 from memrl.task import rows_per_trajectory
 from memrl.train.checkpoint import resolve_checkpoint
-from memrl.train.controller import ReplayRollout, Trainer, TrainingParts, TrainOptions
+from memrl.train.controller import Trainer, TrainingParts, TrainOptions
 from memrl.train.queue import TransferQueue
-from memrl.train.setup import pad_token_id, run_start, served_engine, start_rollout_id
+from memrl.train.setup import pad_token_id, run_start, start_rollout_id
+from memrl.train.sources import ReplayRollout
 from memrl.types import RolloutOutput
 
 log = logging.getLogger("memrl.distributed")
@@ -174,7 +176,7 @@ class ObjectStoreReplay(ReplayRollout):
 class RolloutPool:
     """The rollout source the loop sees: rollout workers generating slices of each step's batch."""
 
-    generates, in_process = True, False  # capabilities the loop reads (memrl.train.controller.RolloutSource)
+    generates, in_process = True, False  # capabilities the loop reads (memrl.train.sources.RolloutSource)
 
     def __init__(self, ray: Any, cfg: Config, options: list[dict], tokenizer: Any, model_ref: Any,
                  handles: list[Any]) -> None:
@@ -203,8 +205,8 @@ class RolloutPool:
         return merge_rollout_outputs([results[self.names[k]] for k in range(n)])
 
     def sync_from(self, source: WeightSource) -> None:
-        """Every rollout engine to `source`'s weights: a folder for served engines (shared storage), whole
-        weights (an object-store reference) otherwise."""
+        """Every rollout engine to `source`'s weights, in the one form its engines take (the pool built them
+        from `engine.kind`): a folder for served engines (shared storage), whole weights otherwise."""
         if self.takes_folders:
             payload: WeightSource = WeightsOnDisk(source.saved_folder())
         else:

@@ -20,8 +20,8 @@ import torch
 from memrl.config import Config
 from memrl.errors import MemrlError
 from memrl.task import load_task
-from memrl.train.controller import LocalRollout
-from memrl.train.setup import load_policy, load_tokenizer, seed_everything, served_engine
+from memrl.train.setup import load_policy, load_tokenizer, seed_everything
+from memrl.train.sources import LocalRollout
 from memrl.types import RolloutOutput
 
 
@@ -173,7 +173,7 @@ class TrainerWorker:
         """One rollout step from `RowRef`s: this rank fetches the rows, plans the step (a pure function of the
         rows, so every rank plans alike) and trains its share of every optimizer step."""
         from memrl.distributed.rows import fetch_rows
-        from memrl.train.actor import plan_rollout
+        from memrl.train.partition import plan_rollout
 
         rows = fetch_rows(refs, timeout_s)
         plan = plan_rollout(rows, self.cfg, self.actor.pad_token_id, rollout_id, self.actor.vocab_size)
@@ -222,7 +222,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, index: int, tokenizer: Any = None, model: torch.nn.Module | None = None,
                  server_url: str | None = None) -> None:
-        from memrl.engines.factory import training_engine
+        from memrl.engines.factory import served_engine, training_engine
 
         _quiet_transformers()
         if server_url is not None:
@@ -241,9 +241,14 @@ class RolloutWorker:
 
     def generate(self, rollout_id: int, records: list[Any], slot_offset: int = 0,
                  weight_version: int | None = None) -> RolloutOutput:
-        """The slice of the step's batch starting at `slot_offset` (slots name groups and seed requests, so a
-        slice keeps its batch positions), generated and converted as in one process: advantages are per
-        prompt group and a group never spans slices. The rows stay in the object store (`RowRef`s)."""
+        """`records`, the slice of the step's batch starting at `slot_offset` (slots name groups and seed
+        requests: a slice keeps its batch positions), generated and converted as in one process; the rows
+        stay in the object store (`RolloutOutput.rows` are `RowRef`s).
+
+        Converting a slice gives the rows converting the whole batch would: advantages are per prompt group
+        and a group never spans slices; the plan takes rows in group order whatever the slicing
+        (`memrl.train.partition.plan_rollout`).
+        """
         from memrl.distributed.rows import put_rows
 
         out = self.source.generate(rollout_id, records, weight_version, slot_offset)

@@ -46,10 +46,16 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
                                     tokenizer_path=tokenizer_path, revision=revision, **limits)
 
 
+def served_engine(cfg: Config) -> bool:
+    """A served engine (`engine.kind = openai`) reloads weights from a folder its server reads; an
+    in-process one copies tensors. Rollout sources declare it (`takes_folders`); the loop reads that."""
+    return cfg.engine.kind == "openai"
+
+
 def training_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: Any) -> Engine:
     """The rollout engine of a training run: `engine.kind` = `openai` (its `server_url`), else a
     private copy of the policy `model`."""
-    if cfg.engine.kind == "openai":
+    if served_engine(cfg):
         if not cfg.engine.server_url:
             raise ConfigError("engine.kind = 'openai' needs engine.server_url")
         return build_engine(cfg, server_url=cfg.engine.server_url)

@@ -29,7 +29,7 @@ row_log_probs_length, row_loss_mask_binary, row_log_probs_finite, row_log_probs_
 row_advantage_finite, padding_mask_zero, row_token_id_type, row_token_id_range: every token id (prompt
 and response) an integer in [0, vocab_size).
 
-Token ids are checked on the rows, the one place every converter's output passes (`memrl.train.actor.
+Token ids are checked on the rows, the one place every converter's output passes (`memrl.train.partition.
 plan_rollout`) and where the model's vocabulary size is known (its embedding's rows, past the tokenizer's
 own for padded vocabularies such as Qwen3's); a converter cannot know it.
 

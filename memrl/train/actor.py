@@ -1,26 +1,13 @@
 """The policy optimizer: consumes exactly one rollout step's rows, PPO-clip + KL, AdamW, grad clipping.
 
-One optimizer step = whole prompt groups (`split_optimizer_steps`); its rows are dealt to data-parallel
-ranks (`split_ranks`) and cut into token-budget micro-batches (`plan_rollout` does all of it, purely).
-The loss of a step is `sum_r w_r * sum_t mask * loss` with per-row weights computed once for the whole
-step (`compute_token_weights`), so any micro-batching or rank split gives the same gradient as one full
-batch.
-
-Two ways to run the ranks of a plan:
-- one process (`world_size == 1`, the default): every rank's share runs sequentially, gradients add up;
-- real data parallelism (`world_size > 1`, torch.distributed initialised, e.g. one Ray trainer worker
-  per rank): each process runs only its own share; DDP all-reduces the gradients once per optimizer step
-  (no_sync on every micro-batch but the last; every rank has the same number of micro-batches, see
-  `equalize_micro_batch_counts`). DDP *averages*, so each rank's loss is multiplied by the world size:
-  the summed gradient then equals the one-process gradient. Metrics are summed across ranks.
-  `train.strategy = "fsdp"` shards the model instead of replicating it (FSDP2, `memrl.train.fsdp`): the
-  same plan, the same loss scale (FSDP's reduce-scatter also averages), gradients reduced on every
-  micro-batch (accumulating unsharded gradients would cost the memory sharding saves).
-
-Only response positions go through the LM head: prompt tokens carry no loss, and MemAgent prompts are
-most of every row (docs/design.md, pitfall "Prompt-heavy actor update"); and they go through it a chunk
-at a time (`train.logprob_chunk_tokens`, `memrl.train.logprobs`), never as one [tokens x vocab] float32
-tensor. `train.packing` concatenates a micro-batch's rows instead of padding them (`memrl.train.packing`).
+The plan of a step (optimizer steps of whole prompt groups, ranks, token-budget micro-batches, each row's
+weight in the whole step) is `memrl.train.partition.plan_rollout`, so any micro-batching or rank split
+gives the same gradient as one full batch. One process runs every rank's share in turn; with
+`world_size > 1` (torch.distributed, e.g. one Ray trainer worker per rank) each process runs its own and
+DDP all-reduces once per optimizer step (no_sync on every micro-batch but the last). DDP and FSDP
+(`train.strategy = "fsdp"`, `memrl.train.fsdp`) *average*, so each rank's loss is scaled by the world
+size; metrics are summed across ranks. FSDP reduces on every micro-batch: accumulating unsharded
+gradients would cost the memory sharding saves.
 """
 
 from __future__ import annotations
@@ -28,11 +15,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import itertools
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +29,7 @@ from memrl.config import Config
 from memrl.engines.base import SyncProbe
 from memrl.errors import MemrlError
 from memrl.rl.correction import RolloutCorrection, per_row, trajectory_totals
-from memrl.rl.loss import (
-    compute_token_weights,
-    kl_penalty,
-    policy_loss,
-)
-from memrl.rl.validate import validate_train_rows
+from memrl.rl.loss import kl_penalty, policy_loss
 from memrl.train import fsdp, lora, packing
 from memrl.train.checkpoint import (
     OPTIMIZER_FILE,
@@ -61,13 +40,17 @@ from memrl.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from memrl.train.logprobs import TokenStats, response_token_stats
+from memrl.train.logprobs import TokenStats
 from memrl.train.lr_schedule import build_scheduler
-from memrl.train.partition import (
-    equalize_micro_batch_counts,
-    micro_batches,
-    split_optimizer_steps,
-    split_ranks,
+from memrl.train.microbatch import MicroBatch, ResponseStats
+from memrl.train.partition import RankShare, plan_rollout
+from memrl.train.step_metrics import (
+    add_metric,
+    all_reduce_metrics,
+    max_metric,
+    metrics_to_host,
+    non_finite_message,
+    step_report,
 )
 from memrl.types import TrainRow
 
@@ -77,211 +60,15 @@ class ActorError(RuntimeError, MemrlError):
 
 
 class NonFiniteUpdateError(ActorError):
-    """An optimizer step's loss or gradient norm is NaN or infinite: the step was not applied.
-
-    Message only (no extra fields), so it pickles across Ray workers like the queue's errors.
-    """
-
-
-@dataclass
-class RankShare:
-    """One rank's work in one optimizer step: its micro-batches and every row's weight in the whole step.
-
-    Invariant: `weights[k][i]` belongs to `micro_batches[k][i]`; padding rows have weight 0.
-    """
-
-    micro_batches: list[list[TrainRow]]
-    weights: list[list[float]]
-
-
-def loss_scale_factor(config: Config) -> float:
-    """L of loss_agg = seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token
-    limit (a constant of the run, as Dr. GRPO's normaliser must be)."""
-    a, r = config.algorithm, config.task
-    return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
-
-
-def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[RankShare]:
-    """Deal one optimizer step's rows to `train.dp_size` ranks, weigh them over the whole step, cut each
-    rank's rows into micro-batches, and give every rank the same number of micro-batches."""
-    t, a = config.train, config.algorithm
-    ranks = split_ranks(rows, t.dp_size, t.pad_to_dp, pad_token_id, rollout_id)
-    all_rows = [r for rank in ranks for r in rank]
-    weights = dict(zip(map(id, all_rows), compute_token_weights(
-        [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg,
-        loss_scale_factor(config)), strict=True))
-    batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens, t.packing) for rank in ranks],
-                                          pad_token_id, rollout_id)
-    return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]
-
-
-def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int,
-                 vocab_size: int | None = None) -> list[list[RankShare]]:
-    """`[optimizer step][rank] -> RankShare` for one rollout step's rows (prompt groups kept in one step),
-    after the rows are validated (`validate_train_rows`, token ids against the model's `vocab_size`):
-    whoever trains them plans them through here.
-
-    Rows are taken in `group_id` order (a stable sort, so a group's rows keep theirs): the plan depends on
-    the step's rows, not on how the batch was cut across rollout workers. The converters already emit
-    rows in that order, so for one process the sort changes nothing.
-    """
-    validate_train_rows(rows, vocab_size)
-    rows = sorted(rows, key=lambda r: r.group_id)
-    return [plan_optimizer_step(step, config, pad_token_id, rollout_id)
-            for step in split_optimizer_steps(rows, config.train.num_optimizer_steps)]
-
-
-@dataclass
-class MicroBatch:
-    """The tensors of a micro-batch; response values live in [rows, max_response] tensors.
-
-    Padded (`packed=False`): rows right-padded to the longest, [B, L] with a 2-D attention mask.
-    Packed: rows concatenated into one [1, T] sequence, T = their total length, no padding; each row's
-    position ids restart at 0 and the attention gets the row boundaries (`memrl.train.packing`: a
-    variable-length kernel, no mask), so every token sees exactly the tokens it sees in the padded layout.
-    """
-
-    input_ids: Tensor              # [B, L] padded, [1, T] packed
-    attention_mask: Tensor | None  # [B, L] padded; None packed
-    position_ids: Tensor | None    # [1, T] packed; None padded (the model counts 0..L-1)
-    row_lengths: list[int] | None  # packed: each row's length, in order (the attention's row boundaries)
-    cu_seq_lens: Tensor | None     # packed: [B + 1] int32 cumulative lengths (FlashAttention's argument)
-    positions: Tensor              # [N, 2]: (row, position) of the hidden state predicting each response token
-    targets: Tensor                # [N]
-    resp_index: Tensor             # [N, 2]: (row, k) of each response token in the [B, R] tensors
-    loss_mask: Tensor              # [B, R]
-    rollout_log_probs: Tensor      # [B, R]
-    advantages: Tensor             # [B]
-    row_weights: Tensor            # [B]
-
-    @classmethod
-    def build(cls, rows: list[TrainRow], weights: list[float], pad_id: int, device: torch.device,
-              packed: bool = False) -> MicroBatch:
-        resp_width = max(r.response_length for r in rows)
-        mask = torch.zeros((len(rows), resp_width))
-        old = torch.zeros((len(rows), resp_width))
-        pos, tgt, ridx = [], [], []
-        offset = 0  # where row b starts: in its own row (padded) or in the one packed sequence
-        for b, r in enumerate(rows):
-            p = r.prompt_length
-            mask[b, : r.response_length] = torch.tensor(r.loss_mask, dtype=torch.float)
-            old[b, : r.response_length] = torch.tensor(r.rollout_log_probs, dtype=torch.float)
-            for k in range(r.response_length):
-                # the hidden state at position t predicts token t + 1
-                pos.append((0, offset + p + k - 1) if packed else (b, p + k - 1))
-                tgt.append(r.tokens[p + k])
-                ridx.append((b, k))
-            offset += len(r.tokens)
-        lengths = [len(r.tokens) for r in rows]
-        if packed:
-            ids = torch.tensor([[t for r in rows for t in r.tokens]], dtype=torch.long)
-            position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-            cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-            attn = None
-        else:
-            ids = torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long)
-            attn = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
-            for b, r in enumerate(rows):
-                ids[b, : len(r.tokens)] = torch.tensor(r.tokens)
-                attn[b, : len(r.tokens)] = 1
-            position_ids = cu_seq_lens = None
-
-        def put(t: Tensor | None) -> Tensor | None:
-            # From pinned memory without blocking: a pageable host-to-GPU copy waits for every kernel queued
-            # before it, a host sync per tensor per micro-batch.
-            if t is None or device.type != "cuda":
-                return None if t is None else t.to(device)
-            return t.pin_memory().to(device, non_blocking=True)
-
-        return cls(put(ids), put(attn), put(position_ids), lengths if packed else None, put(cu_seq_lens),
-                   put(torch.tensor(pos, dtype=torch.long).reshape(-1, 2)), put(torch.tensor(tgt, dtype=torch.long)),
-                   put(torch.tensor(ridx, dtype=torch.long).reshape(-1, 2)), put(mask), put(old),
-                   put(torch.tensor([r.advantage for r in rows])), put(torch.tensor(weights, dtype=torch.float)))
-
-    def scatter(self, flat: Tensor) -> Tensor:
-        out = flat.new_zeros(self.loss_mask.shape)
-        out[self.resp_index[:, 0], self.resp_index[:, 1]] = flat
-        return out
-
-
-def _response_stats(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
-                    position_ids: Tensor | None, row_lengths: list[int] | None, cu_seq_lens: Tensor | None,
-                    positions: Tensor, targets: Tensor, temperature: float, chunk_tokens: int | None,
-                    with_entropy: bool = True) -> TokenStats:
-    if row_lengths is None:
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=position_ids).last_hidden_state
-    else:  # packed: the attention gets the row boundaries and no mask (memrl.train.packing)
-        packing.check_enabled(model)
-        hidden = model.base_model(input_ids=input_ids, attention_mask=packing.no_masks(), position_ids=position_ids,
-                                  **packing.packed_kwargs(row_lengths, cu_seq_lens)).last_hidden_state
-    selected = hidden[positions[:, 0], positions[:, 1]]
-    return response_token_stats(selected, targets, model.get_output_embeddings(), temperature, chunk_tokens,
-                                with_entropy)
-
-
-def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_tokens: int | None) -> Tensor:
-    """Log-probs [N] of the micro-batch's response tokens under `model` at the sampling temperature."""
-    return _response_stats(model, mb.input_ids, mb.attention_mask, mb.position_ids, mb.row_lengths, mb.cu_seq_lens,
-                           mb.positions, mb.targets, temperature, chunk_tokens).log_probs
-
-
-class ResponseStats(torch.nn.Module):
-    """Response tokens' log-probs and entropy (`memrl.train.logprobs`) as a module's forward, so DDP (whose
-    gradient hooks are armed by its own forward) and FSDP (which gathers the root's parameters, the LM head
-    among them, in a hook on it) can wrap it; `self.model` is the plain Hugging Face model, shared, never
-    copied."""
-
-    def __init__(self, model: torch.nn.Module, temperature: float, chunk_tokens: int | None,
-                 with_entropy: bool = True) -> None:
-        super().__init__()
-        self.model, self.temperature, self.chunk_tokens = model, temperature, chunk_tokens
-        self.with_entropy = with_entropy  # the reference model needs log-probs only
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
-                row_lengths: list[int] | None, cu_seq_lens: Tensor | None, positions: Tensor,
-                targets: Tensor) -> TokenStats:
-        return _response_stats(self.model, input_ids, attention_mask, position_ids, row_lengths, cu_seq_lens,
-                               positions, targets, self.temperature, self.chunk_tokens, self.with_entropy)
+    """A NaN or infinite loss or gradient norm: the step was not applied (message only: it pickles)."""
 
 
 def _fused_adamw(device: torch.device, strategy: str) -> dict[str, bool]:
-    """One fused kernel per step for the whole AdamW update on CUDA (torch's default there is `foreach`). Not
-    under FSDP, whose sharded DTensor parameters this has not been run with yet; on the CPU torch's default."""
+    """One fused AdamW kernel per step on CUDA (torch's default is `foreach`); not yet run under FSDP."""
     return {"fused": True} if device.type == "cuda" and strategy != "fsdp" else {}
 
 
-def _metrics_to_host(sums: dict[str, Any]) -> None:
-    """Turn the device-tensor metrics of a step into Python floats, in one transfer."""
-    keys = [k for k, v in sums.items() if isinstance(v, Tensor)]
-    if keys:
-        sums.update(zip(keys, torch.stack([sums[k] for k in keys]).tolist(), strict=True))
-
-
-def _add_metric(sums: dict[str, Any], key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
-    # Tensors stay on the device (float64, as the Python floats they become): one host sync per optimizer
-    # step (`_metrics_to_host`), not one per metric per micro-batch.
-    value = value.detach().double() if isinstance(value, Tensor) else value
-    sums[key] = sums.get(key, 0.0) + value * w
-
-
-def _max_metric(sums: dict[str, Any], key: str, value: Tensor) -> None:
-    # torch.maximum keeps NaN (Python's max(0.0, nan) is 0.0, which reported a max gap of 0 next to a NaN mean)
-    sums[key] = torch.maximum(sums[key], value) if key in sums else value
-
-
-def _non_finite_message(rollout_id: int, step: int, loss: float, grad_norm: float) -> str:
-    # The rows were validated (finite 0/1 masks, log-probs, advantages) before planning, so the cause is
-    # the policy's own numbers; "lower the learning rate" is only right when training was diverging.
-    return (f"rollout {rollout_id}, optimizer step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
-            f"the update was not applied and training stops before any checkpoint of it. The rows passed "
-            f"validation, so the model's own outputs overflowed: if grad_norm or logprob_gap grew over the "
-            f"last steps, lower train.lr; otherwise check the starting weights "
-            f"(model.path / --load) and model.dtype")
-
-
 def _check_process_group(config: Config, world_size: int) -> None:
-    """`world_size > 1` needs torch.distributed initialised with that many processes, as train.dp_size says."""
     if world_size <= 1:
         return
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
@@ -298,14 +85,13 @@ class Actor:
 
     def __init__(self, model: torch.nn.Module, config: Config, pad_token_id: int, device: torch.device | None = None,
                  rank: int = 0, world_size: int = 1, load: str | Path | None = None):
-        """`world_size > 1`: this is rank `rank` of a torch.distributed group of `train.dp_size` processes
-        (initialised by the caller); the model is wrapped in DDP (which also broadcasts rank 0's weights) or,
-        with `train.strategy = "fsdp"`, sharded. `load`: a checkpoint to resume (weights, optimizer,
-        scheduler, RNG; its state.json is then `self.loaded_state`); the reference model stays `model`."""
+        """`world_size > 1`: rank `rank` of an initialised torch.distributed group (DDP, or FSDP sharding).
+        `load`: a checkpoint to resume (its state.json is then `self.loaded_state`); the reference stays `model`."""
         _check_process_group(config, world_size)
         self.rank, self.world_size = rank, world_size
         self.strategy = config.train.strategy if world_size > 1 else "single"
         self.cfg = config
+        self.correction = RolloutCorrection.from_config(config.algorithm)  # None when off
         self.device = device or next(model.parameters()).device
         self._prepare_model(model)
         self.ref_model = None
@@ -326,8 +112,6 @@ class Actor:
             self._restore_training_state(checkpoint)
 
     def _prepare_model(self, model: torch.nn.Module) -> None:
-        """`self.model`: `model` on the device, in train mode, with LoRA adapters, gradient checkpointing and
-        packed attention as the config asks."""
         config = self.cfg
         # FSDP moves each unit to the device as it shards it: building the reference copy and loading a
         # checkpoint first on the device would put two whole models on every GPU before any sharding.
@@ -344,8 +128,6 @@ class Actor:
             packing.enable(self.model)
 
     def _build_forwards(self) -> None:
-        """What the optimizer step calls: (input_ids, attention_mask, position_ids, positions, targets) ->
-        the response tokens' log-probs and entropy, for the policy and (with a KL term) the reference."""
         temperature, chunk = self.cfg.sampling.temperature, self.cfg.train.logprob_chunk_tokens
         self.policy: torch.nn.Module = ResponseStats(self.model, temperature, chunk)
         self.reference = ResponseStats(self.ref_model, temperature, chunk, with_entropy=False) \
@@ -355,7 +137,6 @@ class Actor:
                                                   self.peft)
 
     def _wrap_for_strategy(self) -> None:
-        """DDP around the policy's forward, or FSDP sharding of policy and reference (nothing on one process)."""
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -381,7 +162,7 @@ class Actor:
         self.scheduler = build_scheduler(self.optimizer, t)
 
     def _restore_training_state(self, checkpoint: Path) -> None:
-        """A resumed run's optimizer, scheduler, RNG and step count (the weights were loaded before wrapping)."""
+        """A resume's optimizer, scheduler, RNG and step count (the weights were loaded before wrapping)."""
         if self.strategy == "fsdp":  # rank 0 reads the whole state and broadcasts it
             fsdp.load_full_optimizer_state(self.model, self.optimizer, read_checkpoint_file(
                 checkpoint, OPTIMIZER_FILE) if self.rank == 0 else None)
@@ -392,10 +173,8 @@ class Actor:
         self.global_step = int(self.loaded_state.get("global_step") or 0)
 
     def _forward(self, module: torch.nn.Module, mb: MicroBatch) -> TokenStats:
-        """`module` is `self.policy` or `self.reference` (whatever wraps them: DDP, FSDP, nothing)."""
         with self.autocast if self.autocast is not None else contextlib.nullcontext():
-            return module(mb.input_ids, mb.attention_mask, mb.position_ids, mb.row_lengths, mb.cu_seq_lens,
-                          mb.positions, mb.targets)
+            return module(*mb.inputs())
 
     def _build(self, rows: list[TrainRow], weights: list[float]) -> MicroBatch:
         return MicroBatch.build(rows, weights, self.pad_token_id, self.device, packed=self.cfg.train.packing)
@@ -405,18 +184,16 @@ class Actor:
 
     @property
     def shares_cpu(self) -> bool:
-        """It trains on this process's CPU (the loop halves torch's threads for an overlapped rollout)."""
+        """It trains on this process's CPU (an overlapped rollout then gets half of torch's threads)."""
         return self.device.type == "cpu"
 
     @property
     def _saved_model(self) -> torch.nn.Module:
-        """What a checkpoint's model/ holds: the model, or with LoRA peft's (its save_pretrained writes the
-        adapters only, not a copy of the base weights)."""
+        """What a checkpoint's model/ holds: the model, or with LoRA peft's (it saves the adapters only)."""
         return self.peft if self.peft is not None else self.model
 
     def policy_weights(self) -> dict[str, Tensor]:
-        """The policy's tensors under their Hugging Face names, on the actor's device (one process): the
-        model's own, or with LoRA new merged ones (base + adapters)."""
+        """The policy's tensors under Hugging Face names, on its device: the model's own, or LoRA-merged."""
         return self.model.state_dict() if self.peft is None else lora.merged_weights(self.peft)
 
     def merged_model(self) -> torch.nn.Module:
@@ -445,12 +222,10 @@ class Actor:
         return Path(path)
 
     def weight_source(self, folder: str | Path, tokenizer: Any = None) -> ActorWeights:
-        """This (one-process) actor's current weights as an engine's `WeightSource`."""
         return ActorWeights(self, Path(folder), tokenizer)
 
     def weight_snapshot(self) -> dict[str, Tensor]:
-        """The whole weights as they are now, copied (training goes on changing its own tensors in place):
-        what the overlapped pipeline hands a rollout that samples with this version later."""
+        """The whole weights now, copied: training goes on changing its own tensors in place."""
         weights = self.full_state_dict()
         if weights is None:
             raise ActorError("weight_snapshot is for the one-process actor (rank 0 of 1)")
@@ -473,24 +248,23 @@ class Actor:
                                tokenizer=tokenizer)
 
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
-        """Run `train.num_optimizer_steps` optimizer steps over exactly these rows; return step metrics.
-        With `world_size > 1` every rank is given all the rows and runs its own share of the plan."""
+        """`train.num_optimizer_steps` optimizer steps over exactly these rows (every rank is given all of
+        them and runs its own share of the plan); the step's metrics."""
         plan = plan_rollout(rows, self.cfg, self.pad_token_id, rollout_id, self.vocab_size)
         own = plan if self.world_size == 1 else [[shares[self.rank]] for shares in plan]
         return self.train_planned(own, rollout_id, len(rows), sum(len(r.tokens) for r in rows))
 
     def train_planned(self, steps: list[list[RankShare]], rollout_id: int, num_rows: int,
                       num_tokens: int) -> dict[str, float]:
-        """Run one optimizer step per entry of `steps`, each over the shares this process runs (all ranks'
-        in one process; its own rank's only when distributed). `num_rows` / `num_tokens` count the whole
-        rollout step's rows (for metrics). Returns metrics averaged over the optimizer steps."""
+        """One optimizer step per entry of `steps` over the shares this process runs; metrics averaged over
+        them (`num_rows` / `num_tokens`: the whole rollout step's)."""
         start = time.perf_counter()
         totals: dict[str, float] = {}
         # With several optimizer steps per rollout, later steps' groups are off-policy by then: their PPO
         # ratio must be taken against the policy before this rollout's first update, computed up front.
         # A trajectory-level rollout correction needs them up front too: a trajectory's rows may be in
         # several micro-batches, and its total log-ratio must be known before the first of them.
-        correction = RolloutCorrection.from_config(self.cfg.algorithm)
+        correction = self.correction
         up_front = len(steps) > 1 or (correction is not None and correction.needs_trajectory_totals)
         olds = [self._old_log_probs(shares) for shares in steps] if up_front else [None] * len(steps)
         for index, (shares, old) in enumerate(zip(steps, olds, strict=True)):
@@ -504,7 +278,6 @@ class Actor:
 
     @torch.no_grad()
     def _old_log_probs(self, shares: list[RankShare]) -> list[Tensor]:
-        """The current policy's log-probs of every micro-batch of one optimizer step, in work order."""
         olds = []
         for share in shares:
             for mb_rows, mb_weights in zip(share.micro_batches, share.weights, strict=True):
@@ -521,12 +294,10 @@ class Actor:
 
     def _trajectory_terms(self, shares: list[RankShare], work: list[tuple[list[TrainRow], list[float]]],
                           old_log_probs: list[Tensor] | None, fresh_old: bool) -> list[dict[str, Tensor]]:
-        """Per micro-batch, the per-row trajectory totals its loss needs (memrl/rl/correction.py): GSPO's
-        mean log-ratio (`gspo`) and the rollout correction's summed log rho and token count (`rc_sum`,
-        `rc_tokens`); empty dicts when no option needs them. A no-grad pass over the whole step gives them
-        before any micro-batch's backward (the stop-gradient form in `gspo_log_ratio` does the rest)."""
-        a = self.cfg.algorithm
-        correction = RolloutCorrection.from_config(a)
+        """Per micro-batch, the per-row trajectory totals its loss needs (memrl/rl/correction.py): GSPO's mean
+        log-ratio (`gspo`), the rollout correction's summed log rho and token count (`rc_sum`, `rc_tokens`),
+        known before any micro-batch's backward (a trajectory's rows may be in several)."""
+        a, correction = self.cfg.algorithm, self.correction
         terms: list[dict[str, Tensor]] = [{} for _ in work]
         if old_log_probs is None:  # one step: old = this very forward, so GSPO's log-ratio is 0
             if a.loss_mode == "gspo":
@@ -552,9 +323,8 @@ class Actor:
         return terms
 
     def _world_totals(self, totals: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
-        """Per-trajectory (sum, count) over every rank's rows: the planner deals rows to ranks by tokens, so
-        one trajectory's rows may be trained on different ranks. One small object gather per optimizer step
-        (a float pair per trajectory), only when an option needs trajectory totals."""
+        """Per-trajectory (sum, count) over every rank's rows (ranks are dealt rows by tokens, so one
+        trajectory's rows may be on several): one small object gather per optimizer step."""
         if self.world_size == 1:
             return totals
         gathered: list[Any] = [None] * self.world_size
@@ -584,9 +354,9 @@ class Actor:
             with self.policy.no_sync() if defer else contextlib.nullcontext():
                 self._micro_batch(mb_rows, mb_weights, sums, loss_scale,
                                   None if old_log_probs is None else old_log_probs[k], trajectory_terms[k])
-        _metrics_to_host(sums)
+        metrics_to_host(sums)
         if self.world_size > 1:
-            self._all_reduce_metrics(sums)
+            all_reduce_metrics(sums, self.device)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
             grad_norm = grad_norm.full_tensor()
@@ -594,36 +364,22 @@ class Actor:
         # the step would write NaN into the weights (and into the next checkpoint).
         if not (math.isfinite(float(grad_norm)) and math.isfinite(sums["loss/total"])):
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteUpdateError(_non_finite_message(rollout_id, self.global_step, sums["loss/total"],
-                                                           float(grad_norm)))
+            raise NonFiniteUpdateError(non_finite_message(rollout_id, self.global_step, sums["loss/total"],
+                                                          float(grad_norm)))
         self.optimizer.step()
         self.scheduler.step()
         self.global_step += 1
-        n_tok = max(sums.pop("tokens/loss"), 1.0)
-        padded = sums["tokens/padded"]
-        return {
-            "loss/policy": sums["loss/policy"], "loss/total": sums["loss/total"],
-            "kl/mean": sums.get("kl/mean", 0.0), "entropy/mean": sums["entropy/mean"],
-            "logprob_gap/mean_abs": sums.pop("logprob_gap/sum_abs") / n_tok,
-            "logprob_gap/max_abs": sums["logprob_gap/max_abs"],
-            "clip_fraction": sums["clip_fraction_tokens"] / n_tok, "grad_norm": float(grad_norm),
-            "lr": self.scheduler.get_last_lr()[0],
-            "padding_fraction": 1.0 - sums["tokens/real"] / padded if padded else 0.0,
-            "micro_batches": sums["micro_batches"], "tokens/loss": n_tok,
-            **{key: sums[key] / n_tok for key in sums if key.startswith("rollout_corr/") and not key.endswith("_max")},
-            **{key: sums[key] for key in sums if key.startswith("rollout_corr/") and key.endswith("_max")},
-        }
+        return step_report(sums, float(grad_norm), self.scheduler.get_last_lr()[0])
 
     def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, Any],
                      loss_scale: float, old: Tensor | None = None,
                      trajectory_terms: dict[str, Tensor] | None = None) -> None:
-        """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums.
-        `trajectory_terms`: per-row trajectory totals from `_trajectory_terms`."""
+        """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums."""
         a = self.cfg.algorithm
         terms = trajectory_terms or {}
 
         def add(key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
-            _add_metric(sums, key, value, w)
+            add_metric(sums, key, value, w)
 
         mb = self._build(mb_rows, mb_weights)
         stats = self._forward(self.policy, mb)
@@ -657,7 +413,7 @@ class Actor:
         add("entropy/mean", (entropy * w_tokens).sum())
         add("logprob_gap/sum_abs", gap.sum())
         top = gap.max().double() if gap.numel() else torch.zeros((), dtype=torch.float64, device=gap.device)
-        _max_metric(sums, "logprob_gap/max_abs", top)
+        max_metric(sums, "logprob_gap/max_abs", top)
         add("tokens/loss", n_tok)
         add("clip_fraction_tokens", m["clip_fraction"], n_tok)
         add("micro_batches", 1.0)
@@ -669,35 +425,21 @@ class Actor:
         """The rollout correction's importance weights (None when off) and the loss mask less the tokens it
         drops; its metrics into sums. A dropped token (rollout_rs) leaves every term, its weight stays in the
         step's sum."""
-        correction = RolloutCorrection.from_config(self.cfg.algorithm)
-        if correction is None:
+        if self.correction is None:
             return None, mb.loss_mask
-        iw, keep, rc_metrics = correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
+        iw, keep, rc_metrics = self.correction.apply(old, mb.rollout_log_probs, mb.loss_mask,
                                                 terms.get("rc_sum"), terms.get("rc_tokens"))
         n_mb = mb.loss_mask.sum().double()
         for key, value in rc_metrics.items():
-            if key.endswith("_max"):  # kept on the device, as every metric of the loop (`_metrics_to_host`)
-                _max_metric(sums, key, torch.as_tensor(value, dtype=torch.float64, device=n_mb.device))
+            if key.endswith("_max"):  # kept on the device, as every metric of the loop (`metrics_to_host`)
+                max_metric(sums, key, torch.as_tensor(value, dtype=torch.float64, device=n_mb.device))
             else:
-                _add_metric(sums, key, value, n_mb)
+                add_metric(sums, key, value, n_mb)
         return iw, mb.loss_mask * keep
-
-    def _all_reduce_metrics(self, sums: dict[str, float]) -> None:
-        """Sum every metric over the ranks (max for the maxima); all ranks have the same keys."""
-        maxima = sorted(k for k in sums if k == "logprob_gap/max_abs" or k.endswith("_max"))
-        keys = sorted(k for k in sums if k not in maxima)
-        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        summed = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        top = torch.tensor([sums[k] for k in maxima], dtype=torch.float64, device=device)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        sums.update(zip(keys, summed.tolist(), strict=True))
-        sums.update(zip(maxima, top.tolist(), strict=True))
 
     @torch.no_grad()
     def log_probs(self, rows: list[TrainRow]) -> list[list[float]]:
-        """The trainer's log-probs of each row's response tokens (for gap checks and tests; a collective
-        under FSDP)."""
+        """The trainer's log-probs of each row's response tokens (a collective under FSDP)."""
         out = []
         for r in rows:
             mb = self._build([r], [0.0])
@@ -705,11 +447,9 @@ class Actor:
         self._reshard_after_inference(self.policy)
         return out
 
-
     def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> SyncProbe:
         """The weight-sync canary's reference (memrl/train/sync_check.py): the policy's log-probs of the
-        continuation, computed as old log-probs are, while it holds weight version `version` (a collective
-        under FSDP)."""
+        continuation, computed as old log-probs are, with weight version `version` (a collective under FSDP)."""
         tokens = [*prompt_ids, *continuation_ids]
         n = len(continuation_ids)
         row = TrainRow(tokens=tokens, response_length=n, loss_mask=[1] * n, rollout_log_probs=[0.0] * n,
@@ -725,9 +465,8 @@ class Actor:
 
 
 class ActorWeights:
-    """A one-process actor's current weights as a `WeightSource` (memrl/engines/base.py): the policy's
-    own tensors for an in-process engine (which copies them), or a Hugging Face folder written on demand
-    for a served one (which reloads it)."""
+    """A one-process actor's current weights as a `WeightSource`: its own tensors (an in-process engine
+    copies them), or a Hugging Face folder written on demand (a served one reloads it)."""
 
     def __init__(self, actor: Actor, folder: Path, tokenizer: Any = None) -> None:
         self.actor, self.folder, self.tokenizer = actor, folder, tokenizer

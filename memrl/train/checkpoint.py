@@ -1,34 +1,17 @@
-"""Checkpoints `RUN_ROOT/checkpoints/iter_XXXXXXX/`: save atomically, resume exactly (export to Hugging Face:
-memrl/train/export.py).
-
-Layout of one checkpoint (XXXXXXX = 7-digit rollout id of the last *completed* rollout step):
-
-    model/          `save_pretrained` folder (safetensors + config [+ tokenizer files]); with LoRA
-                    (`model.lora`) peft's adapter folder instead (adapter_config.json + adapter_model.safetensors)
-    optimizer.pt    optimizer.state_dict()
-    scheduler.pt    scheduler.state_dict()
-    rng.pt          python `random`, numpy, torch CPU and (when present) CUDA generator states
-    state.json      {rollout_id, next_rollout_id, data_cursor, global_step, config, memrl_version, created}
-                    [+ lora_base with LoRA: the base model's folder, architecture and weights fingerprint]
-    COMPLETE        written last; a directory without it is never loaded or listed
-
-`RUN_ROOT/checkpoints/latest` holds the name of the newest complete checkpoint; `best.json` (with
-`train.keep_best`) names the one with the best validation metric: {checkpoint, rollout_id, metric, value,
-mode}. `prune_checkpoints` (`train.keep_last_n`) deletes older ones, never the latest or the best.
+"""Checkpoints `RUN_ROOT/checkpoints/iter_XXXXXXX/` (the rollout id of the last *completed* step): save
+atomically, resume exactly. One holds model/ (`save_pretrained`, or with LoRA peft's adapter folder),
+optimizer.pt, scheduler.pt, rng.pt (python, numpy, torch CPU and CUDA generators), state.json (where to
+resume, the config, with LoRA the base model's fingerprint) and COMPLETE, written last. Beside them:
+`latest` (the newest complete one's name) and, with `train.keep_best`, `best.json`.
 
 Invariants:
-- A checkpoint is written into `iter_XXXXXXX.tmp-<host>-<pid>`, every file and folder of it fsynced,
-  then COMPLETE written, and the folder renamed into place; `latest` is replaced (write-then-rename)
-  only after that, so a kill or a power loss at any point leaves the previous checkpoint loadable,
-  `latest` never names an incomplete directory, and COMPLETE never stands beside truncated weights.
-- The tmp folders of killed writers (same host, pid no longer running) are removed at the next save
-  and at a resume; those of live writers, and of other hosts (whose pids mean nothing here), are kept.
-- `list_checkpoints` / `find_latest_checkpoint` only return directories named `iter_\\d{7}` holding COMPLETE.
-- LoRA adapters are resumed only with the rank, alpha and layers, and onto a base of the architecture,
-  they were saved with; another base's weights (fingerprint) are warned about (convert-to-hf refuses them).
-- Saving is a single-process operation: in data-parallel training only rank 0 calls `save_checkpoint`
-  (under FSDP after every rank helped gather the full weights and optimizer state: `memrl.train.fsdp`).
-  The files are the same whichever strategy wrote them, so a run resumes under any strategy.
+- Written into `iter_XXXXXXX.tmp-<host>-<pid>`, every file fsynced, COMPLETE, then renamed into place and
+  only then `latest` replaced: a kill or power loss at any point leaves the previous checkpoint loadable,
+  and COMPLETE never stands beside truncated weights. Killed writers' tmp folders (this host, pid gone)
+  are removed at the next save and at a resume; live writers' and other hosts' are kept.
+- Only directories named `iter_\\d{7}` holding COMPLETE are listed or loaded.
+- Only rank 0 saves (under FSDP after every rank helped gather): the files are the same whichever strategy
+  wrote them, so a run resumes under any strategy.
 """
 
 from __future__ import annotations
@@ -121,30 +104,14 @@ def find_latest_checkpoint(run_root: str | Path) -> Path | None:
 # ---------------------------------------------------------------------------------------------- saving
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    # DDP keeps the real model in `.module`; torch.compile in `._orig_mod`. save_pretrained and the
-    # state-dict keys must be those of the plain Hugging Face model.
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
 def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        # numpy's MT19937 key is stored as a tensor so `torch.load(weights_only=True)` can read it back.
-        "numpy": {
-            "bit_generator": np_state["bit_generator"],
-            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-        "torch_cpu": torch.get_rng_state(),
-    }
+    # numpy's MT19937 key is stored as a tensor so `torch.load(weights_only=True)` can read it back.
+    numpy_state = {"bit_generator": np_state["bit_generator"],
+                   "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                   "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                   "gauss": float(np_state["gauss"])}
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": numpy_state, "torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["torch_cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -154,23 +121,18 @@ def _restore_rng(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     np_saved = state["numpy"]
-    np.random.set_state({
-        "bit_generator": np_saved["bit_generator"],
-        "state": {"key": np_saved["key"].numpy().astype(np.uint32), "pos": np_saved["pos"]},
-        "has_gauss": np_saved["has_gauss"],
-        "gauss": np_saved["gauss"],
-    })
+    np.random.set_state({"bit_generator": np_saved["bit_generator"],
+                         "state": {"key": np_saved["key"].numpy().astype(np.uint32), "pos": np_saved["pos"]},
+                         "has_gauss": np_saved["has_gauss"], "gauss": np_saved["gauss"]})
     torch.set_rng_state(state["torch_cpu"])
     cuda_states = state.get("torch_cuda")
     if cuda_states and torch.cuda.is_available():
         if len(cuda_states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda_states)
         else:
-            warnings.warn(
-                f"checkpoint holds CUDA RNG states for {len(cuda_states)} devices but {torch.cuda.device_count()} "
-                "are visible; CUDA RNG not restored (sampling on GPU will differ from the original run)",
-                stacklevel=3,
-            )
+            warnings.warn(f"checkpoint holds CUDA RNG states for {len(cuda_states)} devices but "
+                          f"{torch.cuda.device_count()} are visible; CUDA RNG not restored (sampling on GPU will "
+                          f"differ from the original run)", stacklevel=3)
 
 
 def _jsonable(value: Any) -> Any:
@@ -196,10 +158,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
-    """fsync every file under `root`, then every folder bottom-up (their entries), `root` last.
-
-    save_pretrained and torch.save only write: without this a power loss after COMPLETE could leave
-    COMPLETE beside empty or truncated weights, a checkpoint that is listed but does not load."""
+    """fsync every file under `root`, then every folder bottom-up: save_pretrained and torch.save only
+    write, so a power loss after COMPLETE could leave it beside truncated weights."""
     folders = []
     for folder, _, files in os.walk(root):
         folders.append(Path(folder))
@@ -227,10 +187,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_dead_writers_tmp(ckpt_dir: Path) -> list[Path]:
-    """Remove the `iter_XXXXXXX.tmp-<host>-<pid>` folders of killed saves (gigabytes each); returns them.
-
-    Only those of this host whose pid no longer runs: a live writer's folder (another run saving into
-    the same folder) and other hosts' folders are left alone."""
+    """Remove the tmp folders of killed saves (this host, pid gone; gigabytes each); returns them."""
     removed = []
     host = socket.gethostname()
     for path in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
@@ -252,7 +209,7 @@ def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Modul
                             weights: Mapping[str, torch.Tensor] | None) -> None:
     """Everything of one checkpoint into `target`, COMPLETE last."""
     target.mkdir(parents=True)
-    _unwrap(model).save_pretrained(target / MODEL_DIR, **({"state_dict": dict(weights)} if weights is not None else {}))
+    model.save_pretrained(target / MODEL_DIR, **({"state_dict": dict(weights)} if weights is not None else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(target / MODEL_DIR)
     if optimizer is not None:
@@ -261,15 +218,10 @@ def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Modul
         torch.save(scheduler.state_dict(), target / SCHEDULER_FILE)
     torch.save(_rng_state(), target / RNG_FILE)
     full_state = {
-        "rollout_id": rollout_id,
-        "next_rollout_id": rollout_id + 1,
-        "data_cursor": None,
-        "global_step": None,
-        "config": None,
-        **state,
+        "rollout_id": rollout_id, "next_rollout_id": rollout_id + 1, "data_cursor": None, "global_step": None,
+        "config": None, **state,
         **({LORA_BASE: getattr(model, lora.BASE_RECORD)} if hasattr(model, lora.BASE_RECORD) else {}),
-        "memrl_version": _memrl_version(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "memrl_version": _memrl_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     (target / STATE_FILE).write_text(json.dumps(full_state, indent=2, default=_jsonable) + "\n")
     _fsync_tree(target)
@@ -282,17 +234,10 @@ def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Modul
 
 def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Module, optimizer: Any,
                     scheduler: Any, state: dict[str, Any], tokenizer: Any = None,
-                    keep_last: int | None = None, weights: Mapping[str, torch.Tensor] | None = None) -> Path:
-    """Save `iter_{rollout_id:07d}` atomically, point `latest` at it, keep only `keep_last` newest.
-
-    `rollout_id` is the last *completed* rollout step. `state` should hold `next_rollout_id`,
-    `data_cursor`, `global_step` and `config` (dict or pydantic model); missing keys default to
-    `rollout_id + 1` / None. `optimizer`/`scheduler` may be None (then their files are absent).
-    A sharded model (FSDP) passes its gathered `weights` (saved instead of `model.state_dict()`) and its
-    gathered optimizer state as `optimizer` (a `state_dict()`-form mapping instead of an optimizer).
-    """
-    if keep_last is not None and keep_last < 1:
-        raise CheckpointError(f"keep_last = {keep_last}; use None to keep every checkpoint, or a number >= 1")
+                    weights: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Save `iter_{rollout_id:07d}` atomically and point `latest` at it.
+    `optimizer`/`scheduler` may be None (no file). A sharded model (FSDP) passes its gathered `weights`
+    and its gathered optimizer state (a `state_dict()`-form mapping) as `optimizer`."""
     name = checkpoint_name(rollout_id)
     ckpt_dir = _checkpoints_dir(run_root)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -319,10 +264,6 @@ def save_checkpoint(run_root: str | Path, rollout_id: int, model: torch.nn.Modul
         os.replace(tmp, final)
     _fsync_dir(ckpt_dir)
     atomic_write_text(ckpt_dir / LATEST_FILE, name + "\n")
-    if keep_last is not None:
-        for stale in list_checkpoints(ckpt_dir)[:-keep_last]:
-            if stale != final:
-                shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -379,37 +320,30 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if is_checkpoint_dir:
         if not _is_complete(path):
             complete = [p.name for p in list_checkpoints(path.parent)]
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker: its save was interrupted); "
-                f"complete checkpoints next to it: {complete or 'none'}"
-            )
+            raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker: its save was "
+                                  f"interrupted); complete checkpoints next to it: {complete or 'none'}")
         return path
     latest = find_latest_checkpoint(path)
     if latest is None:
-        raise CheckpointError(
-            f"no complete checkpoint under {path}; pass a run root, its `{CHECKPOINTS_DIR}/` folder or an "
-            "`iter_XXXXXXX` folder"
-        )
+        raise CheckpointError(f"no complete checkpoint under {path}; pass a run root, its `{CHECKPOINTS_DIR}/` "
+                              f"folder or an `iter_XXXXXXX` folder")
     return latest
 
 
 def _check_shapes(weights: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], model_dir: Path) -> None:
-    """A checkpoint of another architecture (other sizes) is a CheckpointError naming the first tensors
-    that differ, not load_state_dict's RuntimeError listing every one of them."""
+    """Another architecture's weights: a CheckpointError naming the first tensors that differ (not
+    load_state_dict's RuntimeError listing every one)."""
     differ = [f"{k} {tuple(v.shape)} vs {tuple(params[k].shape)}" for k, v in weights.items()
               if k in params and v.shape != params[k].shape]
     if differ:
-        raise CheckpointError(
-            f"checkpoint weights in {model_dir} are of another architecture: {len(differ)} tensors differ in "
-            f"shape (checkpoint vs model), e.g. {'; '.join(differ[:3])}; set model.path to the model the "
-            f"checkpoint was trained from, or --load a checkpoint of this model")
+        raise CheckpointError(f"checkpoint weights in {model_dir} are of another architecture: {len(differ)} "
+                              f"tensors differ in shape (checkpoint vs model), e.g. {'; '.join(differ[:3])}; set "
+                              f"model.path to the model the checkpoint was trained from, or --load one of this model")
 
 
 def _check_adapters(peft_model: Any, ckpt: Path) -> None:
-    """A resume's adapters (model.lora) and base model (model.path) are those the checkpoint's were trained
-    with: refused otherwise, naming the checkpoint's value. Another base's weights of the same architecture
-    only warn: `memrl train` has no flag to allow it, and going on from adapters on an updated base is a
-    choice a user may make."""
+    """A resume's adapters (model.lora) and base architecture must be the checkpoint's; another base's
+    weights of that architecture only warn (going on from adapters on an updated base is a user's choice)."""
     differ = lora.adapter_differences(peft_model, ckpt / MODEL_DIR)
     if differ:
         raise CheckpointError(f"checkpoint {ckpt} holds other adapters than this run's model.lora: "
@@ -448,34 +382,26 @@ def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(str(file)))
-    model = _unwrap(model)
     _check_shapes(weights, model.state_dict(), model_dir)
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
-        raise CheckpointError(
-            f"checkpoint weights in {model_dir} do not fit this model: unexpected keys "
-            f"{result.unexpected_keys[:5]} (is the model built from the checkpoint's config.json?)"
-        )
+        raise CheckpointError(f"checkpoint weights in {model_dir} do not fit this model: unexpected keys "
+                              f"{result.unexpected_keys[:5]} (is the model built from the checkpoint's config.json?)")
     # save_pretrained drops tied weights (e.g. lm_head tied to the embeddings); those may be missing,
     # as long as they share storage with a loaded tensor.
     params = model.state_dict()
     loaded_ptrs = {params[k].data_ptr() for k in weights if k in params}
     untied_missing = [k for k in result.missing_keys if params[k].data_ptr() not in loaded_ptrs]
     if untied_missing:
-        raise CheckpointError(
-            f"checkpoint weights in {model_dir} miss keys {untied_missing[:5]}; the model has parameters "
-            "the checkpoint does not (is it the same architecture?)"
-        )
+        raise CheckpointError(f"checkpoint weights in {model_dir} miss keys {untied_missing[:5]}; the model has "
+                              f"parameters the checkpoint does not (is it the same architecture?)")
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
                     restore_rng: bool = True) -> dict[str, Any]:
     """Load weights (and optimizer, scheduler, RNG states) into the given objects; return state.json.
-
-    `path` is a checkpoint dir, or a run root / checkpoints dir (then the one `latest` names).
-    Load the optimizer after the model is on its training device: `Optimizer.load_state_dict` moves the
-    state tensors to the device of their parameters.
-    """
+    `path` as for `resolve_checkpoint`. Load the optimizer after the model is on its training device:
+    `Optimizer.load_state_dict` moves the state tensors to their parameters' device."""
     ckpt = resolve_checkpoint(path)
     remove_dead_writers_tmp(ckpt.parent)  # a resume after a kill: the killed save's tmp folder goes now
     _load_model_weights(model, ckpt / MODEL_DIR)
@@ -484,16 +410,10 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: Any = N
             obj.load_state_dict(read_checkpoint_file(ckpt, filename))
     if restore_rng:
         _restore_rng(read_checkpoint_file(ckpt, RNG_FILE))
-    return read_state(ckpt)
-
-
-def read_state(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's state.json (where to resume, the config); `path` as for `load_checkpoint`."""
-    return read_state_file(resolve_checkpoint(path))
+    return read_state_file(ckpt)
 
 
 def read_state_file(ckpt: Path) -> dict[str, Any]:
-    """The state.json of a complete checkpoint dir."""
     return json.loads((ckpt / STATE_FILE).read_text())
 
 
@@ -505,5 +425,4 @@ def read_checkpoint_file(ckpt: Path, filename: str) -> Any:
 
 
 def restore_rng(ckpt: Path) -> None:
-    """Restore the python, numpy, torch (and CUDA) generators saved in a complete checkpoint dir."""
     _restore_rng(read_checkpoint_file(ckpt, RNG_FILE))

@@ -2,36 +2,22 @@
 
     for rollout_id in range(start, num_rollout):
         records = parts.data.batch(rollout_id)               # same ids after a resume
-        out     = parts.rollout.generate(rollout_id, records) # rollouts with rewards, scored and converted
-                                                             # where generated (setup.convert_rollout)
+        out     = parts.rollout.generate(rollout_id, records) # scored and converted where generated
         parts.rows.put(rollout_id, out.rows, out.train_row_count) # exact row count announced; rows once
         metrics = parts.policy.train_rollout(parts.rows.get_rollout(rollout_id), rollout_id)
         parts.rollout.sync_from(parts.policy.weight_source(...)); check it (canary); log
-        validate (train.eval_interval: memrl/train/validation.py); checkpoint (+ best.json, keep_last_n)
+        validate (train.eval_interval); checkpoint (+ best.json, keep_last_n)
 
-`local_parts` builds them in one process (an engine with a private copy of the policy, or a client of
-a server; the TransferQueue; the `Actor`); `memrl.distributed.runtime.ray_parts` builds them on Ray
-actors (a rollout pool, a trainer group; the queue holds references to rows that stay in Ray's object
-store). The loop neither knows nor asks which: what differs is a capability a part declares (the
-rollout source's `generates`, `in_process`, `takes_folders`; the policy's `shares_cpu`).
-
-Rows saved (converted), transferred (put in the queue) and consumed (trained on) are counted every step
-and must be equal; a mismatch stops the run with both numbers.
-
-After every weight sync, and once before the first rollout, the engine scores a fixed probe that the
-trainer scored when it held those weights (`train.sync_check`, memrl/train/sync_check.py); a difference
-beyond float tolerance stops the run with both numbers and the weight version.
-
-With `train.max_staleness = k >= 1` the first three lines run ahead in a producer thread (rollout n+k
-while step n trains; memrl/train/pipeline.py says which weights each rollout samples with), and the loop
-publishes a frozen copy of the weights (a folder, for a served engine) after each step instead of
-syncing the engine itself.
+`local_parts` builds them in one process, `memrl.distributed.runtime.ray_parts` on Ray actors; the loop
+never asks which, only what a part declares (memrl/train/sources.py; the policy's `shares_cpu`). Rows
+saved, transferred and consumed must be equal every step. After every weight sync (and once before the
+first rollout) the engine must score the trainer's probe (memrl/train/sync_check.py). With
+`train.max_staleness = k >= 1` generation runs ahead in a producer thread (memrl/train/pipeline.py) and
+the loop publishes a frozen copy of the weights after each step instead of syncing the engine itself.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -43,13 +29,11 @@ import torch
 from tqdm.auto import tqdm
 
 from memrl.config import Config
-from memrl.data.records import DataError, read_jsonl_lines
-from memrl.engines.base import Engine, ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
+from memrl.engines.base import SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import training_engine
-from memrl.io import atomic_write_text
 from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
-from memrl.rollout import RolloutContext, record_weight_version, turn_log_records
-from memrl.task import Task, rows_per_trajectory, task_reward
+from memrl.rollout import turn_log_records
+from memrl.task import Task, rows_per_trajectory
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.checkpoint import prune_checkpoints, read_best, write_best
 from memrl.train.pipeline import Producer, WeightBoard, sampling_version
@@ -59,14 +43,13 @@ from memrl.train.setup import (
     DataSource,
     TrainingError,
     checkpoint_state,
-    convert_rollout,
     load_policy,
     pad_token_id,
     run_start,
-    served_engine,
     start_rollout_id,
     trainer_device,
 )
+from memrl.train.sources import LocalRollout, ReplayRollout, RolloutSource, save_raw_rollout
 from memrl.train.sync_check import check_sync, probe_ids
 from memrl.train.validation import BestTracker, Validator
 from memrl.types import RolloutOutput, TrainRow, Trajectory
@@ -79,12 +62,12 @@ PRODUCER_JOIN_S = 30.0
 VERSIONS_DIR = "weights_versions"
 
 
+__all__ = ["Trainer", "TrainingError", "TrainingParts", "TrainOptions", "local_parts", "train"]
+
+
 def _remove_version_folder(source: WeightSource) -> None:
     if isinstance(source, WeightsOnDisk):
         shutil.rmtree(source.folder, ignore_errors=True)
-
-__all__ = ["LocalRollout", "ReplayRollout", "Trainer", "TrainingError", "TrainingParts", "TrainOptions",
-           "local_parts", "train"]
 
 
 @dataclass
@@ -95,34 +78,6 @@ class TrainOptions:
     save_rollouts: bool = False
     replay_rollouts: Path | None = None
     progress: bool = True
-
-
-class RolloutSource(Protocol):
-    """Where a step's trajectories come from (an engine in this process, a rollout pool, a replay).
-
-    A source that serves dynamic sampling (`algorithm.filter_groups`) also takes `slot_offset=`, the
-    position of `records[0]` in the step's whole batch (memrl/rollout.py, `RolloutContext.slot_offset`).
-    The loop asks what a source can do, never which kind it is: whether it samples (`generates`; a replay
-    does not, so there is nothing to sync-check or re-sample), whether its engine runs in this process on
-    its own event loop (`in_process`: validation during training needs `engine` and `loop`), and whether
-    its engines take weights as a folder (`takes_folders`: served engines reload one)."""
-
-    generates: bool
-    in_process: bool
-    takes_folders: bool
-
-    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
-        """The step's trajectories (with rewards), sampled with weight version `weight_version`, scored and
-        converted (`memrl.train.setup.convert_rollout`: `rows`, and the advantages the logs show)."""
-        ...
-
-    def sync_from(self, source: WeightSource) -> None: ...
-
-    def score_probe(self, probe: SyncProbe) -> dict[str, ScoreResult]:
-        """Each engine's scores of the weight-sync probe, by engine name (a replay has no engine: never asked)."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class PolicyTrainer(Protocol):
@@ -140,13 +95,10 @@ class PolicyTrainer(Protocol):
     def weight_source(self, folder: Path, tokenizer: Any = None) -> WeightSource: ...
 
     def weight_snapshot(self) -> Mapping[str, torch.Tensor]:
-        """The whole weights frozen as they are now, for a rollout that samples with them while training
-        goes on (the overlapped pipeline)."""
+        """The whole weights frozen as they are now (the overlapped pipeline samples with them later)."""
         ...
 
-    def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> SyncProbe:
-        """The trainer's log-probs of the probe with the weights it holds now, version `version`."""
-        ...
+    def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> SyncProbe: ...
 
 
 @dataclass
@@ -165,10 +117,8 @@ class TrainingParts:
 
 
 def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, out: RolloutOutput) -> dict[str, Any]:
-    """What a researcher reads per trajectory of rollout `out` (and `memrl view` shows): the turn texts and
-    answer, lengths, reward, status, its GRPO group and advantage, each turn's credit (the advantage of its
-    training row; None when not trained on), and the task's own fields (`Task.log_fields`; MemAgent:
-    the document and where the golds occur in each chunk)."""
+    """What the logs (and `memrl view`) keep per trajectory: turns, answer, reward, its GRPO advantage,
+    each turn's credit (its row's advantage; None when not trained on) and the task's `log_fields`."""
     turns = turn_log_records(traj, tokenizer)
     for turn, record in zip(traj.turns, turns, strict=True):
         record["advantage"] = out.turn_advantages.get((traj.trajectory_id, turn.index))
@@ -182,9 +132,8 @@ def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, out: Rol
 
 
 def check_trainable(rollout_id: int, out: RolloutOutput, max_errors: int = 2) -> None:
-    """A step left with no trajectory to train on (every generation failed: a server that refuses connections,
-    a wrong URL) is a TrainingError with the counts and the first distinct errors, raised before the queue
-    would see a rollout of 0 rows (a QueueError that names neither)."""
+    """A step with no trajectory to train on (every generation failed: a wrong URL) is a TrainingError with
+    the counts and first distinct errors, not the queue's QueueError for a rollout of 0 rows."""
     if out.trajectories:
         return
     failed = [t for t in out.dropped if t.status == "failed"]
@@ -194,94 +143,6 @@ def check_trainable(rollout_id: int, out: RolloutOutput, max_errors: int = 2) ->
     raise TrainingError(f"rollout {rollout_id}: no trajectory to train on: {len(failed)} of {len(out.dropped)} "
                         f"trajectories failed (a group with a failure is dropped); first error"
                         f"{'s' if len(errors) > 1 else ''}: {'; '.join(errors)}")
-
-
-def save_raw_rollout(directory: Path, rollout_id: int, out: RolloutOutput) -> Path:
-    """Raw trajectories of one step (debug replay input), written atomically."""
-    header = {"rollout_id": rollout_id, "train_row_count": out.train_row_count, "metrics": out.metrics}
-    lines = [json.dumps(header), *(json.dumps(traj.to_dict()) for traj in out.trajectories)]
-    return atomic_write_text(directory / f"rollout_{rollout_id:07d}.jsonl", "".join(line + "\n" for line in lines))
-
-
-def load_raw_rollout(directory: Path, rollout_id: int) -> RolloutOutput:
-    """One step of a `--save-rollouts` folder read back. An empty, torn or edited file is a TrainingError
-    naming the file and line (it was an IndexError or JSONDecodeError traceback)."""
-    path = Path(directory) / f"rollout_{rollout_id:07d}.jsonl"
-    if not path.is_file():
-        raise TrainingError(f"replay: {path} does not exist (saved with --save-rollouts?)")
-    damaged = "replay from a folder that --save-rollouts wrote, unedited"
-    try:
-        lines = read_jsonl_lines(path)
-    except DataError as e:
-        raise TrainingError(f"replay: {e}; {damaged}") from None
-    if not lines:
-        raise TrainingError(f"replay: {path} is empty; {damaged}")
-    (_, header), *records = lines
-    count = header.get("train_row_count", "missing") if isinstance(header, dict) else "missing"
-    if not (count is None or type(count) is int):
-        raise TrainingError(f"replay: {path}: line 1 is not a rollout header with a train_row_count; {damaged}")
-    trajectories = []
-    for line, record in records:
-        try:
-            trajectories.append(Trajectory.from_dict(record))
-        except (TypeError, ValueError) as e:  # not an object, or fields missing or unknown
-            raise TrainingError(f"replay: {path}: line {line} is not a saved trajectory ({e}); {damaged}") from None
-    return RolloutOutput(trajectories, metrics=header.get("metrics", {}), train_row_count=count)
-
-
-class LocalRollout:
-    """A rollout source in this process: the task's `generate` over one engine, on one event loop kept
-    for the run (the engine's batching worker lives on it)."""
-
-    generates, in_process = True, True
-
-    def __init__(self, cfg: Config, engine: Engine, tokenizer: Any, task: Task, progress: bool) -> None:
-        self.cfg, self.engine, self.tokenizer, self.progress, self.task = cfg, engine, tokenizer, progress, task
-        self.reward_fn = task_reward(cfg, task)
-        self.takes_folders = served_engine(cfg)
-        self.loop = asyncio.new_event_loop()
-
-    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,
-                 slot_offset: int = 0) -> RolloutOutput:
-        ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
-                             reward_function=self.reward_fn, progress=self.progress, slot_offset=slot_offset)
-        out = record_weight_version(self.loop.run_until_complete(self.task.generate(ctx, list(records))),
-                                    weight_version)
-        return convert_rollout(out, self.tokenizer, self.cfg.algorithm, self.task, rollout_id)
-
-    def sync_from(self, source: WeightSource) -> None:
-        self.loop.run_until_complete(self.engine.sync_from(source))
-
-    def score_probe(self, probe: SyncProbe) -> dict[str, ScoreResult]:
-        score = self.engine.score(probe.prompt_ids, probe.continuation_ids, probe.temperature)
-        return {f"the rollout engine ({type(self.engine).__name__})": self.loop.run_until_complete(score)}
-
-    def close(self) -> None:
-        try:
-            self.loop.run_until_complete(self.engine.close())
-        finally:
-            self.loop.close()
-
-
-class ReplayRollout:
-    """Debug replay: a step's trajectories read back from `--save-rollouts` files and converted as they
-    were when generated; nothing generates."""
-
-    generates, in_process, takes_folders = False, False, False
-
-    def __init__(self, directory: Path, cfg: Config, tokenizer: Any, task: Task) -> None:
-        self.directory, self.algorithm, self.tokenizer, self.task = Path(directory), cfg.algorithm, tokenizer, task
-
-    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,
-                 slot_offset: int = 0) -> RolloutOutput:
-        out = load_raw_rollout(self.directory, rollout_id)  # trajectories keep the version they were saved with
-        return convert_rollout(out, self.tokenizer, self.algorithm, self.task, rollout_id)
-
-    def sync_from(self, source: WeightSource) -> None:
-        pass  # no engine to sync
-
-    def close(self) -> None:
-        pass
 
 
 def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | None = None,
@@ -337,7 +198,7 @@ class Trainer:
         return Validator(self.cfg, self.opt.run_root, self.parts.tokenizer, self.parts.task, progress=self.opt.progress)
 
     def _best_so_far(self) -> BestTracker | None:
-        """The keep_best tracker; a resumed run goes on from its best.json (steps before the resume point)."""
+        """The keep_best tracker, going on from best.json's steps before a resume point."""
         t = self.cfg.train
         if t.keep_best is None:
             return None
@@ -348,7 +209,7 @@ class Trainer:
         return BestTracker(t.keep_best, t.keep_best_mode)
 
     def step(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
-        """One synchronous step: generate (scored and converted), deliver, train, sync the engine, log."""
+        """One synchronous step: generate, deliver, train, sync the engine, log."""
         out, seconds = self._produce(rollout_id)
         saved = len(out.rows)
         self._deliver(rollout_id, out)
@@ -365,8 +226,7 @@ class Trainer:
         return self._finish(rollout_id, out, saved, metrics, {**seconds, **timer.seconds}, logger)
 
     def _produce(self, rollout_id: int) -> tuple[RolloutOutput, dict[str, float]]:
-        """The rollout step's trajectories and rows (and the seconds each stage took; the source times its
-        conversion as `time/convert_s`)."""
+        """The step's trajectories and rows, and the seconds its stages took (failures wake the queue)."""
         parts, timer = self.parts, StageTimer()
         try:
             with timer("rollout"):
@@ -382,8 +242,8 @@ class Trainer:
         return out, dict(timer.seconds)
 
     def _sample_informative_groups(self, rollout_id: int, first: RolloutOutput, version: int) -> RolloutOutput:
-        """Dynamic sampling (memrl/rl/dynamic_sampling.py): chunk k takes the slots after the step's batch and
-        the chunks before it, so its group ids and request seeds are its own."""
+        """Dynamic sampling: chunk k takes the slots after the step's batch and the chunks before it, so its
+        group ids and request seeds are its own."""
         a, t = self.cfg.algorithm, self.cfg.train
         size = a.over_sampling_batch_size or t.rollout_batch_size
 
@@ -404,7 +264,6 @@ class Trainer:
                             final=out.train_row_count is None)
 
     def _train(self, rollout_id: int, timer: StageTimer, wait_stage: str = "train") -> dict[str, float]:
-        """Take the step's rows (timed as `wait_stage`) and train on them (timed as `train`)."""
         with timer(wait_stage):
             consumed = self.parts.rows.get_rollout(rollout_id, timeout_s=self.cfg.queue.timeout_s)
         with timer("train"):
@@ -415,8 +274,7 @@ class Trainer:
 
     def _finish(self, rollout_id: int, out: RolloutOutput, saved: int, metrics: dict[str, float],
                 seconds: dict[str, float], logger: RunLogger) -> dict[str, float]:
-        """Check the row ledger (`saved` rows converted), then log the step's metrics and trajectories (`out`
-        without its rows, which went to the queue)."""
+        """Check the row ledger (`saved` rows converted), then log the step's metrics and trajectories."""
         parts = self.parts
         stats = parts.rows.stats(rollout_id)
         counts = {"rows/saved": float(saved), "rows/transferred": float(stats["rows_put"]),
@@ -439,8 +297,7 @@ class Trainer:
         return self.parts.policy.sync_probe(*self._probe_ids, version)
 
     def _check_engine(self, probe: SyncProbe) -> float:
-        """The engine's side, once it synced to the probe's version: its scores must match the trainer's
-        (memrl/train/sync_check.py: TrainingError otherwise); returns the largest difference."""
+        """The engine's side, synced to the probe's version: the largest difference (TrainingError beyond)."""
         return check_sync(probe, self.parts.rollout.score_probe(probe), self.cfg.train.sync_check_atol)
 
     def _sync_checked(self, source: WeightsInMemory | WeightsOnDisk) -> None:
@@ -450,7 +307,6 @@ class Trainer:
             self._check_engine(source.probe)
 
     def _version_of(self, rollout_id: int) -> int:
-        """The weight version rollout `rollout_id` samples with (its own id in the synchronous loop)."""
         return sampling_version(rollout_id, self.parts.start_rollout_id, self.cfg.train.max_staleness,
                                 self._saves_after)
 
@@ -495,9 +351,8 @@ class Trainer:
         return trained_step
 
     def _frozen_weights(self, version: int, probe: SyncProbe | None) -> WeightSource:
-        """The policy's weights now, as a source that stays as it is while training goes on: a folder of
-        this version's own for a served engine (its server reloads it), else a snapshot in memory (a copy,
-        or an object-store copy under Ray); either carries the canary `probe` of these weights."""
+        """The policy's weights now, frozen while training goes on: a folder of this version's own for a
+        served engine, else a snapshot in memory; either carries the canary `probe` of these weights."""
         if self.parts.rollout.takes_folders:
             folder = self.opt.run_root / VERSIONS_DIR / f"v{version:07d}"
             return WeightsOnDisk(self.parts.policy.weight_source(folder, self.parts.tokenizer).saved_folder(), probe)
@@ -526,8 +381,7 @@ class Trainer:
         return path
 
     def _keep_best(self, rollout_id: int, evaluation: dict[str, float], saved: Path | None) -> Path | None:
-        """When this step's validation is a new best: save it (if the step did not) and point best.json at
-        it; returns that checkpoint (None when it is no new best)."""
+        """A new best validation: save the step (if not saved) and point best.json at it; that checkpoint."""
         if self.best is None or not evaluation or not self.best.improves(evaluation):
             return None
         path = saved if saved is not None else self.save(rollout_id)

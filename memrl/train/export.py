@@ -27,13 +27,9 @@ EXPORT_FILE = "memrl_export.json"  # an exported folder's provenance: checkpoint
 
 def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: Any = None,
                  base_model: str | None = None, allow_other_base: bool = False) -> Path:
-    """Write a plain Hugging Face folder (weights, config, tokenizer) that `from_pretrained` loads.
-
-    `tokenizer` (a tokenizer object or a folder/hub id) adds tokenizer files when the checkpoint was
-    saved without them. A LoRA checkpoint is merged into its base model (`_merge_adapters`): `base_model`,
-    else the one its run trained from. `out_dir` must be absent or empty; it is filled via a
-    temporary sibling and a rename, so an interrupted export never looks finished.
-    """
+    """`memrl convert-to-hf`: a plain Hugging Face folder that `from_pretrained` loads, filled via a temporary
+    sibling (an interrupted export never looks finished). `tokenizer` (an object or a folder / hub id) adds
+    tokenizer files a checkpoint was saved without; `checkpoint_path` may be a run root."""
     ckpt = resolve_checkpoint(checkpoint_path)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -64,8 +60,8 @@ def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: An
 
 
 def _lora_base_path(ckpt: Path, state: Mapping[str, Any]) -> tuple[str, str | None]:
-    """The base model (and hub revision) a LoRA run trained from: the absolute folder recorded at training
-    time, else its hub id; older checkpoints without the record: the run's model.path as written."""
+    """The base model (and hub revision) a LoRA run trained from: the folder recorded at training time,
+    else its hub id, else (older checkpoints) the run's model.path."""
     recorded = state.get(LORA_BASE) or {}
     model_cfg = (state.get("config") or {}).get("model") or {}
     if recorded.get("folder"):
@@ -83,8 +79,7 @@ def _lora_base_path(ckpt: Path, state: Mapping[str, Any]) -> tuple[str, str | No
 
 def _merge_adapters(ckpt: Path, state: Mapping[str, Any], tmp: Path, base_model: str | None,
                     allow_other_base: bool) -> dict[str, Any]:
-    """Merge the adapters of `ckpt` into their base model (the module docstring says which, and what is
-    checked), written to `tmp`; returns the base and what was checked, for memrl_export.json."""
+    """Merge the adapters of `ckpt` into their base model, written to `tmp`; the base and what was checked."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from memrl.config import ConfigError, load_pretrained
@@ -121,12 +116,3 @@ def _merge_adapters(ckpt: Path, state: Mapping[str, Any], tmp: Path, base_model:
     lora.export_merged(ckpt / MODEL_DIR, base, tmp)
     return {"base_model": path, "base_model_checked": checked}
 
-
-def convert_to_hf_command(ckpt: Path, out: Path, tokenizer: str | None = None, base_model: str | None = None,
-                          allow_other_base: bool = False) -> Path:
-    """`memrl convert-to-hf CKPT OUT [--base-model DIR] [--allow-other-base]`: CKPT is a checkpoint dir or
-    a run root; a LoRA checkpoint is merged into its base model (memrl_export.json says what was checked).
-
-    Returns the folder written; printing is left to the CLI.
-    """
-    return export_to_hf(ckpt, out, tokenizer=tokenizer, base_model=base_model, allow_other_base=allow_other_base)

@@ -1,17 +1,10 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) for the actor: shard, gather full weights, move optimizer state.
 
-`train.strategy = "fsdp"` shards every parameter, gradient and optimizer state over the trainer ranks, so a
-model that does not fit one device can still be trained. Each transformer block (the classes a Hugging Face
-model lists in `_no_split_modules`) is its own FSDP unit, gathered only while it runs; the root unit holds
-the rest (embeddings, final norm, and the tied LM head, which must share a unit with the embeddings).
-
-What leaves the ranks is always whole, so nothing downstream knows about sharding:
-- `full_weights`: the full weights with Hugging Face keys (rank 0 only), for weight sync and checkpoints;
-- `full_optimizer_state` / `load_full_optimizer_state`: the optimizer state in plain `torch.optim` form
-  (parameters numbered in `model.parameters()` order), the same `optimizer.pt` a DDP or one-process run
-  writes, so a checkpoint resumes under any strategy.
-
-Every function here is a collective: all ranks must call it, in the same order.
+`train.strategy = "fsdp"` shards parameters, gradients and optimizer state over the trainer ranks. Each
+transformer block (`_no_split_modules`) is its own unit, gathered only while it runs; the root unit holds
+the rest (embeddings and the tied LM head, which must share a unit). What leaves the ranks is always whole
+(weights with Hugging Face keys, the optimizer state in plain `torch.optim` form), so a checkpoint resumes
+under any strategy. Every function here is a collective: all ranks call it, in the same order.
 """
 
 from __future__ import annotations
@@ -31,18 +24,13 @@ from torch.distributed.tensor import DTensor
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks, by the class names Hugging Face lists in `_no_split_modules`."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def shard(root: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> None:
-    """Shard `root` (a module whose forward runs `model`) over the whole process group, block by block.
-
-    `root` is the module whose forward the caller calls: FSDP2 gathers the root unit's parameters in a hook
-    on that forward, so the root must be the wrapper, not `model` (whose forward the actor bypasses to run
-    the LM head on response positions only).
-    """
+    """Shard `root` (a module whose forward runs `model`) block by block. FSDP2 gathers the root unit in a
+    hook on its forward, so the root must be the wrapper the caller calls, not `model`."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh)
@@ -50,12 +38,8 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, device: torch.device) -
 
 
 def full_weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
-    """CPU copies of every weight of a sharded `model` with its own (Hugging Face) keys; None off rank 0.
-
-    Gathered one tensor at a time and moved to the CPU, so no device ever holds more than one full tensor
-    beyond its shard. Tied weights (the LM head and the embeddings) stay one tensor under both keys, as
-    `save_pretrained` expects.
-    """
+    """CPU copies of a sharded `model`'s weights (Hugging Face keys; None off rank 0), gathered one tensor
+    at a time; tied weights stay one tensor under both keys, as `save_pretrained` expects."""
     params = dict(model.named_parameters(remove_duplicate=False))
     # By parameter identity: tied keys name one parameter, gathered once. Every rank takes the same path
     # through this loop (the same gathers in the same order); only rank 0 keeps copies.
@@ -89,11 +73,8 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                               state: dict[str, Any] | None) -> None:
-    """Load a whole `optimizer.state_dict()`-form state (as any strategy saves it) into a sharded optimizer.
-
-    Only rank 0 passes the state (others None): it is broadcast tensor by tensor, so no other rank ever
-    holds the whole optimizer state in host memory.
-    """
+    """Load a whole `optimizer.state_dict()`-form state into a sharded optimizer: only rank 0 passes it
+    (others None), broadcast tensor by tensor so no other rank holds all of it."""
     names = [name for name, _ in model.named_parameters()]
     by_name: dict[str, Any] = {}
     if state is not None:

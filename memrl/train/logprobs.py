@@ -1,22 +1,14 @@
 """Log-probs and entropy of response tokens from the final hidden states, a chunk of tokens at a time.
 
-The LM head of a 151,936-token vocabulary turns N response positions into an [N, V] float32 tensor, and
-log_softmax, the entropy and their gradients each make more: ~0.6 GB per copy per 1,000 tokens, about
-ten copies kept or alive at once when autograd does it. `response_token_stats` runs each chunk of
-`chunk_tokens` positions through lm_head -> temperature -> log_softmax -> gather + entropy with no graph,
-keeping only the [N] results; the backward recomputes one chunk's logits at a time and writes their
-gradient in place (d log p_t / dz = onehot_t - p, dH / dz = -p (log p + H)), so at most about two
-[chunk, V] float32 tensors exist at any moment (verl calls the idea entropy checkpointing; Liger's fused
-linear cross-entropy is a Triton version of it). Autograd (or `torch.utils.checkpoint` per chunk) would
-hold every intermediate of a chunk for its backward, four to five copies: hence this hand-written backward.
-The arithmetic per token is that of one big [N, V] pass, so log-probs, entropy, loss and gradients agree
-with it to float32 rounding (the products are blocked differently). `chunk_tokens=None` is that one big
-autograd pass, kept for the before/after benchmark (bench/train.py) and as an escape hatch.
-
-Under bf16 autocast the head's product runs in bf16 and everything after it in float32, forward and
-backward, as autocast does for `head(hidden).float()`. The gradient is written for a plain Linear head
-(`h W^T + b`): a head that is anything else, e.g. one wrapped by an adapter, is refused; hooks on it see
-every call (the values follow them), but their effect on the gradient is not modelled.
+A 151,936-token LM head makes N response positions an [N, V] float32 tensor (~0.6 GB per 1,000 tokens),
+and autograd keeps about ten such copies alive. `response_token_stats` runs each chunk of `chunk_tokens`
+positions through lm_head -> temperature -> log_softmax -> gather + entropy with no graph, keeping only
+the [N] results; the backward recomputes one chunk's logits at a time and writes their gradient in place
+(d log p_t / dz = onehot_t - p, dH / dz = -p (log p + H)): at most about two [chunk, V] tensors at once
+(verl's entropy checkpointing; `torch.utils.checkpoint` per chunk would still hold four to five). The
+arithmetic per token is that of one [N, V] pass, so results agree with it to float32 rounding;
+`chunk_tokens=None` is that pass (bench/train.py's before). Under bf16 autocast the head's product runs
+in bf16, the rest in float32. Only a plain Linear head is accepted (the gradient is written for `h W^T + b`).
 """
 
 from __future__ import annotations
@@ -37,9 +29,8 @@ class TokenStats(NamedTuple):
 
 
 def _log_softmax(head: torch.nn.Module, hidden: Tensor, temperature: float, dtype: torch.dtype | None) -> Tensor:
-    """log_softmax(head(hidden).float() / temperature) of one chunk, under autocast to `dtype` if one was on
-    in the forward (the backward runs outside it, so it is re-entered for the recompute). Through the module,
-    so hooks on the head see the same call as without chunks."""
+    """log_softmax(head(hidden).float() / temperature) of one chunk, under the forward's autocast `dtype`
+    (re-entered for the backward's recompute); through the module, so hooks on the head see each call."""
     with torch.autocast(hidden.device.type, dtype=dtype, enabled=dtype is not None):
         logits = head(hidden).float()
     if temperature > 0:
@@ -114,10 +105,9 @@ class _ChunkedHeadStats(torch.autograd.Function):
 
 def response_token_stats(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float,
                          chunk_tokens: int | None, with_entropy: bool = True) -> TokenStats:
-    """Log-prob of each target and the entropy of each position's distribution, from `hidden` [N, H] (the
-    final hidden states at the positions that predict `targets` [N]) through `head` (the LM head, a
-    Linear) at the sampling `temperature` (<= 0: greedy, logits used as they are). `with_entropy=False`
-    (the reference model: log-probs only) skips the entropy of the chunked path; its entropy is then NaN."""
+    """Log-prob of each target [N] and each position's entropy, from the final hidden states `hidden` [N, H]
+    that predict them, at the sampling `temperature` (<= 0: logits as they are). `with_entropy=False` (the
+    reference model) skips the chunked path's entropy, which is then NaN."""
     if chunk_tokens is not None and chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0 or None, got {chunk_tokens} (train.logprob_chunk_tokens)")
     if chunk_tokens is None:

@@ -1,18 +1,10 @@
 """LoRA (`model.lora`): the actor trains peft adapters on a frozen base; everything outside it sees a plain model.
 
-- The actor wraps its model with `peft.get_peft_model`; the optimizer holds the adapters only.
-- The reference of the KL term is the same model with the adapters disabled (`peft`'s
-  `disable_adapter()`), not a second copy of the weights.
-- Engines and `save_pretrained` folders get *merged* weights (`merged_weights`: base + peft's own
-  `get_delta_weight`, under the Hugging Face names): the weight-sync contract (memrl/engines/base.py) is
-  unchanged, so in-process engines copy them and served ones reload a plain folder.
-- A checkpoint's `model/` holds the adapters (peft's `save_pretrained`: adapter_config.json +
-  adapter_model.safetensors); resuming loads them onto the base model named by `model.path`.
-  `convert-to-hf` merges them into a plain Hugging Face folder (`export_merged`).
-- Adapters mean something only on the base they were trained on, with the rank, alpha and layers they were
-  trained with: `add_adapters` records that base (`base_record`: its folder, architecture, a fingerprint of
-  its weights), the checkpoint keeps the record, and resume and `convert-to-hf` compare against it
-  (`adapter_differences`, `config_differences`, `weights_fingerprint`; memrl/train/checkpoint.py refuses).
+The KL reference is the same model with the adapters disabled (no second copy). Engines and
+`save_pretrained` folders get *merged* weights (base + peft's `get_delta_weight`, Hugging Face names), so
+the weight-sync contract is unchanged. A checkpoint's `model/` holds the adapters only; adapters mean
+something only on the base, rank, alpha and layers they were trained with, so `add_adapters` records the
+base (`base_record`) and resume and `convert-to-hf` compare against it (memrl/train/checkpoint.py refuses).
 """
 
 from __future__ import annotations
@@ -48,8 +40,7 @@ def _peft() -> Any:
 
 
 def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> Any:
-    """`model` with LoRA adapters injected in place (its base weights frozen), as a peft `PeftModel` that
-    carries the `base_record` of `model` (attribute BASE_RECORD) for its checkpoints."""
+    """`model` with adapters injected in place (base frozen), as a `PeftModel` carrying its `base_record`."""
     peft = _peft()
     _check_targets(model, lora.target_modules)
     record = base_record(model)  # before injection: the plain model's names, as convert-to-hf loads it
@@ -61,7 +52,6 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> Any:
 
 
 def _adaptable_layers(model: torch.nn.Module) -> list[str]:
-    """Names of the modules of the kinds peft's LoRA adapts."""
     from transformers.pytorch_utils import Conv1D
 
     kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
@@ -69,9 +59,8 @@ def _adaptable_layers(model: torch.nn.Module) -> list[str]:
 
 
 def _check_targets(model: torch.nn.Module, targets: str | list[str]) -> None:
-    """Every entry of model.lora.target_modules names a layer of this model, by peft's rule (a list entry is
-    a module's name or its last dotted parts; a string other than all-linear a regex over whole names).
-    peft fails only when nothing matches, in a traceback, and ignores a misspelt entry beside good ones."""
+    """Every entry of model.lora.target_modules names a layer, by peft's rule (a name or its last dotted
+    parts; a string: a regex): peft ignores a misspelt entry beside good ones."""
     if targets == "all-linear":
         return
     layers = _adaptable_layers(model)
@@ -89,9 +78,8 @@ def _leaf_names(names: Any) -> list[str]:
 
 
 def base_record(model: torch.nn.Module) -> dict[str, Any]:
-    """What a LoRA checkpoint keeps of the base model its adapters train on. `folder`: absolute when it was
-    loaded from a local folder (a relative model.path means nothing from another directory), with `cwd`
-    to say what it was relative to; `architecture`; `fingerprint` of its weights."""
+    """What a LoRA checkpoint keeps of its base: `folder` absolute (a relative model.path means nothing
+    elsewhere; `cwd` says what it was relative to), `architecture`, a `fingerprint` of its weights."""
     source = getattr(model, "name_or_path", "") or ""
     folder = Path(source).resolve() if source and Path(source).is_dir() else None
     return {"path": source or None, "folder": str(folder) if folder else None, "cwd": os.getcwd(),
@@ -99,7 +87,6 @@ def base_record(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def describe_base(record: Mapping[str, Any]) -> str:
-    """Where the base model of a `base_record` came from, for messages."""
     return record.get("folder") or record.get("path") or "a model built in code, not loaded from a folder"
 
 
@@ -109,15 +96,13 @@ def architecture(config: Any) -> dict[str, Any]:
 
 
 def config_differences(recorded: Mapping[str, Any], config: Any) -> list[str]:
-    """`key recorded vs now` for each architecture field of `config` that differs from `recorded`."""
     now = architecture(config)
     return [f"{key} {recorded.get(key)} vs {now[key]}" for key in _ARCHITECTURE if recorded.get(key) != now[key]]
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 of every weight's name and shape and of _FINGERPRINT_SAMPLES evenly spaced values of it, as
-    float32. Samples, not all bytes: seconds per GB otherwise, and a fine-tune differs from its base nearly
-    everywhere. float32 because training and convert-to-hf load the base in float32 whatever its files hold."""
+    """sha256 of each weight's name, shape and _FINGERPRINT_SAMPLES evenly spaced values (not all bytes:
+    seconds per GB; a fine-tune differs nearly everywhere), as float32, as training loads the base."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
@@ -129,9 +114,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def adapter_differences(peft_model: Any, folder: Path) -> list[str]:
-    """How the adapters of `peft_model` differ from those saved in `folder` (`model.lora.X saved vs now`):
-    another rank fails on shapes, another alpha silently scales every update (another policy), other
-    layers leave some untrained or unloaded. Dropout may change: it does not change what the weights mean."""
+    """`model.lora.X saved vs now` for rank, alpha (another silently scales every update) and layers;
+    dropout may change, it does not change what the weights mean."""
     from peft.tuners.lora import LoraLayer
     from safetensors import safe_open
 
@@ -157,8 +141,7 @@ def is_adapter_folder(folder: Path) -> bool:
 
 
 def merged_weights(peft_model: Any) -> dict[str, torch.Tensor]:
-    """The policy as plain Hugging Face tensors: each adapted layer's base weight plus its adapter's
-    delta (peft's `get_delta_weight`), adapter tensors left out. New tensors, detached."""
+    """The policy as new plain Hugging Face tensors: each adapted weight plus its adapter's delta."""
     from peft.tuners.lora import LoraLayer
 
     inner = peft_model.base_model.model
@@ -182,8 +165,7 @@ def merged_model(peft_model: Any) -> torch.nn.Module:
 
 
 class WithoutAdapters(torch.nn.Module):
-    """`inner`'s forward with the adapters of `peft_model` turned off: the base model, i.e. the KL reference,
-    without a second copy of its weights."""
+    """`inner`'s forward with `peft_model`'s adapters off: the KL reference without a second copy."""
 
     def __init__(self, inner: torch.nn.Module, peft_model: Any) -> None:
         super().__init__()
@@ -196,15 +178,13 @@ class WithoutAdapters(torch.nn.Module):
 
 
 def load_adapters(peft_model: Any, folder: Path) -> None:
-    """Load a checkpoint's adapter tensors into `peft_model`, whose adapters are those saved (no
-    `adapter_differences`: checked by the caller) on a base of the same architecture."""
+    """A checkpoint's adapter tensors into `peft_model` (the caller checked `adapter_differences`)."""
     from safetensors.torch import load_file
 
     _peft().set_peft_model_state_dict(peft_model, load_file(str(Path(folder) / ADAPTER_WEIGHTS)))
 
 
 def export_merged(adapter_folder: Path, base: torch.nn.Module, out: Path) -> None:
-    """A plain Hugging Face folder at `out`: the loaded `base` model with the adapters of `adapter_folder`
-    merged in."""
+    """A plain Hugging Face folder at `out`: `base` with the adapters of `adapter_folder` merged in."""
     peft_model = _peft().PeftModel.from_pretrained(base, str(adapter_folder))
     peft_model.merge_and_unload().save_pretrained(out)

@@ -6,13 +6,9 @@
                  = min_ratio + (1 - min_ratio) * (1 + cos(pi * p)) / 2        cosine
     p = (step + 1 - warmup) / (total - warmup), clipped to [0, 1]
 
-`step` counts optimizer steps already taken (torch's LambdaLR calls the factor with 0 before the first
-step), so the first update runs at lr / warmup, not at 0. That is memrl's warmup from before these
-schedules existed (kept: the default must not change a run), and the reason the factors are written here
-rather than taken from `transformers.get_scheduler`: its warmups start at lr 0, which wastes the first
-update of a run that takes only a hundred of them. The decay shapes are those of HF's `linear` and
-`cosine` (with verl's `min_lr_ratio` floor); the wrapper is torch's `LambdaLR`, whose state dict (the step
-count) is what a checkpoint saves and a resume restores.
+`step` counts optimizer steps already taken, so the first update runs at lr / warmup, not at 0: the
+reason these are not `transformers.get_scheduler`'s, whose warmups start at 0 and waste the first update
+of a run of a hundred. The decay shapes are HF's (with verl's `min_lr_ratio` floor), in torch's `LambdaLR`.
 """
 
 from __future__ import annotations
@@ -45,13 +41,9 @@ class LRSchedule:
         return self.min_ratio + (1.0 - self.min_ratio) * shape
 
 
-def total_optimizer_steps(t: TrainConfig) -> int:
-    """Optimizer steps of the whole run: the length the decay spans."""
-    return t.num_rollout * t.num_optimizer_steps
-
-
 def lr_schedule(t: TrainConfig) -> LRSchedule:
-    return LRSchedule(t.lr_scheduler, t.warmup_steps, total_optimizer_steps(t), t.min_lr_ratio)
+    """The decay spans the whole run's optimizer steps."""
+    return LRSchedule(t.lr_scheduler, t.warmup_steps, t.num_rollout * t.num_optimizer_steps, t.min_lr_ratio)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:

@@ -1,17 +1,11 @@
 """Padding-free (packed) micro-batches: attention that keeps each packed row to itself, without an L x L mask.
 
-A packed micro-batch (`MicroBatch.build(..., packed=True)`) is one [1, T] sequence of whole rows whose
-position ids restart at 0 at each row. Attention must then be causal *within* each row. transformers can
-do that two ways: FlashAttention's variable-length kernel (`attn_implementation="flash_attention_2"`,
-when the flash-attn package is installed), or, for sdpa, a dense [T x T] block-diagonal mask built from
-the position ids, which costs T^2 attention for sum(len^2) of useful work (16x more at 16 rows of 1,000).
-
-`enable(model)` therefore switches a model that is not on FlashAttention to `memrl_packed`, registered
-here, which takes the row boundaries (`cu_seq_lens`, FlashAttention's own argument names, passed by the
-actor) and runs torch's variable-length flash kernel (`torch.nn.attention.varlen.varlen_attn`, CUDA,
-bf16/fp16), else one causal sdpa call per row (CPU, float32). Neither library path exists for torch's
-own varlen kernel inside transformers, hence these few lines. Calls without row boundaries (a padded
-batch, generation) go to transformers' sdpa unchanged, with the usual sdpa masks.
+A packed micro-batch is one [1, T] sequence of whole rows, position ids restarting at each row; attention
+must be causal *within* each row. Besides FlashAttention (flash-attn installed), transformers does that
+for sdpa with a dense [T x T] mask: T^2 work for sum(len^2) useful (16x more at 16 rows of 1,000).
+`enable(model)` therefore switches a model not on FlashAttention to `memrl_packed`, registered here: given
+the row boundaries (`cu_seq_lens`, FlashAttention's argument names) it runs torch's varlen flash kernel
+(CUDA, bf16/fp16), else one causal sdpa call per row; calls without boundaries go to sdpa unchanged.
 """
 
 from __future__ import annotations
@@ -102,14 +96,12 @@ def check_enabled(model: torch.nn.Module) -> None:
 
 
 def packed_kwargs(row_lengths: list[int], cu_seq_lens: Tensor) -> dict[str, Any]:
-    """A packed sequence's row boundaries as the attention kwargs transformers passes down to every layer
-    (FlashAttention's names, so `flash_attention_2` uses them as they are; the lengths stay on the host)."""
+    """A packed sequence's row boundaries as the attention kwargs every layer gets (FlashAttention's names)."""
     longest = max(row_lengths)
     return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
             "max_length_k": longest, "packed_lengths": row_lengths}
 
 
 def no_masks() -> dict[str, None]:
-    """An already-"prepared" mask mapping (None for each layer type): a packed forward needs no mask (the
-    kernel has the row boundaries), and letting transformers build one would make a dense [T x T] tensor."""
+    """A "prepared" mask mapping of None: transformers would otherwise build a dense [T x T] mask."""
     return {"full_attention": None, "sliding_attention": None}

@@ -1,21 +1,26 @@
 """Pure scheduling of a rollout step's rows: optimizer steps, data-parallel ranks, micro-batches.
 
-Invariants (asserted by tests/train/test_partition.py):
+Invariants (asserted by tests/train/test_actor.py and tests/distributed/test_partition_plan.py):
 - every real row lands in exactly one (optimizer step, rank, micro-batch); padding rows have an all-zero
-  loss mask and `is_padding=True`, and are never copies of real rows;
-- the rows of one prompt group (`group_id`) stay in one optimizer step;
-- every rank of an optimizer step gets the same number of rows (divisibility is checked, or padded when
-  `pad_to_dp` is set), and rows are balanced across ranks by token count;
-- a micro-batch holds at most `micro_batch_tokens` padded tokens (rows sorted by length; real tokens when
-  packed), except a single row longer than the budget, which runs alone.
+  loss mask and `is_padding=True`; a prompt group stays in one optimizer step;
+- every rank of an optimizer step gets the same number of rows (checked, or padded with `pad_to_dp`),
+  balanced by token count, and the same number of micro-batches (collectives must match);
+- a micro-batch holds at most `micro_batch_tokens` padded tokens (real tokens when packed), except a
+  single row longer than the budget, which runs alone;
+- each row's weight in the loss is computed over the whole step (`compute_token_weights`), so any
+  micro-batching or rank split gives the same gradient as one full batch.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from memrl.config import Config
 from memrl.errors import MemrlError
+from memrl.rl.loss import compute_token_weights
+from memrl.rl.validate import validate_train_rows
 from memrl.types import TrainRow
 
 
@@ -31,11 +36,8 @@ def padding_row(pad_token_id: int, rollout_id: int) -> TrainRow:
 
 
 def split_optimizer_steps(rows: Sequence[TrainRow], num_steps: int) -> list[list[TrainRow]]:
-    """Cut rows into `num_steps` optimizer steps of whole prompt groups, balanced by group count.
-
-    Steps are counted in prompt groups, never rows, so more turns never mean more optimizer steps
-    (docs/design.md, pitfall "Turn-driven optimizer steps": the learning-rate schedule must not speed up with longer documents).
-    """
+    """Cut rows into `num_steps` optimizer steps of whole prompt groups, balanced by group count: counted in
+    groups, never rows, so longer documents never speed up the LR schedule (docs/design.md pitfalls)."""
     groups: dict[str, list[TrainRow]] = {}
     for row in rows:
         groups.setdefault(row.group_id, []).append(row)
@@ -114,3 +116,42 @@ def padding_fraction(batches: Sequence[Sequence[TrainRow]]) -> float:
     real = sum(len(r.tokens) for b in batches for r in b if not r.is_padding)
     padded = sum(max(len(r.tokens) for r in b) * len(b) for b in batches if b)
     return 1.0 - real / padded if padded else 0.0
+
+
+@dataclass
+class RankShare:
+    """One rank's work in one optimizer step: its micro-batches and each row's weight in the whole step
+    (`weights[k][i]` belongs to `micro_batches[k][i]`; padding rows weigh 0)."""
+
+    micro_batches: list[list[TrainRow]]
+    weights: list[list[float]]
+
+
+def loss_scale_factor(config: Config) -> float:
+    """L of seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token limit
+    (a constant of the run, as Dr. GRPO's normaliser must be)."""
+    a, r = config.algorithm, config.task
+    return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
+
+
+def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[RankShare]:
+    t, a = config.train, config.algorithm
+    ranks = split_ranks(rows, t.dp_size, t.pad_to_dp, pad_token_id, rollout_id)
+    all_rows = [r for rank in ranks for r in rank]
+    weights = dict(zip(map(id, all_rows), compute_token_weights(
+        [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg,
+        loss_scale_factor(config)), strict=True))
+    batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens, t.packing) for rank in ranks],
+                                          pad_token_id, rollout_id)
+    return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]
+
+
+def plan_rollout(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int,
+                 vocab_size: int | None = None) -> list[list[RankShare]]:
+    """`[optimizer step][rank] -> RankShare` for one rollout step's rows, validated first (token ids against
+    the model's `vocab_size`): whoever trains rows plans them here. Rows are taken in `group_id` order (a
+    stable sort), so the plan does not depend on how the batch was cut across rollout workers."""
+    validate_train_rows(rows, vocab_size)
+    rows = sorted(rows, key=lambda r: r.group_id)
+    return [plan_optimizer_step(step, config, pad_token_id, rollout_id)
+            for step in split_optimizer_steps(rows, config.train.num_optimizer_steps)]

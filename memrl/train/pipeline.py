@@ -1,17 +1,16 @@
 """The overlapped schedule (`train.max_staleness = k >= 1`): rollout n+k generates while step n trains.
 
-A producer thread generates (scored and converted) and puts each rollout's rows into the transfer queue, the
-only way rows travel; the loop's thread trains on them, takes the rest of the rollout (trajectories, metrics)
-for its logs, and publishes the weights after every step. Which weights a rollout samples with is
-a pure function of its id, never of timing, so a run is reproducible and resumes exactly:
+A producer thread generates and puts each rollout's rows into the transfer queue (the only way rows
+travel); the loop's thread trains on them, takes the rest of the rollout for its logs, and publishes the
+weights after every step. Which weights a rollout samples with is a pure function of its id, never of
+timing, so a run is reproducible and resumes exactly:
 
     version v = the weights after training step v - 1 (a run that starts at rollout s starts with v = s)
     rollout r samples with version  max(s, r - k, c + 1),  c the last step before r that saves a checkpoint
 
 The third term drains the pipeline at checkpoints: no rollout after a checkpoint samples with weights
-older than the checkpoint's, which is what a run resumed from that checkpoint does (versions never go
-back, for any k). With k = 0 every rollout
-samples with version r: the synchronous loop (which `Trainer` runs itself, unchanged, when k = 0).
+older than the checkpoint's, as a run resumed from it does. With k = 0 every rollout samples with
+version r: the synchronous loop (which `Trainer` runs itself when k = 0).
 
 Faults: every wait is bounded (`queue.timeout_s`); a producer failure fails its rollout in the queue,
 which wakes the trainer with the error; a trainer failure wakes a producer waiting for weights.
@@ -22,11 +21,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from memrl.engines.base import WeightsInMemory, WeightsOnDisk, WeightSource
+from memrl.engines.base import WeightSource
 from memrl.train.setup import TrainingError
 from memrl.types import RolloutOutput
 
@@ -41,13 +39,9 @@ def sampling_version(rollout_id: int, start: int, max_staleness: int, saves_afte
 
 
 class WeightBoard:
-    """Weight versions the trainer published, for the producer to take exactly the one it needs.
-
-    A version is a `WeightSource` frozen when it was published: a snapshot of the policy's weights
-    (`weight_snapshot`: a CPU copy in one process, since the trainer goes on changing its own tensors in
-    place; an object-store copy under Ray), or a folder of its own for a served engine to reload. Versions no
-    rollout can still need are dropped (`discard` removes a version's folder), so at most k + 1 are held.
-    """
+    """Weight versions the trainer published (each a `WeightSource` frozen then: a snapshot, or a folder of
+    its own for a served engine), for the producer to take exactly the one it needs. Versions no rollout
+    can still need are dropped (`discard` removes a version's folder), so at most k + 1 are held."""
 
     def __init__(self, start_version: int, timeout_s: float,
                  discard: Callable[[WeightSource], None] = lambda source: None) -> None:
@@ -59,9 +53,7 @@ class WeightBoard:
         self.versions: dict[int, WeightSource] = {}
         self.error: BaseException | None = None
 
-    def publish(self, version: int, weights: WeightSource | Mapping[str, Any]) -> None:
-        """Offer `version`: a `WeightSource`, or whole weights (held as `WeightsInMemory`)."""
-        source = weights if isinstance(weights, WeightsOnDisk | WeightsInMemory) else WeightsInMemory(weights)
+    def publish(self, version: int, source: WeightSource) -> None:
         with self.cond:
             self.versions[version] = source
             self.newest = version
@@ -91,7 +83,6 @@ class WeightBoard:
             self.cond.notify_all()
 
     def discard_all(self) -> None:
-        """Drop every version still held (the run is over)."""
         with self.cond:
             for version in list(self.versions):
                 self.discard(self.versions.pop(version))
@@ -99,8 +90,7 @@ class WeightBoard:
 
 @dataclass
 class Produced:
-    """What the producer made of one rollout id, for the trainer's metrics and logs: `out` without its rows
-    (those went to the queue), `saved` how many there were."""
+    """One rollout as the trainer logs it: `out` without its rows (those went to the queue), `saved` of them."""
 
     out: RolloutOutput
     saved: int
@@ -158,8 +148,7 @@ class Producer:
             return self.results.pop(rollout_id)
 
     def close(self, timeout_s: float) -> bool:
-        """Stop the producer (a wait for weights ends now; a generation in progress runs to its end);
-        True when the thread is gone within `timeout_s`."""
+        """Stop (a wait for weights ends now, a generation runs to its end); True when the thread is gone."""
         self.stop.set()
         self.board.fail(TrainingError("the run stopped"))
         self.thread.join(timeout_s)

@@ -1,33 +1,19 @@
-"""TransferQueue: hands the training rows of each rollout id from the producer (rollout + converter) to
-the consumer (trainer), with exact row counts, bounded capacity, and no silent hang. It offers what the
-loop uses (memrl/train/controller.py; the Ray runtime's driver too): put, get_rollout, fail, close, stats.
-
-Protocol for one rollout id:
-- Counted (1:N expansion). The producer states the exact `train_row_count` in its first
-  `put(rollout_id, rows, train_row_count=n)`, then may put rows in further calls. The rollout is
-  complete when exactly n rows have arrived.
-- Plain 1:1. No count: the producer passes `final=True` to its last put. The rollout is complete then,
-  with whatever was put.
-- The consumer takes the rows all at once with `get_rollout` (waits for completion), in put order.
+"""TransferQueue: hands each rollout id's training rows from the producer (rollout + converter) to the
+trainer, with exact row counts, bounded capacity and no silent hang. A rollout is complete when the
+`train_row_count` its first put announced (1:N) has arrived, or (1:1, no count) at its `final=True` put;
+`get_rollout` waits for that and takes every row, in put order.
 
 Invariants:
-- Rows held (put, not yet taken) never exceed `capacity_rows`; a put that would exceed it raises
-  `QueueOverflowError` (never drops, never blocks). Taking rows releases their capacity.
-- rows_put == rows_taken for every rollout id that was consumed to the end (see `stats`).
-- Every wait has a timeout (`QueueTimeoutError`). `fail(rollout_id, error)` wakes that rollout's waiters
-  with `RolloutFailedError` (its `__cause__` is `error`); `close()` wakes every waiter with
-  `QueueClosedError`. A producer-side protocol error (bad or changed count, over-count, overflow, a
-  final put short of the count) both raises to the producer and fails the rollout, so the consumer wakes at once with it
-  instead of timing out. Puts after close, after fail, after the final put or after the rollout was consumed
-  only raise: a consumed rollout's stats never change (a late `fail` leaves it consumed too).
-- Arguments are checked, not coerced: rollout ids and counts are ints (not bools, not text), timeouts
-  finite numbers of seconds > 0 (a NaN timeout waited forever, an infinite one overflowed); a bad one
-  is a `QueueError`.
+- Rows held never exceed `capacity_rows`: a put beyond raises `QueueOverflowError` (never drops or blocks).
+- Every wait has a timeout. `fail` wakes that rollout's waiters (`RolloutFailedError` from the error),
+  `close` every waiter (`QueueClosedError`). A producer's protocol error (bad or changed count,
+  over-count, overflow, a final put short of the count) raises to it and fails the rollout, so the
+  consumer wakes at once. A consumed rollout's stats never change: later puts only raise.
+- Arguments are checked, not coerced: ids and counts are ints (not bools), timeouts finite and > 0 (a
+  NaN timeout waited forever).
 
-Thread-safe (one `threading.Condition`): the overlapped pipeline's producer thread puts while the loop's
-thread waits. The Ray runtime uses it in the driver too, holding one reference per row (the rows stay in
-Ray's object store, memrl/distributed/rows.py). Exceptions carry only a message so they pickle across
-processes.
+Thread-safe (one Condition): the pipeline's producer thread puts while the loop waits; the Ray driver
+holds one reference per row in it. Exceptions carry only a message, so they pickle.
 """
 
 from __future__ import annotations
@@ -36,7 +22,6 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -130,17 +115,14 @@ class TransferQueue:
     @classmethod
     def from_config(cls, queue_cfg: QueueConfig, rollout_batch_size: int, n_samples: int,
                     rows_per_trajectory: int) -> TransferQueue:
-        """Capacity = rollout_batch_size × n_samples × rows_per_trajectory rows: room for one whole rollout
-        step at the largest expansion (`memrl.rollout.rows_per_trajectory` resolves it from the config)."""
-        capacity = rollout_batch_size * n_samples * rows_per_trajectory
-        return cls(capacity, queue_cfg.timeout_s)
+        """Room for `rollout_batch_size` x `n_samples` trajectories at the largest expansion (in rows)."""
+        return cls(rollout_batch_size * n_samples * rows_per_trajectory, queue_cfg.timeout_s)
 
     # ---- producer -------------------------------------------------------------------------------
 
     def put(self, rollout_id: int, rows: list[Any], train_row_count: int | None = None, final: bool = False) -> None:
         """Add `rows` of `rollout_id` (all or nothing). `train_row_count` announces the exact total (once;
-        repeating the same number is fine); `final=True` ends the rollout with the rows put so far (the 1:1
-        path, no count; with a count, the count must be reached)."""
+        the same number again is fine); `final=True` ends the rollout (with a count: it must be reached)."""
         rows = list(rows)
         if not isinstance(final, bool):
             raise QueueError(f"rollout {rollout_id}: final must be True or False, got {final!r}")
@@ -165,8 +147,7 @@ class TransferQueue:
             self._cond.notify_all()
 
     def fail(self, rollout_id: int, error: BaseException) -> None:
-        """Mark `rollout_id` failed: its rows are dropped and every waiter on it raises
-        `RolloutFailedError` from `error`. Later puts and gets of that id raise the same."""
+        """Drop `rollout_id`'s rows; its waiters, puts and gets raise `RolloutFailedError` from `error`."""
         with self._cond:
             state = self._rollouts.setdefault(_checked_int(rollout_id, "rollout_id"), _Rollout())
             # A consumed rollout has no waiter left, and its rows were trained on: it stays consumed.
@@ -184,12 +165,11 @@ class TransferQueue:
     # ---- consumer -------------------------------------------------------------------------------
 
     def get_rollout(self, rollout_id: int, timeout_s: float | None = None) -> list[Any]:
-        """Wait until `rollout_id` is complete (announced count reached, or finished), then return all its
-        rows in put order and release their capacity."""
+        """Wait until `rollout_id` is complete, then take all its rows in put order (releasing capacity)."""
         with self._cond:
             state = self._checked(rollout_id)
             state.asked = True
-            self._wait_locked(rollout_id, lambda: self._checked(rollout_id).complete, timeout_s, "all rows")
+            self._wait_locked(rollout_id, timeout_s)
             if state.rows_taken:  # get_rollout hands out everything at once, so this is a second call
                 raise QueueError(f"rollout {rollout_id} was already consumed ({state.rows_taken} rows)")
             rows, state.rows = state.rows, []
@@ -201,8 +181,7 @@ class TransferQueue:
     # ---- inspection -----------------------------------------------------------------------------
 
     def stats(self, rollout_id: int) -> dict[str, Any]:
-        """Counts for one rollout id: rows_put (transferred in), rows_taken (consumed), expected (the
-        announced or finished total, None while unknown), held, status (open|complete|consumed|failed)."""
+        """rows_put, rows_taken, expected (None while unknown), held, status (open|complete|consumed|failed)."""
         with self._cond:
             state = self._rollouts.get(_checked_int(rollout_id, "rollout_id"), _Rollout())
             return {"rows_put": state.rows_put, "rows_taken": state.rows_taken, "expected": state.target,
@@ -216,10 +195,7 @@ class TransferQueue:
         return state.asked and state.status == "consumed"
 
     def _producer_state(self, rollout_id: int) -> _Rollout:
-        if self._closed:
-            raise QueueClosedError(f"rollout {rollout_id}: the queue is closed; nothing more can be put")
-        state = self._rollouts.setdefault(_checked_int(rollout_id, "rollout_id"), _Rollout())
-        self._raise_if_failed(rollout_id, state)
+        state = self._checked(rollout_id)
         if state.finished:
             raise QueueError(f"rollout {rollout_id} was already finished with {state.rows_put} rows; "
                              f"nothing more can be put for it")
@@ -235,13 +211,9 @@ class TransferQueue:
         if self._closed:
             raise QueueClosedError(f"rollout {rollout_id}: the queue was closed")
         state = self._rollouts.setdefault(_checked_int(rollout_id, "rollout_id"), _Rollout())
-        self._raise_if_failed(rollout_id, state)
-        return state
-
-    @staticmethod
-    def _raise_if_failed(rollout_id: int, state: _Rollout) -> None:
         if state.error is not None:
             raise RolloutFailedError(f"rollout {rollout_id} failed: {state.error!r}") from state.error
+        return state
 
     def _announce_locked(self, rollout_id: int, state: _Rollout, count: int) -> None:
         if not _is_int(count):
@@ -280,16 +252,16 @@ class TransferQueue:
         self._held -= len(state.rows)
         state.rows = []
 
-    def _wait_locked(self, rollout_id: int, ready: Callable[[], bool], timeout_s: float | None, what: str) -> None:
+    def _wait_locked(self, rollout_id: int, timeout_s: float | None) -> None:
         timeout = self.timeout_s if timeout_s is None else _checked_timeout(timeout_s, f"rollout {rollout_id}: timeout_s")
         deadline = time.monotonic() + timeout
-        while not ready():  # ready() raises on close/failure, which is how waiters are woken with errors
+        while not self._checked(rollout_id).complete:  # raises on close/failure: how waiters wake with errors
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 state = self._rollouts[rollout_id]
                 expected = "not yet announced" if state.target is None else str(state.target)
                 raise QueueTimeoutError(
-                    f"rollout {rollout_id}: waited {timeout:.1f} s for {what}; received {state.rows_put} rows "
+                    f"rollout {rollout_id}: waited {timeout:.1f} s for all rows; received {state.rows_put} rows "
                     f"so far, expected {expected} (taken {state.rows_taken}); the producer may have died "
                     f"without calling fail(), or raise queue.timeout_s")
             self._cond.wait(remaining)

@@ -1,10 +1,8 @@
 """`memrl report RUN_ROOT`: PNG plots and a Markdown summary of a run, from RUN_ROOT/logs/metrics.jsonl.
 
-Writes RUN_ROOT/report/*.png (one per metric family present: reward with its moving average, KL,
-log-prob gap, response lengths, losses, grad norm, ..., and one per validation set, `eval_<set>.png`, from
-RUN_ROOT/logs/eval_metrics.jsonl) and RUN_ROOT/report/report.md. A family none of
-whose metrics was logged is skipped; points logged as null (non-finite) are left out of the lines.
-Plots use matplotlib's object API (no pyplot), so no global backend is switched in the caller's process.
+Writes RUN_ROOT/report/*.png (one per metric family logged, one per validation set) and report.md;
+points logged as null (non-finite) are left out. Plots use matplotlib's object API (no pyplot), so no
+global backend is switched in the caller's process.
 """
 
 from __future__ import annotations
@@ -71,6 +69,14 @@ def _save_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, list[
     return atomic_save_figure(path, fig)
 
 
+def _plot_keys(path: Path, title: str, ylabel: str, records: list[dict[str, Any]], keys: list[str],
+               style: dict, prefix: str = "") -> Path | None:
+    """One line per key that has points (labelled without `prefix`); no plot when none has."""
+    lines = [(key.removeprefix(prefix), *_series(records, key), style) for key in keys]
+    lines = [line for line in lines if line[1]]
+    return _save_plot(path, title, ylabel, lines) if lines else None
+
+
 def _plot_reward(records: list[dict[str, Any]], out_dir: Path) -> Path | None:
     xs, ys = _series(records, REWARD_KEY)
     if not xs:
@@ -82,28 +88,9 @@ def _plot_reward(records: list[dict[str, Any]], out_dir: Path) -> Path | None:
     ])
 
 
-def _plot_stage_times(records: list[dict[str, Any]], out_dir: Path) -> Path | None:
-    keys = sorted({k for r in records for k in r if k.startswith("time/")})
-    lines = [(k, *_series(records, k), {}) for k in keys]
-    lines = [line for line in lines if line[1]]
-    if not lines:
-        return None
-    return _save_plot(out_dir / "stage_time.png", "Time per stage", "seconds", lines)
-
-
 def _eval_sets(evals: list[dict[str, Any]]) -> list[str]:
     """Validation set names, in order of first appearance (keys `eval/<set>/<metric>`)."""
     return list(dict.fromkeys(k.split("/")[1] for r in evals for k in r if k.startswith("eval/") and k.count("/") == 2))
-
-
-def _plot_evals(evals: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    plots = []
-    for name in _eval_sets(evals):
-        lines = [(metric, *_series(evals, f"eval/{name}/{metric}"), {"marker": "o"}) for metric in EVAL_METRICS]
-        lines = [line for line in lines if line[1]]
-        if lines:
-            plots.append(_save_plot(out_dir / f"eval_{name}.png", f"Validation: {name}", "percent", lines))
-    return plots
 
 
 def _eval_lines(evals: list[dict[str, Any]]) -> list[str]:
@@ -165,23 +152,17 @@ def write_report(run_root: str | Path) -> list[Path]:
     out_dir = run_root / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    plots = [p for p in (_plot_reward(records, out_dir),) if p is not None]
-    for stem, title, ylabel, keys in PLOTS:
-        lines = [(key, *_series(records, key), {"marker": "."}) for key in keys]
-        lines = [line for line in lines if line[1]]
-        if lines:
-            plots.append(_save_plot(out_dir / f"{stem}.png", title, ylabel, lines))
-    stage_plot = _plot_stage_times(records, out_dir)
-    if stage_plot is not None:
-        plots.append(stage_plot)
     evals = read_metrics(run_root, EVAL_METRICS_FILE)
-    plots += _plot_evals(evals, out_dir)
-
+    stage_keys = sorted({k for r in records for k in r if k.startswith("time/")})
+    plots = [_plot_reward(records, out_dir),
+             *(_plot_keys(out_dir / f"{stem}.png", title, ylabel, records, keys, {"marker": "."})
+               for stem, title, ylabel, keys in PLOTS),
+             _plot_keys(out_dir / "stage_time.png", "Time per stage", "seconds", records, stage_keys, {}),
+             *(_plot_keys(out_dir / f"eval_{name}.png", f"Validation: {name}", "percent", evals,
+                          [f"eval/{name}/{metric}" for metric in EVAL_METRICS], {"marker": "o"}, f"eval/{name}/")
+               for name in _eval_sets(evals))]
+    plots = [p for p in plots if p is not None]
     report_md = out_dir / "report.md"
     atomic_write_text(report_md, _markdown(run_root, records, plots, evals))
     return [*plots, report_md]
 
-
-def report_command(run_root: Path) -> list[Path]:
-    """`memrl report RUN_ROOT`: write the plots and report.md; returns them (the CLI prints the paths)."""
-    return write_report(run_root)

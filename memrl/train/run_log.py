@@ -6,18 +6,12 @@
     RUN_ROOT/logs/eval_metrics.jsonl          one line per validation (memrl.train.validation): same form
     RUN_ROOT/logs/rollouts/rollout_XXXXXXX.jsonl   one line per trajectory record of that step
     RUN_ROOT/tensorboard/                     event files: one scalar per numeric metric, step = rollout id
-    RUN_ROOT/wandb/                           Weights & Biases files (`loggers` with wandb; W&B step = rollout id
-                                              + 1, so a validation before training is step 0; logs/wandb_run_id
-                                              keeps the run id, so a resumed run continues the same W&B run)
+    RUN_ROOT/wandb/                           Weights & Biases (`train.loggers`; logs/wandb_run_id resumes it)
     RUN_ROOT/reward_summary.json              per-rollout mean reward, first/last-10 means, best
 
-Invariants:
-- metrics.jsonl is valid JSON per line: non-finite numbers are written as null (and skipped in
-  TensorBoard); lines are flushed as they are written, so a crash loses at most the step in flight.
-- A resumed run (`start_rollout_id`) first drops lines of rollout ids >= start_rollout_id from
-  metrics.jsonl and eval_metrics.jsonl and purges those TensorBoard steps: a step is logged once even if
-  it ran twice.
-- Rollout files are written whole (temporary file, then rename): a reader never sees half a file.
+Invariants: metrics lines are strict JSON (non-finite numbers as null), flushed as written; a resumed
+run first drops the lines (and TensorBoard steps) of rollout ids >= its start, so a step is logged once
+even if it ran twice; rollout files are written whole (temporary file, then rename).
 """
 
 from __future__ import annotations
@@ -45,41 +39,22 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger(__name__)
 
 
-def _scalar(value: Any) -> float | int | bool | str | None:
-    """A JSON-safe scalar: numbers (numpy, 0-d tensors too) as float/int, non-finite as None."""
-    if value is None or isinstance(value, bool | str):
-        return value
-    if isinstance(value, int):
-        return value
-    try:
-        number = float(value)  # float, numpy scalar, 0-d torch tensor
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _json_safe(value: Any) -> Any:
-    """Recursively make a caller-built record JSON-safe (strict JSON: no NaN/Infinity)."""
+    """A caller-built record as strict JSON: numbers (numpy, tensors too) as float/int, non-finite as None,
+    anything else that is no number as its text."""
     if isinstance(value, dict):
         return {str(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_json_safe(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
     if hasattr(value, "tolist") and getattr(value, "ndim", 0) > 0:  # numpy array / tensor
         return _json_safe(value.tolist())
-    scalar = _scalar(value)
-    if scalar is None and value is not None and not _is_number_like(value):
-        return str(value)
-    return scalar
-
-
-def _is_number_like(value: Any) -> bool:
+    if value is None or isinstance(value, bool | str | int):
+        return value
     try:
-        float(value)
+        number = float(value)  # float, numpy scalar, 0-d torch tensor
     except (TypeError, ValueError):
-        return False
-    return True
+        return str(value)  # a Path, an enum
+    return number if math.isfinite(number) else None
 
 
 METRICS_FILE, EVAL_METRICS_FILE = "metrics.jsonl", "eval_metrics.jsonl"
@@ -90,12 +65,8 @@ class RunLogError(ValueError, MemrlError):
 
 
 def read_metrics(run_root: str | Path, filename: str = METRICS_FILE) -> list[dict[str, Any]]:
-    """The records of RUN_ROOT/logs/metrics.jsonl (or `filename`, e.g. EVAL_METRICS_FILE), one per
-    rollout id (its last line), sorted by id.
-
-    A torn last line (a crash mid-write: after the last newline) is skipped; any other unreadable line
-    raises RunLogError.
-    """
+    """The records of RUN_ROOT/logs/`filename`, one per rollout id (its last line), sorted by id; a torn
+    last line (a crash mid-write) is skipped, any other unreadable line is a RunLogError."""
     path = Path(run_root) / "logs" / filename
     if not path.is_file():
         return []
@@ -108,12 +79,10 @@ def read_metrics(run_root: str | Path, filename: str = METRICS_FILE) -> list[dic
 
 
 def reward_summary(records: list[dict[str, Any]], key: str = REWARD_KEY, window: int = 10) -> dict[str, Any]:
-    """Per-rollout mean reward, mean of the first / last `window` rollouts, and the best rollout.
-
-    Rollouts without a finite `key` are left out. With fewer than `window` rollouts, first and last
-    are taken over all of them (so they may overlap).
-    """
-    rewards = [(int(r["rollout_id"]), float(r[key])) for r in records if _scalar(r.get(key)) is not None]
+    """Per-rollout mean reward, the mean of the first / last `window` rollouts (over all of them when
+    fewer), and the best rollout; rollouts without a finite `key` are left out."""
+    rewards = [(int(r["rollout_id"]), float(r[key])) for r in records
+               if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
     if not rewards:
         return {"num_rollouts": 0, "per_rollout": [], "first_10_mean": None, "last_10_mean": None, "best": None}
     values = [v for _, v in rewards]
@@ -154,13 +123,8 @@ class WandbLogger:
 
 
 class RunLogger:
-    """Writes every log of one run; use as a context manager or call `close()`.
-
-    `config_dict` (dict or pydantic model) is saved as RUN_ROOT/config.yaml. Pass `start_rollout_id`
-    when resuming so steps that ran after the checkpoint are not logged twice. `loggers` is
-    `train.loggers` (default: tensorboard and jsonl); `use_tensorboard=False` turns TensorBoard off whatever
-    it says.
-    """
+    """Writes every log of one run; use as a context manager or call `close()`. `config_dict` (dict or
+    pydantic model) is saved as RUN_ROOT/config.yaml; `start_rollout_id`: a resume's first step."""
 
     def __init__(self, run_root: str | Path, config_dict: Any = None, use_tensorboard: bool = True,
                  start_rollout_id: int | None = None, loggers: Sequence[str] = ("tensorboard", "jsonl"),
@@ -168,19 +132,13 @@ class RunLogger:
         self.run_root = Path(run_root)
         self.logs_dir = self.run_root / "logs"
         self.rollouts_dir = self.logs_dir / "rollouts"
-        self.tensorboard_dir = self.run_root / "tensorboard"
         self.metrics_path = self.logs_dir / METRICS_FILE
-        self.eval_metrics_path = self.logs_dir / EVAL_METRICS_FILE
-        self.config_path = self.run_root / "config.yaml"
-        self.reward_summary_path = self.run_root / "reward_summary.json"
         self.rollouts_dir.mkdir(parents=True, exist_ok=True)
-
         if config_dict is not None:
             if hasattr(config_dict, "model_dump"):
                 config_dict = config_dict.model_dump(mode="json")
-            atomic_write_text(self.config_path, yaml.safe_dump(_json_safe(config_dict), sort_keys=False))
+            atomic_write_text(self.run_root / "config.yaml", yaml.safe_dump(_json_safe(config_dict), sort_keys=False))
         self.jsonl = "jsonl" in loggers
-
         # File handler on the package logger, so every memrl module's records reach train.log.
         self._handler = logging.FileHandler(self.logs_dir / "train.log", encoding="utf-8")
         self._handler.setFormatter(logging.Formatter(_LOG_FORMAT))
@@ -188,18 +146,16 @@ class RunLogger:
         package_logger.addHandler(self._handler)
         if package_logger.level == logging.NOTSET or package_logger.level > logging.INFO:
             package_logger.setLevel(logging.INFO)
-
         if start_rollout_id is not None:
             self._drop_metrics_from(start_rollout_id, METRICS_FILE)
             self._drop_metrics_from(start_rollout_id, EVAL_METRICS_FILE)
         self._metrics_file = open(self.metrics_path, "a", encoding="utf-8") if self.jsonl else None
-
         self._writer = None
         if use_tensorboard and "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events of steps >= start_rollout_id written by the interrupted run.
-            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=start_rollout_id)
+            self._writer = SummaryWriter(log_dir=str(self.run_root / "tensorboard"), purge_step=start_rollout_id)
         self._wandb = None
         if "wandb" in loggers:
             try:
@@ -222,9 +178,7 @@ class RunLogger:
         if self._metrics_file is not None:
             self._metrics_file.write(json.dumps(record) + "\n")
             self._metrics_file.flush()
-        numeric = self._scalars(rollout_id, record)
-        summary = " ".join(f"{k}={v:.4g}" for k, v in numeric.items())
-        logging.getLogger(LOGGER_NAME).info("rollout %d: %s", rollout_id, summary)
+        self._scalars(rollout_id, record, f"rollout {rollout_id}")
         return record
 
     def log_eval(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -232,13 +186,11 @@ class RunLogger:
         flushed and fsynced) and TensorBoard scalars at step `rollout_id`; returns the line."""
         record = self._record(rollout_id, metrics)
         if self.jsonl:
-            with open(self.eval_metrics_path, "a", encoding="utf-8") as f:
+            with open(self.logs_dir / EVAL_METRICS_FILE, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        numeric = self._scalars(rollout_id, record)
-        logging.getLogger(LOGGER_NAME).info("validation after rollout %d: %s", rollout_id,
-                                            " ".join(f"{k}={v:.4g}" for k, v in numeric.items()))
+        self._scalars(rollout_id, record, f"validation after rollout {rollout_id}")
         return record
 
     @staticmethod
@@ -247,8 +199,8 @@ class RunLogger:
         record.update({str(k): _json_safe(v) for k, v in metrics.items()})
         return record
 
-    def _scalars(self, rollout_id: int, record: dict[str, Any]) -> dict[str, float]:
-        """The finite numbers of a record, each written to TensorBoard (at step `rollout_id`) and W&B."""
+    def _scalars(self, rollout_id: int, record: dict[str, Any], label: str) -> None:
+        """The finite numbers of a record to TensorBoard (at step `rollout_id`), W&B and train.log."""
         numeric = {k: v for k, v in record.items()
                    if k != "rollout_id" and isinstance(v, int | float) and not isinstance(v, bool)}
         if self._writer is not None:
@@ -257,7 +209,7 @@ class RunLogger:
             self._writer.flush()
         if self._wandb is not None:
             self._wandb.log(int(rollout_id), numeric)
-        return numeric
+        logging.getLogger(LOGGER_NAME).info("%s: %s", label, " ".join(f"{k}={v:.4g}" for k, v in numeric.items()))
 
     def log_rollout(self, rollout_id: int, records: list[dict[str, Any]]) -> Path:
         """Write the trajectory records of one rollout step to rollouts/rollout_XXXXXXX.jsonl (whole)."""
@@ -266,14 +218,12 @@ class RunLogger:
         return path
 
     def write_reward_summary(self) -> Path | None:
-        """RUN_ROOT/reward_summary.json from the `reward/mean` of every logged rollout step (read from
-        metrics.jsonl: None without the jsonl logger)."""
+        """RUN_ROOT/reward_summary.json from metrics.jsonl (None without the jsonl logger)."""
         if self._metrics_file is None:
             return None
         self._metrics_file.flush()
         summary = reward_summary(read_metrics(self.run_root))
-        atomic_write_text(self.reward_summary_path, json.dumps(summary, indent=2) + "\n")
-        return self.reward_summary_path
+        return atomic_write_text(self.run_root / "reward_summary.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
         if self._writer is not None:
@@ -321,12 +271,7 @@ def device_stats() -> dict[str, float]:
 
 
 class StageTimer:
-    """Wall-clock seconds per named stage; repeated stages add up until `reset()`.
-
-        timer = StageTimer()
-        with timer("rollout"): ...
-        timer.metrics()  # {"time/rollout_s": 1.23}
-    """
+    """Wall-clock seconds per named stage (`with timer("rollout"): ...`); repeated stages add up."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -341,6 +286,3 @@ class StageTimer:
 
     def metrics(self, prefix: str = "time/") -> dict[str, float]:
         return {f"{prefix}{stage}_s": seconds for stage, seconds in self.seconds.items()}
-
-    def reset(self) -> None:
-        self.seconds = {}

@@ -1,9 +1,7 @@
-"""What a training run starts from, the same in one process and on Ray: seeds, tokenizer, policy, the
-training questions in their deterministic order, the task (memrl/task.py), and where a resumed run starts.
-
-`memrl.train.controller.local_parts` and `memrl.distributed.runtime.ray_parts` both begin with
-`run_start` and build the rest of their parts from these functions, so the two runtimes cannot drift
-apart in how a run is set up.
+"""What a training run starts from, the same in one process and on Ray (`local_parts` and `ray_parts`
+both begin with `run_start`, so the runtimes cannot drift apart): seeds, tokenizer, policy, the training
+questions in their deterministic order, the task, where a resumed run starts, and the one records-to-rows
+path every rollout source runs (`convert_rollout`).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import torch
 from memrl.config import Config, ConfigError, load_pretrained
 from memrl.errors import MemrlError
 from memrl.task import Task, load_task
-from memrl.train.checkpoint import read_state, resolve_checkpoint
+from memrl.train.checkpoint import read_state_file, resolve_checkpoint
 from memrl.types import RolloutOutput
 
 log = logging.getLogger("memrl.train")
@@ -76,13 +74,9 @@ def trainer_device(cfg: Config) -> torch.device:
 
 
 class DataSource:
-    """Deterministic batches: rollout id -> the same questions on every run and after every resume.
-
-    Questions are taken in the file's frozen order; each pass over the set (an epoch) after the first is
-    shuffled with a seed derived from `seed` and the epoch number, so the cursor is a pure function of
-    the rollout id. It never runs out: every rollout id >= 0 has a batch, and a run's length is
-    `train.num_rollout` (`start_rollout_id` refuses a start with no step left before it).
-    """
+    """Deterministic batches: rollout id -> the same questions on every run and after every resume. The
+    file's order first, then each epoch shuffled by (seed, epoch): the cursor is a pure function of the
+    rollout id, and it never runs out (`train.num_rollout` alone ends a run)."""
 
     def __init__(self, records: Sequence[Any], batch_size: int, seed: int) -> None:
         if not records:
@@ -109,19 +103,17 @@ class DataSource:
         return out
 
     def extra_batch(self, rollout_id: int, chunk: int, size: int) -> list[Any]:
-        """Chunk `chunk` (1, 2, ...) of `size` further questions for rollout `rollout_id` (dynamic sampling):
-        a shuffle seeded by (seed, rollout id, chunk), so a pure function of them, drawn beside the main
-        cursor, which it never moves (a resumed run draws the same chunks; `batch` stays as it was)."""
+        """Chunk `chunk` (1, 2, ...) of `size` further questions (dynamic sampling): a shuffle seeded by
+        (seed, rollout id, chunk), beside the main cursor, which it never moves (a resume draws the same)."""
         order = list(range(len(self.records)))
         random.Random(f"{self.seed}:oversample:{rollout_id}:{chunk}").shuffle(order)
         return [self.records[order[k % len(order)]] for k in range(size)]
 
 
 def convert_rollout(out: RolloutOutput, tokenizer: Any, algorithm: Any, task: Task, rollout_id: int) -> RolloutOutput:
-    """The one records-to-rows path of every rollout source (in this process, a Ray rollout worker's slice, a
-    replay), run where the batch was generated: per-turn scores (`memrl.rl.turn_rewards`: the task's turn
-    metrics into `out.metrics`, turn rewards for the advantage), then the task's converter; the rows and
-    the advantages the logs show (read off the rows) go into `out`. Dynamic sampling keeps groups after."""
+    """The one records-to-rows path of every rollout source, run where the batch was generated: per-turn
+    scores (`memrl.rl.turn_rewards`), then the task's converter; the rows and the advantages the logs show
+    (read off the rows) go into `out`."""
     from memrl.rl.turn_rewards import score_turns
 
     out.metrics.update(score_turns(out.trajectories, tokenizer, algorithm, task))
@@ -140,25 +132,15 @@ def convert_rollout(out: RolloutOutput, tokenizer: Any, algorithm: Any, task: Ta
     return out
 
 
-def served_engine(cfg: Config) -> bool:
-    """A served engine (`engine.kind = openai`) reloads weights from a folder its server reads; an
-    in-process one copies tensors. The rollout sources declare it (`takes_folders`); the loop reads that."""
-    return cfg.engine.kind == "openai"
-
-
 def start_rollout_id(cfg: Config, load: Path | None, requested: int | None) -> int:
-    """The first rollout step to run: `--start-rollout-id`, else the one after the checkpoint `load` names
-    (its state.json), else 0; read before any model loads, so that a run with nothing to do stops at once.
-
-    A start at or past `train.num_rollout` (or below 0) is a TrainingError naming what to set: a run of 0 steps
-    would otherwise end "done" with nothing trained. The data never run out (`DataSource` wraps around in
-    reshuffled epochs), so `train.num_rollout` alone says where a run ends, whatever the data set's size.
-    """
+    """The first rollout step: `--start-rollout-id`, else the one after the checkpoint `load`, else 0; read
+    before any model loads. A start outside [0, train.num_rollout) is a TrainingError naming what to set
+    (a run of 0 steps would end "done" with nothing trained)."""
     checkpoint = resolve_checkpoint(load) if load is not None else None
     if requested is not None:
         start, origin = requested, f"--start-rollout-id is {requested}"
     elif checkpoint is not None:
-        state = read_state(checkpoint)
+        state = read_state_file(checkpoint)
         start = int(state.get("next_rollout_id", state["rollout_id"] + 1))
         origin = f"checkpoint {checkpoint} is at rollout {start}"
     else:
@@ -173,8 +155,7 @@ def start_rollout_id(cfg: Config, load: Path | None, requested: int | None) -> i
 
 
 def checkpoint_state(cfg: Config, rollout_id: int) -> dict[str, Any]:
-    """What a checkpoint records besides tensors: where to resume and with which config (the actor adds
-    its optimizer step count)."""
+    """What a checkpoint records besides tensors (the actor adds its optimizer step count)."""
     return {"rollout_id": rollout_id, "next_rollout_id": rollout_id + 1,
             "data_cursor": (rollout_id + 1) * cfg.train.rollout_batch_size, "config": cfg.model_dump(mode="json")}
 
@@ -190,8 +171,6 @@ def warn_about_top_p(cfg: Config) -> None:
 
 @dataclass(frozen=True)
 class RunStart:
-    """What every runtime's parts start from (`run_start`)."""
-
     tokenizer: Any
     data: DataSource
     task: Task
@@ -199,7 +178,7 @@ class RunStart:
 
 def run_start(cfg: Config, tokenizer: Any = None, records: Sequence[Any] | None = None) -> RunStart:
     """Seed every generator, then the tokenizer, the data order and the task (`tokenizer` and `records`
-    replace what the config names); warns where the config asks for something lossy (top_p < 1)."""
+    replace what the config names)."""
     seed_everything(cfg.train.seed)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     start = RunStart(tokenizer, DataSource.from_config(cfg, records), load_task(cfg))

@@ -1,14 +1,9 @@
 """Supervised warm start through the RL actor (`memrl sft`): no second trainer.
 
-A demonstration is a list of (prompt_ids, response_ids) turns. Every turn becomes a `TrainRow` with
-loss mask 1 on every response token, prompt tokens carrying no loss (the actor only scores response
-positions), and advantage 1.0. The actor's PPO-clip loss is then exactly supervised learning:
-the update is one optimizer step per batch, the "old" log-probs are the same forward's detached
-values, so the ratio is 1 (never clipped) and, with `kl_coef = 0` and `token_mean`, the gradient of
-`-ratio * 1` is the gradient of the mean negative log-likelihood of the response tokens.
-
-Invariant (tested): one `run_sft` step changes the weights exactly as one AdamW step on the token-mean
-NLL of the same rows would.
+Every (prompt_ids, response_ids) turn of a demonstration becomes a `TrainRow` with loss on every response
+token and advantage 1.0. With one optimizer step per batch the "old" log-probs are the same forward's, so
+the PPO ratio is 1 and (no KL, `token_mean`) the gradient is that of the mean NLL: one `run_sft` step
+changes the weights exactly as one AdamW step on that NLL would (tested).
 """
 
 from __future__ import annotations
@@ -58,10 +53,7 @@ class SFTOptions:
 
 
 def demonstration_rows(demonstrations: Sequence[Demonstration], prefix: str = "sft") -> list[TrainRow]:
-    """One row per turn: tokens = prompt + response, loss on every response token, advantage 1.0.
-
-    Each demonstration is one group and one trajectory (`{prefix}:{i}`), so a batch never splits one.
-    """
+    """One row per turn; each demonstration is one group and trajectory (`{prefix}:{i}`), never split."""
     rows = []
     for i, demo in enumerate(demonstrations):
         for turn, (prompt, response) in enumerate(demo):
@@ -89,7 +81,7 @@ def sft_config(cfg: Config, options: SFTOptions) -> Config:
 @torch.no_grad()
 def mean_nll(model: torch.nn.Module, rows: Sequence[TrainRow], pad_token_id: int) -> float:
     """Token-mean negative log-likelihood of the rows' response tokens (one batched forward)."""
-    from memrl.train.actor import MicroBatch, response_log_probs
+    from memrl.train.microbatch import MicroBatch, response_log_probs
 
     device = next(model.parameters()).device
     mb = MicroBatch.build(list(rows), [0.0] * len(rows), pad_token_id, device)
@@ -98,10 +90,8 @@ def mean_nll(model: torch.nn.Module, rows: Sequence[TrainRow], pad_token_id: int
 
 def run_sft(model: torch.nn.Module, tokenizer: Any, cfg: Config, demonstrations: Sequence[Demonstration],
             options: SFTOptions, out_dir: str | Path | None = None) -> list[dict[str, float]]:
-    """Train `model` in place on the demonstrations; returns per-step metrics (also out_dir/metrics.jsonl).
-
-    With `out_dir`, also writes `sft_options.json` and the trained model + tokenizer to `out_dir/model`.
-    """
+    """Train `model` in place; per-step metrics (with `out_dir`: also metrics.jsonl, sft_options.json and
+    the trained model + tokenizer in `out_dir/model`)."""
     from memrl.train.actor import Actor
 
     if not demonstrations:

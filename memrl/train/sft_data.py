@@ -1,9 +1,8 @@
 """Demonstrations for `memrl sft` from a JSONL file, tokenized with the model's chat template.
 
-One line = one demonstration (a trajectory): `{"turns": [{"prompt": P, "response": R}, ...]}` where P is
-the user message text (or a list of chat messages) and R the target text. Each turn's prompt goes through
-the chat template with the generation prompt (thinking off, as the rollout does) and the response gets
-the end-of-turn token appended, so the warm start teaches the model to stop as the rollout expects.
+One line = one demonstration: `{"turns": [{"prompt": P, "response": R}, ...]}` (P: user text or chat
+messages). Prompts get the generation prompt (thinking off, as the rollout) and responses the end-of-turn
+token, so the warm start teaches the model to stop as the rollout expects.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """Validation during training (`train.eval_interval`, `train.eval_before_train`) and the best checkpoint.
 
-Each eval set (`eval.sets`, or `data.heldout_file` + `data.eval_files`) runs through `memrl eval`'s own
-runner and the run's task (`memrl.eval.runner.evaluate_records`) on the training engine, which holds the policy's
-weights of the step just trained (synced at the end of every step). Sample 0 of a set is exactly what
-`memrl eval --data FILE` of that step's checkpoint computes with the same settings (same per-question
-seeds); sample s uses `sampling.seed + s`. The engine's sampling draws from per-request generators, so
-validating never changes the training run's own randomness.
+Each eval set (`eval.sets`, or `data.heldout_file` + `data.eval_files`) runs through `memrl eval`'s runner
+and the run's task on the training engine, which holds the weights of the step just trained. Sample 0 is
+exactly what `memrl eval` of that step's checkpoint computes (same per-question seeds); sample s uses
+`sampling.seed + s`. Per-request generators: validating never changes the training run's randomness.
 
     RUN_ROOT/eval/<set>/<iter_XXXXXXX | initial>/[sample_S/]   results.jsonl, summary.json, eval_run.json
     RUN_ROOT/logs/eval_metrics.jsonl                          one line per validation: eval/<set>/<metric>
 
-A validation is named by the rollout id of the last step trained (the id its checkpoint would have);
-before any step, `start - 1` (`initial` when that is -1). A folder from an earlier attempt at the same
-step (a run resumed from an older checkpoint) is removed first: its results are never mixed in.
+A validation is named by the last step trained (`initial` before step 0); an earlier attempt's folder at
+the same step (a run resumed from an older checkpoint) is removed first, never mixed in.
 """
 
 from __future__ import annotations
@@ -38,7 +35,6 @@ HELDOUT_SET = "heldout"
 
 
 def eval_set_configs(cfg: Config) -> list[EvalSetConfig]:
-    """`eval.sets`, or by default `heldout` (data.heldout_file) and one set per data.eval_files entry."""
     if cfg.eval.sets:
         return list(cfg.eval.sets)
     sets = [EvalSetConfig(name=HELDOUT_SET, file=cfg.data.heldout_file)]
@@ -96,8 +92,8 @@ class Validator:
 
     def validate(self, rollout_id: int, engine: Engine,
                  run: Callable[[Coroutine[Any, Any, dict[str, Any]]], dict[str, Any]]) -> dict[str, float]:
-        """Evaluate every set with `engine` (`run` drives a coroutine on the engine's event loop); returns
-        `eval/<set>/<metric>` (percent, mean over samples) and `eval/<set>/failed` (questions)."""
+        """Every set on `engine` (`run` drives a coroutine on its event loop): `eval/<set>/<metric>` (percent,
+        mean over samples) and `eval/<set>/failed` (questions)."""
         metrics: dict[str, float] = {}
         for eval_set in self.sets:
             name = eval_set.spec.name

@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 
 from memrl.config import Config
 from memrl.distributed.workers import merge_rollout_outputs
-from memrl.train.actor import plan_rollout
-from memrl.train.partition import split_ranks
+from memrl.train.partition import plan_rollout, split_ranks
 from memrl.types import RolloutOutput, TrainRow, Trajectory
 
 

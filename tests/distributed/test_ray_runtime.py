@@ -148,7 +148,7 @@ def test_two_trainer_workers_give_the_single_process_weights_and_a_dead_rank_is_
 def test_trajectory_level_options_on_two_ranks_give_the_single_process_weights(tokenizer, handles):
     # GSPO and sequence-level rollout correction sum log-ratios over a trajectory's rows, which the planner
     # may deal to different ranks: the ranks exchange their per-trajectory totals, so two ranks train as one.
-    from memrl.train.actor import plan_rollout
+    from memrl.train.partition import plan_rollout
 
     algorithm = {"credit": "share", "loss_mode": "gspo", "rollout_is": "sequence", "rollout_is_threshold": 1.5,
                  "rollout_rs": "geometric", "rollout_rs_threshold": 1.05}

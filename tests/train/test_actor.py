@@ -8,8 +8,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from memrl.config import Config
 from memrl.rl.validate import TrajectoryError
-from memrl.train.actor import Actor, NonFiniteUpdateError, plan_optimizer_step, plan_rollout
-from memrl.train.partition import PartitionError, split_optimizer_steps
+from memrl.train.actor import Actor, NonFiniteUpdateError
+from memrl.train.partition import PartitionError, plan_optimizer_step, plan_rollout, split_optimizer_steps
 from memrl.types import TrainRow
 
 VOCAB = 64
@@ -313,7 +313,7 @@ def test_logprob_gap_max_is_nan_whenever_the_mean_is():
 def test_dr_grpo_fixed_normaliser_reaches_the_gradient():
     """loss_agg = seq_mean_token_sum_norm: every row's token sum over R rows x L (here L = 5), i.e. the
     token_mean gradient times total_tokens / (R L), whatever the micro-batching."""
-    from memrl.train.actor import loss_scale_factor
+    from memrl.train.partition import loss_scale_factor
 
     rows = make_rows()
     tokens, n_rows = sum(sum(r.loss_mask) for r in rows), sum(1 for r in rows if sum(r.loss_mask))

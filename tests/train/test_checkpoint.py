@@ -24,9 +24,10 @@ from memrl.train.checkpoint import (
     find_latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    prune_checkpoints,
     save_checkpoint,
 )
-from memrl.train.export import convert_to_hf_command, export_to_hf
+from memrl.train.export import export_to_hf
 
 
 def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
@@ -242,10 +243,11 @@ def test_resave_same_id_replaces_it_and_keep_last_prunes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_0000001", "latest"]
 
     for rollout_id in (2, 3, 4):
-        save_simple(tmp_path, rollout_id, keep_last=2)
+        save_simple(tmp_path, rollout_id)
+        prune_checkpoints(tmp_path, 2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["iter_0000003", "iter_0000004"]
     with pytest.raises(CheckpointError, match="keep_last"):
-        save_simple(tmp_path, 5, keep_last=0)
+        prune_checkpoints(tmp_path, 0)
 
 
 def test_missing_or_mismatched_checkpoints_raise_clear_errors(tmp_path):
@@ -282,7 +284,7 @@ def test_export_to_hf_loads_with_auto_classes_and_gives_same_logits(tmp_path):
 
     with pytest.raises(CheckpointError, match="not empty"):
         export_to_hf(path, out)
-    convert_to_hf_command(path, tmp_path / "hf2", tokenizer=None)
+    export_to_hf(path, tmp_path / "hf2", tokenizer=None)
     assert (tmp_path / "hf2" / "config.json").is_file()
 
 

@@ -16,14 +16,8 @@ from memrl.memagent.task import MemAgentTask
 from memrl.rollout import RewardError
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 from memrl.train.checkpoint import list_checkpoints
-from memrl.train.controller import (
-    ReplayRollout,
-    Trainer,
-    TrainingError,
-    TrainOptions,
-    check_trainable,
-    load_raw_rollout,
-)
+from memrl.train.controller import Trainer, TrainingError, TrainOptions, check_trainable
+from memrl.train.sources import ReplayRollout, load_raw_rollout
 from memrl.types import RolloutOutput, Trajectory
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -231,10 +225,10 @@ def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path,
     """algorithm.filter_groups, on the synchronous loop and the overlapped pipeline: the trained groups all
     carry a signal, the step has rollout_batch_size of them, and the row ledger counts exactly their rows.
     Every generation batch is scored whole before the filter (the memory curve is the batch's, as on Ray)."""
-    import memrl.train.controller as controller
+    import memrl.train.sources as sources
 
-    scored, real_convert = [], controller.convert_rollout
-    monkeypatch.setattr(controller, "convert_rollout",
+    scored, real_convert = [], sources.convert_rollout
+    monkeypatch.setattr(sources, "convert_rollout",
                         lambda out, *a: (scored.append({t.group_id for t in out.trajectories}), real_convert(out, *a))[1])
     cfg = config(rollout_batch_size=2, max_staleness=max_staleness)
     cfg.plugins.reward_function = f"{__name__}:even_question_reward"

@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 from memrl.config import Config, ConfigError, config_from_dict  # noqa: E402
 from memrl.train.actor import Actor  # noqa: E402
 from memrl.train.checkpoint import CheckpointError  # noqa: E402
-from memrl.train.export import convert_to_hf_command  # noqa: E402
+from memrl.train.export import export_to_hf  # noqa: E402
 from memrl.types import TrainRow  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -112,7 +112,7 @@ def test_convert_to_hf_merges_adapters_into_a_model_with_the_policys_outputs(tmp
     for r in range(2):
         actor.train_rollout(make_rows(r), r)
     ckpt = actor.save_checkpoint(tmp_path / "run", 1, {"rollout_id": 1, "config": cfg})
-    out = convert_to_hf_command(ckpt, tmp_path / "merged")
+    out = export_to_hf(ckpt, tmp_path / "merged")
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert not any("lora" in k for k in exported.state_dict())
     # Merged W + BA vs the adapter path W x + B(A x): float32 rounding apart.
@@ -120,7 +120,7 @@ def test_convert_to_hf_merges_adapters_into_a_model_with_the_policys_outputs(tmp
     assert json.loads((out / "memrl_export.json").read_text())["rollout_id"] == 1
     built_in_code = Actor(base_model(), lora_cfg(), pad_token_id=0)  # no folder, no model.path: nothing to merge into
     with pytest.raises(CheckpointError, match="--base-model"):
-        convert_to_hf_command(built_in_code.save_checkpoint(tmp_path / "run2", 0, {"rollout_id": 0}), tmp_path / "m2")
+        export_to_hf(built_in_code.save_checkpoint(tmp_path / "run2", 0, {"rollout_id": 0}), tmp_path / "m2")
 
 
 def test_a_lora_training_run_syncs_merged_weights_to_its_engine(tmp_path):
@@ -211,13 +211,13 @@ def test_convert_to_hf_refuses_a_base_of_another_architecture_or_other_weights(t
     actor, ckpt = trained_from_folder(tmp_path)
     base_model(hidden_size=48).save_pretrained(tmp_path / "wider")
     base_model(seed=1).save_pretrained(tmp_path / "other")
-    one_line_error(CheckpointError, lambda: convert_to_hf_command(ckpt, tmp_path / "m1", base_model="wider"),
+    one_line_error(CheckpointError, lambda: export_to_hf(ckpt, tmp_path / "m1", base_model="wider"),
                    r"base model wider is another architecture .*hidden_size 32 vs 48")
-    one_line_error(CheckpointError, lambda: convert_to_hf_command(ckpt, tmp_path / "m2", base_model="other"),
+    one_line_error(CheckpointError, lambda: export_to_hf(ckpt, tmp_path / "m2", base_model="other"),
                    r"base model other has the architecture but not the weights .*--allow-other-base")
     assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
     with pytest.warns(UserWarning, match="whose weights differ"):
-        out = convert_to_hf_command(ckpt, tmp_path / "m3", base_model="other", allow_other_base=True)
+        out = export_to_hf(ckpt, tmp_path / "m3", base_model="other", allow_other_base=True)
     assert json.loads((out / "memrl_export.json").read_text())["base_model_checked"].startswith("architecture only")
     # The base it was trained on, in files of another dtype (the same values): the fingerprint matches.
     AutoModelForCausalLM.from_pretrained("base", dtype=torch.float32).to(torch.bfloat16).save_pretrained("bf16")
@@ -226,7 +226,7 @@ def test_convert_to_hf_refuses_a_base_of_another_architecture_or_other_weights(t
     monkeypatch.chdir(tmp_path / "run2")
     as_bf16 = Actor(bf16_values, lora_cfg(model_path="../bf16"), pad_token_id=0).save_checkpoint(tmp_path / "r2", 0, {})
     AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).save_pretrained(tmp_path / "fp32")
-    out = convert_to_hf_command(as_bf16, tmp_path / "m4", base_model=str(tmp_path / "fp32"))
+    out = export_to_hf(as_bf16, tmp_path / "m4", base_model=str(tmp_path / "fp32"))
     assert json.loads((out / "memrl_export.json").read_text())["base_model_checked"].startswith("architecture and")
 
 
@@ -237,13 +237,13 @@ def test_convert_to_hf_finds_a_relative_model_path_from_another_folder_or_says_t
     actor, ckpt = trained_from_folder(tmp_path / "work", "models/base")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-    out = convert_to_hf_command(ckpt, tmp_path / "merged")
+    out = export_to_hf(ckpt, tmp_path / "merged")
     export = json.loads((out / "memrl_export.json").read_text())
     assert export["base_model"] == str((tmp_path / "work" / "models" / "base").resolve())
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     torch.testing.assert_close(logits_of(exported, IDS), logits_of(actor.model, IDS), atol=1e-5, rtol=1e-5)
     (tmp_path / "work" / "models").rename(tmp_path / "work" / "moved")
-    one_line_error(CheckpointError, lambda: convert_to_hf_command(ckpt, tmp_path / "m2"),
+    one_line_error(CheckpointError, lambda: export_to_hf(ckpt, tmp_path / "m2"),
                    rf"the base model models/base of .*relative to {tmp_path / 'work'}.* is not found; pass --base-model")
 
 

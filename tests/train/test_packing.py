@@ -7,7 +7,8 @@ from test_actor import make_rows, tiny_model
 
 from memrl.config import Config
 from memrl.train import packing
-from memrl.train.actor import Actor, MicroBatch, response_log_probs
+from memrl.train.actor import Actor
+from memrl.train.microbatch import MicroBatch, response_log_probs
 from memrl.train.partition import micro_batches
 
 EPS = torch.finfo(torch.float32).eps

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memrl.config import ConfigError, load_config
+from memrl.engines.base import WeightsInMemory
 from memrl.train.controller import TrainingError
 from memrl.train.pipeline import WeightBoard, sampling_version
 
@@ -34,7 +35,7 @@ def test_sampling_version_is_a_function_of_the_rollout_id():
 def test_weight_board_waits_with_a_timeout_and_wakes_on_failure():
     board = WeightBoard(start_version=0, timeout_s=0.3)
     assert board.take(0) is None  # the engine's own starting weights
-    board.publish(1, {"w": torch.ones(1)})
+    board.publish(1, WeightsInMemory({"w": torch.ones(1)}))
     assert board.take(1).whole_weights()["w"].item() == 1.0
     start = time.monotonic()
     with pytest.raises(TrainingError, match="version 2 not published within 0.3s"):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from memrl.train.report import ReportError, moving_average, report_command, write_report
+from memrl.train.report import ReportError, moving_average, write_report
 from memrl.train.run_log import RunLogger
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -50,7 +50,7 @@ def test_report_writes_valid_pngs_and_summary_numbers(tmp_path):
 def test_report_with_only_reward_skips_other_plots_and_flags_lost_rows(tmp_path):
     with RunLogger(tmp_path, use_tensorboard=False) as run:
         run.log_metrics(0, {"reward/mean": 0.5, "rows/saved": 32, "rows/consumed": 24})
-    written = report_command(tmp_path)
+    written = write_report(tmp_path)
     assert [p.name for p in written] == ["reward.png", "report.md"]
     assert "rows saved (32) != rows consumed (24)" in written[-1].read_text()
 

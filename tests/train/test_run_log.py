@@ -125,8 +125,6 @@ def test_stage_timer_accumulates_and_survives_errors():
     metrics = timer.metrics()
     assert set(metrics) == {"time/rollout_s", "time/train_s"}
     assert 0.035 < metrics["time/rollout_s"] < 1.0
-    timer.reset()
-    assert timer.metrics() == {}
 
 
 def test_device_stats_reports_process_memory():

@@ -168,3 +168,30 @@ def test_a_replay_cannot_validate(tokenizer, tmp_path):
     cfg = with_eval(tmp_path, eval_interval=1)
     with pytest.raises(TrainingError, match="a replay has no engine"):
         make_trainer(tokenizer, tmp_path / "run", cfg, replay_rollouts=tmp_path / "raw")
+
+
+class WrappedSource:
+    """A rollout source of no built-in kind: it forwards to a LocalRollout and declares what that can do."""
+
+    def __init__(self, inner):
+        self.inner, self.engine, self.loop = inner, inner.engine, inner.loop
+        self.generates, self.in_process, self.takes_folders = True, True, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_loop_reads_what_a_source_declares_not_its_kind(tokenizer, tmp_path):
+    """Issue 25: validation needs an in-process engine, which any source may declare (no isinstance of the
+    built-in sources in the loop); the run validates through the wrapper's engine."""
+    from memrl.tiny import build_tiny_model
+    from memrl.train.controller import Trainer, TrainOptions, local_parts
+
+    cfg = with_eval(tmp_path, eval_limit=1, num_rollout=1, eval_interval=1)
+    options = TrainOptions(run_root=tmp_path / "run", progress=False)
+    model = build_tiny_model(len(tokenizer), layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=0,
+                             eos_token_id=tokenizer.eos_token_id)
+    parts = local_parts(cfg, options, model=model, tokenizer=tokenizer, records=records())
+    parts.rollout = WrappedSource(parts.rollout)
+    Trainer(cfg, options, parts=parts).run()
+    assert [line["rollout_id"] for line in eval_lines(tmp_path / "run")] == [0]

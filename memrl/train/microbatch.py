@@ -1,0 +1,124 @@
+"""A micro-batch's tensors (`MicroBatch`) and the forward that gives its response tokens' log-probs and
+entropy (`ResponseStats`). Only response positions go through the LM head, a chunk at a time
+(`memrl.train.logprobs`): prompt tokens carry no loss and are most of every MemAgent row (docs/design.md,
+pitfall "Prompt-heavy actor update").
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from memrl.train import packing
+from memrl.train.logprobs import TokenStats, response_token_stats
+from memrl.types import TrainRow
+
+
+@dataclass
+class MicroBatch:
+    """The tensors of a micro-batch; response values live in [rows, max_response] tensors. Padded: rows
+    right-padded to the longest, with a 2-D mask. Packed: one [1, T] sequence whose position ids restart at
+    each row and whose attention gets the row boundaries, so every token sees what it sees padded."""
+
+    input_ids: Tensor              # [B, L] padded, [1, T] packed
+    attention_mask: Tensor | None  # [B, L] padded; None packed
+    position_ids: Tensor | None    # [1, T] packed; None padded (the model counts 0..L-1)
+    row_lengths: list[int] | None  # packed: each row's length, in order (the attention's row boundaries)
+    cu_seq_lens: Tensor | None     # packed: [B + 1] int32 cumulative lengths (FlashAttention's argument)
+    positions: Tensor              # [N, 2]: (row, position) of the hidden state predicting each response token
+    targets: Tensor                # [N]
+    resp_index: Tensor             # [N, 2]: (row, k) of each response token in the [B, R] tensors
+    loss_mask: Tensor              # [B, R]
+    rollout_log_probs: Tensor      # [B, R]
+    advantages: Tensor             # [B]
+    row_weights: Tensor            # [B]
+
+    @classmethod
+    def build(cls, rows: list[TrainRow], weights: list[float], pad_id: int, device: torch.device,
+              packed: bool = False) -> MicroBatch:
+        resp_width = max(r.response_length for r in rows)
+        mask = torch.zeros((len(rows), resp_width))
+        old = torch.zeros((len(rows), resp_width))
+        pos, tgt, ridx = [], [], []
+        offset = 0  # where row b starts: in its own row (padded) or in the one packed sequence
+        for b, r in enumerate(rows):
+            p = r.prompt_length
+            mask[b, : r.response_length] = torch.tensor(r.loss_mask, dtype=torch.float)
+            old[b, : r.response_length] = torch.tensor(r.rollout_log_probs, dtype=torch.float)
+            for k in range(r.response_length):
+                # the hidden state at position t predicts token t + 1
+                pos.append((0, offset + p + k - 1) if packed else (b, p + k - 1))
+                tgt.append(r.tokens[p + k])
+                ridx.append((b, k))
+            offset += len(r.tokens)
+        lengths = [len(r.tokens) for r in rows]
+        if packed:
+            ids = torch.tensor([[t for r in rows for t in r.tokens]], dtype=torch.long)
+            position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+            cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            attn = None
+        else:
+            ids = torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long)
+            attn = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
+            for b, r in enumerate(rows):
+                ids[b, : len(r.tokens)] = torch.tensor(r.tokens)
+                attn[b, : len(r.tokens)] = 1
+            position_ids = cu_seq_lens = None
+
+        def put(t: Tensor | None) -> Tensor | None:
+            # From pinned memory without blocking: a pageable host-to-GPU copy waits for every kernel queued
+            # before it, a host sync per tensor per micro-batch.
+            if t is None or device.type != "cuda":
+                return None if t is None else t.to(device)
+            return t.pin_memory().to(device, non_blocking=True)
+
+        return cls(put(ids), put(attn), put(position_ids), lengths if packed else None, put(cu_seq_lens),
+                   put(torch.tensor(pos, dtype=torch.long).reshape(-1, 2)), put(torch.tensor(tgt, dtype=torch.long)),
+                   put(torch.tensor(ridx, dtype=torch.long).reshape(-1, 2)), put(mask), put(old),
+                   put(torch.tensor([r.advantage for r in rows])), put(torch.tensor(weights, dtype=torch.float)))
+
+    def inputs(self) -> tuple[Any, ...]:
+        """The arguments of `ResponseStats.forward` (tensors as arguments: DDP and FSDP hook the forward)."""
+        return (self.input_ids, self.attention_mask, self.position_ids, self.row_lengths, self.cu_seq_lens,
+                self.positions, self.targets)
+
+    def scatter(self, flat: Tensor) -> Tensor:
+        out = flat.new_zeros(self.loss_mask.shape)
+        out[self.resp_index[:, 0], self.resp_index[:, 1]] = flat
+        return out
+
+
+def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_tokens: int | None) -> Tensor:
+    """Log-probs [N] of the micro-batch's response tokens under `model` at the sampling temperature."""
+    return ResponseStats(model, temperature, chunk_tokens)(*mb.inputs()).log_probs
+
+
+class ResponseStats(torch.nn.Module):
+    """Response tokens' log-probs and entropy as a module's forward, so DDP (whose gradient hooks its own
+    forward arms) and FSDP (which gathers the root's parameters in a hook on it) can wrap it; `self.model`
+    is the plain Hugging Face model, shared, never copied."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float, chunk_tokens: int | None,
+                 with_entropy: bool = True) -> None:
+        super().__init__()
+        self.model, self.temperature, self.chunk_tokens = model, temperature, chunk_tokens
+        self.with_entropy = with_entropy  # the reference model needs log-probs only
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
+                row_lengths: list[int] | None, cu_seq_lens: Tensor | None, positions: Tensor,
+                targets: Tensor) -> TokenStats:
+        if row_lengths is None:
+            hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                           position_ids=position_ids).last_hidden_state
+        else:  # packed: the attention gets the row boundaries and no mask (memrl.train.packing)
+            packing.check_enabled(self.model)
+            hidden = self.model.base_model(input_ids=input_ids, attention_mask=packing.no_masks(),
+                                           position_ids=position_ids,
+                                           **packing.packed_kwargs(row_lengths, cu_seq_lens)).last_hidden_state
+        return response_token_stats(hidden[positions[:, 0], positions[:, 1]], targets,
+                                    self.model.get_output_embeddings(), self.temperature, self.chunk_tokens,
+                                    self.with_entropy)
