@@ -14,6 +14,9 @@ from pydantic import BaseModel, ValidationError
 from memrl.config.base import ConfigError, import_object
 from memrl.config.root import Config
 
+__all__ = ["apply_overrides", "check_model_path", "config_from_dict", "load_config", "load_pretrained", "load_yaml",
+           "parse_override"]
+
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping: plain YAML keeps the last one, so a

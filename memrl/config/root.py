@@ -23,6 +23,8 @@ from memrl.config.sections import (
 )
 from memrl.config.training import AlgorithmConfig, TrainConfig
 
+__all__ = ["ROLLOUT_MOVED", "Config"]
+
 # The `rollout` section of earlier releases was split by what its keys set: old key -> its new place.
 ROLLOUT_MOVED: dict[str, str] = {
     **{name: f"{section}.{name}" for section, cls in (("sampling", SamplingConfig), ("engine", EngineConfig),
