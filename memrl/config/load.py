@@ -100,7 +100,7 @@ def _allowed_keys(cls: type[BaseModel], loc: list[str]) -> list[str]:
 
 def config_from_dict(raw: dict[str, Any], config_class: type[Config] | None = None) -> Config:
     if config_class is None:
-        spec = (raw.get("plugins") or {}).get("config_class") if isinstance(raw.get("plugins"), dict) else None
+        spec = (raw["plugins"] if isinstance(raw.get("plugins"), dict) else {}).get("config_class")
         config_class = import_object(spec) if spec else Config
         if not (isinstance(config_class, type) and issubclass(config_class, Config)):
             raise ConfigError(f"plugins.config_class '{spec}' must be a subclass of memrl.config.Config")

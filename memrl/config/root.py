@@ -25,13 +25,13 @@ from memrl.config.training import AlgorithmConfig, TrainConfig
 
 __all__ = ["ROLLOUT_MOVED", "Config"]
 
-# The `rollout` section of earlier releases was split by what its keys set: old key -> its new place.
+# The `rollout` section of earlier releases was split by what its keys set: old key -> its new place,
+# built from the fields so that it cannot drift (the old `rollout.engine` is `engine.kind`).
 ROLLOUT_MOVED: dict[str, str] = {
-    **{name: f"{section}.{name}" for section, cls in (("sampling", SamplingConfig), ("engine", EngineConfig),
-                                                      ("task", TaskConfig)) for name in cls.model_fields},
-    "engine": "engine.kind",
+    ("engine" if name == "kind" else name): f"{section}.{name}"
+    for section, cls in (("sampling", SamplingConfig), ("engine", EngineConfig), ("task", TaskConfig))
+    for name in cls.model_fields
 }
-del ROLLOUT_MOVED["kind"]
 
 
 def rollout_moved_message(old: Any) -> str:
@@ -72,13 +72,12 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _task_accepts_the_config(self) -> Config:
-        # The task validates its own settings (e.g. MemAgent: the queue holds max_chunks + 1 rows per
-        # trajectory): `Task.validate_config` (memrl/task.py).
+        # The task checks its own settings (`Task.validate_config`; MemAgent: max_chunks + 1 queue rows).
         try:
             task = import_object(self.plugins.task)()
         except ConfigError as error:
-            raise ValueError(f"plugins.task = '{self.plugins.task}': {error}; install what it needs or fix the path") \
-                from error
+            raise ValueError(f"plugins.task = '{self.plugins.task}': {error}; install what it needs or fix the "
+                             f"path") from error
         task.validate_config(self)
         return self
 

@@ -35,8 +35,7 @@ class LoraConfig(Section):
     """LoRA adapters (peft) trained instead of the whole model (`model.lora`); see memrl/train/lora.py."""
 
     rank: int = Field(16, gt=0, description="Rank r of each adapter (peft LoraConfig.r; verl lora_rank).")
-    alpha: float | None = Field(None, gt=0, description="Adapter scale (update = alpha / r x B A); unset: 2 "
-                                "x rank.")
+    alpha: float | None = Field(None, gt=0, description="Adapter scale (alpha / r x B A); unset: 2 x rank.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
     target_modules: str | list[str] = Field("all-linear", description="peft's `all-linear` (every linear "
                                             "layer but the LM head) or a list of module names.")
@@ -89,8 +88,7 @@ class SamplingConfig(Section):
 class EngineConfig(Section):
     """The rollout engine: a local transformers model (`hf`) or an OpenAI-compatible server, and its limits."""
 
-    kind: Literal["hf", "openai"] = Field("hf", description="`hf`: a local transformers model; `openai`: a "
-                                          "server.")
+    kind: Literal["hf", "openai"] = Field("hf", description="`hf` (local transformers) or `openai` (server).")
     server_url: str | None = Field(None, description="URL of the OpenAI-compatible server (kind openai).")
     api_key: str | None = Field(None, description="API key for the server, if it needs one.")
     max_concurrency: int = Field(64, gt=0, description="Requests in flight at once (client engine).")
@@ -122,19 +120,17 @@ class TaskConfig(Section):
     """What the reading task sees: chunking and token limits, prompts, answer extraction, the reward's time."""
 
     chunk_tokens: int = Field(512, gt=0, description="Tokens per document chunk.")
-    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn (and of the memory "
-                               "passed on).")
+    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn and of its memory.")
     final_tokens: int = Field(64, gt=0, description="Token limit of the final answer turn.")
     max_chunks: int = Field(4, gt=0, description="Most chunks read; longer documents are truncated.")
     truncation: Literal["head", "tail", "center", "center_chunks"] = Field(
-        "center", description="What a document over max_chunks x chunk_tokens keeps: `head` the first "
-        "chunks, `tail` the last, `center` the first and last half of the tokens (MemAgent's), "
-        "`center_chunks` the first and last whole chunks.")
+        "center", description="What a document over max_chunks x chunk_tokens keeps: `head` / `tail` the "
+        "first / last chunks, `center` the first and last half of the tokens (MemAgent's), `center_chunks` "
+        "of whole chunks.")
     enable_thinking: bool = Field(False, description="Passed to the chat template (Qwen3: keep False).")
-    memory_template: str = Field(DEFAULT_MEMORY_TEMPLATE, description="Memory-turn user message; {question} "
+    memory_template: str = Field(DEFAULT_MEMORY_TEMPLATE, description="Memory-turn prompt: {question} "
                                  "{memory} {chunk}.")
-    final_template: str = Field(DEFAULT_FINAL_TEMPLATE, description="Final-turn user message; {question} "
-                                "{memory}.")
+    final_template: str = Field(DEFAULT_FINAL_TEMPLATE, description="Final-turn prompt: {question} {memory}.")
     no_memory_text: str = Field(DEFAULT_NO_MEMORY_TEXT, description="Memory shown before the first chunk.")
     prompt_layout: Literal["memagent", "chunk_first"] = Field(
         "memagent", description="`memagent`: memory_template as written; `chunk_first`: its memory block "
@@ -179,8 +175,7 @@ class EvalSetConfig(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Set name: TensorBoard eval/<name>/em, "
                       "RUN_ROOT/eval/<name>/.")
-    file: str = Field(description="Prepared JSONL or RULER-HQA eval_N.json, relative to data.dir or "
-                      "absolute.")
+    file: str = Field(description="Prepared JSONL or RULER-HQA eval_N.json, under data.dir or absolute.")
     limit: int | None = Field(None, gt=0, description="Only the first N questions.")
     samples: int = Field(1, gt=0, description="Samples per question (sample s: seed sampling.seed + s); "
                          "metrics average them.")
@@ -222,8 +217,7 @@ class RayConfig(Section):
                                                      "nccl with GPUs, else gloo.")
     rollout_server_urls: list[str] = Field(default_factory=list, description="engine.kind=openai: one "
                                            "server URL per rollout worker.")
-    startup_timeout_s: float = Field(600.0, gt=0, description="Worker start, model load and process-group "
-                                     "setup.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Worker start, model load, process groups.")
     rollout_timeout_s: float = Field(3600.0, gt=0, description="One rollout step on the rollout workers.")
     train_timeout_s: float = Field(3600.0, gt=0, description="One step's training on the trainer workers.")
     sync_timeout_s: float = Field(600.0, gt=0, description="Weight sync and checkpoint save.")
@@ -254,5 +248,4 @@ class PluginConfig(Section):
                       "(memrl/task.py) that samples, scores and converts everywhere.")
     reward_function: str | None = Field(None, description="`module:function` (trajectory, golds) -> float "
                                         "replacing the task's reward; unset: the task's.")
-    config_class: str | None = Field(None, description="`module:Class`, a Config subclass with extra "
-                                     "sections.")
+    config_class: str | None = Field(None, description="A Config subclass (`module:Class`) adding sections.")

@@ -31,8 +31,8 @@ class AlgorithmConfig(Section):
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman's k1 or k3).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
                       "seq_mean_token_sum_norm"] = Field(
-        "token_mean", description="How token losses are averaged (verl loss_agg_mode; formulas in "
-        "docs/algorithms.md); `seq_mean_token_sum_norm` is Dr. GRPO (TRL loss_type=dr_grpo).")
+        "token_mean", description="How token losses are averaged (verl loss_agg_mode; docs/algorithms.md); "
+        "`seq_mean_token_sum_norm` is Dr. GRPO.")
     loss_scale_factor: int | None = Field(None, gt=0, description="Normaliser L of seq_mean_token_sum_norm "
                                           "(verl actor.loss_scale_factor); unset: max(task.memory_tokens, "
                                           "task.final_tokens).")
@@ -42,13 +42,13 @@ class AlgorithmConfig(Section):
                                                   "(verl policy_loss.loss_mode=gspo), needs credit share.")
     rollout_is: Literal["token", "sequence"] | None = Field(
         None, description="Importance weights for the engine/trainer gap (verl "
-        "rollout_correction.rollout_is): `token` min(rho_t, threshold) (slime --use-tis), `sequence` one "
-        "per trajectory; off if unset.")
+        "algorithm.rollout_correction.rollout_is): `token` min(rho_t, threshold) (slime --use-tis), "
+        "`sequence` per trajectory; off if unset.")
     rollout_is_threshold: float = Field(2.0, gt=0, description="Upper bound of the rollout_is weights.")
     rollout_rs: Literal["token", "sequence", "geometric"] | None = Field(
-        None, description="Masked importance sampling (verl rollout_rs): drop tokens, or trajectories "
-        "(`sequence`: prod rho_t; `geometric`: its geometric mean), whose ratio leaves [lower, upper]; off "
-        "if unset.")
+        None, description="Masked importance sampling (verl rollout_rs): drop tokens or trajectories "
+        "(`sequence`: prod rho_t, `geometric`: its geometric mean) whose ratio leaves [lower, upper]; "
+        "unset: off.")
     rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound of rollout_rs; unset: "
                                                "rollout_is_threshold.")
     rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound of rollout_rs; "
@@ -57,9 +57,9 @@ class AlgorithmConfig(Section):
                                              "turn hit its token limit (TRL mask_truncated_completions); it "
                                              "still counts in its group's advantage.")
     overlong_buffer_len: int | None = Field(
-        None, gt=0, description="DAPO's soft overlong penalty (verl reward_model.overlong_buffer.len): "
-        "rises linearly to overlong_penalty_factor over the last this many tokens of the final answer's "
-        "limit, in the advantage's reward only (logs and filter_groups see the raw one); off if unset.")
+        None, gt=0, description="DAPO's overlong penalty (verl reward_model.overlong_buffer.len): up to "
+        "overlong_penalty_factor, linear over the answer limit's last N tokens; logs and filter_groups see "
+        "the raw reward; off if unset.")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="The overlong penalty at the limit itself.")
     turn_reward_function: str | None = Field(None, description="`module:function` (turn, trajectory, golds) "
                                              "-> float, a per-turn reward mixed into that turn's advantage "
@@ -69,7 +69,7 @@ class AlgorithmConfig(Section):
                                      "trajectory credit only).")
     filter_groups: bool = Field(False, description="Dynamic sampling (DAPO; verl "
                                 "algorithm.filter_groups.enable): drop groups whose raw rewards are all "
-                                "equal and generate more until train.rollout_batch_size groups or "
+                                "equal, generate more until train.rollout_batch_size groups or "
                                 "max_num_gen_batches.")
     over_sampling_batch_size: int | None = Field(None, gt=0, description="Questions per further batch of "
                                                  "filter_groups (slime --over-sampling-batch-size); unset: "
@@ -127,22 +127,18 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    micro_batch_tokens: int = Field(16384, gt=0, description="Token budget of one micro-batch, padding "
-                                    "included.")
+    micro_batch_tokens: int = Field(16384, gt=0, description="Micro-batch token budget, padding included.")
     dp_size: int = Field(1, gt=0, description="Data-parallel size the rows of a step are split across.")
-    pad_to_dp: bool = Field(False, description="Pad a step's rows to a multiple of dp_size with "
-                            "all-zero-mask rows.")
-    save_interval: int = Field(50, gt=0, description="Save a checkpoint every this many rollout steps and "
-                               "at the end.")
+    pad_to_dp: bool = Field(False, description="Pad rows to a multiple of dp_size with all-zero-mask rows.")
+    save_interval: int = Field(50, gt=0, description="Checkpoint every N rollout steps and at the end.")
     # Bounded because torch.manual_seed takes at most 64 bits: 2**64 was an overflow traceback at the
     # first step. 2**63 - 1 is also the largest seed `memrl serve` accepts, so one range holds for both.
     seed: int = Field(1234, ge=0, le=2**63 - 1, description="Seed of data order and trainer RNG.")
     runtime: Literal["local", "ray"] = Field("local", description="One process (`local`) or Ray workers.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor.")
-    logprob_chunk_tokens: int | None = Field(512, gt=0, description="Response tokens whose log-probs go "
-                                             "through the LM head at once, recomputed in the backward (verl "
-                                             "entropy checkpointing): bounds the float32 [tokens x vocab] "
-                                             "logits; unset: all at once.")
+    logprob_chunk_tokens: int | None = Field(
+        512, gt=0, description="Response tokens through the LM head at once, recomputed in the backward "
+        "(verl entropy checkpointing): bounds the float32 [tokens x vocab] logits; unset: all at once.")
     packing: bool = Field(False, description="Padding-free micro-batches: rows concatenated with per-row "
                           "position ids and a variable-length attention kernel; the token budget then "
                           "counts real tokens.")
@@ -152,10 +148,9 @@ class TrainConfig(Section):
     sync_check: bool = Field(True, description="Weight-sync canary: after every sync the engine scores a "
                              "probe the trainer scored; a gap over sync_check_atol stops the run. Needs a "
                              "scoring engine; false for vLLM or SGLang.")
-    sync_check_atol: float | None = Field(None, gt=0, description="Largest |engine - trainer| log-prob "
-                                          "difference on the probe; unset: derived from dtype and model "
-                                          "size (memrl/train/sync_check.py); metric sync_check/max_abs_diff "
-                                          "shows the measured one.")
+    sync_check_atol: float | None = Field(
+        None, gt=0, description="Largest |engine - trainer| log-prob gap on the probe; unset: from dtype "
+        "and model size (memrl/train/sync_check.py). Metric sync_check/max_abs_diff: the measured one.")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="How Ray trainer workers hold the model: "
                                              "`ddp` a full replica per rank; `fsdp` sharded (FSDP2).")
     eval_interval: int = Field(0, ge=0, description="Validate on the eval sets every this many rollout "
