@@ -79,10 +79,8 @@ def _describe_error(cls: type[BaseModel], err: dict[str, Any]) -> str:
     if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(cls, loc[:-1])
         hint = difflib.get_close_matches(loc[-1], allowed, n=1)
-        msg = f"unknown key '{key}'"
-        if hint:
-            msg += f" (did you mean '{'.'.join(loc[:-1] + [hint[0]])}'?)"
-        return msg + f"; allowed here: {', '.join(allowed)}"
+        guess = f" (did you mean '{'.'.join(loc[:-1] + hint)}'?)" if hint else ""
+        return f"unknown key '{key}'{guess}; allowed here: {', '.join(allowed)}"
     value = err.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"
     return f"{key}{shown}: {err['msg']}"
@@ -147,9 +145,8 @@ def check_model_path(path: str | Path, what: str = "model path") -> None:
 
 
 def load_pretrained(loader: Any, path: str | Path, what: str = "model", **kwargs: Any) -> Any:
-    """`loader.from_pretrained(path, **kwargs)` (a transformers Auto class) whose failures are a
-    `ConfigError` naming the path: a missing local folder says so, an unreadable folder or hub id
-    gives the loader's reason."""
+    """`loader.from_pretrained(path, **kwargs)` (a transformers Auto class) whose failures are a `ConfigError`
+    naming the path: a missing local folder says so, an unreadable folder or hub id gives the loader's reason."""
     check_model_path(path, f"{what} path")
     try:
         return loader.from_pretrained(str(path), **kwargs)

@@ -100,11 +100,18 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _fsdp_needs_workers(self) -> Config:
+        if self.train.strategy == "fsdp" and self.train.runtime != "ray":
+            raise ValueError("train.strategy = 'fsdp' shards the model across Ray trainer workers; set "
+                             "train.runtime = 'ray' (or pass --runtime ray), or use train.strategy = 'ddp'")
+        return self
+
+    @model_validator(mode="after")
     def _lora_where_it_is_built(self) -> Config:
         if self.model.lora is not None:
             if importlib.util.find_spec("peft") is None:
                 raise ValueError("model.lora needs the peft package: pip install 'memrl[lora]', or unset model.lora")
-            if self.train.strategy == "fsdp" and self.train.runtime == "ray":
+            if self.train.strategy == "fsdp":  # on Ray, which _fsdp_needs_workers checked before
                 raise ValueError("model.lora with train.strategy = 'fsdp' is not supported yet; use ddp (adapters "
                                  "are small: the base weights are the only large replica)")
         return self
@@ -117,13 +124,6 @@ class Config(Section):
         if buffer_len is not None and buffer_len > limit:
             raise ValueError(f"algorithm.overlong_buffer_len = {buffer_len} is longer than the final answer's limit "
                              f"task.final_tokens = {limit}; set overlong_buffer_len <= {limit} or raise final_tokens")
-        return self
-
-    @model_validator(mode="after")
-    def _fsdp_needs_workers(self) -> Config:
-        if self.train.strategy == "fsdp" and self.train.runtime != "ray":
-            raise ValueError("train.strategy = 'fsdp' shards the model across Ray trainer workers; set "
-                             "train.runtime = 'ray' (or pass --runtime ray), or use train.strategy = 'ddp'")
         return self
 
     def to_yaml(self) -> str:

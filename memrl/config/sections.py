@@ -151,8 +151,7 @@ class TaskConfig(Section):
     def _templates_have_placeholders(self) -> TaskConfig:
         for name, needed in (("memory_template", ("{question}", "{memory}", "{chunk}")),
                              ("final_template", ("{question}", "{memory}"))):
-            text = getattr(self, name)
-            missing = [p for p in needed if p not in text]
+            missing = [p for p in needed if p not in getattr(self, name)]
             if missing:
                 raise ValueError(f"task.{name} must contain {', '.join(needed)}; missing {', '.join(missing)}")
         if "{chunk}" in self.final_template:
