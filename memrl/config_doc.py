@@ -1,5 +1,5 @@
 """`memrl config`: every field of every config section with its type, constraints (`> 0`), value and
-description, read from the pydantic models themselves so that the listing cannot drift from what is validated."""
+description, read from the pydantic models themselves so that the listing cannot drift from the checks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pydantic import BaseModel
 from memrl.config import Config
 
 _SECRETS = frozenset({"api_key"})
-_BOUNDS = {annotated_types.Gt: ">", annotated_types.Ge: ">=", annotated_types.Lt: "<", annotated_types.Le: "<="}
+_BOUNDS = {annotated_types.Gt: ">", annotated_types.Ge: ">=", annotated_types.Lt: "<",
+           annotated_types.Le: "<="}
 
 
 def type_name(annotation: Any) -> str:

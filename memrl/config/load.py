@@ -14,8 +14,8 @@ from pydantic import BaseModel, ValidationError
 from memrl.config.base import ConfigError, import_object
 from memrl.config.root import Config
 
-__all__ = ["apply_overrides", "check_model_path", "config_from_dict", "load_config", "load_pretrained", "load_yaml",
-           "parse_override"]
+__all__ = ["apply_overrides", "check_model_path", "config_from_dict", "load_config", "load_pretrained",
+           "load_yaml", "parse_override"]
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -145,7 +145,7 @@ def check_model_path(path: str | Path, what: str = "model path") -> None:
 
 
 def load_pretrained(loader: Any, path: str | Path, what: str = "model", **kwargs: Any) -> Any:
-    """`loader.from_pretrained(path, **kwargs)` (a transformers Auto class) whose failures are a `ConfigError`
+    """`loader.from_pretrained(path, **kwargs)` (a transformers Auto class), its failures a `ConfigError`
     naming the path: a missing local folder says so, an unreadable folder or hub id gives the loader's reason."""
     check_model_path(path, f"{what} path")
     try:

@@ -76,8 +76,8 @@ class Config(Section):
         try:
             task = import_object(self.plugins.task)()
         except ConfigError as error:
-            raise ValueError(f"plugins.task = '{self.plugins.task}': {error}; install what it needs or fix the "
-                             f"path") from error
+            raise ValueError(f"plugins.task = '{self.plugins.task}': {error}; install what it needs or fix "
+                             f"the path") from error
         task.validate_config(self)
         return self
 

@@ -9,9 +9,9 @@ from pydantic import Field, field_validator, model_validator
 
 from memrl.config.base import Section
 
-__all__ = ["DEFAULT_FINAL_TEMPLATE", "DEFAULT_MEMORY_TEMPLATE", "DEFAULT_NO_MEMORY_TEXT", "DataConfig", "EngineConfig",
-           "EvalConfig", "EvalSetConfig", "LoraConfig", "ModelConfig", "PluginConfig", "QueueConfig", "RayConfig",
-           "SamplingConfig", "TaskConfig"]
+__all__ = ["DEFAULT_FINAL_TEMPLATE", "DEFAULT_MEMORY_TEMPLATE", "DEFAULT_NO_MEMORY_TEXT", "DataConfig",
+           "EngineConfig", "EvalConfig", "EvalSetConfig", "LoraConfig", "ModelConfig", "PluginConfig",
+           "QueueConfig", "RayConfig", "SamplingConfig", "TaskConfig"]
 
 DEFAULT_MEMORY_TEMPLATE = (
     "You are reading a long document one part at a time to answer a question. "
