@@ -146,7 +146,7 @@ def check_model_path(path: str | Path, what: str = "model path") -> None:
 
 def load_pretrained(loader: Any, path: str | Path, what: str = "model", **kwargs: Any) -> Any:
     """`loader.from_pretrained(path, **kwargs)` (a transformers Auto class), its failures a `ConfigError`
-    naming the path: a missing local folder says so, an unreadable folder or hub id gives the loader's reason."""
+    naming the path (check_model_path's for a missing local folder, else with the loader's reason)."""
     check_model_path(path, f"{what} path")
     try:
         return loader.from_pretrained(str(path), **kwargs)

@@ -103,10 +103,11 @@ class EngineConfig(Section):
         "length; `auto` on with CUDA, `on` also on CPU, `off` the dynamic cache.")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "off", description="Local engine: capture each bucket's static decode step as a CUDA graph; `auto` "
-        "whenever the static path runs on CUDA (eager if a capture fails), `on` needs CUDA.")
+        "whenever the static path runs on CUDA (eager if a capture fails), `on` needs CUDA and static_kv "
+        "auto/on.")
     share_prefixes: bool = Field(False, description="Local engine: prefill what a batch's prompts share "
-                                 "once (a GRPO group's turn-0 prompts, a chat-template prefix); equal "
-                                 "within float32 tolerance.")
+                                 "once (a GRPO group's turn-0 prompts, a chat-template prefix); results "
+                                 "match the unshared path within float32 tolerance.")
 
     @model_validator(mode="after")
     def _graphs_need_static_shapes(self) -> EngineConfig:
@@ -120,7 +121,8 @@ class TaskConfig(Section):
     """What the reading task sees: chunking and token limits, prompts, answer extraction, the reward's time."""
 
     chunk_tokens: int = Field(512, gt=0, description="Tokens per document chunk.")
-    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn and of its memory.")
+    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn (and of the memory "
+                               "passed on).")
     final_tokens: int = Field(64, gt=0, description="Token limit of the final answer turn.")
     max_chunks: int = Field(4, gt=0, description="Most chunks read; longer documents are truncated.")
     truncation: Literal["head", "tail", "center", "center_chunks"] = Field(
@@ -244,7 +246,9 @@ class PluginConfig(Section):
                     for key in ("generate_function", "convert_function")}
 
     task: str = Field("memrl.memagent.task:MemAgentTask", description="`module:Class`, the Task "
-                      "(memrl/task.py) that samples, scores and converts everywhere.")
+                      "(memrl/task.py) that samples, scores and converts in training, validation, eval and "
+                      "pass-at-k.")
     reward_function: str | None = Field(None, description="`module:function` (trajectory, golds) -> float "
-                                        "replacing the task's reward; unset: the task's.")
+                                        "replacing the task's reward in training and pass@k; unset: the "
+                                        "task's.")
     config_class: str | None = Field(None, description="A Config subclass (`module:Class`) adding sections.")

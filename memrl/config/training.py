@@ -146,8 +146,8 @@ class TrainConfig(Section):
                                "weights at most k steps old (correct the gap with algorithm.rollout_is); 0 "
                                "= the synchronous loop (docs/multinode.md).")
     sync_check: bool = Field(True, description="Weight-sync canary: after every sync the engine scores a "
-                             "probe the trainer scored; a gap over sync_check_atol stops the run. Needs a "
-                             "scoring engine; false for vLLM or SGLang.")
+                             "probe the trainer scored; a gap over sync_check_atol stops the run. Needs an "
+                             "engine that scores text (local, memrl serve): false for vLLM, SGLang.")
     sync_check_atol: float | None = Field(
         None, gt=0, description="Largest |engine - trainer| log-prob gap on the probe; unset: from dtype "
         "and model size (memrl/train/sync_check.py). Metric sync_check/max_abs_diff: the measured one.")
