@@ -1,10 +1,5 @@
-"""`memrl config`: every field of every config section, with its type, value and description.
-
-What TRL's documented dataclass configs give their users, read from the pydantic models themselves (so
-the listing cannot drift from what is validated): the type as written in the model, the constraints
-(`> 0`, `<= 1`), the value (the default, or the recipe's and overrides' once resolved) and the field's
-description.
-"""
+"""`memrl config`: every field of every config section with its type, constraints (`> 0`), value and
+description, read from the pydantic models themselves so that the listing cannot drift from the checks."""
 
 from __future__ import annotations
 
@@ -19,8 +14,8 @@ from pydantic import BaseModel
 from memrl.config import Config
 
 _SECRETS = frozenset({"api_key"})
-_BOUNDS = ((annotated_types.Gt, ">", "gt"), (annotated_types.Ge, ">=", "ge"),
-           (annotated_types.Lt, "<", "lt"), (annotated_types.Le, "<=", "le"))
+_BOUNDS = {annotated_types.Gt: ">", annotated_types.Ge: ">=", annotated_types.Lt: "<",
+           annotated_types.Le: "<="}
 
 
 def type_name(annotation: Any) -> str:
@@ -39,12 +34,9 @@ def type_name(annotation: Any) -> str:
 
 
 def _constraints(field: Any) -> str:
-    parts = []
-    for meta in field.metadata:
-        for kind, symbol, attr in _BOUNDS:
-            if isinstance(meta, kind):
-                parts.append(f"{symbol} {getattr(meta, attr)}")
-    return ", ".join(parts)
+    # Each annotated_types bound holds its number in the attribute named like the class (Gt.gt).
+    return ", ".join(f"{_BOUNDS[type(meta)]} {getattr(meta, type(meta).__name__.lower())}"
+                     for meta in field.metadata if type(meta) in _BOUNDS)
 
 
 def _value(value: Any) -> str:
@@ -56,10 +48,8 @@ def _value(value: Any) -> str:
 
 
 def describe_config(cfg: Config) -> str:
-    """One block per section, one entry per field: `key: type [constraints] = value` and its description.
-
-    Values that differ from the field's default are marked `(set)`, so a recipe's choices stand out.
-    """
+    """One block per section, one entry per field: `key: type (constraints) = value` and its description;
+    values that differ from the default are marked `(set)`, so a recipe's choices stand out."""
     lines: list[str] = []
     for section_name in type(cfg).model_fields:
         section = getattr(cfg, section_name)

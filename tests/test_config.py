@@ -125,6 +125,15 @@ def test_fsdp_needs_the_ray_runtime():
     assert load_config(None, ["train.strategy=fsdp", "train.runtime=ray"]).train.strategy == "fsdp"
 
 
+def test_lora_with_fsdp_names_the_runtime_first_then_the_missing_support():
+    # The LoRA check relies on the fsdp check running before it (it no longer tests the runtime itself).
+    pytest.importorskip("peft")
+    with pytest.raises(ConfigError, match="train.runtime = 'ray'"):
+        load_config(None, ["model.lora.rank=4", "train.strategy=fsdp"])
+    with pytest.raises(ConfigError, match="model.lora with train.strategy = 'fsdp' is not supported yet"):
+        load_config(None, ["model.lora.rank=4", "train.strategy=fsdp", "train.runtime=ray"])
+
+
 def test_training_and_eval_recipes_prompt_alike():
     # One final prompt for training and evaluation (docs/design.md, pitfall "Different scorer in evaluation"): a policy trained on one wording and
     # evaluated on another measures the wording, not the policy.

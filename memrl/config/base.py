@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, mod
 
 from memrl.errors import MemrlError
 
+__all__ = ["ConfigError", "Section", "import_object"]
+
 
 class ConfigError(ValueError, MemrlError):
     """A recipe or override that cannot be used; the message names the key and what to change."""
@@ -62,10 +64,8 @@ class Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_retired_keys(cls, raw: Any) -> Any:
-        if isinstance(raw, dict):
-            old = [key for key in cls.retired_keys if key in raw]
-            if old:
-                raise ValueError("; ".join(cls.retired_keys[key] for key in old))
+        if isinstance(raw, dict) and (old := [msg for key, msg in cls.retired_keys.items() if key in raw]):
+            raise ValueError("; ".join(old))
         return raw
 
     @field_validator("*", mode="before")
@@ -77,18 +77,11 @@ class Section(BaseModel):
         return value
 
 
-
-def _split_import_path(spec: str) -> tuple[str, str]:
-    """`module:attr` (also `module.attr`) -> (module, attr)."""
+def import_object(spec: str) -> Any:
+    """Load `module:attr` (also `module.attr`); a clear error when either part is missing."""
     module_name, sep, attr = spec.partition(":")
     if not sep:
         module_name, _, attr = spec.rpartition(".")
-    return module_name, attr
-
-
-def import_object(spec: str) -> Any:
-    """Load `module:attr` (also `module.attr`); a clear error when either part is missing."""
-    module_name, attr = _split_import_path(spec)
     if not module_name or not attr:
         raise ConfigError(f"'{spec}' is not an import path; write it as 'package.module:name'")
     try:

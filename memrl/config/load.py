@@ -14,6 +14,9 @@ from pydantic import BaseModel, ValidationError
 from memrl.config.base import ConfigError, import_object
 from memrl.config.root import Config
 
+__all__ = ["apply_overrides", "check_model_path", "config_from_dict", "load_config", "load_pretrained",
+           "load_yaml", "parse_override"]
+
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping: plain YAML keeps the last one, so a
@@ -76,10 +79,8 @@ def _describe_error(cls: type[BaseModel], err: dict[str, Any]) -> str:
     if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(cls, loc[:-1])
         hint = difflib.get_close_matches(loc[-1], allowed, n=1)
-        msg = f"unknown key '{key}'"
-        if hint:
-            msg += f" (did you mean '{'.'.join(loc[:-1] + [hint[0]])}'?)"
-        return msg + f"; allowed here: {', '.join(allowed)}"
+        guess = f" (did you mean '{'.'.join(loc[:-1] + hint)}'?)" if hint else ""
+        return f"unknown key '{key}'{guess}; allowed here: {', '.join(allowed)}"
     value = err.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"
     return f"{key}{shown}: {err['msg']}"
@@ -97,7 +98,7 @@ def _allowed_keys(cls: type[BaseModel], loc: list[str]) -> list[str]:
 
 def config_from_dict(raw: dict[str, Any], config_class: type[Config] | None = None) -> Config:
     if config_class is None:
-        spec = (raw.get("plugins") or {}).get("config_class") if isinstance(raw.get("plugins"), dict) else None
+        spec = (raw["plugins"] if isinstance(raw.get("plugins"), dict) else {}).get("config_class")
         config_class = import_object(spec) if spec else Config
         if not (isinstance(config_class, type) and issubclass(config_class, Config)):
             raise ConfigError(f"plugins.config_class '{spec}' must be a subclass of memrl.config.Config")
@@ -144,9 +145,8 @@ def check_model_path(path: str | Path, what: str = "model path") -> None:
 
 
 def load_pretrained(loader: Any, path: str | Path, what: str = "model", **kwargs: Any) -> Any:
-    """`loader.from_pretrained(path, **kwargs)` (a transformers Auto class) whose failures are a
-    `ConfigError` naming the path: a missing local folder says so, an unreadable folder or hub id
-    gives the loader's reason."""
+    """`loader.from_pretrained(path, **kwargs)` (a transformers Auto class), its failures a `ConfigError`
+    naming the path (check_model_path's for a missing local folder, else with the loader's reason)."""
     check_model_path(path, f"{what} path")
     try:
         return loader.from_pretrained(str(path), **kwargs)

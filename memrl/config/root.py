@@ -23,13 +23,15 @@ from memrl.config.sections import (
 )
 from memrl.config.training import AlgorithmConfig, TrainConfig
 
-# The `rollout` section of earlier releases was split by what its keys set: old key -> its new place.
+__all__ = ["ROLLOUT_MOVED", "Config"]
+
+# The `rollout` section of earlier releases was split by what its keys set: old key -> its new place,
+# built from the fields so that it cannot drift (the old `rollout.engine` is `engine.kind`).
 ROLLOUT_MOVED: dict[str, str] = {
-    **{name: f"{section}.{name}" for section, cls in (("sampling", SamplingConfig), ("engine", EngineConfig),
-                                                      ("task", TaskConfig)) for name in cls.model_fields},
-    "engine": "engine.kind",
+    ("engine" if name == "kind" else name): f"{section}.{name}"
+    for section, cls in (("sampling", SamplingConfig), ("engine", EngineConfig), ("task", TaskConfig))
+    for name in cls.model_fields
 }
-del ROLLOUT_MOVED["kind"]
 
 
 def rollout_moved_message(old: Any) -> str:
@@ -70,13 +72,12 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _task_accepts_the_config(self) -> Config:
-        # The task validates its own settings (e.g. MemAgent: the queue holds max_chunks + 1 rows per
-        # trajectory): `Task.validate_config` (memrl/task.py).
+        # The task checks its own settings (`Task.validate_config`; MemAgent: max_chunks + 1 queue rows).
         try:
             task = import_object(self.plugins.task)()
         except ConfigError as error:
-            raise ValueError(f"plugins.task = '{self.plugins.task}': {error}; install what it needs or fix the path") \
-                from error
+            raise ValueError(f"plugins.task = '{self.plugins.task}': {error}; install what it needs or fix "
+                             f"the path") from error
         task.validate_config(self)
         return self
 
@@ -99,11 +100,18 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _fsdp_needs_workers(self) -> Config:
+        if self.train.strategy == "fsdp" and self.train.runtime != "ray":
+            raise ValueError("train.strategy = 'fsdp' shards the model across Ray trainer workers; set "
+                             "train.runtime = 'ray' (or pass --runtime ray), or use train.strategy = 'ddp'")
+        return self
+
+    @model_validator(mode="after")
     def _lora_where_it_is_built(self) -> Config:
         if self.model.lora is not None:
             if importlib.util.find_spec("peft") is None:
                 raise ValueError("model.lora needs the peft package: pip install 'memrl[lora]', or unset model.lora")
-            if self.train.strategy == "fsdp" and self.train.runtime == "ray":
+            if self.train.strategy == "fsdp":  # on Ray, which _fsdp_needs_workers checked before
                 raise ValueError("model.lora with train.strategy = 'fsdp' is not supported yet; use ddp (adapters "
                                  "are small: the base weights are the only large replica)")
         return self
@@ -116,13 +124,6 @@ class Config(Section):
         if buffer_len is not None and buffer_len > limit:
             raise ValueError(f"algorithm.overlong_buffer_len = {buffer_len} is longer than the final answer's limit "
                              f"task.final_tokens = {limit}; set overlong_buffer_len <= {limit} or raise final_tokens")
-        return self
-
-    @model_validator(mode="after")
-    def _fsdp_needs_workers(self) -> Config:
-        if self.train.strategy == "fsdp" and self.train.runtime != "ray":
-            raise ValueError("train.strategy = 'fsdp' shards the model across Ray trainer workers; set "
-                             "train.runtime = 'ray' (or pass --runtime ray), or use train.strategy = 'ddp'")
         return self
 
     def to_yaml(self) -> str:

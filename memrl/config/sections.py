@@ -9,6 +9,10 @@ from pydantic import Field, field_validator, model_validator
 
 from memrl.config.base import Section
 
+__all__ = ["DEFAULT_FINAL_TEMPLATE", "DEFAULT_MEMORY_TEMPLATE", "DEFAULT_NO_MEMORY_TEXT", "DataConfig",
+           "EngineConfig", "EvalConfig", "EvalSetConfig", "LoraConfig", "ModelConfig", "PluginConfig",
+           "QueueConfig", "RayConfig", "SamplingConfig", "TaskConfig"]
+
 DEFAULT_MEMORY_TEMPLATE = (
     "You are reading a long document one part at a time to answer a question. "
     "You keep a short memory of what matters.\n\n"
@@ -27,15 +31,14 @@ DEFAULT_FINAL_TEMPLATE = (
 DEFAULT_NO_MEMORY_TEXT = "No memory yet."
 
 
-
 class LoraConfig(Section):
     """LoRA adapters (peft) trained instead of the whole model (`model.lora`); see memrl/train/lora.py."""
 
     rank: int = Field(16, gt=0, description="Rank r of each adapter (peft LoraConfig.r; verl lora_rank).")
-    alpha: float | None = Field(None, gt=0, description="Scaling alpha (update = alpha / r * B A); unset: 2 x rank.")
+    alpha: float | None = Field(None, gt=0, description="Adapter scale (alpha / r x B A); unset: 2 x rank.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
-    target_modules: str | list[str] = Field("all-linear", description="Modules given adapters: peft's `all-linear` "
-                                            "(every linear layer but the LM head) or a list of module names.")
+    target_modules: str | list[str] = Field("all-linear", description="peft's `all-linear` (every linear "
+                                            "layer but the LM head) or a list of module names.")
 
     @field_validator("target_modules")
     @classmethod
@@ -52,12 +55,11 @@ class ModelConfig(Section):
     tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; defaults to `path`.")
     revision: str | None = Field(None, description="Hub revision (commit) to pin when `path` is a hub id.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights dtype; `auto` = bfloat16 on CUDA, float32 on CPU."
-    )
+        "auto", description="Weights dtype; `auto` = bfloat16 on CUDA, float32 on CPU.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the local model runs.")
-    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight, e.g. --set "
-                                    "model.lora.rank=16; fields rank, alpha, dropout, target_modules. Unset: full "
-                                    "fine-tuning. Needs peft (pip install 'memrl[lora]').")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (e.g. "
+                                    "--set model.lora.rank=16; needs pip install 'memrl[lora]'); unset: "
+                                    "full fine-tuning.")
 
     @property
     def tokenizer_path(self) -> str | None:
@@ -67,10 +69,10 @@ class ModelConfig(Section):
 class DataConfig(Section):
     dir: str | None = Field(None, description="Prepared data folder (from `memrl prepare-data`).")
     train_file: str = Field("hotpotqa_train.jsonl", description="Training questions, relative to `dir`.")
-    heldout_file: str = Field("hotpotqa_heldout.jsonl", description="Held-out questions, relative to `dir`: the "
-                              "`heldout` validation set when eval.sets is empty.")
-    eval_files: list[str] = Field(default_factory=list, description="More validation files, relative to `dir` (one "
-                                  "set each, named by file stem) when eval.sets is empty.")
+    heldout_file: str = Field("hotpotqa_heldout.jsonl", description="Held-out questions (relative to "
+                              "`dir`): the `heldout` validation set when eval.sets is empty.")
+    eval_files: list[str] = Field(default_factory=list, description="More validation sets (relative to "
+                                  "`dir`, named by file stem) when eval.sets is empty.")
     verify_manifest: bool = Field(True, description="Check SHA-256 of every file against its manifest.")
 
 
@@ -86,29 +88,26 @@ class SamplingConfig(Section):
 class EngineConfig(Section):
     """The rollout engine: a local transformers model (`hf`) or an OpenAI-compatible server, and its limits."""
 
-    kind: Literal["hf", "openai"] = Field("hf", description="`hf`: local transformers model; `openai`: a server.")
-    server_url: str | None = Field(None, description="Base URL of an OpenAI-compatible server (engine.kind=openai).")
+    kind: Literal["hf", "openai"] = Field("hf", description="`hf` (local transformers) or `openai` (server).")
+    server_url: str | None = Field(None, description="URL of the OpenAI-compatible server (kind openai).")
     api_key: str | None = Field(None, description="API key for the server, if it needs one.")
     max_concurrency: int = Field(64, gt=0, description="Requests in flight at once (client engine).")
-    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generation request, queueing "
-                                     "included (server client and local engine); a request past it fails.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one request, queueing included.")
     max_batch_size: int = Field(32, gt=0, description="Local engine: most requests decoded together.")
-    max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in one batch.")
-    # Both default off: the static path has passed its CPU tests but has never run on a GPU (bench/README.md,
-    # "GPU figures owed"), so a first GPU run takes the measured dynamic path; `auto` opts in, and the GPU
-    # measurements decide whether it becomes the default.
+    max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in a "
+                                  "batch.")
+    # Both off by default until a GPU run measures them (bench/README.md, "GPU figures owed"): the static path
+    # has passed its CPU tests only, so a first GPU run takes the measured dynamic path.
     static_kv: Literal["auto", "on", "off"] = Field(
-        "off", description="Local engine: decode in preallocated KV slots bucketed by batch size and length "
-        "(static shapes); `off` (the default, until a GPU run measures it) the dynamic cache, `auto` on with CUDA "
-        "and off on CPU, `on` also on CPU.")
+        "off", description="Local engine: decode in preallocated KV slots bucketed by batch size and "
+        "length; `auto` on with CUDA, `on` also on CPU, `off` the dynamic cache.")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "off", description="Local engine: capture each bucket's static decode step as a CUDA graph; `off` (the "
-        "default, until a GPU run measures it), `auto` on whenever the static path runs on CUDA (eager fallback, "
-        "with a warning, if a capture fails), `on` needs CUDA and static_kv auto/on.")
-    share_prefixes: bool = Field(
-        False, description="Local engine: compute what the prompts of one prefill share once (a GRPO group's "
-        "identical turn-0 prompts, a common chat-template prefix) and continue each from a copy; results equal "
-        "the unshared path within float32 tolerance (memrl/engines/prefix.py). Off until the demo is measured with it.")
+        "off", description="Local engine: capture each bucket's static decode step as a CUDA graph; `auto` "
+        "whenever the static path runs on CUDA (eager if a capture fails), `on` needs CUDA and static_kv "
+        "auto/on.")
+    share_prefixes: bool = Field(False, description="Local engine: prefill what a batch's prompts share "
+                                 "once (a GRPO group's turn-0 prompts, a chat-template prefix); results "
+                                 "match the unshared path within float32 tolerance.")
 
     @model_validator(mode="after")
     def _graphs_need_static_shapes(self) -> EngineConfig:
@@ -122,45 +121,39 @@ class TaskConfig(Section):
     """What the reading task sees: chunking and token limits, prompts, answer extraction, the reward's time."""
 
     chunk_tokens: int = Field(512, gt=0, description="Tokens per document chunk.")
-    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn (and of the memory passed on).")
+    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn (and of the memory "
+                               "passed on).")
     final_tokens: int = Field(64, gt=0, description="Token limit of the final answer turn.")
-    max_chunks: int = Field(4, gt=0, description="At most this many chunks are read; longer documents are truncated.")
+    max_chunks: int = Field(4, gt=0, description="Most chunks read; longer documents are truncated.")
     truncation: Literal["head", "tail", "center", "center_chunks"] = Field(
-        "center", description="What a document longer than max_chunks x chunk_tokens keeps: `head` the first "
-        "max_chunks chunks, `tail` the last, `center` the first and last half of the token budget (MemAgent's), "
-        "`center_chunks` the first and last whole chunks (memrl's first center policy)."
-    )
+        "center", description="What a document over max_chunks x chunk_tokens keeps: `head` / `tail` the "
+        "first / last chunks, `center` the first and last half of the tokens (MemAgent's), `center_chunks` "
+        "of whole chunks.")
     enable_thinking: bool = Field(False, description="Passed to the chat template (Qwen3: keep False).")
-    memory_template: str = Field(DEFAULT_MEMORY_TEMPLATE, description="Memory-turn user message; {question} {memory} {chunk}.")
-    final_template: str = Field(DEFAULT_FINAL_TEMPLATE, description="Final-turn user message; {question} {memory}.")
+    memory_template: str = Field(DEFAULT_MEMORY_TEMPLATE, description="Memory-turn prompt: {question} "
+                                 "{memory} {chunk}.")
+    final_template: str = Field(DEFAULT_FINAL_TEMPLATE, description="Final-turn prompt: {question} {memory}.")
     no_memory_text: str = Field(DEFAULT_NO_MEMORY_TEXT, description="Memory shown before the first chunk.")
     prompt_layout: Literal["memagent", "chunk_first"] = Field(
-        "memagent", description="Order of a memory turn's prompt: `memagent` memory_template as written (MemAgent's "
-        "question, memory, chunk); `chunk_first` its memory block moved after its chunk block, so a group's prompts "
-        "share all but the memory and the engine computes that prefix once (memrl/memagent/prompts.py).")
-    strip_inputs: bool = Field(
-        False, description="Strip whitespace around each question and document before prompting (str.strip(), as "
-        "the official MemAgent evaluation does; some HotpotQA questions end in a space)."
-    )
-    memory_after_think: bool = Field(
-        False, description="Pass on as memory only what a memory turn wrote after its last </think>, whitespace "
-        "stripped (the official MemAgent evaluation's rule; a response without </think> is kept whole). The turn "
-        "still trains on every sampled token. Set by recipes/memagent-official-eval.yaml."
-    )
+        "memagent", description="`memagent`: memory_template as written; `chunk_first`: its memory block "
+        "after its chunk, so a group's prompts share a prefix the engine computes once.")
+    strip_inputs: bool = Field(False, description="str.strip() each question and document before prompting "
+                               "(the official MemAgent evaluation does).")
+    memory_after_think: bool = Field(False, description="Pass on as memory only what a memory turn wrote "
+                                     "after its last </think> (the official MemAgent evaluation's rule); "
+                                     "training still sees every token.")
     answer_extractor: Literal["boxed", "therefore"] = Field(
-        "boxed", description="How the final answer is read for reward and evaluation: `boxed` the last \\boxed{}; "
-        "`therefore` the line after the last \"the answer is\" (the official MemAgent non-boxed final prompt)."
-    )
-    reward_timeout_s: float = Field(
-        60.0, gt=0, description="Longest one call of the reward function may take; past it the rollout step "
-        "fails with RewardError. The call runs in a daemon thread, which is left running (a thread cannot be killed).")
+        "boxed", description="How the final answer is read: `boxed` the last \\boxed{}; `therefore` the "
+        "line after the last \"the answer is\" (official MemAgent non-boxed prompt).")
+    reward_timeout_s: float = Field(60.0, gt=0, description="Longest one reward-function call may take; "
+                                    "past it the step fails with RewardError (the call's thread is left "
+                                    "running).")
 
     @model_validator(mode="after")
     def _templates_have_placeholders(self) -> TaskConfig:
         for name, needed in (("memory_template", ("{question}", "{memory}", "{chunk}")),
                              ("final_template", ("{question}", "{memory}"))):
-            text = getattr(self, name)
-            missing = [p for p in needed if p not in text]
+            missing = [p for p in needed if p not in getattr(self, name)]
             if missing:
                 raise ValueError(f"task.{name} must contain {', '.join(needed)}; missing {', '.join(missing)}")
         if "{chunk}" in self.final_template:
@@ -172,21 +165,21 @@ class QueueConfig(Section):
     retired_keys = {"train_data_group_size": "queue.train_data_group_size is removed: the trainer takes each "
                     "rollout's rows all at once, so there are no groups to size; delete the key"}
 
-    train_sample_expansion_factor: int | None = Field(
-        None, gt=0, description="Most rows one trajectory may expand to; sizes the queue's reserved capacity. "
-        "Unset: the task's own bound (MemAgent: task.max_chunks + 1; a 1:1 task: 1)."
-    )
+    train_sample_expansion_factor: int | None = Field(None, gt=0, description="Most rows one trajectory may "
+                                                      "expand to (sizes the queue); unset: the task's bound "
+                                                      "(MemAgent: task.max_chunks + 1).")
     timeout_s: float = Field(1800.0, gt=0, description="Longest any wait on the queue may take.")
 
 
 class EvalSetConfig(Section):
     """One validation set of `eval.sets`; unset settings are the run's (`sampling.*`, `task.*`, `eval.limit`)."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Set name: TensorBoard eval/<name>/em, RUN_ROOT/eval/<name>/.")
-    file: str = Field(description="Prepared JSONL or RULER-HQA eval_N.json, relative to data.dir (or absolute).")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Set name: TensorBoard eval/<name>/em, "
+                      "RUN_ROOT/eval/<name>/.")
+    file: str = Field(description="Prepared JSONL or RULER-HQA eval_N.json, under data.dir or absolute.")
     limit: int | None = Field(None, gt=0, description="Only the first N questions.")
-    samples: int = Field(1, gt=0, description="Samples per question (sample s uses sampling.seed + s); metrics are the "
-                         "mean over samples.")
+    samples: int = Field(1, gt=0, description="Samples per question (sample s: seed sampling.seed + s); "
+                         "metrics average them.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature (0 = greedy).")
     max_chunks: int | None = Field(None, gt=0, description="Chunks read (long RULER documents need more).")
     memory_tokens: int | None = Field(None, gt=0, description="Token limit of a memory turn.")
@@ -196,11 +189,9 @@ class EvalSetConfig(Section):
 class EvalConfig(Section):
     limit: int | None = Field(None, gt=0, description="Evaluate only the first N questions.")
     concurrency: int = Field(64, gt=0, description="Questions evaluated at once.")
-    sets: list[EvalSetConfig] = Field(
-        default_factory=list, description="Validation sets of training (train.eval_interval), each {name, file, "
-        "limit, samples, temperature, max_chunks, memory_tokens, final_tokens}. Empty: `heldout` = data.heldout_file "
-        "and one set per data.eval_files entry, named by its file stem."
-    )
+    sets: list[EvalSetConfig] = Field(default_factory=list, description="Validation sets of training, each "
+                                      "{name, file, limit, samples, temperature, max_chunks, memory_tokens, "
+                                      "final_tokens}; empty: `heldout` and data.eval_files.")
 
     @field_validator("sets")
     @classmethod
@@ -215,16 +206,19 @@ class RayConfig(Section):
     """The Ray runtime (`train.runtime: ray`); trainer workers = `train.dp_size`. See docs/multinode.md."""
 
     num_rollout_workers: int = Field(1, gt=0, description="Rollout workers, each with its own engine.")
-    placement: Literal["separate", "colocated"] = Field(
-        "separate", description="`colocated`: trainer i and rollout worker i share a resource bundle."
-    )
+    placement: Literal["separate", "colocated"] = Field("separate", description="`colocated`: trainer i and "
+                                                        "rollout worker i share a resource bundle.")
     trainer_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs per trainer worker.")
-    trainer_num_gpus: float | None = Field(None, ge=0, description="GPUs per trainer worker; unset: 1 if the cluster has GPUs (0.5 colocated), else 0.")
+    trainer_num_gpus: float | None = Field(None, ge=0, description="GPUs per trainer worker; unset: 1 with "
+                                           "GPUs (0.5 colocated), else 0.")
     rollout_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs per rollout worker.")
-    rollout_num_gpus: float | None = Field(None, ge=0, description="GPUs per rollout worker; unset: as trainer_num_gpus.")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: nccl with GPUs, else gloo.")
-    rollout_server_urls: list[str] = Field(default_factory=list, description="engine.kind=openai: one server URL per rollout worker.")
-    startup_timeout_s: float = Field(600.0, gt=0, description="Worker start, model load, process-group setup.")
+    rollout_num_gpus: float | None = Field(None, ge=0, description="GPUs per rollout worker; unset: as "
+                                           "trainer_num_gpus.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: "
+                                                     "nccl with GPUs, else gloo.")
+    rollout_server_urls: list[str] = Field(default_factory=list, description="engine.kind=openai: one "
+                                           "server URL per rollout worker.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Worker start, model load, process groups.")
     rollout_timeout_s: float = Field(3600.0, gt=0, description="One rollout step on the rollout workers.")
     train_timeout_s: float = Field(3600.0, gt=0, description="One step's training on the trainer workers.")
     sync_timeout_s: float = Field(600.0, gt=0, description="Weight sync and checkpoint save.")
@@ -251,10 +245,10 @@ class PluginConfig(Section):
                          f"converts (docs/custom-tasks.md); e.g. plugins.task = memrl.tasks.single_turn:SingleTurnTask"
                     for key in ("generate_function", "convert_function")}
 
-    task: str = Field("memrl.memagent.task:MemAgentTask",
-                      description="`module:Class`, the Task (memrl/task.py) that samples, scores and converts: "
-                                  "training, validation, memrl eval and memrl pass-at-k all use it.")
-    reward_function: str | None = Field(
-        None, description="`module:function` `(trajectory, golds) -> float` replacing the task's own reward "
-                          "(training and pass@k); unset: the task's.")
-    config_class: str | None = Field(None, description="`module:Class`, a Config subclass with extra sections.")
+    task: str = Field("memrl.memagent.task:MemAgentTask", description="`module:Class`, the Task "
+                      "(memrl/task.py) that samples, scores and converts in training, validation, eval and "
+                      "pass-at-k.")
+    reward_function: str | None = Field(None, description="`module:function` (trajectory, golds) -> float "
+                                        "replacing the task's reward in training and pass@k; unset: the "
+                                        "task's.")
+    config_class: str | None = Field(None, description="A Config subclass (`module:Class`) adding sections.")

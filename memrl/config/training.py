@@ -10,87 +10,73 @@ from pydantic import Field, field_validator, model_validator
 
 from memrl.config.base import Section
 
+__all__ = ["AlgorithmConfig", "TrainConfig"]
+
 
 class AlgorithmConfig(Section):
     retired_keys = {"tis_cap": "algorithm.tis_cap is replaced by algorithm.rollout_is=token + rollout_is_threshold=C "
                                 "(the same truncated importance weights, verl's names)"}
 
-    credit: Literal["split", "share"] = Field(
-        "split", description="`split`: each of T turns gets advantage/T; `share`: each gets the full advantage."
-    )
+    credit: Literal["split", "share"] = Field("split", description="`split`: each of T turns gets "
+                                              "advantage/T; `share`: each gets the full advantage.")
     std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (+eps).")
-    std_ddof: Literal[0, 1] = Field(
-        0, description="The group std's delta degrees of freedom: 0 = population std, 1 = sample std (verl's and "
-        "slime's GRPO; advantages smaller by sqrt((n-1)/n) for groups of n)."
-    )
+    std_ddof: Literal[0, 1] = Field(0, description="Group std's degrees of freedom: 0 population, 1 sample "
+                                    "(verl's and slime's GRPO).")
     eps: float = Field(1e-6, gt=0, description="Added to the std before dividing.")
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1.")
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (clip-higher when > clip_low).")
-    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip bound c > 1 for negative advantages; off if unset.")
+    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages; off "
+                                    "if unset.")
     kl_coef: float = Field(0.001, ge=0, description="Coefficient of the KL penalty to the frozen reference.")
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman's k1 or k3).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
                       "seq_mean_token_sum_norm"] = Field(
-        "token_mean", description="How token losses are averaged (verl loss_agg_mode; formulas in memrl/rl/loss.py "
-        "and docs/algorithms.md). `seq_mean_token_sum`: mean over rows of each row's token sum; "
-        "`seq_mean_token_sum_norm`: Dr. GRPO, the token sums over rows x loss_scale_factor (verl >= 0.7.1 "
-        "seq-mean-token-sum-norm, TRL loss_type=dr_grpo)."
-    )
-    loss_scale_factor: int | None = Field(
-        None, gt=0, description="The fixed normaliser L of loss_agg=seq_mean_token_sum_norm (verl "
-        "actor.loss_scale_factor); unset: the longest response-token limit, max(task.memory_tokens, "
-        "task.final_tokens)."
-    )
+        "token_mean", description="How token losses are averaged (verl loss_agg_mode; docs/algorithms.md); "
+        "`seq_mean_token_sum_norm` is Dr. GRPO.")
+    loss_scale_factor: int | None = Field(None, gt=0, description="Normaliser L of seq_mean_token_sum_norm "
+                                          "(verl actor.loss_scale_factor); unset: max(task.memory_tokens, "
+                                          "task.final_tokens).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = logged only).")
-    loss_mode: Literal["vanilla", "gspo"] = Field(
-        "vanilla", description="`vanilla`: PPO's per-token ratio; `gspo`: GSPO's sequence ratio (verl "
-        "policy_loss.loss_mode=gspo) taken over a whole trajectory, all its turns' tokens (memrl/rl/loss.py "
-        "gspo_log_ratio); needs credit share (every turn carries the trajectory's advantage); GSPO's recipe: "
-        "clip_low 3e-4, clip_high 4e-4, loss_agg trajectory_mean."
-    )
+    loss_mode: Literal["vanilla", "gspo"] = Field("vanilla", description="`vanilla`: PPO's per-token ratio; "
+                                                  "`gspo`: GSPO's sequence ratio over a whole trajectory "
+                                                  "(verl policy_loss.loss_mode=gspo), needs credit share.")
     rollout_is: Literal["token", "sequence"] | None = Field(
-        None, description="Importance weights for the engine/trainer gap (verl algorithm.rollout_correction."
-        "rollout_is): `token` min(rho_t, threshold) (truncated IS, slime --use-tis), `sequence` one weight per trajectory, "
-        "min(prod rho_t, threshold); off if unset (memrl/rl/correction.py)."
-    )
+        None, description="Importance weights for the engine/trainer gap (verl "
+        "algorithm.rollout_correction.rollout_is): `token` min(rho_t, threshold) (slime --use-tis), "
+        "`sequence` per trajectory; off if unset.")
     rollout_is_threshold: float = Field(2.0, gt=0, description="Upper bound of the rollout_is weights.")
     rollout_rs: Literal["token", "sequence", "geometric"] | None = Field(
-        None, description="Masked importance sampling (verl rollout_rs): drop tokens (`token`) or whole trajectories "
-        "(`sequence`: prod rho_t; `geometric`: its per-token geometric mean) whose engine/trainer ratio leaves "
-        "[rollout_rs_threshold_lower, rollout_rs_threshold]; off if unset."
-    )
-    rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound of rollout_rs; unset: rollout_is_threshold.")
-    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound of rollout_rs; unset: 1 / upper.")
-    mask_truncated_completions: bool = Field(
-        False, description="Zero the loss of every row of a trajectory whose final turn hit its token limit (TRL "
-        "mask_truncated_completions); it still counts in its group's advantage."
-    )
+        None, description="Masked importance sampling (verl rollout_rs): drop tokens or trajectories "
+        "(`sequence`: prod rho_t, `geometric`: its geometric mean) whose ratio leaves [lower, upper]; "
+        "unset: off.")
+    rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound of rollout_rs; unset: "
+                                               "rollout_is_threshold.")
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound of rollout_rs; "
+                                                     "unset: 1 / upper.")
+    mask_truncated_completions: bool = Field(False, description="Zero the loss of a trajectory whose final "
+                                             "turn hit its token limit (TRL mask_truncated_completions); it "
+                                             "still counts in its group's advantage.")
     overlong_buffer_len: int | None = Field(
-        None, gt=0, description="DAPO's soft overlong penalty (verl reward_model.overlong_buffer.len): a final answer "
-        "longer than its limit minus this many tokens loses up to overlong_penalty_factor, linearly, in the reward "
-        "the advantage uses (the raw reward is kept for logs and filter_groups); off if unset."
-    )
+        None, gt=0, description="DAPO's overlong penalty (verl reward_model.overlong_buffer.len): up to "
+        "overlong_penalty_factor, linear over the answer limit's last N tokens; logs and filter_groups see "
+        "the raw reward; off if unset.")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="The overlong penalty at the limit itself.")
-    turn_reward_function: str | None = Field(
-        None, description="`module:function` (turn, trajectory, golds) -> float, a reward per turn mixed into that "
-        "turn's advantage: alpha x trajectory credit + (1 - alpha) x the turn reward normalised in its group and turn "
-        "index (memrl/rl/shaping.py). Built-in: memrl.memagent.reward:memory_recall. Off if unset."
-    )
-    turn_reward_alpha: float = Field(0.5, ge=0, le=1, description="alpha of turn_reward_function (1 = trajectory credit only).")
-    filter_groups: bool = Field(
-        False, description="Dynamic sampling (DAPO; verl algorithm.filter_groups.enable): drop prompt groups whose "
-        "raw rewards are all equal and generate more, over_sampling_batch_size questions at a time, until the step "
-        "has train.rollout_batch_size groups or max_num_gen_batches is reached (memrl/rl/dynamic_sampling.py)."
-    )
-    over_sampling_batch_size: int | None = Field(
-        None, gt=0, description="Questions per further generation batch of filter_groups (slime "
-        "--over-sampling-batch-size); unset: train.rollout_batch_size."
-    )
+    turn_reward_function: str | None = Field(None, description="`module:function` (turn, trajectory, golds) "
+                                             "-> float, a per-turn reward mixed into that turn's advantage "
+                                             "(built-in: memrl.memagent.reward:memory_recall); off if unset.")
+    turn_reward_alpha: float = Field(0.5, ge=0, le=1, description="alpha of turn_reward_function: alpha x "
+                                     "trajectory credit + (1 - alpha) x the normalised turn reward (1 = "
+                                     "trajectory credit only).")
+    filter_groups: bool = Field(False, description="Dynamic sampling (DAPO; verl "
+                                "algorithm.filter_groups.enable): drop groups whose raw rewards are all "
+                                "equal, generate more until train.rollout_batch_size groups or "
+                                "max_num_gen_batches.")
+    over_sampling_batch_size: int | None = Field(None, gt=0, description="Questions per further batch of "
+                                                 "filter_groups (slime --over-sampling-batch-size); unset: "
+                                                 "train.rollout_batch_size.")
     max_num_gen_batches: int = Field(
-        10, gt=0, description="Most generation batches of one step under filter_groups, the first included (verl "
-        "algorithm.filter_groups.max_num_gen_batches); reached, the step trains on the groups it has. At least 1: "
-        "verl's 0 (unlimited) is not offered."
-    )
+        10, gt=0, description="Most generation batches of a filter_groups step, the first included (verl "
+        "algorithm.filter_groups.max_num_gen_batches); reached, the step trains on what it has.")
 
     @field_validator("max_num_gen_batches", mode="before")
     @classmethod
@@ -129,84 +115,62 @@ class TrainConfig(Section):
 
     num_rollout: int = Field(100, gt=0, description="Rollout steps to run.")
     rollout_batch_size: int = Field(16, gt=0, description="Questions per rollout step.")
-    num_optimizer_steps: int = Field(1, gt=0, description="Optimizer steps per rollout step (counted in prompt groups).")
+    num_optimizer_steps: int = Field(1, gt=0, description="Optimizer steps per rollout step (counted in "
+                                     "prompt groups).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps (the first update at lr / "
-                              "warmup_steps).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="LR after warmup: `constant` (HF constant_with_warmup), `linear` or `cosine` decay "
-        "(HF get_scheduler names; verl warmup_style) over the rest of num_rollout x num_optimizer_steps, down to "
-        "min_lr_ratio x lr.")
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the linear / cosine decay, as a "
-                                "fraction of lr (verl's min_lr_ratio).")
+        "constant", description="LR after warmup: `constant`, or `linear` / `cosine` decay to min_lr_ratio "
+        "x lr over the run (HF get_scheduler names; verl warmup_style).")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, as a fraction of lr "
+                                "(verl min_lr_ratio).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    micro_batch_tokens: int = Field(16384, gt=0, description="Token budget of one micro-batch (padded tokens).")
+    micro_batch_tokens: int = Field(16384, gt=0, description="Micro-batch token budget, padding included.")
     dp_size: int = Field(1, gt=0, description="Data-parallel size the rows of a step are split across.")
-    pad_to_dp: bool = Field(False, description="Pad a step's rows to a multiple of dp_size with all-zero-mask rows.")
-    save_interval: int = Field(50, gt=0, description="Save a checkpoint every this many rollout steps (and at the end).")
+    pad_to_dp: bool = Field(False, description="Pad rows to a multiple of dp_size with all-zero-mask rows.")
+    save_interval: int = Field(50, gt=0, description="Checkpoint every N rollout steps and at the end.")
     # Bounded because torch.manual_seed takes at most 64 bits: 2**64 was an overflow traceback at the
     # first step. 2**63 - 1 is also the largest seed `memrl serve` accepts, so one range holds for both.
-    seed: int = Field(1234, ge=0, le=2**63 - 1, description="Seed of data order and trainer RNG, "
-                      "in [0, 2**63 - 1].")
+    seed: int = Field(1234, ge=0, le=2**63 - 1, description="Seed of data order and trainer RNG.")
     runtime: Literal["local", "ray"] = Field("local", description="One process (`local`) or Ray workers.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor.")
     logprob_chunk_tokens: int | None = Field(
-        512, gt=0, description="Response tokens whose log-probs and entropy go through the LM head at once, "
-        "recomputed in the backward (verl's entropy checkpointing): bounds the float32 [tokens x vocab] logits "
-        "to this many rows. Unset: all of a micro-batch's response tokens at once, kept for the backward."
-    )
-    packing: bool = Field(
-        False, description="Padding-free micro-batches: rows concatenated into one sequence with per-row "
-        "position ids instead of [rows x longest], attention kept within each row by a variable-length kernel "
-        "(torch's varlen flash attention on CUDA under bf16, FlashAttention if the model uses it, one causal sdpa "
-        "call per row otherwise), never a dense mask; the token budget then counts real tokens."
-    )
-    max_staleness: int = Field(
-        0, ge=0, description="Overlap rollout and training: rollout n+k may generate while step n trains, with "
-        "weights at most k steps old (PPO ratios against the rollout's own log-probs; algorithm.rollout_is "
-        "corrects the gap). 0 = the synchronous loop. Drains at checkpoints, so resume stays exact. queue.timeout_s then also "
-        "bounds the trainer's wait for a rollout still generating. Any runtime and engine (a served engine reloads "
-        "one folder per weight version, RUN_ROOT/weights_versions)."
-    )
-    sync_check: bool = Field(
-        True, description="The weight-sync canary: before the first rollout and after every weight sync (any "
-        "runtime, engine and max_staleness), the rollout engine scores a fixed 12-token probe that the trainer "
-        "scored with the same weights; a difference beyond sync_check_atol stops the run with both numbers and the "
-        "weight version (a served engine that did not reload, a wrong dtype). Needs an engine that scores a given "
-        "continuation (the local engine, memrl serve); set false for vLLM or SGLang."
-    )
+        512, gt=0, description="Response tokens through the LM head at once, recomputed in the backward "
+        "(verl entropy checkpointing): bounds the float32 [tokens x vocab] logits; unset: all at once.")
+    packing: bool = Field(False, description="Padding-free micro-batches: rows concatenated with per-row "
+                          "position ids and a variable-length attention kernel; the token budget then "
+                          "counts real tokens.")
+    max_staleness: int = Field(0, ge=0, description="Rollout n+k may generate while step n trains, on "
+                               "weights at most k steps old (correct the gap with algorithm.rollout_is); 0 "
+                               "= the synchronous loop (docs/multinode.md).")
+    sync_check: bool = Field(True, description="Weight-sync canary: after every sync the engine scores a "
+                             "probe the trainer scored; a gap over sync_check_atol stops the run. Needs an "
+                             "engine that scores text (local, memrl serve): false for vLLM, SGLang.")
     sync_check_atol: float | None = Field(
-        None, gt=0, description="Largest |engine - trainer| log-prob difference on the canary's probe. Unset: the "
-        "float error of two forwards of the same weights, from the dtypes and model size (memrl/train/sync_check.py; "
-        "Qwen3-0.6B: 1.2e-2 float32, 1.3 bfloat16); logs/metrics.jsonl sync_check/max_abs_diff shows the measured one."
-    )
-    strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="How data-parallel trainer workers (runtime ray) hold the model: `ddp` keeps a full "
-        "replica per rank; `fsdp` shards weights, gradients and optimizer state (FSDP2) for models that do not "
-        "fit one device."
-    )
-    eval_interval: int = Field(0, ge=0, description="Validate on the eval sets (eval.sets) every this many rollout "
-                               "steps and after the last, with the training engine's current weights; 0 = off "
-                               "(verl trainer.test_freq). Results: RUN_ROOT/eval/, logs/eval_metrics.jsonl, "
-                               "TensorBoard eval/<set>/{em,sub_em,f1}.")
-    eval_before_train: bool = Field(False, description="Also validate the starting weights, before the first step "
-                                    "(verl val_before_train); logged as rollout id start - 1.")
-    keep_best: str | None = Field(None, description="Validation metric that picks the best checkpoint, e.g. "
-                                  "eval/heldout/em: a checkpoint is saved at every new best and checkpoints/best.json "
-                                  "names it (OpenRLHF ckpt.best_metric_key). Needs eval_interval > 0.")
-    keep_best_mode: Literal["max", "min"] = Field("max", description="Whether a larger (max) or smaller (min) "
-                                                  "keep_best metric is better.")
-    keep_last_n: int | None = Field(None, gt=0, description="Keep only the newest N checkpoints (never deleting the "
+        None, gt=0, description="Largest |engine - trainer| log-prob gap on the probe; unset: from dtype "
+        "and model size (memrl/train/sync_check.py). Metric sync_check/max_abs_diff: the measured one.")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="How Ray trainer workers hold the model: "
+                                             "`ddp` a full replica per rank; `fsdp` sharded (FSDP2).")
+    eval_interval: int = Field(0, ge=0, description="Validate on the eval sets every this many rollout "
+                               "steps and after the last; 0 = off (verl trainer.test_freq). Results: "
+                               "RUN_ROOT/eval/, logs/eval_metrics.jsonl.")
+    eval_before_train: bool = Field(False, description="Also validate the starting weights (verl "
+                                    "val_before_train); logged as rollout id start - 1.")
+    keep_best: str | None = Field(None, description="Metric that picks the best checkpoint, e.g. "
+                                  "eval/heldout/em: saved at every new best, named in checkpoints/best.json "
+                                  "(OpenRLHF ckpt.best_metric_key).")
+    keep_best_mode: Literal["max", "min"] = Field("max", description="Whether a larger (max) or smaller "
+                                                  "(min) keep_best metric is better.")
+    keep_last_n: int | None = Field(None, gt=0, description="Keep only the newest N checkpoints (never the "
                                     "latest or the best); unset: keep all.")
     loggers: list[Literal["tensorboard", "jsonl", "wandb"]] = Field(
-        ["tensorboard", "jsonl"], description="Where metrics go: `tensorboard` (RUN_ROOT/tensorboard), `jsonl` "
-        "(logs/metrics.jsonl, which memrl report and reward_summary.json read), `wandb` (Weights & Biases: pip install "
-        "'memrl[wandb]'; WANDB_MODE=offline works without an account).")
+        ["tensorboard", "jsonl"], description="Where metrics go: `tensorboard`, `jsonl` "
+        "(logs/metrics.jsonl, read by memrl report), `wandb` (pip install 'memrl[wandb]').")
     project_name: str = Field("memrl", description="W&B project (verl trainer.project_name).")
-    experiment_name: str | None = Field(None, description="W&B run name (verl trainer.experiment_name); unset: the "
-                                        "run root's folder name.")
+    experiment_name: str | None = Field(None, description="W&B run name (verl trainer.experiment_name); "
+                                        "unset: the run root's folder name.")
 
     @model_validator(mode="after")
     def _a_decay_for_the_floor(self) -> TrainConfig:
