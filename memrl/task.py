@@ -108,6 +108,12 @@ class Task:
     def log_fields(self, traj: Trajectory | None, phase: Phase) -> dict[str, Any]:
         return {}
 
+    def view_fields(self, record: dict[str, Any], turns: list[dict[str, Any]]) -> dict[str, Any]:
+        """What `memrl view` shows of one logged trajectory (an eval line or a rollout log record, with its
+        `log_fields`) beyond the answer, scores and turn texts, under the page's keys; a ValueError names a
+        field that is not what the task writes. The default adds nothing: prompt / response text only."""
+        return {}
+
 
 def load_task(cfg: Any) -> Task:
     """The configured task (`plugins.task`), a new instance."""

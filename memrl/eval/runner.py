@@ -93,7 +93,8 @@ def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_
 def _config_record(cfg: Config) -> dict[str, Any]:
     rollout = cfg.rollout.model_dump(mode="json")
     rollout.pop("api_key", None)  # never write a credential into results
-    return {"rollout": rollout, "eval": cfg.eval.model_dump(mode="json")}
+    # The task tells `memrl view` what to show of each line (`Task.view_fields`).
+    return {"rollout": rollout, "eval": cfg.eval.model_dump(mode="json"), "task": cfg.plugins.task}
 
 
 class _RunningScore:
