@@ -1,17 +1,9 @@
-"""What every task's rollout shares, owned by the framework so that no task can get it wrong.
-
-A task (`plugins.task`, memrl/task.py) samples with a `RolloutContext` and gets from here:
-- `ctx.groups(records)`: each question with its **slot** (its position in the rollout step's whole
-  batch, also when a Ray rollout worker serves only a slice) and its **group key**, from which group
-  ids and request seeds derive. A batch that wraps around the data set holds a question twice: the slot
-  keeps their groups apart. Tasks never number slots themselves, so one process and Ray agree.
-- `request_seed(...)`: the per-request seed (same question, sample and turn: same draw on every run).
-- `ctx.reward(traj, golds)`: the task's reward (or `plugins.reward_function`), checked (a finite real
-  number, within `rollout.reward_timeout_s`; else `RewardError`, which fails the rollout step).
-- `finish_rollout(...)`: groups with a failed trajectory are dropped (GRPO needs the whole group) and
-  reported; the common metrics; the row count the rollout announces (`None` for a 1:1 task: then the
-  loop expects one row per trajectory).
-- `ctx.scratch`: a dict the task may cache per-context objects in (MemAgent: its prompt builder).
+"""What every task's rollout shares, owned by the framework so that no task can get it wrong: the group
+slots (`ctx.groups`: a question's position in the step's whole batch, also on a Ray worker's slice, from
+which group ids and seeds derive; a batch wrapping the data set holds a question twice), `request_seed`,
+the checked reward (`ctx.reward`: a finite real number within `rollout.reward_timeout_s`, else a
+`RewardError` that fails the step), `finish_rollout` (groups with a failure dropped, common metrics, the
+row count to announce) and `ctx.scratch`, a per-context cache for the task.
 """
 
 from __future__ import annotations
@@ -22,18 +14,11 @@ import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from memrl.engines.base import Engine
 from memrl.errors import MemrlError
 from memrl.types import RolloutOutput, Trajectory
-
-
-class QuestionLike(Protocol):
-    id: str
-    question: str
-    answers: list[str]
-    context: str
 
 
 def request_seed(base_seed: int, *parts: Any) -> int:

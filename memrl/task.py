@@ -1,14 +1,11 @@
 """The Task: one object, named by `plugins.task` (`module:Class`), that owns everything task-specific
-(docs/custom-tasks.md lists its methods and defaults). Training (one process and Ray), validation during
-training, `memrl eval` and `memrl pass-at-k` all sample through `sample_group` (a training step: `generate`),
-so a new task plugs into every command at once. `ctx.phase` says who asks: "train" (training, pass@k: n
-samples per group, rewards) or "eval" (validation, `memrl eval`: one sample per question, `eval_group`).
+(docs/custom-tasks.md lists its methods and defaults). Training (one process and Ray), validation,
+`memrl eval` and `memrl pass-at-k` all sample through `sample_group`, `memrl view` shows its
+`view_fields`, so a new task plugs into every command at once. `ctx.phase` says who asks: "train"
+(training, pass@k: n samples per group) or "eval" (validation, `memrl eval`: one sample, `eval_group`).
 
-The former per-function keys (`plugins.generate_function`, `plugins.convert_function`) are refused at
-config load naming `plugins.task` (memrl/config.py), so a half-migrated config cannot mix two tasks.
-
-The answer scorers here are every task's default: the final answer read by the trajectory's extractor; an
-unfinished trajectory scores 0 (docs/design.md §2), and `trajectory_reward(t, g) == score_trajectory(t, g).em`.
+The answer scorers here are every task's default: an unfinished trajectory scores 0 (docs/design.md §2),
+and `trajectory_reward(t, g) == score_trajectory(t, g).em`.
 """
 
 from __future__ import annotations
@@ -30,24 +27,23 @@ EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 def trajectory_extractor(traj: Trajectory, extractor: str | None = None) -> str:
-    """The answer extractor for `traj`: `extractor` if given, else the one its rollout recorded in
-    `metadata["answer_extractor"]` (the final prompt asked for that format), else `boxed`."""
+    """`extractor`, else the one its rollout recorded (`metadata["answer_extractor"]`: the final prompt asked
+    for that format), else `boxed`."""
     if extractor is not None:
         return extractor
     return str((traj.metadata or {}).get("answer_extractor", DEFAULT_EXTRACTOR))
 
 
 def trajectory_reward(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> float:
-    """1.0 if the finished final answer matches a gold (HotpotQA EM); an unfinished one (failed,
-    truncated) scores 0."""
+    """1.0 if the finished final answer matches a gold (HotpotQA EM); an unfinished one scores 0."""
     if traj.status != "complete":
         return 0.0
     return reward_from_text(traj.answer, golds, trajectory_extractor(traj, extractor))
 
 
 def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> AnswerScore:
-    """EM, sub_EM, F1 and missing-box of the final answer. A failed trajectory is a missing answer; a
-    truncated one keeps what it boxed but all its metrics are 0, matching its reward."""
+    """EM, sub_EM, F1 and missing-box of the final answer; a truncated one keeps what it boxed but scores 0,
+    matching its reward."""
     text = traj.answer if traj.status != "failed" else ""
     score = score_answer(text, golds, trajectory_extractor(traj, extractor))
     if traj.status == "complete":
@@ -126,14 +122,13 @@ def task_reward(cfg: Any, task: Task) -> Callable[[Trajectory, list[str]], float
 
 
 def eval_group(record: Any) -> GroupSlot:
-    """An evaluated question's one group: id "eval:<id>", seed key "0:<id>", independent of the model and
-    of the question's position, so `memrl eval` and validation sample it the same way."""
+    """An evaluated question's one group: id "eval:<id>", seed key "0:<id>" whatever its position, so
+    `memrl eval` and validation sample it the same way."""
     return GroupSlot(0, record, f"0:{record.id}", name=f"eval:{record.id}")
 
 
 def rows_per_trajectory(cfg: Any) -> int:
-    """The most rows one trajectory may expand to (sizes the transfer queue):
-    `queue.train_sample_expansion_factor`, else the task's `max_rows_per_trajectory(cfg)`."""
+    """The most rows one trajectory may expand to (sizes the transfer queue)."""
     if cfg.queue.train_sample_expansion_factor is not None:
         return cfg.queue.train_sample_expansion_factor
     return int(load_task(cfg).max_rows_per_trajectory(cfg))
