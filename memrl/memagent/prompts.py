@@ -83,7 +83,7 @@ class PromptBuilder:
     """Memory-turn and final-turn prompt ids for one tokenizer and rollout config; the static pieces are
     cached per (template, question), shared by every turn of every sample of a question."""
 
-    def __init__(self, tokenizer: Any, rollout_cfg: RolloutConfig, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: Any, rollout_cfg: RolloutConfig) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(
                 "the tokenizer has no chat template; MemAgent prompts go through one "
@@ -93,7 +93,7 @@ class PromptBuilder:
         self.cfg = rollout_cfg
         self.memory_template = (chunk_first_template(rollout_cfg.memory_template)
                                 if rollout_cfg.prompt_layout == "chunk_first" else rollout_cfg.memory_template)
-        self._segments = functools.lru_cache(maxsize=cache_size)(self._build_segments)
+        self._segments = functools.lru_cache(maxsize=256)(self._build_segments)
         self._no_memory_ids = self._encode_text(rollout_cfg.no_memory_text)
         self._stop_token_ids = self._find_stop_token_ids()
 
@@ -170,11 +170,8 @@ class PromptBuilder:
         fill = {"memory": memory, "chunk": chunk_ids}
         out: list[int] = []
         for segment in self._segments(template, question):
-            if isinstance(segment, str):
-                ids = fill[segment]
-                if ids is None:  # unreachable with a validated RolloutConfig (final has no {chunk})
-                    raise PromptError(f"the template has a {{{segment}}} placeholder but no ids were given for it")
-                out.extend(int(i) for i in ids)
+            if isinstance(segment, str):  # a final template has no {chunk}: the config refuses one
+                out.extend(int(i) for i in fill[segment])
             else:
                 out.extend(segment)
         return out

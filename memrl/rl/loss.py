@@ -146,7 +146,6 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 agg: AggMode = "token_mean", group_index: Tensor | None = None, *,
                 row_weights: Tensor | None = None, importance_weights: Tensor | None = None,
-                loss_scale_factor: float | None = None,
                 sequence_log_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip policy-gradient loss (to minimize) and detached metrics.
 
@@ -154,7 +153,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     c > 1 tokens with A < 0 are capped at -A c. `advantages` is [batch, seq] or [batch] (broadcast);
     `importance_weights` (detached) multiply the per-token loss; `sequence_log_ratio` ([batch]) switches
     to GSPO's trajectory-level ratio (`gspo_log_ratio`). Reduced by `row_weights` (exact micro-batching)
-    if given, else `aggregate(agg, group_index, loss_scale_factor)`.
+    if given, else `aggregate(agg, group_index)`.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(mask)
@@ -185,7 +184,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     if row_weights is not None:
         reduced = weighted_token_sum(loss, mask, row_weights)
     else:
-        reduced = aggregate(loss, mask, agg, group_index, loss_scale_factor)
+        reduced = aggregate(loss, mask, agg, group_index)
     return reduced, _ppo_metrics(mask, log_ratio, ratio, clipped > unclipped, dual_active)
 
 

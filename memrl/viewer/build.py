@@ -1,24 +1,13 @@
-"""`memrl view`: one self-contained HTML file (inline CSS and JS, no server, no network) showing what the
-agent remembered, question by question, from files runs already write:
+"""`memrl view`: one self-contained HTML page (inline CSS and JS, no server, no network) of what the agent
+remembered, question by question, from an eval folder (results.jsonl; `--compare` a second one), a rollout
+log (RUN_ROOT/logs/rollouts/rollout_*.jsonl) or a run root (every rollout log, grouped by step).
 
-    an eval folder          results.jsonl (memrl.eval.results; `--compare` a second one for flips)
-    a rollout log           RUN_ROOT/logs/rollouts/rollout_XXXXXXX.jsonl (memrl.train.controller)
-    a training run root     every rollout log under it, with logs/metrics.jsonl, grouped by step
-
-What the page shows of each trajectory beyond its answer, scores and turn texts is the run's Task's
-(`Task.view_fields`; MemAgent: chunks, truncations, where each gold occurs in each chunk), loaded from the
-run's `plugins.task`. Gold ranges in the turn texts and the extracted answer's score are computed here
-(`memrl.scoring`), so the page's script stays small and cannot disagree with memrl.
-
-The page (template.html) builds every element with textContent, never innerHTML, so model outputs and
-documents containing HTML are shown as text; the data is one JSON script element whose `<`, `>`, `&`
-are escaped, so no string in it can close the element. Each result is a short-keyed object, each turn an
-array; a question's detail is only rendered when opened.
-
-Every record is checked as it is read (`EVAL_FIELDS`, `ROLLOUT_FIELDS`, `TURN_FIELDS`, then the task's
-fields): a file that is not UTF-8 or not JSON lines, a record that is not an object, a missing id, a field
-of the wrong type or a non-finite number is a `ViewerError` naming the file, line and field, never a
-traceback or a page that breaks. Fields a record lacks (files written before them) are None.
+What it shows of a trajectory beyond answer, scores and turn texts is the run's Task's (`Task.view_fields`,
+from its `plugins.task`). Gold ranges and scores are computed here (`memrl.scoring`), so the page's script
+stays small and cannot disagree with memrl. The page builds every element with textContent, never
+innerHTML, and the data's `<`, `>`, `&` are escaped, so no model output can run or close the element.
+Every record is checked as it is read: a bad file, record or field is a one-line `ViewerError` naming the
+file, line and field, never a traceback or a broken page; fields a record lacks are None.
 """
 
 from __future__ import annotations
