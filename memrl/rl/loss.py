@@ -59,50 +59,25 @@ def _check_shapes(mask: Tensor, **tensors: Tensor) -> None:
 
 
 def _masked(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(values * mask with masked-out positions forced to exactly 0, mask as a float tensor).
-
-    `where` rather than a product alone: padding positions may hold inf or NaN (e.g. log-probs of pad
-    tokens), and NaN * 0 is NaN.
-    """
+    """(values * mask, masked-out positions exactly 0, mask as a float tensor): `where`, since padding may
+    hold inf or NaN (log-probs of pad tokens) and NaN * 0 is NaN."""
     m = mask.to(values.dtype)
     return torch.where(m != 0, values * m, torch.zeros_like(values)), m
 
 
-def _safe_div(num: Tensor, den: Tensor) -> Tensor:
-    """num / den where den > 0, else 0 (num is 0 there by construction); keeps the graph."""
-    ok = den > 0
-    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
-
-
 def aggregate(values: Tensor, mask: Tensor, mode: AggMode = "token_mean", group_index: Tensor | None = None,
               loss_scale_factor: float | None = None) -> Tensor:
-    """Reduce per-token `values` to a scalar under `mask` in `mode`: the reference `compute_token_weights`
-    matches. `group_index` ([batch] ids) names each row's trajectory (trajectory_mean)."""
-    scale = _check_mode(mode, loss_scale_factor)
+    """Reduce per-token `values` to a scalar under `mask` in `mode`, the batch taken as a whole step: the
+    weights of `compute_token_weights` applied by `weighted_token_sum`, so one rule serves both.
+    `group_index` ([batch] ids) names each row's trajectory (trajectory_mean)."""
     _check_shapes(mask, values=values)
-    masked, m = _masked(values, mask)
-
-    if mode == "token_mean":
-        total, count = masked.sum(), m.sum()
-    else:
-        row_sum, row_tokens = masked.sum(-1), m.sum(-1)
-        if mode == "seq_mean_token_mean":
-            total, count = _safe_div(row_sum, row_tokens).sum(), (row_tokens > 0).sum()
-        elif mode in ("seq_mean_token_sum", "seq_mean_token_sum_norm"):
-            total, count = row_sum.sum(), (row_tokens > 0).sum() * scale
-        else:
-            if group_index is None:
-                raise LossError("trajectory_mean needs group_index: a [batch] tensor of trajectory indices")
-            if group_index.shape != (mask.shape[0],):
-                raise LossError(f"group_index must have shape ({mask.shape[0]},), got {tuple(group_index.shape)}")
-            # Compact arbitrary ids (e.g. global trajectory numbers) to 0..G-1 before summing per trajectory.
-            _, inverse = torch.unique(group_index.to(row_sum.device), return_inverse=True)
-            n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-            traj_sum = row_sum.new_zeros(n_groups).index_add(0, inverse, row_sum)
-            traj_tokens = row_tokens.new_zeros(n_groups).index_add(0, inverse, row_tokens)
-            total, count = _safe_div(traj_sum, traj_tokens).sum(), (traj_tokens > 0).sum()
-
-    return _safe_div(total, torch.as_tensor(count, dtype=total.dtype, device=total.device))
+    if mode == "trajectory_mean" and group_index is None:
+        raise LossError("trajectory_mean needs group_index: a [batch] tensor of trajectory indices")
+    if group_index is not None and group_index.shape != (mask.shape[0],):
+        raise LossError(f"group_index must have shape ({mask.shape[0]},), got {tuple(group_index.shape)}")
+    ids = None if group_index is None else group_index.tolist()
+    weights = compute_token_weights(mask.to(torch.float64).sum(-1).tolist(), ids, mode, loss_scale_factor)
+    return weighted_token_sum(values, mask, torch.tensor(weights, dtype=torch.float64, device=values.device))
 
 
 def compute_token_weights(response_lengths_masked: Sequence[float], trajectory_ids: Sequence[Hashable] | None,
@@ -194,8 +169,11 @@ def _ppo_metrics(mask: Tensor, log_ratio: Tensor, ratio: Tensor, clip_active: Te
     """Token means over the mask (0-dim tensors, so no device sync is forced): clip_fraction,
     dual_clip_fraction, approx_kl (k3 estimate of KL(old || current)), ratio_mean, ratio_max, and tokens
     (the mask sum, to weight metrics across micro-batches)."""
+    tokens = mask.to(ratio.dtype).sum()
+
     def token_mean(x: Tensor) -> Tensor:
-        return aggregate(x.to(ratio.dtype), mask, "token_mean")
+        # 0 / 1 for an all-zero mask (its masked sum is 0); a float mask may weigh less than 1 in all
+        return _masked(x.to(ratio.dtype), mask)[0].sum() / torch.where(tokens > 0, tokens, torch.ones_like(tokens))
 
     valid = mask != 0
     top = torch.where(valid, ratio, torch.zeros_like(ratio)).max() if ratio.numel() else ratio.new_zeros(())
@@ -205,7 +183,7 @@ def _ppo_metrics(mask: Tensor, log_ratio: Tensor, ratio: Tensor, clip_active: Te
         "approx_kl": token_mean(torch.expm1(log_ratio) - log_ratio),
         "ratio_mean": token_mean(ratio),
         "ratio_max": top,
-        "tokens": mask.to(ratio.dtype).sum(),
+        "tokens": tokens,
     }
 
 
