@@ -191,11 +191,7 @@ def load_result_set(path: Path, name: str) -> tuple[ResultSet | None, list[str]]
     except (json.JSONDecodeError, EvalError) as e:
         return None, [f"{name} ({path}): unreadable results: {e}"]
     problems = []
-    by_id: dict[str, dict[str, Any]] = {}
-    for line in lines:
-        if line["id"] in by_id:
-            problems.append(f"{name} ({path}): id {line['id']!r} appears twice in {RESULTS_FILE}")
-        by_id[line["id"]] = line
+    by_id = {line["id"]: line for line in lines}
     if not lines or not summary.get("total"):
         problems.append(f"{name} ({path}): empty results (0 questions); evaluate on a non-empty data file")
     elif len(by_id) != summary.get("total"):

@@ -98,7 +98,7 @@ def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, erro
 
 def read_results(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
     """Lines of a results.jsonl; a torn last line (no newline: a kill mid-write) is ignored, and with
-    `repair` cut off the file. Any other bad line is an `EvalError`."""
+    `repair` cut off the file. Any other bad line, or an id seen twice, is an `EvalError`."""
     if not path.is_file():
         return []
     if repair:
@@ -108,12 +108,15 @@ def read_results(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
         return EvalError(f"{path} line {number} is not valid JSON ({e}); it was not written by memrl eval "
                          f"or was edited; move the file away to start over")
 
-    lines = []
+    lines: dict[str, dict[str, Any]] = {}
     for number, line in jsonl_lines(path, bad_line, torn_tail=True):
         if not isinstance(line, dict) or not isinstance(line.get("id"), str):
             raise EvalError(f"{path} line {number} has no string 'id'; move the file away to start over")
-        lines.append(line)
-    return lines
+        if line["id"] in lines:  # two runs mixed in one file, or a line written twice
+            raise EvalError(f"{path} line {number}: id {line['id']!r} appears twice; move the file away to "
+                            f"start over")
+        lines[line["id"]] = line
+    return list(lines.values())
 
 
 # ------------------------------------------------------------------------------------------ summary

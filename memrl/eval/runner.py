@@ -64,8 +64,6 @@ def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_
         atomic_write_json(run_path, identity)
     done: dict[str, dict] = {}
     for line in read_results(results_path, repair=True):
-        if line["id"] in done:
-            raise EvalError(f"{results_path} holds id {line['id']!r} twice; move the file away to start over")
         if line["id"] not in ids:
             raise EvalError(f"{results_path} holds id {line['id']!r}, which is not among this run's questions "
                             f"(different --limit or data?); use a new --out folder")
