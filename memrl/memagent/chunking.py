@@ -19,10 +19,10 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 TruncationPolicy = Literal["head", "tail", "center", "center_chunks"]
-TRUNCATION_POLICIES: tuple[str, ...] = ("head", "tail", "center", "center_chunks")
+TRUNCATION_POLICIES: tuple[str, ...] = get_args(TruncationPolicy)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ then SUMMED across ranks (DDP averages: scale the local loss by the world size).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -22,8 +22,7 @@ from memrl.errors import MemrlError
 
 AggMode = Literal["token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
                   "seq_mean_token_sum_norm"]
-AGG_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "trajectory_mean", "seq_mean_token_sum",
-                              "seq_mean_token_sum_norm")
+AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 # exp() of an unbounded log-ratio lets one bad token reach inf and turn the whole step into NaN; verl
 # clamps the token log-ratio at the same bound. Gradients are zero past it, which only touches tokens
