@@ -18,9 +18,9 @@ from memrl.memagent.rollout import generate_group, rollout_metrics
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
 from memrl.task import Phase, Task
 from memrl.types import RolloutOutput, TrainRow, Trajectory
-from memrl.viewer.build import check_kinds, short_value
+from memrl.viewer.fields import check_kinds, is_int, short_value
 
-# The fields of `log_fields` the viewer shows, by kind (memrl.viewer.build.check_kinds).
+# The fields of `log_fields` the viewer shows, by kind (memrl.viewer.fields).
 VIEW_KINDS = {"num_chunks": "count", "memory_truncations": "count", "document_tokens": "count",
               "document_truncated": "bool", "chunk_golds": "list"}
 
@@ -28,7 +28,7 @@ VIEW_KINDS = {"num_chunks": "count", "memory_truncations": "count", "document_to
 def _is_hit(hit: Any, num_golds: int) -> bool:
     """One `[gold index, occurrences, excerpt, start, end]` of `chunk_gold_hits` (memagent/rollout.py)."""
     if not (isinstance(hit, list) and len(hit) == 5 and isinstance(hit[2], str)
-            and all(isinstance(hit[k], int) and not isinstance(hit[k], bool) for k in (0, 1, 3, 4))):
+            and all(is_int(hit[k]) for k in (0, 1, 3, 4))):
         return False
     g, count, excerpt, start, end = hit
     return 0 <= g < num_golds and count >= 1 and 0 <= start <= end <= len(excerpt)

@@ -13,8 +13,6 @@ file, line and field, never a traceback or a broken page; fields a record lacks 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,6 +22,7 @@ from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE
 from memrl.io import atomic_write_text, jsonl_lines
 from memrl.scoring import ANSWER_EXTRACTORS, gold_spans, score_answer
 from memrl.task import Task
+from memrl.viewer.fields import KINDS, check_kinds, short_value
 
 TEMPLATE = Path(__file__).with_name("template.html")
 DATA_MARKER = "__MEMRL_VIEW_DATA__"
@@ -45,20 +44,6 @@ class Checked(NamedTuple):
 
 # ------------------------------------------------------------------------------------------ record checks
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-# kind -> (test, what the value must be); None (a field the record lacks) always passes.
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "id": (lambda v: isinstance(v, str) or _is_int(v), "a string or integer id"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "number": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v), "a finite number"),
-    "count": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
-    "list": (lambda v: isinstance(v, list), "a list"),
-}
 _COMMON = {"question": "str", "golds": "strs", "answer": "str", "status": "str", "error": "str", "reward": "number",
            "advantage": "number"}
 # An eval line (memrl.eval.results.sample_line): `trace` holds its turns, `turns` counts them.
@@ -72,21 +57,6 @@ EVAL_LINE = (EVAL_FIELDS, "id", "trace")
 ROLLOUT_RECORD = (ROLLOUT_FIELDS, "trajectory_id", "turns")
 TURN_FIELDS = {"kind": "str", "text": "str", "prompt_length": "count", "response_length": "count",
                "finish_reason": "str", "advantage": "number"}
-
-
-def check_kinds(record: dict[str, Any], fields: dict[str, str]) -> None:
-    """A ValueError naming the first of `fields` (name -> a `_KINDS` key) whose value in `record` is of the
-    wrong kind; a task's `view_fields` checks its own fields with it."""
-    for name, kind in fields.items():
-        value = record.get(name)
-        test, what = _KINDS[kind]
-        if value is not None and not test(value):
-            raise ValueError(f"'{name}' is {short_value(value)}, expected {what}")
-
-
-def short_value(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_fields(record: Any, fields: dict[str, str], where: str, required: str | None = None) -> None:
@@ -271,7 +241,7 @@ def _step_rewards(run_root: Path | None) -> dict[int, float | None]:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ViewerError(f"{run_root / 'logs' / 'metrics.jsonl'} cannot be read ({type(e).__name__}: {e}); pass a "
                           f"run root memrl wrote") from e
-    return {k: v if _KINDS["number"][0](v) else None for k, v in metrics.items()}
+    return {k: v if KINDS["number"][0](v) else None for k, v in metrics.items()}
 
 
 def _rollout_data(path: Path) -> dict[str, Any]:
