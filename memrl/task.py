@@ -17,7 +17,7 @@ from typing import Any, Literal
 from memrl.config import import_object
 from memrl.rl.plain import convert_one_row_per_trajectory
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
-from memrl.scoring import AnswerScore, reward_from_text, score_answer
+from memrl.scoring import AnswerScore, score_answer
 from memrl.types import RolloutOutput, Trajectory
 
 Phase = Literal["train", "eval"]
@@ -36,9 +36,7 @@ def trajectory_extractor(traj: Trajectory, extractor: str | None = None) -> str:
 
 def trajectory_reward(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> float:
     """1.0 if the finished final answer matches a gold (HotpotQA EM); an unfinished one scores 0."""
-    if traj.status != "complete":
-        return 0.0
-    return reward_from_text(traj.answer, golds, trajectory_extractor(traj, extractor))
+    return score_trajectory(traj, golds, extractor).em
 
 
 def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> AnswerScore:
@@ -58,11 +56,17 @@ def chat_stop_token_ids(tokenizer: Any) -> list[int]:
         if isinstance(token_id, int) and token_id not in found:
             found.append(token_id)
     for name in EXTRA_STOP_TOKENS:
-        token_id = tokenizer.convert_tokens_to_ids(name)
-        # Unknown names map to None or to the unk id; only keep a real, exact vocabulary entry.
-        if isinstance(token_id, int) and token_id not in found and tokenizer.convert_ids_to_tokens(token_id) == name:
+        token_id = vocab_id(tokenizer, name)
+        if token_id is not None and token_id not in found:
             found.append(token_id)
     return found
+
+
+def vocab_id(tokenizer: Any, token: str) -> int | None:
+    """The id of `token` when the tokenizer has it as one vocabulary entry, else None: unknown names map
+    to None or to the unk id, so only a real, exact entry counts."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == token else None
 
 
 class Task:

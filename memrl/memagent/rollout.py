@@ -21,6 +21,7 @@ from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, input_text
 from memrl.rollout import GroupSlot, RolloutContext, request_seed
 from memrl.scoring import gold_spans
+from memrl.task import vocab_id
 from memrl.types import Trajectory, Turn
 
 
@@ -35,18 +36,11 @@ async def _generate_one(engine: Engine, request: GenerationRequest) -> Generatio
 THINK_END = "</think>"
 
 
-def _think_end_id(tokenizer: Any) -> int | None:
-    """The id of `</think>` when the tokenizer has it as one vocabulary entry (Qwen3 does), else None."""
-    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
-    # Unknown names map to None or to the unk id; only a real, exact entry counts.
-    return token_id if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == THINK_END else None
-
-
 def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
     """The official memory update (`extract_solution`): `response.split("</think>")[-1].strip()`. In ids
     where `</think>` is one token (the ids after its last occurrence, whitespace tokens dropped at both
     ends); as text only where it is not (Qwen2.5) or a token mixes whitespace and text at an end."""
-    think_end = _think_end_id(tokenizer)
+    think_end = vocab_id(tokenizer, THINK_END)  # one token in Qwen3
     if think_end is None:
         text = tokenizer.decode(memory_ids)
         if THINK_END not in text:
