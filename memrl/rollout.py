@@ -28,8 +28,8 @@ def request_seed(base_seed: int, *parts: Any) -> int:
 
 
 class RewardError(ValueError, MemrlError):
-    """A reward function returned no finite real number, or did not return within `rollout.reward_timeout_s`:
-    the rollout step fails (in either training loop); the message names the function and what to fix."""
+    """A reward function returned no finite real number, or not within `rollout.reward_timeout_s`: the
+    rollout step fails; the message names the function and what to fix."""
 
 
 def reward_name(fn: Callable[..., Any]) -> str:
@@ -161,8 +161,8 @@ def finish_rollout(groups: Sequence[Sequence[Trajectory]], metrics: dict[str, fl
 
 
 def record_weight_version(out: RolloutOutput, version: int | None) -> RolloutOutput:
-    """Stamp every trajectory with the weight version its engine sampled with (`metadata["weight_version"]`;
-    the converter copies it onto every row). The framework calls this, so no task plugin has to."""
+    """Stamp every trajectory with the weight version its engine sampled with (the converter copies it onto
+    every row); the framework does it, so no task has to."""
     if version is not None:
         for traj in out.trajectories + out.dropped:
             traj.metadata["weight_version"] = version
@@ -170,9 +170,8 @@ def record_weight_version(out: RolloutOutput, version: int | None) -> RolloutOut
 
 
 def turn_log_records(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]]:
-    """Each turn as the logs keep it (training rollout logs, eval results, read by `memrl view`): kind,
-    token lengths, finish reason and the decoded response (a memory turn's: the memory it wrote, before any re-cut).
-    Training decoded the responses once already (`memrl.rl.turn_rewards.score_turns`, `metadata["turn_texts"]`)."""
+    """Each turn as the logs keep it (rollout logs, eval results, `memrl view`): kind, token lengths, finish
+    reason and the decoded response (`metadata["turn_texts"]` when training decoded it already)."""
     texts = traj.metadata.get("turn_texts") or [decode_response(t, tokenizer) for t in traj.turns]
     return [{"kind": t.kind, "prompt_length": len(t.prompt_ids), "response_length": t.response_length,
              "finish_reason": t.finish_reason, "text": text} for t, text in zip(traj.turns, texts, strict=True)]
