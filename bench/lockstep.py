@@ -56,13 +56,13 @@ async def _call(ctx: RolloutContext, requests: list[GenerationRequest]) -> list[
 async def generate_rollout_lockstep(ctx: RolloutContext, records: Sequence[QuestionRecord]) -> RolloutOutput:
     """Same output contract as `MemAgentTask.generate`, with every turn of the batch advanced together."""
     start = time.perf_counter()
-    cfg, builder = ctx.config.rollout, builder_of(ctx)
+    sampling, task, builder = ctx.config.sampling, ctx.config.task, builder_of(ctx)
     stop_ids = builder.stop_token_ids
     states: list[_State] = []
     for group in ctx.groups(records):  # the framework's slots and keys: same ids and seeds as MemAgentTask.generate
         record = group.record
-        chunks = document_chunks(ctx.tokenizer, cfg, record.context)
-        for k in range(cfg.n_samples):
+        chunks = document_chunks(ctx.tokenizer, task, record.context)
+        for k in range(sampling.n_samples):
             traj = Trajectory(trajectory_id=group.trajectory_id(k), group_id=group.group_id, sample_index=k,
                               turns=[], metadata={"chunks": chunks.to_metadata(), "question_id": record.id,
                                                   "golds": list(record.answers)})
@@ -75,22 +75,22 @@ async def generate_rollout_lockstep(ctx: RolloutContext, records: Sequence[Quest
     for i in range(longest):
         active = [s for s in states if s.trajectory.status != "failed" and i < s.chunks.num_chunks]
         prompts = [builder.memory_prompt_ids(s.question, s.memory_ids, s.chunks.chunks[i]) for s in active]
-        requests = [GenerationRequest(p, cfg.memory_tokens, cfg.temperature, cfg.top_p, stop_ids,
-                                      seed=request_seed(cfg.seed, s.seed_key, s.trajectory.sample_index, i))
+        requests = [GenerationRequest(p, task.memory_tokens, sampling.temperature, sampling.top_p, stop_ids,
+                                      seed=request_seed(sampling.seed, s.seed_key, s.trajectory.sample_index, i))
                     for s, p in zip(active, prompts, strict=True)]
         for state, prompt, result in zip(active, prompts, await _call(ctx, requests), strict=True):
             if result.finish_reason == "error" or not result.output_ids:
                 fail(state, f"memory turn {i}: {result.error or 'engine returned no tokens'}")
                 continue
-            state.trajectory.turns.append(_turn(i, "memory", prompt, result, cfg.memory_tokens))
+            state.trajectory.turns.append(_turn(i, "memory", prompt, result, task.memory_tokens))
             state.memory_ids, recut = builder.cap_memory(result.output_ids)
             state.truncations += int(recut or result.finish_reason == "length")
 
     # Final turns only now, after the longest document's last chunk (the lockstep cost measured).
     active = [s for s in states if s.trajectory.status != "failed"]
     prompts = [builder.final_prompt_ids(s.question, s.memory_ids) for s in active]
-    requests = [GenerationRequest(p, cfg.final_tokens, cfg.temperature, cfg.top_p, stop_ids,
-                                  seed=request_seed(cfg.seed, s.seed_key, s.trajectory.sample_index,
+    requests = [GenerationRequest(p, task.final_tokens, sampling.temperature, sampling.top_p, stop_ids,
+                                  seed=request_seed(sampling.seed, s.seed_key, s.trajectory.sample_index,
                                                     len(s.trajectory.turns)))
                 for s, p in zip(active, prompts, strict=True)]
     for state, prompt, result in zip(active, prompts, await _call(ctx, requests), strict=True):
@@ -98,7 +98,7 @@ async def generate_rollout_lockstep(ctx: RolloutContext, records: Sequence[Quest
         if result.finish_reason == "error" or not result.output_ids:
             fail(state, f"final turn: {result.error or 'engine returned no tokens'}")
             continue
-        traj.turns.append(_turn(len(traj.turns), "final", prompt, result, cfg.final_tokens))
+        traj.turns.append(_turn(len(traj.turns), "final", prompt, result, task.final_tokens))
         traj.answer = builder.tokenizer.decode([t for t in result.output_ids if t not in stop_ids],
                                                skip_special_tokens=True)
         traj.status = "complete" if result.finish_reason == "stop" else "truncated"

@@ -1,7 +1,7 @@
 """What every task's rollout shares, owned by the framework so that no task can get it wrong: the group
 slots (`ctx.groups`: a question's position in the step's whole batch, also on a Ray worker's slice, from
 which group ids and seeds derive; a batch wrapping the data set holds a question twice), `request_seed`,
-the checked reward (`ctx.reward`: a finite real number within `rollout.reward_timeout_s`, else a
+the checked reward (`ctx.reward`: a finite real number within `task.reward_timeout_s`, else a
 `RewardError` that fails the step), `finish_rollout` (groups with a failure dropped, common metrics, the
 row count to announce) and `ctx.scratch`, a per-context cache for the task.
 """
@@ -28,7 +28,7 @@ def request_seed(base_seed: int, *parts: Any) -> int:
 
 
 class RewardError(ValueError, MemrlError):
-    """A reward function returned no finite real number, or not within `rollout.reward_timeout_s`: the
+    """A reward function returned no finite real number, or not within `task.reward_timeout_s`: the
     rollout step fails; the message names the function and what to fix."""
 
 
@@ -63,9 +63,9 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: 
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise RewardError(f"reward function {name} did not return within {timeout_s:g} s (rollout.reward_timeout_s); "
+        raise RewardError(f"reward function {name} did not return within {timeout_s:g} s (task.reward_timeout_s); "
                           f"the call is left running in a background thread; fix the function or raise "
-                          f"rollout.reward_timeout_s")
+                          f"task.reward_timeout_s")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
@@ -114,7 +114,7 @@ class RolloutContext:
 
     def reward(self, traj: Trajectory, golds: Sequence[str]) -> float | None:
         """The configured reward of a finished trajectory; a failed one scores 0 (it is dropped anyway). A
-        value that is no finite real number, or a call past `rollout.reward_timeout_s`, is a RewardError."""
+        value that is no finite real number, or a call past `task.reward_timeout_s`, is a RewardError."""
         if self.reward_function is None:
             return None
         if traj.status == "failed":
@@ -124,7 +124,7 @@ class RolloutContext:
         name = reward_name(self.reward_function)
         try:
             value = call_with_timeout(self.reward_function, (traj, list(golds)),
-                                      self.config.rollout.reward_timeout_s, name)
+                                      self.config.task.reward_timeout_s, name)
             return checked_reward(value, name, traj.trajectory_id)
         except RewardError as error:
             self._reward_failure = error

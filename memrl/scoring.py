@@ -1,6 +1,6 @@
 """One scorer for the training reward and for evaluation; its rules are docs/design.md §2.
 
-Extractors (`rollout.answer_extractor`): `boxed`, the last *closed* `\\boxed{...}` / `\\fbox{...}` (in
+Extractors (`task.answer_extractor`): `boxed`, the last *closed* `\\boxed{...}` / `\\fbox{...}` (in
 `\\boxed{a \\boxed{b}}` it is `b`; `\\{`, `\\}` are literal); `therefore`, the rest of the line after
 the last "the answer is", any case (the official evaluator keeps everything after the case-sensitive
 phrase, so a correct answer with an explanation scored 0). `\\text{...}`-like wrappers are unwrapped.
@@ -95,7 +95,7 @@ def extract_therefore(text: str) -> str | None:
     return (boxed if boxed is not None else _strip_wrappers(line)).strip(" \t.")
 
 
-# The `rollout.answer_extractor` choices: name -> function(text) -> answer or None (no answer).
+# The `task.answer_extractor` choices: name -> function(text) -> answer or None (no answer).
 ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
     "boxed": extract_boxed,
     "therefore": extract_therefore,
@@ -115,7 +115,7 @@ def _extractor(name: str) -> Callable[[str], str | None]:
         return ANSWER_EXTRACTORS[name]
     except (KeyError, TypeError):
         raise ScoringError(f"unknown answer extractor {name!r}; use one of {', '.join(ANSWER_EXTRACTORS)} "
-                           "(rollout.answer_extractor)") from None
+                           "(task.answer_extractor)") from None
 
 
 def normalize_answer(s: str) -> str:

@@ -88,7 +88,7 @@ class Task:
     async def generate(self, ctx: RolloutContext, records: Sequence[Any]) -> RolloutOutput:
         """Every group of the step at once; groups with a failure are left out of training. A 1:1 task
         announces no row count (the loop expects one row per trajectory), any other one row per turn."""
-        n = ctx.config.rollout.n_samples
+        n = ctx.config.sampling.n_samples
         groups = await asyncio.gather(*(self.sample_group(ctx, g, n) for g in ctx.groups(records)))
         return finish_rollout(groups, one_row_per_turn=self.max_rows_per_trajectory(ctx.config) > 1)
 

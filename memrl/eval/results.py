@@ -29,7 +29,7 @@ SUMMARY_FILE = "summary.json"
 RUN_FILE = "eval_run.json"
 METRICS = ("em", "sub_em", "f1")
 SCORER = "memrl.scoring.score_answer (HotpotQA normalization, last \\boxed{})"
-# The scorer named per `rollout.answer_extractor`; `boxed` keeps the name earlier runs recorded, so they resume.
+# The scorer named per `task.answer_extractor`; `boxed` keeps the name earlier runs recorded, so they resume.
 SCORERS = {"boxed": SCORER,
            "therefore": "memrl.scoring.score_answer (HotpotQA normalization, line after the last 'the answer is')"}
 
@@ -51,23 +51,23 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> dict[str, Any]:
     """The controlled variables two evaluations must share to be comparable (checked by `memrl compare`)."""
-    r = cfg.rollout
+    sampling, task = cfg.sampling, cfg.task
     fmt = {
-        "chunk_tokens": r.chunk_tokens, "memory_tokens": r.memory_tokens, "final_tokens": r.final_tokens,
-        "max_chunks": r.max_chunks, "truncation": r.truncation, "n_samples": 1,
-        "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed, "enable_thinking": r.enable_thinking,
-        "memory_template_sha256": _sha256_text(r.memory_template),
-        "final_template_sha256": _sha256_text(r.final_template),
-        "no_memory_text_sha256": _sha256_text(r.no_memory_text),
+        "chunk_tokens": task.chunk_tokens, "memory_tokens": task.memory_tokens, "final_tokens": task.final_tokens,
+        "max_chunks": task.max_chunks, "truncation": task.truncation, "n_samples": 1,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, "enable_thinking": task.enable_thinking,
+        "memory_template_sha256": _sha256_text(task.memory_template),
+        "final_template_sha256": _sha256_text(task.final_template),
+        "no_memory_text_sha256": _sha256_text(task.no_memory_text),
         "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "stop_token_ids": sorted(int(t) for t in stop_token_ids),
-        "scorer": SCORERS[r.answer_extractor],
+        "scorer": SCORERS[task.answer_extractor],
     }
     # Only when on: stripping changes the prompts, and runs recorded before the option existed must resume.
-    if r.strip_inputs:
+    if task.strip_inputs:
         fmt["strip_inputs"] = True
-    if r.memory_after_think:  # the memories passed on, and so every later prompt, differ
+    if task.memory_after_think:  # the memories passed on, and so every later prompt, differ
         fmt["memory_after_think"] = True
     return fmt
 

@@ -212,8 +212,8 @@ def _read_eval_file(path: Path, verify: bool) -> list[QuestionRecord]:
 def resolve_model_source(cfg: Config, model: str | None, server_url: str | None,
                          tokenizer: str | None) -> tuple[str | None, str | None, str]:
     """(model, server_url, tokenizer path) from the command line, falling back to the recipe."""
-    model = model or (cfg.model.path if server_url is None and cfg.rollout.engine == "hf" else None)
-    server_url = server_url or (cfg.rollout.server_url if model is None else None)
+    model = model or (cfg.model.path if server_url is None and cfg.engine.kind == "hf" else None)
+    server_url = server_url or (cfg.engine.server_url if model is None else None)
     if (model is None) == (server_url is None):
         raise EvalError("give exactly one of --model DIR (local engine) or --server-url URL (a served model)")
     tokenizer_path = tokenizer or cfg.model.tokenizer or model

@@ -30,7 +30,7 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ro
     per_chunk = meta["facts_per_chunk"]
     chunks = document_chunks(tokenizer, rollout_cfg, record.context)
     if rollout_cfg.chunk_tokens != FACT_TOKENS * per_chunk or chunks.truncated:
-        raise SyntheticTaskError(f"rollout.chunk_tokens must be {FACT_TOKENS * per_chunk} and rollout.max_chunks "
+        raise SyntheticTaskError(f"task.chunk_tokens must be {FACT_TOKENS * per_chunk} and task.max_chunks "
                                  f">= {meta['num_chunks']} for record {record.id} (whole facts per chunk)")
     eos = tokenizer.eos_token_id
     facts = [tuple(f) for f in meta["facts"]]

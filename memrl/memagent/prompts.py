@@ -8,7 +8,7 @@ sentinels, each static piece tokenized on its own (special-token strings still b
 Invariant (tested): decoding a prompt gives the rendered text with the decoded chunk and memory in place.
 Questions are trusted data (a question holding a special-token string becomes that token).
 
-`rollout.prompt_layout: chunk_first` (`chunk_first_template`) moves the memory's block after the chunk's,
+`task.prompt_layout: chunk_first` (`chunk_first_template`) moves the memory's block after the chunk's,
 so a group's prompts share instruction, question and chunk, and the engine computes that prefix once per
 wave (memrl/engines/prefix.py). `input_text` is where question and document text enter the prompt path.
 """
@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from memrl.config import RolloutConfig
+from memrl.config import TaskConfig
 from memrl.errors import MemrlError
 from memrl.task import chat_stop_token_ids
 
@@ -64,7 +64,7 @@ def chunk_first_template(template: str) -> str:
     `{question} text : {chunk} memory : {memory}`. Already in that order: returned as it is."""
     for placeholder in ("{memory}", "{chunk}"):
         if template.count(placeholder) != 1:
-            raise PromptError(f"rollout.prompt_layout = chunk_first moves the one {placeholder} of memory_template, "
+            raise PromptError(f"task.prompt_layout = chunk_first moves the one {placeholder} of memory_template, "
                               f"but it has {template.count(placeholder)}; use one, or prompt_layout = memagent")
     memory, chunk = _block(template, "{memory}"), _block(template, "{chunk}")
     if memory[0] >= chunk[1]:
@@ -73,7 +73,7 @@ def chunk_first_template(template: str) -> str:
             + template[memory[0]:memory[1]] + template[chunk[1]:])
 
 
-def input_text(cfg: RolloutConfig, text: str) -> str:
+def input_text(cfg: TaskConfig, text: str) -> str:
     """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on (the
     official evaluation strips both; off by default, as memrl's own runs trained on unstripped text)."""
     return text.strip() if cfg.strip_inputs and isinstance(text, str) else text
@@ -83,7 +83,7 @@ class PromptBuilder:
     """Memory-turn and final-turn prompt ids for one tokenizer and rollout config; the static pieces are
     cached per (template, question), shared by every turn of every sample of a question."""
 
-    def __init__(self, tokenizer: Any, rollout_cfg: RolloutConfig) -> None:
+    def __init__(self, tokenizer: Any, rollout_cfg: TaskConfig) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(
                 "the tokenizer has no chat template; MemAgent prompts go through one "
@@ -105,7 +105,7 @@ class PromptBuilder:
     def memory_prompt_ids(self, question: str, memory_ids: Sequence[int] | None,
                           chunk_ids: Sequence[int]) -> list[int]:
         """Prompt ids of a memory turn: question + previous memory (None: the no-memory text) + chunk, in the
-        order of `rollout.prompt_layout`."""
+        order of `task.prompt_layout`."""
         return self._assemble(self.memory_template, question, memory_ids, chunk_ids)
 
     def final_prompt_ids(self, question: str, memory_ids: Sequence[int] | None) -> list[int]:

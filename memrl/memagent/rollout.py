@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from memrl.config import RolloutConfig
+from memrl.config import TaskConfig
 from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, input_text
@@ -69,7 +69,7 @@ def _turn(index: int, kind: str, prompt_ids: list[int], result: GenerationResult
                 finish_reason=result.finish_reason, max_tokens=max_tokens)
 
 
-async def run_trajectory(engine: Engine, builder: PromptBuilder, cfg: RolloutConfig, question: str, chunks: Chunks,
+async def run_trajectory(engine: Engine, builder: PromptBuilder, cfg: TaskConfig, question: str, chunks: Chunks,
                          *, trajectory_id: str, group_id: str, sample_index: int, seed_key: str) -> Trajectory:
     """Read `chunks` turn by turn into a bounded memory, then answer from question + memory alone."""
     stop_ids = builder.stop_token_ids
@@ -153,7 +153,7 @@ def chunk_gold_hits_later(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) 
     return asyncio.get_running_loop().run_in_executor(_GOLD_SEARCH, chunk_gold_hits, tokenizer, chunks, list(golds))
 
 
-def document_chunks(tokenizer: Any, cfg: RolloutConfig, context: str) -> Chunks:
+def document_chunks(tokenizer: Any, cfg: TaskConfig, context: str) -> Chunks:
     """Tokenize a document once and cut it into the chunks every sample of the group reads."""
     ids = tokenize_document(tokenizer, input_text(cfg, context))
     return chunk_context(ids, cfg.chunk_tokens, cfg.max_chunks, cfg.truncation)
@@ -162,7 +162,7 @@ def document_chunks(tokenizer: Any, cfg: RolloutConfig, context: str) -> Chunks:
 def builder_of(ctx: RolloutContext) -> PromptBuilder:
     """The context's chat-template prompt builder (stop ids included), built once per context."""
     if "builder" not in ctx.scratch:
-        ctx.scratch["builder"] = PromptBuilder(ctx.tokenizer, ctx.config.rollout)
+        ctx.scratch["builder"] = PromptBuilder(ctx.tokenizer, ctx.config.task)
     return ctx.scratch["builder"]
 
 
@@ -170,7 +170,7 @@ async def generate_group(ctx: RolloutContext, group: GroupSlot, n: int,
                          on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """`n` independent trajectories of one question: one GRPO group, named and seeded by `group` (its slot
     keeps group ids and seeds distinct when a batch holds the same question twice)."""
-    cfg, record = ctx.config.rollout, group.record
+    cfg, record = ctx.config.task, group.record
     chunks = document_chunks(ctx.tokenizer, cfg, record.context)
     gold_hits = chunk_gold_hits_later(ctx.tokenizer, chunks, record.answers)  # while the group generates
 

@@ -37,18 +37,18 @@ def _is_hit(hit: Any, num_golds: int) -> bool:
 class MemAgentTask(Task):
     def max_rows_per_trajectory(self, cfg: Any) -> int:
         """Up to max_chunks memory turns + 1 final turn, one row each."""
-        return cfg.rollout.max_chunks + 1
+        return cfg.task.max_chunks + 1
 
     def validate_config(self, cfg: Any) -> None:
         """Settings the MemAgent rollout cannot train with (raised at config load, naming what to change)."""
         factor, needed = cfg.queue.train_sample_expansion_factor, self.max_rows_per_trajectory(cfg)
         if factor is not None and factor < needed:
-            raise ValueError(f"queue.train_sample_expansion_factor = {factor} is below rollout.max_chunks + 1 = "
+            raise ValueError(f"queue.train_sample_expansion_factor = {factor} is below task.max_chunks + 1 = "
                              f"{needed}, the most rows one MemAgent trajectory expands to; set it to at least "
                              f"{needed} (or leave it unset: it then follows max_chunks)")
 
     def stop_token_ids(self, tokenizer: Any, cfg: Any) -> list[int]:
-        return PromptBuilder(tokenizer, cfg.rollout).stop_token_ids
+        return PromptBuilder(tokenizer, cfg.task).stop_token_ids
 
     async def sample_group(self, ctx: RolloutContext, group: GroupSlot, n: int,
                            on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
@@ -57,7 +57,7 @@ class MemAgentTask(Task):
     async def generate(self, ctx: RolloutContext, records: Sequence[Any]) -> RolloutOutput:
         """Every group of the step at once, no group waiting for another; `train_row_count` is the exact
         number of rows the kept trajectories expand to (one per turn)."""
-        start, n = time.perf_counter(), ctx.config.rollout.n_samples
+        start, n = time.perf_counter(), ctx.config.sampling.n_samples
         bar = tqdm(total=len(records) * n, desc=f"rollout {ctx.rollout_id}", unit="traj",
                    disable=not ctx.progress, leave=False)
         try:

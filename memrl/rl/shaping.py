@@ -55,7 +55,7 @@ def shaped_rewards(trajectories: Sequence[Trajectory], a: Any) -> dict[str, floa
     out = {}
     for traj in trajectories:
         final = traj.turns[-1]
-        # The config check compares B with rollout.final_tokens; a task whose final turn has another limit
+        # The config check compares B with task.final_tokens; a task whose final turn has another limit
         # is checked here, never clamped (a clamped buffer shapes other rewards than the configured ones).
         if a.overlong_buffer_len > final.max_tokens:
             raise ConfigError(f"algorithm.overlong_buffer_len = {a.overlong_buffer_len} is longer than the final "

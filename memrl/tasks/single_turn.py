@@ -21,17 +21,17 @@ class SingleTurnTask(Task):
         text = PROMPT.format(context=record.context, question=record.question)
         return list(ctx.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                       add_generation_prompt=True, return_dict=False,
-                                                      enable_thinking=ctx.config.rollout.enable_thinking))
+                                                      enable_thinking=ctx.config.task.enable_thinking))
 
     async def sample_group(self, ctx: RolloutContext, group: GroupSlot, n: int) -> list[Trajectory]:
         prompt = self.prompt_ids(ctx, group.record)
         return list(await asyncio.gather(*(self.sample(ctx, group, k, prompt) for k in range(n))))
 
     async def sample(self, ctx: RolloutContext, group: GroupSlot, k: int, prompt: list[int]) -> Trajectory:
-        r, record = ctx.config.rollout, group.record
+        sampling, task, record = ctx.config.sampling, ctx.config.task, group.record
         stops = self.stop_token_ids(ctx.tokenizer, ctx.config)
-        request = GenerationRequest(prompt, r.final_tokens, r.temperature, r.top_p, stops,
-                                    seed=request_seed(r.seed, group.key, k, 0))
+        request = GenerationRequest(prompt, task.final_tokens, sampling.temperature, sampling.top_p, stops,
+                                    seed=request_seed(sampling.seed, group.key, k, 0))
         (result,) = await ctx.engine.generate([request])
         traj = Trajectory(trajectory_id=group.trajectory_id(k), group_id=group.group_id, sample_index=k, turns=[],
                           metadata={"question_id": record.id, "question": record.question,
@@ -40,7 +40,7 @@ class SingleTurnTask(Task):
             traj.status, traj.error, traj.reward = "failed", result.error or "no tokens", 0.0
             return traj
         traj.turns.append(Turn(0, "final", prompt, list(result.output_ids), list(result.log_probs),
-                               [1] * len(result.output_ids), result.finish_reason, r.final_tokens))
+                               [1] * len(result.output_ids), result.finish_reason, task.final_tokens))
         traj.answer = ctx.tokenizer.decode([t for t in result.output_ids if t not in stops], skip_special_tokens=True)
         traj.status = "complete" if result.finish_reason == "stop" else "truncated"
         traj.reward = ctx.reward(traj, record.answers)

@@ -210,7 +210,7 @@ def _rollout_files(path: Path) -> list[Path]:
 
 
 def _run_config(run_root: Path | None) -> tuple[str, Task]:
-    """The run's `rollout.answer_extractor` (the logs score with it, else `boxed`) and its Task, from its
+    """The run's `task.answer_extractor` (the logs score with it, else `boxed`) and its Task, from its
     config.yaml."""
     import yaml
 
@@ -225,7 +225,7 @@ def _run_config(run_root: Path | None) -> tuple[str, Task]:
                for k in ("rollout", "plugins")}
     extractor = section["rollout"].get("answer_extractor") or "boxed"
     if extractor not in ANSWER_EXTRACTORS:
-        raise ViewerError(f"{config}: rollout.answer_extractor is {short_value(extractor)}, expected one of "
+        raise ViewerError(f"{config}: task.answer_extractor is {short_value(extractor)}, expected one of "
                           f"{', '.join(ANSWER_EXTRACTORS)}; pass a run root memrl wrote")
     return extractor, _task(section["plugins"].get("task"), config)
 

@@ -47,7 +47,7 @@ def test_overlong_penalty_by_hand():
 
 
 def test_an_overlong_buffer_longer_than_the_final_turns_limit_is_refused_not_clamped():
-    # A task whose final turn has another limit than rollout.final_tokens (which the config checks): B = 100
+    # A task whose final turn has another limit than task.final_tokens (which the config checks): B = 100
     # with a 64-token limit was clamped to 64, so a 32-token answer's reward became 1 - 32/64 = 0.5.
     group = make_group("g", [1.0, 1.0], num_memory_turns=0)
     for traj in group:

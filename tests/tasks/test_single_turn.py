@@ -21,7 +21,7 @@ def first_token_even(traj, golds):
 def test_single_turn_task_trains_one_row_per_trajectory(tmp_path):
     tok = build_tiny_tokenizer()
     cfg = Config.model_validate({
-        "rollout": {"final_tokens": 4, "n_samples": 4, "max_batch_size": 8},
+        "task": {"final_tokens": 4}, "sampling": {"n_samples": 4}, "engine": {"max_batch_size": 8},
         "train": {"num_rollout": 2, "rollout_batch_size": 2, "lr": 1e-3, "save_interval": 10},
         "plugins": {"task": "memrl.tasks.single_turn:SingleTurnTask", "reward_function": f"{__name__}:first_token_even"},
     })
@@ -77,7 +77,7 @@ def invoke(*args):
     return result.output
 
 
-TASK = ["--set", f"plugins.task={__name__}:RecordingTask", "--set", "rollout.final_tokens=4"]
+TASK = ["--set", f"plugins.task={__name__}:RecordingTask", "--set", "task.final_tokens=4"]
 
 
 def assert_shown_by_the_base_default(path, n):
@@ -94,7 +94,7 @@ def assert_shown_by_the_base_default(path, n):
 def test_the_second_task_trains_and_validates_through_memrl_train(folders, tmp_path):
     root, model = folders
     invoke("train", "--run-root", tmp_path / "run", "--no-progress", *TASK, "--set", f"model.path={model}",
-           "--set", f"data.dir={root / 'data'}", "--set", "rollout.n_samples=2", "--set", "train.rollout_batch_size=2",
+           "--set", f"data.dir={root / 'data'}", "--set", "sampling.n_samples=2", "--set", "train.rollout_batch_size=2",
            "--set", "train.num_rollout=1", "--set", "train.eval_interval=1")
     assert CALLS == [("train", "r0:0:q0", 2), ("train", "r0:1:q1", 2), ("eval", "eval:q0", 1), ("eval", "eval:q1", 1)]
     log = [json.loads(line) for line in (tmp_path / "run" / "logs" / "rollouts" / "rollout_0000000.jsonl").open()]

@@ -36,8 +36,8 @@ def make_records(n: int = N_QUESTIONS) -> list[QuestionRecord]:
 
 
 def eval_config() -> Config:
-    return Config.model_validate({"rollout": {"chunk_tokens": 32, "memory_tokens": 96, "final_tokens": 96,
-                                              "max_chunks": 3, "temperature": 0.0}, "eval": {"concurrency": 4}})
+    return Config.model_validate({"task": {"chunk_tokens": 32, "memory_tokens": 96, "final_tokens": 96, "max_chunks": 3},
+                                  "sampling": {"temperature": 0.0}, "eval": {"concurrency": 4}})
 
 
 def scripted_reply(right: set[int]):
@@ -70,7 +70,7 @@ def single_turn_eval(tokenizer, root: Path) -> Path:
         i = int(_QUESTION.search(prompt).group(1))
         return f"\\boxed{{alpha{i if i % 2 == 0 else 'x'}}}"
 
-    cfg = Config.model_validate({"rollout": {"final_tokens": 32, "temperature": 0.0},
+    cfg = Config.model_validate({"task": {"final_tokens": 32}, "sampling": {"temperature": 0.0},
                                  "plugins": {"task": "memrl.tasks.single_turn:SingleTurnTask"}})
     evaluate(ScriptedEngine(tokenizer, reply), tokenizer, cfg, make_records(), folder, model_name="single",
              data_sha256="sha-viewer", progress=False)
@@ -85,8 +85,9 @@ def parity_reward(traj, golds):
 def train_run(tokenizer, root: Path, question: str = "What is fact0?") -> Path:
     cfg = Config.model_validate({
         "plugins": {"reward_function": f"{__name__}:parity_reward"},
-        "rollout": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3, "n_samples": 8,
-                    "temperature": 1.0, "max_batch_size": 1},
+        "task": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3},
+        "sampling": {"n_samples": 8, "temperature": 1.0},
+        "engine": {"max_batch_size": 1},
         "train": {"lr": 1e-3, "num_rollout": 1, "rollout_batch_size": 1, "save_interval": 1},
         "queue": {"train_sample_expansion_factor": 4},
     })
