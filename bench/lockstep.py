@@ -17,10 +17,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from memrl.data.records import QuestionRecord
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks
 from memrl.memagent.rollout import builder_of, document_chunks, rollout_metrics
-from memrl.rollout import QuestionLike, RolloutContext, finish_rollout, request_seed
+from memrl.rollout import RolloutContext, finish_rollout, request_seed
 from memrl.types import RolloutOutput, Trajectory, Turn
 
 
@@ -52,7 +53,7 @@ async def _call(ctx: RolloutContext, requests: list[GenerationRequest]) -> list[
         return [GenerationResult.failed(f"{type(error).__name__}: {error}") for _ in requests]
 
 
-async def generate_rollout_lockstep(ctx: RolloutContext, records: Sequence[QuestionLike]) -> RolloutOutput:
+async def generate_rollout_lockstep(ctx: RolloutContext, records: Sequence[QuestionRecord]) -> RolloutOutput:
     """Same output contract as `MemAgentTask.generate`, with every turn of the batch advanced together."""
     start = time.perf_counter()
     sampling, task, builder = ctx.config.sampling, ctx.config.task, builder_of(ctx)

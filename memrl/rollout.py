@@ -1,17 +1,9 @@
-"""What every task's rollout shares, owned by the framework so that no task can get it wrong.
-
-A task (`plugins.task`, memrl/task.py) samples with a `RolloutContext` and gets from here:
-- `ctx.groups(records)`: each question with its **slot** (its position in the rollout step's whole
-  batch, also when a Ray rollout worker serves only a slice) and its **group key**, from which group
-  ids and request seeds derive. A batch that wraps around the data set holds a question twice: the slot
-  keeps their groups apart. Tasks never number slots themselves, so one process and Ray agree.
-- `request_seed(...)`: the per-request seed (same question, sample and turn: same draw on every run).
-- `ctx.reward(traj, golds)`: the task's reward (or `plugins.reward_function`), checked (a finite real
-  number, within `task.reward_timeout_s`; else `RewardError`, which fails the rollout step).
-- `finish_rollout(...)`: groups with a failed trajectory are dropped (GRPO needs the whole group) and
-  reported; the common metrics; the row count the rollout announces (`None` for a 1:1 task: then the
-  loop expects one row per trajectory).
-- `ctx.scratch`: a dict the task may cache per-context objects in (MemAgent: its prompt builder).
+"""What every task's rollout shares, owned by the framework so that no task can get it wrong: the group
+slots (`ctx.groups`: a question's position in the step's whole batch, also on a Ray worker's slice, from
+which group ids and seeds derive; a batch wrapping the data set holds a question twice), `request_seed`,
+the checked reward (`ctx.reward`: a finite real number within `task.reward_timeout_s`, else a
+`RewardError` that fails the step), `finish_rollout` (groups with a failure dropped, common metrics, the
+row count to announce) and `ctx.scratch`, a per-context cache for the task.
 """
 
 from __future__ import annotations
@@ -22,18 +14,11 @@ import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from memrl.engines.base import Engine
 from memrl.errors import MemrlError
 from memrl.types import RolloutOutput, Trajectory
-
-
-class QuestionLike(Protocol):
-    id: str
-    question: str
-    answers: list[str]
-    context: str
 
 
 def request_seed(base_seed: int, *parts: Any) -> int:
@@ -43,8 +28,8 @@ def request_seed(base_seed: int, *parts: Any) -> int:
 
 
 class RewardError(ValueError, MemrlError):
-    """A reward function returned no finite real number, or did not return within `task.reward_timeout_s`:
-    the rollout step fails (in either training loop); the message names the function and what to fix."""
+    """A reward function returned no finite real number, or not within `task.reward_timeout_s`: the
+    rollout step fails; the message names the function and what to fix."""
 
 
 def reward_name(fn: Callable[..., Any]) -> str:
@@ -176,8 +161,8 @@ def finish_rollout(groups: Sequence[Sequence[Trajectory]], metrics: dict[str, fl
 
 
 def record_weight_version(out: RolloutOutput, version: int | None) -> RolloutOutput:
-    """Stamp every trajectory with the weight version its engine sampled with (`metadata["weight_version"]`;
-    the converter copies it onto every row). The framework calls this, so no task plugin has to."""
+    """Stamp every trajectory with the weight version its engine sampled with (the converter copies it onto
+    every row); the framework does it, so no task has to."""
     if version is not None:
         for traj in out.trajectories + out.dropped:
             traj.metadata["weight_version"] = version
@@ -185,9 +170,8 @@ def record_weight_version(out: RolloutOutput, version: int | None) -> RolloutOut
 
 
 def turn_log_records(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]]:
-    """Each turn as the logs keep it (training rollout logs, eval results, read by `memrl view`): kind,
-    token lengths, finish reason and the decoded response (a memory turn's: the memory it wrote, before any re-cut).
-    Training decoded the responses once already (`memrl.rl.turn_rewards.score_turns`, `metadata["turn_texts"]`)."""
+    """Each turn as the logs keep it (rollout logs, eval results, `memrl view`): kind, token lengths, finish
+    reason and the decoded response (`metadata["turn_texts"]` when training decoded it already)."""
     texts = traj.metadata.get("turn_texts") or [decode_response(t, tokenizer) for t in traj.turns]
     return [{"kind": t.kind, "prompt_length": len(t.prompt_ids), "response_length": t.response_length,
              "finish_reason": t.finish_reason, "text": text} for t, text in zip(traj.turns, texts, strict=True)]

@@ -1,31 +1,13 @@
-"""One scorer for the training reward and for evaluation (docs/design.md §2).
+"""One scorer for the training reward and for evaluation; its rules are docs/design.md §2.
 
-Answer extraction is a choice (`task.answer_extractor`), the same for reward and evaluation:
-- `boxed` (default, `extract_boxed`): the content of the last *closed* `\\boxed{...}` anywhere in the
-  text (the whole text is read, not a tail). "Last" means the last opening `\\boxed{` that has a
-  matching `}`; so in `\\boxed{a \\boxed{b}}` the answer is `b`, and an unclosed trailing `\\boxed{` is
-  ignored in favour of an earlier closed box. `\\fbox{...}` (LaTeX's text-mode box) counts as a box too;
-  `\\boxed X` without braces does not. Braces are matched with LaTeX escapes respected: `\\{` and `\\}`
-  are literal characters, not groups.
-- `therefore` (`extract_therefore`): for the official MemAgent "recurrent" final prompt, which asks for
-  "Therefore, the answer is (insert answer here)": the rest of the line after the last "the answer is"
-  (case-insensitive, whole words; markdown `*` removed first, a closed box there is unboxed, trailing
-  periods dropped). No such phrase -> no answer. The official evaluator (`extract_answer` in
-  taskutils/memory_eval/utils/__init__.py) matches the phrase case-sensitively and keeps everything after
-  it, explanation included; reading one line and any case keeps a correct answer from scoring 0.
-Either way `\\text{...}`-like wrappers (`\\text`, `\\textbf`, `\\emph`, `\\textsc`, `\\mathrm`, ...) are
-unwrapped wherever they stand: `\\boxed{\\text{Paris}, France}` -> `Paris, France`.
+Extractors (`task.answer_extractor`): `boxed`, the last *closed* `\\boxed{...}` / `\\fbox{...}` (in
+`\\boxed{a \\boxed{b}}` it is `b`; `\\{`, `\\}` are literal); `therefore`, the rest of the line after
+the last "the answer is", any case (the official evaluator keeps everything after the case-sensitive
+phrase, so a correct answer with an explanation scored 0). `\\text{...}`-like wrappers are unwrapped.
+`normalize_answer`, `exact_match`, `f1_score` are the official HotpotQA evaluator's.
 
-Gold answers: one string, or any non-string sequence of strings (list, tuple, set, a numpy array read
-from a parquet column, ...); items that are not strings are skipped. Any other type is a
-`GoldAnswerError` from `gold_list`; `score_answer` logs that error and scores 0.
-
-Metrics: `normalize_answer`, `exact_match`, `f1_score` are exactly the official HotpotQA evaluator's
-(hotpot_evaluate_v1.py), yes/no/noanswer rule included. `sub_exact_match` is MemAgent's two-way
-substring test, except that an empty normalized string never matches a non-empty one.
-
-Invariant: `score_answer` and `reward_from_text` never raise, whatever text and golds they are given
-(only an unknown extractor name, a configuration error, raises `ScoringError`).
+Invariant: `score_answer` and `reward_from_text` never raise, whatever text and golds they get (only an
+unknown extractor name, a configuration error, is a `ScoringError`).
 """
 
 from __future__ import annotations
@@ -70,11 +52,8 @@ def _matching_braces(text: str) -> dict[int, int]:
 
 
 def _strip_wrappers(content: str) -> str:
-    """Unwrap every balanced `\\text{...}`-like wrapper wherever it stands, then strip whitespace.
-
-    `\\text{Paris}, France` -> `Paris, France`; nested wrappers all go. One brace matching and one cut
-    list keep it linear; a wrapper whose brace never closes is left as it is.
-    """
+    """Unwrap every balanced `\\text{...}`-like wrapper (nested ones too), then strip whitespace; one
+    brace matching and one cut list keep it linear. A wrapper whose brace never closes stays."""
     matches = _matching_braces(content)
     cuts: list[tuple[int, int]] = []  # [start, end) ranges to drop: each `\\name{` and its closing `}`
     for wrapper in _WRAPPER_OPEN.finditer(content):
@@ -104,10 +83,7 @@ def extract_boxed(text: str) -> str | None:
 
 def extract_therefore(text: str) -> str | None:
     """The answer after the last "the answer is" (any case), to the end of its line; None if absent.
-
-    Markdown `*` is removed first ("**the answer is** Paris"); a closed box in that line is unboxed;
-    surrounding whitespace, a leading colon and trailing periods are dropped.
-    """
+    Markdown `*` goes first ("**the answer is** Paris"); a box there is unboxed; trailing periods go."""
     text = text.replace("*", "")
     phrases = list(_ANSWER_IS.finditer(text))
     if not phrases:
@@ -178,7 +154,7 @@ def sub_exact_match(prediction: str, gold: str) -> float:
 
 @dataclass(frozen=True, slots=True)
 class AnswerScore:
-    """Scores of one answer text against its golds (best gold per metric); all 0 when no box."""
+    """Scores of one answer against its golds (best gold per metric); all 0 when no box."""
 
     boxed: str | None
     em: float
@@ -192,12 +168,9 @@ _REPORTED_GOLD_TYPES: set[str] = set()
 
 
 def gold_list(golds: object) -> list[str]:
-    """Gold answers as a list: one str, or the str items of any other sequence (list, tuple, set,
-    numpy array, pandas Series, ...); items that are not str are skipped.
-
-    A mapping, bytes or a non-iterable (None, a number) is a `GoldAnswerError`: such golds would
-    otherwise score every answer 0 without a word.
-    """
+    """Gold answers as a list: one str, or the str items of any other sequence (list, numpy array read
+    from parquet, ...). A mapping, bytes or a non-iterable is a `GoldAnswerError`: such golds would
+    otherwise score every answer 0 without a word."""
     if isinstance(golds, str):
         return [golds]
     if isinstance(golds, bytes | bytearray | Mapping) or not isinstance(golds, Iterable):
@@ -225,13 +198,8 @@ def _golds_or_empty(golds: object) -> list[str]:
 
 
 def score_answer(text: str, golds: Iterable[str] | str, extractor: str = "boxed") -> AnswerScore:
-    """Score a final answer. Never raises: bad input scores as a missing box or as a wrong answer.
-
-    `extractor` names how the answer is read (`ANSWER_EXTRACTORS`; an unknown name is a
-    `ScoringError`). `boxed` in the result is the extracted answer, `missing_box` says none was found.
-    Non-string `text` is no answer (missing_box True). No usable gold leaves the metrics at 0 but
-    still reports what was extracted.
-    """
+    """Score a final answer read by `extractor` (`ANSWER_EXTRACTORS`). Never raises: bad input scores as
+    a missing box or a wrong answer; no usable gold leaves the metrics at 0 but keeps what was extracted."""
     extract = _extractor(extractor)
     if not isinstance(text, str):
         return _NO_ANSWER
@@ -257,15 +225,10 @@ _DROP_PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
 def gold_spans(text: str, golds: Iterable[str] | str) -> list[tuple[int, int, int]]:
-    """Where each gold answer occurs in `text` (a chunk, a memory): `(gold index, start, end)` character
-    ranges, sorted. An occurrence is the gold's normalized words (`normalize_answer`) as consecutive
-    whole words of the normalized text, so "1" is not found in "1990" and "the U.S." is found in "US".
-
-    Each whitespace-separated word is normalized on its own; joined, these are exactly
-    `normalize_answer(text)`, and each normalized word keeps the character range of the word it came from.
-    A cheap exact pre-check (the lowered, punctuation-free text must contain every gold word) skips the
-    word-by-word pass for long chunks that cannot hold a gold. Golds of a bad type find nothing.
-    """
+    """Where each gold occurs in `text`: sorted `(gold index, start, end)` character ranges of the gold's
+    normalized words as consecutive whole normalized words ("1" is not in "1990", "the U.S." is in "US").
+    Each word is normalized on its own, keeping its range; a cheap substring pre-check skips chunks that
+    cannot hold a gold."""
     if not isinstance(text, str):
         return []
     targets = [(g, normalize_answer(gold).split()) for g, gold in enumerate(_golds_or_empty(golds))]

@@ -1,14 +1,11 @@
 """The Task: one object, named by `plugins.task` (`module:Class`), that owns everything task-specific
-(docs/custom-tasks.md lists its methods and defaults). Training (one process and Ray), validation during
-training, `memrl eval` and `memrl pass-at-k` all sample through `sample_group` (a training step: `generate`),
-so a new task plugs into every command at once. `ctx.phase` says who asks: "train" (training, pass@k: n
-samples per group, rewards) or "eval" (validation, `memrl eval`: one sample per question, `eval_group`).
+(docs/custom-tasks.md lists its methods and defaults). Training (one process and Ray), validation,
+`memrl eval` and `memrl pass-at-k` all sample through `sample_group`, `memrl view` shows its
+`view_fields`, so a new task plugs into every command at once. `ctx.phase` says who asks: "train"
+(training, pass@k: n samples per group) or "eval" (validation, `memrl eval`: one sample, `eval_group`).
 
-The former per-function keys (`plugins.generate_function`, `plugins.convert_function`) are refused at
-config load naming `plugins.task` (memrl/config/sections.py), so a half-migrated config cannot mix two tasks.
-
-The answer scorers here are every task's default: the final answer read by the trajectory's extractor; an
-unfinished trajectory scores 0 (docs/design.md §2), and `trajectory_reward(t, g) == score_trajectory(t, g).em`.
+The answer scorers here are every task's default: an unfinished trajectory scores 0 (docs/design.md §2),
+and `trajectory_reward(t, g) == score_trajectory(t, g).em`.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from typing import Any, Literal
 from memrl.config import import_object
 from memrl.rl.plain import convert_one_row_per_trajectory
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
-from memrl.scoring import AnswerScore, reward_from_text, score_answer
+from memrl.scoring import AnswerScore, score_answer
 from memrl.types import RolloutOutput, Trajectory
 
 Phase = Literal["train", "eval"]
@@ -30,24 +27,21 @@ EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 def trajectory_extractor(traj: Trajectory, extractor: str | None = None) -> str:
-    """The answer extractor for `traj`: `extractor` if given, else the one its rollout recorded in
-    `metadata["answer_extractor"]` (the final prompt asked for that format), else `boxed`."""
+    """`extractor`, else the one its rollout recorded (`metadata["answer_extractor"]`: the final prompt asked
+    for that format), else `boxed`."""
     if extractor is not None:
         return extractor
     return str((traj.metadata or {}).get("answer_extractor", DEFAULT_EXTRACTOR))
 
 
 def trajectory_reward(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> float:
-    """1.0 if the finished final answer matches a gold (HotpotQA EM); an unfinished one (failed,
-    truncated) scores 0."""
-    if traj.status != "complete":
-        return 0.0
-    return reward_from_text(traj.answer, golds, trajectory_extractor(traj, extractor))
+    """1.0 if the finished final answer matches a gold (HotpotQA EM); an unfinished one scores 0."""
+    return score_trajectory(traj, golds, extractor).em
 
 
 def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> AnswerScore:
-    """EM, sub_EM, F1 and missing-box of the final answer. A failed trajectory is a missing answer; a
-    truncated one keeps what it boxed but all its metrics are 0, matching its reward."""
+    """EM, sub_EM, F1 and missing-box of the final answer; a truncated one keeps what it boxed but scores 0,
+    matching its reward."""
     text = traj.answer if traj.status != "failed" else ""
     score = score_answer(text, golds, trajectory_extractor(traj, extractor))
     if traj.status == "complete":
@@ -62,11 +56,17 @@ def chat_stop_token_ids(tokenizer: Any) -> list[int]:
         if isinstance(token_id, int) and token_id not in found:
             found.append(token_id)
     for name in EXTRA_STOP_TOKENS:
-        token_id = tokenizer.convert_tokens_to_ids(name)
-        # Unknown names map to None or to the unk id; only keep a real, exact vocabulary entry.
-        if isinstance(token_id, int) and token_id not in found and tokenizer.convert_ids_to_tokens(token_id) == name:
+        token_id = vocab_id(tokenizer, name)
+        if token_id is not None and token_id not in found:
             found.append(token_id)
     return found
+
+
+def vocab_id(tokenizer: Any, token: str) -> int | None:
+    """The id of `token` when the tokenizer has it as one vocabulary entry, else None: unknown names map
+    to None or to the unk id, so only a real, exact entry counts."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == token else None
 
 
 class Task:
@@ -108,6 +108,12 @@ class Task:
     def log_fields(self, traj: Trajectory | None, phase: Phase) -> dict[str, Any]:
         return {}
 
+    def view_fields(self, record: dict[str, Any], turns: list[dict[str, Any]]) -> dict[str, Any]:
+        """What `memrl view` shows of one logged trajectory (an eval line or a rollout log record, with its
+        `log_fields`) beyond the answer, scores and turn texts, under the page's keys; a ValueError names a
+        field that is not what the task writes. The default adds nothing: prompt / response text only."""
+        return {}
+
 
 def load_task(cfg: Any) -> Task:
     """The configured task (`plugins.task`), a new instance."""
@@ -120,14 +126,13 @@ def task_reward(cfg: Any, task: Task) -> Callable[[Trajectory, list[str]], float
 
 
 def eval_group(record: Any) -> GroupSlot:
-    """An evaluated question's one group: id "eval:<id>", seed key "0:<id>", independent of the model and
-    of the question's position, so `memrl eval` and validation sample it the same way."""
+    """An evaluated question's one group: id "eval:<id>", seed key "0:<id>" whatever its position, so
+    `memrl eval` and validation sample it the same way."""
     return GroupSlot(0, record, f"0:{record.id}", name=f"eval:{record.id}")
 
 
 def rows_per_trajectory(cfg: Any) -> int:
-    """The most rows one trajectory may expand to (sizes the transfer queue):
-    `queue.train_sample_expansion_factor`, else the task's `max_rows_per_trajectory(cfg)`."""
+    """The most rows one trajectory may expand to (sizes the transfer queue)."""
     if cfg.queue.train_sample_expansion_factor is not None:
         return cfg.queue.train_sample_expansion_factor
     return int(load_task(cfg).max_rows_per_trajectory(cfg))

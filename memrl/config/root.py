@@ -26,7 +26,7 @@ from memrl.config.training import AlgorithmConfig, TrainConfig
 __all__ = ["ROLLOUT_MOVED", "Config"]
 
 # The `rollout` section of earlier releases was split by what its keys set: old key -> its new place,
-# built from the fields so that it cannot drift (the old `rollout.engine` is `engine.kind`).
+# built from the fields so that it cannot drift (the rollout section's old `engine` key is `engine.kind`).
 ROLLOUT_MOVED: dict[str, str] = {
     ("engine" if name == "kind" else name): f"{section}.{name}"
     for section, cls in (("sampling", SamplingConfig), ("engine", EngineConfig), ("task", TaskConfig))

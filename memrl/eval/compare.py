@@ -1,15 +1,10 @@
-"""`memrl compare` (docs/design.md §7): several `memrl eval` result folders, checked to be comparable, then compared.
+"""`memrl compare` (docs/design.md §7): `memrl eval` folders, checked to be comparable, then compared.
 
-Refusals (`CompareError`, CLI exit 2), all problems named at once:
-- a folder without summary.json or results.jsonl, with no results, with failed requests, or whose
-  results.jsonl disagrees with its summary (unfinished run, duplicate ids);
-- a different data SHA-256 (both values named), a different format key, i.e. a controlled variable
-  such as chunk_tokens or the template hashes (each key named with both values; `allow_diff` accepts
-  named keys on purpose), or different question id sets.
-Then: a metric table (recomputed from the per-question lines, 95% intervals), per-pair differences and
-EM flips (wrong->right, right->wrong, with ids; exact McNemar p), and thresholds such as
-`abs(sub_em_a - sub_em_b) <= 3` percentage points on the named pairs (CLI exit 1 when one fails).
-`CompareReport.write` saves report.md, comparison.json and comparison.png (matplotlib, Agg backend).
+Refused (`CompareError`, every problem named at once): a folder unfinished, empty, with failed requests or
+whose results disagree with its summary; a different data SHA-256, format key (a controlled variable;
+`allow_diff` accepts named keys) or id set. Then a metric table with 95% intervals, per-pair differences,
+EM flips with ids and their exact McNemar p, and `--max-abs-diff` thresholds on pairs (CLI exit 1 on a
+failure); `CompareReport.write` saves report.md, comparison.json and comparison.png.
 """
 
 from __future__ import annotations
@@ -196,11 +191,7 @@ def load_result_set(path: Path, name: str) -> tuple[ResultSet | None, list[str]]
     except (json.JSONDecodeError, EvalError) as e:
         return None, [f"{name} ({path}): unreadable results: {e}"]
     problems = []
-    by_id: dict[str, dict[str, Any]] = {}
-    for line in lines:
-        if line["id"] in by_id:
-            problems.append(f"{name} ({path}): id {line['id']!r} appears twice in {RESULTS_FILE}")
-        by_id[line["id"]] = line
+    by_id = {line["id"]: line for line in lines}
     if not lines or not summary.get("total"):
         problems.append(f"{name} ({path}): empty results (0 questions); evaluate on a non-empty data file")
     elif len(by_id) != summary.get("total"):
@@ -274,11 +265,8 @@ def _pair(a: ResultSet, b: ResultSet) -> PairResult:
 
 def compare_results(dirs: list[Path], names: list[str] | None = None, max_abs_diff: dict[str, float] | None = None,
                     pairs: list[tuple[str, str]] | None = None, allow_diff: list[str] | None = None) -> CompareReport:
-    """Load, check and compare result folders.
-
-    Flips and differences are shown for every pair of results; thresholds are checked on `pairs`
-    (each as given: diff = b - a), or on every pair in order when none is given.
-    """
+    """Load, check and compare result folders: flips and differences for every pair, thresholds on `pairs`
+    (each as given: diff = b - a), or on every pair in order when none is given."""
     if not dirs:
         raise CompareError("give at least one result folder")
     names = _unique_names(list(dirs), names)
@@ -318,10 +306,8 @@ def default_report_dir(dirs: list[Path]) -> Path:
 # ------------------------------------------------------------------------------------------ command-line values
 
 def parse_thresholds(items: list[str]) -> dict[str, float]:
-    """["sub_em=3", "em=2.5"] -> {"sub_em": 3.0, "em": 2.5} (percentage points).
-
-    A limit is a finite number >= 0: `nan` failed every check (nothing compares <= nan) and `inf`
-    passed every one, so both would only look like a check."""
+    """["sub_em=3", "em=2.5"] -> {"sub_em": 3.0, "em": 2.5} (percentage points); a limit is finite and >= 0
+    (`nan` failed every check and `inf` passed every one: both would only look like a check)."""
     out: dict[str, float] = {}
     for item in items:
         metric, sep, value = item.partition("=")

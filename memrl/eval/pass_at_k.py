@@ -1,15 +1,11 @@
-"""Pass@k over candidate questions, for choosing a training set that carries a GRPO signal (docs/design.md §5).
+"""Pass@k over candidate questions, for choosing a training set that carries a GRPO signal (docs/design.md §5):
+`memrl pass-at-k` writes `{k, pass_counts: {id: passes}, ...}`, read by `memrl prepare-data hotpotqa
+--pass-counts FILE --pass-k K`. Samples use the training task itself (`Task.sample_group`, its reward),
+so "pass" means what the training reward means; a question with a failed request gets no count.
 
-The seed's recipe ran the base model 8 times on each of 4,000 candidates (32,000 trajectories) and kept
-questions solved sometimes but not always. `memrl pass-at-k` writes `{k, pass_counts: {id: passes}, ...}`,
-the file `memrl prepare-data hotpotqa --pass-counts FILE --pass-k K` reads. Samples use the training
-task itself (`Task.sample_group`, its reward), so "pass" means exactly what the training reward means.
-A question with a failed request gets no count (it is listed under `failed`), never a made-up one.
-
-`--no-context` asks each question without its document (the final turn on the question alone, with
-the empty memory `task.no_memory_text`): the counts then say which questions the model answers from
-what it already knows, the file `prepare-data hotpotqa --drop-answerable-without-context FILE` reads
-(the official MemAgent data pipeline's filter2.py step). The file records `"no_context": true`.
+`--no-context` asks each question without its document (the final turn on the question alone): the counts
+say what the model answers from what it knows, read by `--drop-answerable-without-context FILE` (the
+official pipeline's filter2.py step).
 """
 
 from __future__ import annotations
@@ -91,10 +87,8 @@ def without_context(records: Sequence[QuestionRecord]) -> list[QuestionRecord]:
 def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | None, data: Path, out: Path, k: int,
                       sets: list[str] | None = None, limit: int | None = None, tokenizer: str | None = None,
                       progress: bool = True, no_context: bool = False) -> dict[str, Any]:
-    """Run Pass@k with the rollout recipe (temperature, seed, chunking) and write the pass-count file;
-    `no_context`: each question without its document.
-
-    Overrides, in order (as `memrl eval`): the recipe, `--set`, then `--limit` (= `eval.limit`)."""
+    """Run Pass@k with the rollout recipe and write the pass-count file; overrides in order (as `memrl eval`):
+    the recipe, `--set`, `--limit` (= `eval.limit`)."""
     from memrl.config import load_config
     from memrl.eval.runner import load_eval_data, open_engine, resolve_model_source
 
@@ -113,9 +107,9 @@ def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | 
             await engine.close()
 
     counts, failed = asyncio.run(run())
-    result = {"k": k, **({"no_context": True} if no_context else {}), "pass_counts": counts, "failed": failed, "model": str(model or server_url),
-              "engine": info, "data": str(data), "data_sha256": sha256_file(data), "limit": cfg.eval.limit,
-              "questions": len(records),
+    result = {"k": k, **({"no_context": True} if no_context else {}), "pass_counts": counts, "failed": failed,
+              "model": str(model or server_url), "engine": info, "data": str(data), "data_sha256": sha256_file(data),
+              "limit": cfg.eval.limit, "questions": len(records),
               "sampling": cfg.sampling.model_dump(mode="json"), "task": cfg.task.model_dump(mode="json"),
               "mixed": sum(0 < c < k for c in counts.values()), "never": sum(c == 0 for c in counts.values()),
               "always": sum(c == k for c in counts.values())}

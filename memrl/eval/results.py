@@ -1,12 +1,8 @@
-"""The format of `memrl eval` results (docs/design.md §7), written by memrl.eval.runner, read by memrl.eval.compare.
+"""The format of `memrl eval` results (docs/design.md §7), written by memrl.eval.runner, read by compare:
 
-Output folder of one evaluation:
     eval_run.json   RUN_FILE: identity of the run (model, data SHA-256, `eval_format`); written first
     results.jsonl   RESULTS_FILE: one `sample_line` per finished question (`read_results` reads it back)
     summary.json    SUMMARY_FILE: `summarize_lines` over all lines, plus the run's identity and config
-
-`eval_format` is the set of controlled variables (chunking, sampling, template and tokenizer hashes,
-scorer) that two evaluations must share to be compared.
 """
 
 from __future__ import annotations
@@ -57,10 +53,9 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
     """The controlled variables two evaluations must share to be comparable (checked by `memrl compare`)."""
     sampling, task = cfg.sampling, cfg.task
     fmt = {
-        "chunk_tokens": task.chunk_tokens, "memory_tokens": task.memory_tokens,
-        "final_tokens": task.final_tokens, "max_chunks": task.max_chunks, "truncation": task.truncation, "n_samples": 1,
-        "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
-        "enable_thinking": task.enable_thinking,
+        "chunk_tokens": task.chunk_tokens, "memory_tokens": task.memory_tokens, "final_tokens": task.final_tokens,
+        "max_chunks": task.max_chunks, "truncation": task.truncation, "n_samples": 1,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, "enable_thinking": task.enable_thinking,
         "memory_template_sha256": _sha256_text(task.memory_template),
         "final_template_sha256": _sha256_text(task.final_template),
         "no_memory_text_sha256": _sha256_text(task.no_memory_text),
@@ -81,10 +76,8 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
 
 def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, error: str | None = None, *,
                 task: Task, tokenizer: Any = None) -> dict[str, Any]:
-    """One results.jsonl line, scored by `task.score`, with the task's own fields (`Task.log_fields`;
-    MemAgent: document, memory lengths, where the golds occur in each chunk). `traj` None (with `error`) =
-    the sample failed before generating. With `tokenizer`, the line also keeps every turn (`trace`: turn
-    texts, lengths, finish reasons), which `memrl view` shows; lines written before it existed lack it."""
+    """One results.jsonl line, scored by `task.score`, with the task's `log_fields`; `traj` None (with
+    `error`): the sample failed before generating. With `tokenizer`, every turn too (`trace`, for `memrl view`)."""
     failed = traj is None or traj.status == "failed"
     answer = "" if traj is None else traj.answer
     # The training reward's scorer: a truncated answer (hit final_tokens) scores 0 here too (docs/design.md §2).
@@ -93,22 +86,19 @@ def sample_line(record: QuestionRecord, traj: Any | None, latency_s: float, erro
         "id": record.id, "question": record.question, "golds": list(record.answers),
         "answer": answer, "boxed": None if failed else score.boxed,
         "em": 0.0 if failed else score.em, "sub_em": 0.0 if failed else score.sub_em,
-        "f1": 0.0 if failed else score.f1,
-        "missing_box": (not failed) and score.missing_box,
-        "status": "failed" if traj is None else traj.status,
-        "error": error if traj is None else traj.error,
+        "f1": 0.0 if failed else score.f1, "missing_box": (not failed) and score.missing_box,
+        "status": "failed" if traj is None else traj.status, "error": error if traj is None else traj.error,
         **task.log_fields(traj, "eval"),
         "final_tokens": (traj.turns[-1].response_length if traj is not None and traj.turns
                          and traj.turns[-1].kind == "final" else None),
-        "turns": 0 if traj is None else traj.num_turns,
-        "latency_s": round(latency_s, 4),
+        "turns": 0 if traj is None else traj.num_turns, "latency_s": round(latency_s, 4),
         **({"trace": turn_log_records(traj, tokenizer)} if traj is not None and tokenizer is not None else {}),
     }
 
 
 def read_results(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
-    """Lines of a results.jsonl. The last line without a newline is torn (a kill mid-write): it is
-    ignored, and with `repair` cut off the file. Any other bad line is an `EvalError`."""
+    """Lines of a results.jsonl; a torn last line (no newline: a kill mid-write) is ignored, and with
+    `repair` cut off the file. Any other bad line, or an id seen twice, is an `EvalError`."""
     if not path.is_file():
         return []
     if repair:
@@ -118,12 +108,15 @@ def read_results(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
         return EvalError(f"{path} line {number} is not valid JSON ({e}); it was not written by memrl eval "
                          f"or was edited; move the file away to start over")
 
-    lines = []
+    lines: dict[str, dict[str, Any]] = {}
     for number, line in jsonl_lines(path, bad_line, torn_tail=True):
         if not isinstance(line, dict) or not isinstance(line.get("id"), str):
             raise EvalError(f"{path} line {number} has no string 'id'; move the file away to start over")
-        lines.append(line)
-    return lines
+        if line["id"] in lines:  # two runs mixed in one file, or a line written twice
+            raise EvalError(f"{path} line {number}: id {line['id']!r} appears twice; move the file away to "
+                            f"start over")
+        lines[line["id"]] = line
+    return list(lines.values())
 
 
 # ------------------------------------------------------------------------------------------ summary

@@ -1,22 +1,11 @@
-"""`memrl eval` (docs/design.md §7): the task's sampling (`Task.sample_group`, phase "eval"), run once per
-question, scored (`Task.score`), resumable.
+"""`memrl eval` (docs/design.md §7): the task's sampling (`Task.sample_group`, phase "eval"), once per
+question, scored (`Task.score`), resumable; the folder's files are memrl.eval.results'.
 
-Output folder (its format: memrl.eval.results):
-    eval_run.json   identity of the run (model, tokenizer, data SHA-256, format); written first
-    results.jsonl   one line per finished question, appended, flushed and fsynced as it finishes
-    summary.json    counts and metrics with 95% intervals (written atomically at the end)
-
-Invariants:
-- Every question of the run has exactly one line once the run ends: a failed generation is a line
-  with status `failed` and its error, scores 0, and stays in every denominator (docs/design.md, pitfall "Dropped failures": failures
-  never dropped).
-- A rerun in the same folder skips ids already written and runs the rest. A torn last line (a kill
-  mid-write) is cut off and redone; any other unreadable line, a line of an id outside the run's
-  questions, or a different data SHA-256 / model / format in `eval_run.json` is an `EvalError`, so
-  two runs never mix in one file.
-- Seeds do not depend on the model: question `q` uses group "eval:q", sample 0 and seed key "0:q"
-  (`memrl.task.eval_group`), i.e. turn t samples with `request_seed(sampling.seed, "0:q", 0, t)`.
-- The scorer is the task's (by default `memrl.scoring.score_answer` over the final answer, as the reward).
+Invariants: every question has exactly one line once the run ends (a failed generation is a `failed`
+line that scores 0 and stays in every denominator); a rerun skips ids already written, and a torn last
+line is redone, while any other unreadable line, a foreign id or another data SHA-256 / model / format in
+`eval_run.json` is an `EvalError`, so two runs never mix; question `q` is group "eval:q" with seed key
+"0:q" (`memrl.task.eval_group`), whatever the model.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
@@ -75,8 +64,6 @@ def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_
         atomic_write_json(run_path, identity)
     done: dict[str, dict] = {}
     for line in read_results(results_path, repair=True):
-        if line["id"] in done:
-            raise EvalError(f"{results_path} holds id {line['id']!r} twice; move the file away to start over")
         if line["id"] not in ids:
             raise EvalError(f"{results_path} holds id {line['id']!r}, which is not among this run's questions "
                             f"(different --limit or data?); use a new --out folder")
@@ -93,8 +80,9 @@ def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_
 def _config_record(cfg: Config) -> dict[str, Any]:
     engine = cfg.engine.model_dump(mode="json")
     engine.pop("api_key", None)  # never write a credential into results
+    # `plugins.task` tells `memrl view` what to show of each line (`Task.view_fields`).
     return {"sampling": cfg.sampling.model_dump(mode="json"), "engine": engine, "task": cfg.task.model_dump(mode="json"),
-            "eval": cfg.eval.model_dump(mode="json")}
+            "eval": cfg.eval.model_dump(mode="json"), "plugins": {"task": cfg.plugins.task}}
 
 
 class _RunningScore:
@@ -122,12 +110,8 @@ async def evaluate_records(engine: Engine, tokenizer: Any, cfg: Config, records:
                            tokenizer_name: str | None = None, engine_info: dict[str, Any] | None = None,
                            retry_failed: bool = False, progress: bool = True,
                            task: Task | None = None) -> dict[str, Any]:
-    """Evaluate `records` (one trajectory each, `task` or the configured one) into `out_dir`; returns the
-    summary (also written).
-
-    At most `cfg.eval.concurrency` questions are in flight; the engine batches their requests.
-    The engine is not closed here.
-    """
+    """Evaluate `records` (`task` or the configured one) into `out_dir`, at most `cfg.eval.concurrency`
+    questions in flight; returns the summary (also written). The engine is not closed here."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     records = list(records)
@@ -148,17 +132,8 @@ async def evaluate_records(engine: Engine, tokenizer: Any, cfg: Config, records:
 
         async def one(record: QuestionRecord) -> None:
             async with semaphore:
-                t0 = time.perf_counter()
-                try:
-                    (traj,) = await task.sample_group(ctx, eval_group(record), 1)
-                    line = sample_line(record, traj, time.perf_counter() - t0, task=task, tokenizer=tokenizer)
-                except Exception as e:  # one odd record must not end the run; it is a failed line
-                    line = sample_line(record, None, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}",
-                                       task=task)
-                # One write of a whole line, then flush + fsync: a kill leaves at most a torn last line.
-                results.write(json.dumps(line, ensure_ascii=False) + "\n")
-                results.flush()
-                os.fsync(results.fileno())
+                line = await _question_line(task, ctx, record)
+                _append_line(results, line)
                 done[record.id] = line
                 running.add(line)
                 bar.update()
@@ -169,18 +144,34 @@ async def evaluate_records(engine: Engine, tokenizer: Any, cfg: Config, records:
         finally:
             bar.close()
 
-    lines = [done[r.id] for r in records]
     summary = {
         "model": model_name, "tokenizer": tokenizer_name or model_name,
         "engine": engine_info or {"kind": type(engine).__name__},
         "data": {"path": data_path, "sha256": data_sha256},
-        **summarize_lines(lines),
+        **summarize_lines([done[r.id] for r in records]),
         "format": fmt, "config": _config_record(cfg),
         "results_file": RESULTS_FILE, "complete": True,
         "resumed_from": len(records) - len(todo), "elapsed_s": round(time.perf_counter() - start, 3),
     }
     atomic_write_json(out_dir / SUMMARY_FILE, summary)
     return summary
+
+
+async def _question_line(task: Task, ctx: RolloutContext, record: QuestionRecord) -> dict[str, Any]:
+    """One question's results line; an exception is a failed line, as one odd record must not end the run."""
+    t0 = time.perf_counter()
+    try:
+        (traj,) = await task.sample_group(ctx, eval_group(record), 1)
+        return sample_line(record, traj, time.perf_counter() - t0, task=task, tokenizer=ctx.tokenizer)
+    except Exception as e:
+        return sample_line(record, None, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}", task=task)
+
+
+def _append_line(results: TextIO, line: dict[str, Any]) -> None:
+    # One write of a whole line, then flush + fsync: a kill leaves at most a torn last line.
+    results.write(json.dumps(line, ensure_ascii=False) + "\n")
+    results.flush()
+    os.fsync(results.fileno())
 
 
 def evaluate(engine: Engine, tokenizer: Any, cfg: Config, records: Sequence[QuestionRecord], out_dir: Path,
@@ -193,10 +184,8 @@ def evaluate(engine: Engine, tokenizer: Any, cfg: Config, records: Sequence[Ques
 # ------------------------------------------------------------------------------------------ command
 
 def load_eval_data(path: Path, verify: bool = True) -> list[QuestionRecord]:
-    """Questions of a prepared JSONL file (`memrl prepare-data`) or of a RULER-HQA `eval_N.json` list.
-
-    A file without questions is an `EvalError`: its "0 questions" summary would read as a finished run
-    (as `memrl compare` refuses empty results)."""
+    """Questions of a prepared JSONL file or a RULER-HQA `eval_N.json` list; none is an `EvalError` (its
+    "0 questions" summary would read as a finished run)."""
     records = _read_eval_file(Path(path), verify)
     if not records:
         raise EvalError(f"data file {path} holds no questions; pass a prepared file (`memrl prepare-data`)")
@@ -261,11 +250,8 @@ def open_engine(cfg: Config, model: str | None, server_url: str | None,
 def eval_command(model: str | None, server_url: str | None, recipe: Path | None, data: Path, out: Path,
                  sets: list[str] | None = None, limit: int | None = None, concurrency: int | None = None,
                  tokenizer: str | None = None, progress: bool = True, *, retry_failed: bool = False) -> dict[str, Any]:
-    """`memrl eval`: evaluate a model folder (local engine) or a served model on one data file.
-
-    Overrides, in order: the recipe, `--set`, then `--limit` / `--concurrency`. The tokenizer is
-    `--tokenizer`, else `model.tokenizer` of the recipe, else the model folder (a server needs one).
-    """
+    """`memrl eval` of a model folder (local engine) or a served model on one data file; overrides in order:
+    the recipe, `--set`, `--limit` / `--concurrency`."""
     from memrl.config import load_config
 
     overrides = list(sets or [])

@@ -1,15 +1,8 @@
-"""Intervals and paired tests for evaluation metrics (docs/design.md, pitfall "One-sample noise": "one sample per question at temperature
-0.7 is ±3.5 points on 128 questions" -> every reported metric carries a 95% interval).
-
-- `wilson_interval`: for a proportion (EM, sub_EM: one 0/1 value per question). Unlike the normal
-  approximation it stays inside [0, 1] and is sensible at 0 % and 100 %.
-- `bootstrap_interval`: percentile bootstrap of a mean (F1: values in [0, 1], not 0/1), with a fixed
-  seed so the same results always print the same interval.
-- `mcnemar_p`: exact two-sided McNemar test on the discordant pairs of two paired 0/1 result sets
-  (the flips), i.e. a binomial test of b wins vs c wins with p = 1/2.
-
-Invariants: every interval satisfies low <= mean <= high (for the bootstrap, when the mean lies
-inside the resampled range, which it always does for n >= 1) and lies in the values' range.
+"""Intervals and paired tests for evaluation metrics: one sample per question at temperature 0.7 is ±3.5
+points on 128 questions (pitfall "One-sample noise"), so every reported metric carries a 95% interval:
+Wilson for a proportion (EM, sub_EM; stays in [0, 1], sensible at 0 and 100 %), a seeded percentile
+bootstrap for a mean (F1), and the exact two-sided McNemar test on the flips of two paired result sets.
+Every interval holds low <= mean <= high within the values' range.
 """
 
 from __future__ import annotations
@@ -59,10 +52,8 @@ def bootstrap_interval(values: Sequence[float], level: float = 0.95, resamples: 
 
 
 def metric_summary(values: Sequence[float], binary: bool) -> dict[str, float]:
-    """Mean of per-question values in percent with its 95% interval: {value, low, high, n}.
-
-    `binary`: values are 0/1 (Wilson interval); otherwise a bootstrap interval of the mean.
-    """
+    """Mean of per-question values in percent with its 95% interval (Wilson when `binary`, values 0/1;
+    else bootstrap): {value, low, high, n}."""
     n = len(values)
     mean = float(sum(values) / n) if n else 0.0
     low, high = wilson_interval(sum(values), n) if binary else bootstrap_interval(values)

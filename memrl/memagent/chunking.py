@@ -1,32 +1,15 @@
 """Cut a tokenized document into the chunks a MemAgent reads, one per memory turn (docs/design.md §1.1).
 
-The document is tokenized **once** (`tokenize_document`) and chunked on token ids, so chunk boundaries
-are exact and no chunk is ever re-tokenized from text (docs/design.md, pitfall "Text round trips").
-
-A document of N = `len(ids)` tokens is read within a budget of L = `max_chunks * chunk_tokens` tokens.
-Truncation first chooses which document tokens are read (`kept_spans`, half-open token ranges in
-document order), then the tokens read are cut into consecutive chunks of `chunk_tokens`.
-
-Invariants of `chunk_context(ids, chunk_tokens, max_chunks, truncation)` (asserted by the tests):
-- `kept_spans` are disjoint, increasing, non-empty ranges of `[0, N)`; the chunks concatenated equal
-  `ids[s:e]` of every span concatenated, and every chunk is full except possibly the last;
-- at most `max_chunks` chunks; a document that fits (N <= L) is read whole: one span `(0, N)`;
-- `num_chunks_total = ceil(N / chunk_tokens)` (the chunks of the whole document),
-  `dropped_chunks = num_chunks_total - len(chunks)`, `dropped_tokens = N - tokens read`, and
-  `truncated == (dropped_tokens > 0) == (dropped_chunks > 0)`;
-- an empty document gives zero chunks (the rollout goes straight to the final turn).
-
-Truncation policies, when N > L (M = max_chunks, C = chunk_tokens):
-- `head`:   read tokens [0, L): the first M chunks;
-- `tail`:   read the last M chunks of the document's chunking, [(ceil(N/C) - M) * C, N) (the last chunk
-  may be short, so fewer than L tokens can be read);
-- `center`: MemAgent's token-level policy (its verl fork's `postprocess_data(truncation="center")`):
-  read the first and the last floor(L/2) tokens,
-  then cut full chunks across the join; on range(10), C=4, M=2 that is [[0,1,2,3],[6,7,8,9]]. The
-  budget is used in full (L tokens, or L-1 when L is odd), and a chunk may straddle the join;
-- `center_chunks`: memrl's first policy, by whole chunks of the document's chunking: the first
-  ceil(M/2) and the last floor(M/2) chunks (N=10 chunks, M=5 keeps chunks 0, 1, 2, 8, 9). The short
-  last chunk, when kept, leaves the budget part-used; kept for reproducing runs made with it.
+The document is tokenized once (`tokenize_document`) and chunked on ids, never re-tokenized from text.
+Within the budget L = `max_chunks * chunk_tokens`, truncation first picks the document token ranges read
+(`kept_token_spans`), which are then cut into consecutive chunks. Invariants (tested): spans are disjoint,
+increasing, non-empty; every chunk is full but the last; `truncated == (dropped_tokens > 0)`; an empty
+document has no chunks. Policies when N > L (M = max_chunks, C = chunk_tokens):
+- `head` [0, L); `tail` the last M chunks of the document's chunking (the last may be short);
+- `center` (MemAgent's verl fork, `postprocess_data`): the first and last floor(L/2) tokens, cut across the
+  join (range(10), C=4, M=2: [[0,1,2,3],[6,7,8,9]]);
+- `center_chunks` (memrl's first policy, to reproduce old runs): the first ceil(M/2) and last floor(M/2)
+  whole chunks.
 """
 
 from __future__ import annotations
@@ -36,10 +19,10 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 TruncationPolicy = Literal["head", "tail", "center", "center_chunks"]
-TRUNCATION_POLICIES: tuple[str, ...] = ("head", "tail", "center", "center_chunks")
+TRUNCATION_POLICIES: tuple[str, ...] = get_args(TruncationPolicy)
 
 
 @dataclass(frozen=True)
@@ -64,17 +47,11 @@ class Chunks:
 
     def to_metadata(self) -> dict[str, Any]:
         """A JSON-friendly summary for `Trajectory.metadata` (the token ids themselves are left out)."""
-        return {
-            "total_tokens": self.total_tokens,
-            "num_chunks": self.num_chunks,
-            "num_chunks_total": self.num_chunks_total,
-            "chunk_lengths": [len(c) for c in self.chunks],
-            "dropped_chunks": self.dropped_chunks,
-            "dropped_tokens": self.dropped_tokens,
-            "truncation": self.truncation,
-            "truncated": self.truncated,
-            "kept_spans": [list(span) for span in self.kept_spans],
-        }
+        return {"total_tokens": self.total_tokens, "num_chunks": self.num_chunks,
+                "num_chunks_total": self.num_chunks_total, "chunk_lengths": [len(c) for c in self.chunks],
+                "dropped_chunks": self.dropped_chunks, "dropped_tokens": self.dropped_tokens,
+                "truncation": self.truncation, "truncated": self.truncated,
+                "kept_spans": [list(span) for span in self.kept_spans]}
 
 
 # One added-token-free copy of each tokenizer's backend, built on first use (copying the vocabulary
@@ -101,15 +78,10 @@ def _plain_backend(tokenizer: Any) -> Any | None:
 
 
 def tokenize_document(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a document: no BOS/EOS added, and every added-token string read as plain text.
-
-    Documents are untrusted: one that literally contains "<|im_end|>", "</think>" or "<tool_call>" must
-    not inject those tokens' real ids into a prompt. `split_special_tokens=True` covers only the tokens
-    marked special; Qwen3's `<think>`, `<tool_call>` and `<|fim_*|>` are added but not special, so the
-    text is encoded by the tokenizer's model alone (normalizer, pre-tokenizer, BPE) with its added
-    vocabulary removed: exactly the ids of ordinary text. Slow (Python) tokenizers fall back to
-    `split_special_tokens=True`.
-    """
+    """Token ids of a document, no BOS/EOS, every added-token string read as plain text: documents are
+    untrusted, and `split_special_tokens` covers only tokens marked special (Qwen3's `<think>`,
+    `<tool_call>` are added, not special), so the backend runs with its added vocabulary removed. Slow
+    tokenizers fall back to `split_special_tokens=True`."""
     if not isinstance(text, str):
         raise TypeError(f"tokenize_document: text must be a str, got {type(text).__name__}")
     plain = _plain_backend(tokenizer)
@@ -145,17 +117,10 @@ def kept_token_spans(total_tokens: int, chunk_tokens: int, max_chunks: int, trun
     return spans
 
 
-def chunk_context(
-    ids: Sequence[int],
-    chunk_tokens: int,
-    max_chunks: int,
-    truncation: TruncationPolicy = "center",
-) -> Chunks:
-    """Consecutive chunks of at most `chunk_tokens` ids, truncated to `max_chunks` by `truncation`.
-
-    See the module docstring for the exact invariants and policies. Raises ValueError naming the
-    argument when `chunk_tokens` or `max_chunks` is not a positive int or `truncation` is unknown.
-    """
+def chunk_context(ids: Sequence[int], chunk_tokens: int, max_chunks: int,
+                  truncation: TruncationPolicy = "center") -> Chunks:
+    """Consecutive chunks of at most `chunk_tokens` ids, truncated to `max_chunks` by `truncation` (module
+    docstring); a ValueError names a bad argument."""
     _check_positive_int("chunk_tokens", chunk_tokens)
     _check_positive_int("max_chunks", max_chunks)
     if truncation not in TRUNCATION_POLICIES:
@@ -169,12 +134,6 @@ def chunk_context(
     read = [t for start, end in spans for t in ids[start:end]]
     chunks = [read[k : k + chunk_tokens] for k in range(0, len(read), chunk_tokens)]
     num_total = -(-total // chunk_tokens)  # ceil division; 0 for an empty document
-    return Chunks(
-        chunks=chunks,
-        total_tokens=total,
-        num_chunks_total=num_total,
-        dropped_chunks=num_total - len(chunks),
-        dropped_tokens=total - len(read),
-        truncation=truncation,
-        kept_spans=spans,
-    )
+    return Chunks(chunks=chunks, total_tokens=total, num_chunks_total=num_total,
+                  dropped_chunks=num_total - len(chunks), dropped_tokens=total - len(read),
+                  truncation=truncation, kept_spans=spans)

@@ -8,14 +8,7 @@ import random
 from typing import Any
 
 from memrl.data.records import QuestionRecord
-from memrl.data.synthetic import (
-    ATTRIBUTES,
-    FACT_TOKENS,
-    UNKNOWN,
-    SyntheticTaskError,
-    answer_text,
-    fact_text,
-)
+from memrl.data.synthetic import ATTRIBUTES, FACT_TOKENS, UNKNOWN, SyntheticTaskError, answer_text, fact_text
 from memrl.memagent.rollout import document_chunks
 
 
@@ -24,21 +17,13 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, rollout_cfg: Any,
-                        keep_prob: float, rng: random.Random, miss: str = "forget",
+                        keep_prob: float, rng: random.Random,
                         unknown_answer: str = "guess") -> list[tuple[list[int], list[int]]]:
-    """(prompt_ids, response_ids) of every turn of one demonstrated trajectory, memory turns then final.
-
-    Prompts are built by the rollout's own `PromptBuilder` from the rollout's own chunks, so the warm
-    start sees exactly the prompts the MemAgent loop will produce; responses end with the end-of-turn
-    token the engine stops on. At the answer chunk the memory keeps the answer fact with probability
-    `keep_prob`; else (`miss`) it overlooks it and stays "unknown" (`forget`; the final answer is then a
-    guess among the attribute's values) or keeps a distractor of that chunk (`distractor`).
-    The final answer boxes the value held in memory; when the memory holds none, `unknown_answer`
-    decides: `guess` boxes a random value of the attribute (right 1 time in 6), `abstain` boxes
-    "unknown" (never right: a reader that answers only from its memory).
+    """(prompt_ids, response_ids) of every turn of one demonstrated trajectory, built with the rollout's own
+    `PromptBuilder` and chunks, so the warm start sees exactly the loop's prompts. At the answer chunk the
+    memory keeps the answer fact with probability `keep_prob`, else stays "unknown". With no value in memory the answer is a random value of the
+    attribute (`unknown_answer: guess`, right 1 time in 6) or "unknown" (`abstain`, never right).
     """
-    if miss not in ("forget", "distractor"):
-        raise SyntheticTaskError(f"miss must be 'forget' or 'distractor', got {miss!r}")
     if unknown_answer not in ("guess", "abstain"):
         raise SyntheticTaskError(f"unknown_answer must be 'guess' or 'abstain', got {unknown_answer!r}")
     meta = record.metadata
@@ -57,13 +42,8 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ro
         if _encode(tokenizer, " ".join(fact_text(*f) for f in chunk_facts)) != chunk_ids:
             raise SyntheticTaskError(f"record {record.id}: chunk {i} does not tokenize to whole facts; "
                                      "use task_tokenizer()")
-        if i == meta["answer_chunk"]:
-            answer_fact = facts[meta["answer_index"]]
-            distractors = [f for f in chunk_facts if f != answer_fact]
-            if rng.random() < keep_prob or (miss == "distractor" and not distractors):
-                memory_fact = answer_fact
-            elif miss == "distractor":
-                memory_fact = rng.choice(distractors)
+        if i == meta["answer_chunk"] and rng.random() < keep_prob:
+            memory_fact = facts[meta["answer_index"]]
         # The memory always restates the question's key and ends with the value or "unknown": the
         # decision sits at the value position, where the whole key is in context (a lookup a small
         # model learns far faster than deciding at the first token whether to write anything).

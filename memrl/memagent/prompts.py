@@ -1,34 +1,16 @@
-"""Token-in prompt building for MemAgent turns (docs/design.md §1.2, 1.3, 1.5).
+"""Token-in prompt building for MemAgent turns (docs/design.md §1.2, 1.3, 1.5): the chat template around
+`memory_template` ({question}, {memory}, {chunk}) or `final_template` ({question}, {memory}; no chunk).
 
-A prompt is the tokenizer's chat template around one user message built from a configurable template:
-- memory turn: `memory_template` with {question}, {memory}, {chunk};
-- final turn:  `final_template`  with {question}, {memory} only (no chunk parameter exists at all).
+Chunk and memory are token ids spliced in as ids, never decoded and re-encoded (pitfall "Text round
+trips"): {chunk} and {memory} become sentinel strings, {question} is str.replace-d in (templates hold
+literal braces such as \\boxed{}), the chat template is rendered to text, and the text is split at the
+sentinels, each static piece tokenized on its own (special-token strings still become their one id).
+Invariant (tested): decoding a prompt gives the rendered text with the decoded chunk and memory in place.
+Questions are trusted data (a question holding a special-token string becomes that token).
 
-Chunk and memory are **token ids** and are spliced into the prompt as ids, never decoded and
-re-encoded (docs/design.md, pitfall "Text round trips": re-encoding changes tokens at multi-byte characters and merge
-boundaries, so stored log-probs would no longer match stored tokens). How:
-1. in the user template, {chunk} and {memory} become unique sentinel strings; then {question} is
-   replaced by the question text (str.replace, not str.format: templates hold literal braces such as
-   \\boxed{}; and a question that contains "{memory}" stays literal text);
-2. the chat template is rendered to text (`enable_thinking` from the config; Qwen3: off);
-3. the text is split at the sentinels and each static piece is tokenized on its own with
-   add_special_tokens=False (special-token strings of the template, such as <|im_start|>, still become
-   their single ids); the pieces are concatenated with the id segments in between.
-
-Invariant (tested): decoding a prompt gives the rendered chat-template text with the decoded chunk
-and memory in place of the placeholders, and the chunk / memory ids occur in it as contiguous runs.
-The question is tokenized together with the static text around it, so it reads naturally; questions
-are trusted data (a question that literally contains a special-token string becomes that token).
-
-Layouts (`task.prompt_layout`). `memagent` (the default) uses `memory_template` as written: the
-official and memrl's templates read question, memory, chunk. `chunk_first` (`chunk_first_template`)
-moves the memory's block after the chunk's, so at every turn a group's prompts share instruction,
-question and chunk, and differ only from the memory on: the engine computes that prefix once per wave
-(memrl/engines/prefix.py). The final turn has no chunk; its template is used as written in both.
-
-`input_text` is where question and document text enter the prompt path: with `task.strip_inputs`
-both are `str.strip()`-ed (the official MemAgent evaluation strips them), for the question here in
-`PromptBuilder` and for the document in `memrl.memagent.rollout.document_chunks`.
+`task.prompt_layout: chunk_first` (`chunk_first_template`) moves the memory's block after the chunk's,
+so a group's prompts share instruction, question and chunk, and the engine computes that prefix once per
+wave (memrl/engines/prefix.py). `input_text` is where question and document text enter the prompt path.
 """
 
 from __future__ import annotations
@@ -77,13 +59,9 @@ def _block(template: str, placeholder: str) -> tuple[int, int]:
 
 
 def chunk_first_template(template: str) -> str:
-    """`template` (a memory-turn template) with its {memory} block moved to just after its {chunk} block.
-
-    Blocks (`_block`) are paragraphs where the template has blank lines, and a placeholder with the label
-    before it where it has none, so the three templates memrl ships become, e.g. (official): `...</problem>
-    <section> {chunk} </section> <memory> {memory} </memory> Updated memory:`; toy: `{question} text :
-    {chunk} memory : {memory}`. A template whose memory block already follows its chunk block is returned
-    as it is."""
+    """`template` with its {memory} block (`_block`: a paragraph, or a placeholder and the label before it
+    where there are no blank lines) moved to just after its {chunk} block; e.g. the toy template becomes
+    `{question} text : {chunk} memory : {memory}`. Already in that order: returned as it is."""
     for placeholder in ("{memory}", "{chunk}"):
         if template.count(placeholder) != 1:
             raise PromptError(f"task.prompt_layout = chunk_first moves the one {placeholder} of memory_template, "
@@ -96,22 +74,16 @@ def chunk_first_template(template: str) -> str:
 
 
 def input_text(cfg: TaskConfig, text: str) -> str:
-    """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on.
-
-    One function for both, so question and document can never be cleaned differently; off by
-    default, since a question's trailing space is part of what memrl's own runs were trained on.
-    """
+    """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on (the
+    official evaluation strips both; off by default, as memrl's own runs trained on unstripped text)."""
     return text.strip() if cfg.strip_inputs and isinstance(text, str) else text
 
 
 class PromptBuilder:
-    """Builds memory-turn and final-turn prompt ids for one tokenizer and one rollout config.
+    """Memory-turn and final-turn prompt ids for one tokenizer and rollout config; the static pieces are
+    cached per (template, question), shared by every turn of every sample of a question."""
 
-    Static pieces are cached per (template, question) in a small LRU, since every memory turn of every
-    sample of a question shares them.
-    """
-
-    def __init__(self, tokenizer: Any, rollout_cfg: TaskConfig, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: Any, rollout_cfg: TaskConfig) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(
                 "the tokenizer has no chat template; MemAgent prompts go through one "
@@ -121,11 +93,10 @@ class PromptBuilder:
         self.cfg = rollout_cfg
         self.memory_template = (chunk_first_template(rollout_cfg.memory_template)
                                 if rollout_cfg.prompt_layout == "chunk_first" else rollout_cfg.memory_template)
-        self._segments = functools.lru_cache(maxsize=cache_size)(self._build_segments)
+        self._segments = functools.lru_cache(maxsize=256)(self._build_segments)
         self._no_memory_ids = self._encode_text(rollout_cfg.no_memory_text)
         self._stop_token_ids = self._find_stop_token_ids()
 
-    # ---- public API -------------------------------------------------------------------------------
     @property
     def stop_token_ids(self) -> list[int]:
         """Ids that end a turn: the tokenizer's eos (and pad), plus <|im_end|> / <|endoftext|> if present."""
@@ -142,11 +113,8 @@ class PromptBuilder:
         return self._assemble(self.cfg.final_template, question, memory_ids, None)
 
     def cap_memory(self, response_ids: Sequence[int]) -> tuple[list[int], bool]:
-        """The memory passed on from a memory-turn response, and whether it had to be cut.
-
-        Trailing stop tokens are stripped, then the rest is re-cut to `memory_tokens`. An empty
-        response gives an empty memory, which still replaces the old one (docs/design.md §1.2).
-        """
+        """The memory passed on from a memory-turn response (trailing stop tokens stripped, cut to
+        `memory_tokens`) and whether it had to be cut; an empty one still replaces the old (§1.2)."""
         ids = [int(i) for i in response_ids]
         stops = set(self._stop_token_ids)
         end = len(ids)
@@ -155,7 +123,6 @@ class PromptBuilder:
         limit = self.cfg.memory_tokens
         return ids[: min(end, limit)], end > limit
 
-    # ---- internals --------------------------------------------------------------------------------
     def _encode_text(self, text: str) -> list[int]:
         # split_special_tokens=False explicitly: template markers like <|im_start|> must stay single ids
         # even on a tokenizer configured to split them by default.
@@ -203,23 +170,8 @@ class PromptBuilder:
         fill = {"memory": memory, "chunk": chunk_ids}
         out: list[int] = []
         for segment in self._segments(template, question):
-            if isinstance(segment, str):
-                ids = fill[segment]
-                if ids is None:  # unreachable with a validated TaskConfig (final has no {chunk})
-                    raise PromptError(f"the template has a {{{segment}}} placeholder but no ids were given for it")
-                out.extend(int(i) for i in ids)
+            if isinstance(segment, str):  # a final template has no {chunk}: the config refuses one
+                out.extend(int(i) for i in fill[segment])
             else:
                 out.extend(segment)
         return out
-
-
-def memory_prompt_ids(tokenizer: Any, cfg: TaskConfig, question: str,
-                      memory_ids: Sequence[int] | None, chunk_ids: Sequence[int]) -> list[int]:
-    """One-off form of `PromptBuilder.memory_prompt_ids` (a rollout should keep one PromptBuilder)."""
-    return PromptBuilder(tokenizer, cfg).memory_prompt_ids(question, memory_ids, chunk_ids)
-
-
-def final_prompt_ids(tokenizer: Any, cfg: TaskConfig, question: str,
-                     memory_ids: Sequence[int] | None) -> list[int]:
-    """One-off form of `PromptBuilder.final_prompt_ids` (a rollout should keep one PromptBuilder)."""
-    return PromptBuilder(tokenizer, cfg).final_prompt_ids(question, memory_ids)

@@ -1,8 +1,6 @@
-"""MemAgent's per-turn scores: whether a memory holds a gold answer (`gold_in_text`), the gold-recall curve
-(`MemAgentTask.turn_metrics`) and the built-in turn reward `memory_recall`.
-
-The trajectory's own reward is the framework's answer scorer (`memrl.task.trajectory_reward`): only the
-final answer is scored; memory turns get no reward of their own (docs/design.md §2).
+"""MemAgent's per-turn scores: whether a memory holds a gold answer (`gold_in_text`), for the gold-recall
+curve (`MemAgentTask.turn_metrics`) and the built-in turn reward `memory_recall`; the trajectory's own
+reward is the framework's answer scorer (memory turns get none of their own, docs/design.md §2).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ def gold_in_text(text: str, golds: Iterable[str]) -> bool:
 
 
 def memory_recall(turn: Turn, trajectory: Trajectory, golds: Iterable[str]) -> float:
-    """The built-in `algorithm.turn_reward_function`: 1.0 when a gold answer occurs in the turn's text (a
-    memory turn: the memory it wrote; the final turn: its answer), else 0.0. The text is the decoded
-    response the trainer stored in `metadata["turn_texts"]` (memrl.rl.turn_rewards)."""
+    """The built-in `algorithm.turn_reward_function`: 1.0 when a gold answer occurs in the turn's decoded
+    response (`metadata["turn_texts"]`: a memory turn's memory, the final turn's answer), else 0.0."""
     return float(gold_in_text(trajectory.metadata["turn_texts"][turn.index], golds))

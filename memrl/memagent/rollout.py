@@ -1,14 +1,11 @@
 """The MemAgent memory loop (docs/design.md §1): one coroutine per trajectory, token ids end to end.
 
     chunk_context(document) -> for each chunk i: prompt(question, memory_{i-1}, chunk_i) -> memory_i
-                            -> final prompt(question, memory_final) -> answer in \\boxed{}
+                            -> final prompt(question, memory_final) -> answer
 
-Why one coroutine per trajectory: trajectories never wait for each other (no lockstep across a batch,
-docs/design.md, pitfall "Lockstep turns"); the engine batches whatever requests are waiting at the moment.
-Each turn stores exactly what was sampled (prompt ids, response ids, log-probs); the memory passed on is
-the response's token ids, stop tokens stripped and re-cut to `memory_tokens`, never re-tokenized text
-(with `task.memory_after_think`, only what follows the last `</think>`: `memory_after_think`).
-A generation error marks the trajectory `failed` with its message; it never kills the batch.
+Trajectories never wait for each other (pitfall "Lockstep turns"); the engine batches whatever requests
+wait. Each turn stores exactly what was sampled; the memory passed on is the response's ids, stop tokens
+stripped and cut to `memory_tokens`. A generation error marks the trajectory `failed`, never the batch.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, input_text
 from memrl.rollout import GroupSlot, RolloutContext, request_seed
 from memrl.scoring import gold_spans
+from memrl.task import vocab_id
 from memrl.types import Trajectory, Turn
 
 
@@ -38,23 +36,11 @@ async def _generate_one(engine: Engine, request: GenerationRequest) -> Generatio
 THINK_END = "</think>"
 
 
-def _think_end_id(tokenizer: Any) -> int | None:
-    """The id of `</think>` when the tokenizer has it as one vocabulary entry (Qwen3 does), else None."""
-    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
-    # Unknown names map to None or to the unk id; only a real, exact entry counts.
-    return token_id if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == THINK_END else None
-
-
 def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
-    """The official MemAgent memory update (taskutils/memory_eval/utils/__init__.py `extract_solution`):
-    a response holding `</think>` is cut to `response.split("</think>")[-1].strip()`; one without it stays whole.
-
-    In ids where the tokenizer has `</think>` as one token: the ids after its last occurrence, then whole
-    whitespace tokens dropped at both ends. Text only at this edge: without that token (Qwen2.5) the split
-    point lies inside tokens, and a token mixing whitespace and text at an end (" Facts") cannot be stripped
-    in ids; only then is the stripped text encoded again. Either way the memory decodes to the official text.
-    """
-    think_end = _think_end_id(tokenizer)
+    """The official memory update (`extract_solution`): `response.split("</think>")[-1].strip()`. In ids
+    where `</think>` is one token (the ids after its last occurrence, whitespace tokens dropped at both
+    ends); as text only where it is not (Qwen2.5) or a token mixes whitespace and text at an end."""
+    think_end = vocab_id(tokenizer, THINK_END)  # one token in Qwen3
     if think_end is None:
         text = tokenizer.decode(memory_ids)
         if THINK_END not in text:
@@ -78,11 +64,9 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def _turn(index: int, kind: str, prompt_ids: list[int], result: GenerationResult, max_tokens: int) -> Turn:
-    return Turn(
-        index=index, kind=kind, prompt_ids=prompt_ids, response_ids=list(result.output_ids),
-        rollout_log_probs=list(result.log_probs), loss_mask=[1] * len(result.output_ids),
-        finish_reason=result.finish_reason, max_tokens=max_tokens,
-    )
+    return Turn(index=index, kind=kind, prompt_ids=prompt_ids, response_ids=list(result.output_ids),
+                rollout_log_probs=list(result.log_probs), loss_mask=[1] * len(result.output_ids),
+                finish_reason=result.finish_reason, max_tokens=max_tokens)
 
 
 async def run_trajectory(
@@ -150,16 +134,10 @@ GOLD_EXCERPT_CHARS = 80
 
 
 def chunk_gold_hits(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) -> list[list[list[Any]]]:
-    """Where the gold answers occur in each chunk (`memrl.scoring.gold_spans`), recorded with the
-    trajectory because logs keep no chunk text: per chunk, one `[gold index, occurrences, excerpt, start,
-    end]` per gold found, the excerpt around its first occurrence and `start:end` the gold within it.
-
-    Once per question (not per sample), in the gold-search thread (`chunk_gold_hits_later`): a decode and a
-    lowercase pass per chunk, the word-by-word pass only where the exact pre-check finds every gold word.
-    Cost, with the Qwen3 tokenizer on real HotpotQA text: ~10 ms of CPU per document of 4 x 2048 tokens (40%
-    of it decoding); a step of 128 such groups took 1.3 s of CPU, 2.5-4 s on 2 loaded cores, which on the
-    event loop came before the engine's first request; 128 documents of the training recipe's size (~1,400
-    tokens) take 0.3 s."""
+    """Per chunk, one `[gold index, occurrences, excerpt, start, end]` per gold found (`gold_spans`; logs
+    keep no chunk text), `start:end` the first occurrence within the excerpt. Once per question, in the
+    gold-search thread: ~10 ms of CPU per 4 x 2048-token document (Qwen3), 1.3 s for a step of 128 groups,
+    which on the event loop came before the engine's first request."""
     hits = []
     for chunk in chunks.chunks:
         text = tokenizer.decode(chunk, skip_special_tokens=True)
@@ -182,10 +160,7 @@ _GOLD_SEARCH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memrl-gold-
 
 
 def chunk_gold_hits_later(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) -> asyncio.Future:
-    """`chunk_gold_hits` started in the gold-search thread; await the result where it is recorded.
-
-    Off the event loop, which keeps sending requests and taking results meanwhile (see `chunk_gold_hits`).
-    """
+    """`chunk_gold_hits` in the gold-search thread, off the event loop; await it where it is recorded."""
     return asyncio.get_running_loop().run_in_executor(_GOLD_SEARCH, chunk_gold_hits, tokenizer, chunks, list(golds))
 
 

@@ -1,6 +1,6 @@
 """MemAgent as a Task (memrl/task.py; the default `plugins.task`): the memory loop of
 memrl.memagent.rollout, its converter (one row per turn, memrl.memagent.convert), the framework's answer
-reward, the gold-recall curve of its memory turns, and its chunk and memory fields in the logs."""
+reward, the gold-recall curve of its memory turns, and its chunk and memory fields in the logs and in `memrl view`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,20 @@ from memrl.memagent.rollout import generate_group, rollout_metrics
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
 from memrl.task import Phase, Task
 from memrl.types import RolloutOutput, TrainRow, Trajectory
+from memrl.viewer.fields import check_kinds, is_int, short_value
+
+# The fields of `log_fields` the viewer shows, by kind (memrl.viewer.fields).
+VIEW_KINDS = {"num_chunks": "count", "memory_truncations": "count", "document_tokens": "count",
+              "document_truncated": "bool", "chunk_golds": "list"}
+
+
+def _is_hit(hit: Any, num_golds: int) -> bool:
+    """One `[gold index, occurrences, excerpt, start, end]` of `chunk_gold_hits` (memagent/rollout.py)."""
+    if not (isinstance(hit, list) and len(hit) == 5 and isinstance(hit[2], str)
+            and all(is_int(hit[k]) for k in (0, 1, 3, 4))):
+        return False
+    g, count, excerpt, start, end = hit
+    return 0 <= g < num_golds and count >= 1 and 0 <= start <= end <= len(excerpt)
 
 
 class MemAgentTask(Task):
@@ -85,3 +99,21 @@ class MemAgentTask(Task):
             fields.update(memory_lengths=meta.get("memory_lengths", []),
                           memory_truncations=meta.get("memory_truncations", 0))
         return fields
+
+    def view_fields(self, record: dict[str, Any], turns: list[dict[str, Any]]) -> dict[str, Any]:
+        """The page's chunk count (`nc`), truncated memory turns (`mt`), document truncation and tokens
+        (`dt`, `dtok`) and each chunk's gold hits (`cg`). A rollout record keeps no memory truncation count
+        or chunk count: both are read off its memory turns."""
+        check_kinds(record, VIEW_KINDS)
+        golds = record.get("golds") or []
+        for c, hits in enumerate(record.get("chunk_golds") or []):
+            if not isinstance(hits, list) or not all(_is_hit(h, len(golds)) for h in hits):
+                raise ValueError(f"chunk_golds[{c}] is {short_value(hits)}, expected a list of [gold index, count, "
+                                 f"excerpt, start, end]")
+        memory = [t for t in turns if t.get("kind") == "memory"]
+        truncations, chunks = record.get("memory_truncations"), record.get("num_chunks")
+        if truncations is None:
+            truncations = sum(t.get("finish_reason") == "length" for t in memory)
+        return {"nc": chunks if chunks is not None else len(memory), "mt": int(truncations),
+                "dt": bool(record.get("document_truncated")), "dtok": record.get("document_tokens"),
+                "cg": record.get("chunk_golds")}

@@ -1,12 +1,8 @@
-"""GRPO advantages per trajectory, credit assignment over turns, and expansion into rows (docs/design.md §3).
+"""GRPO advantages per trajectory, credit over turns, and expansion into rows (docs/design.md §3).
 
-Order of operations (the point of this module): advantages are computed while each trajectory is
-still one record, so a trajectory with more turns does not weigh more in its group's mean and std
-(agent-lightning #444). Only afterwards does `expand_rows` turn each turn into a `TrainRow`.
-
-Groups are keyed by `Trajectory.group_id` (one per question and rollout step), never by
-trajectory_id (per-trajectory keys make groups of size 1 whose advantage is always 0, rLLM #776) and
-never by position in a batch (positional reshapes merge uneven groups, slime).
+Advantages are computed while each trajectory is one record, so one with more turns does not weigh more
+in its group's mean and std (agent-lightning #444); only then does `expand_rows` make a row per turn.
+Groups are keyed by `group_id`, never by trajectory id (groups of one, rLLM #776) or by batch position.
 """
 
 from __future__ import annotations
@@ -30,18 +26,9 @@ class AdvantageError(ValueError, MemrlError):
 
 def grpo_advantages(rewards_by_group: Mapping[str, Sequence[float]], std_normalize: bool = True,
                     eps: float = 1e-6, std_ddof: int = 0) -> dict[str, list[float]]:
-    """Group-relative advantages: `r - mean(group)`, divided by `std(group) + eps` if `std_normalize`.
-
-    `std_ddof` picks the std: 0 = population std (a normalized group has unit population variance, up
-    to eps), 1 = sample std, as verl's `compute_grpo_outcome_advantage` (torch.std) and slime use; the
-    sample std is larger by sqrt(n/(n-1)), so its advantages are smaller by sqrt((n-1)/n): for 1 right
-    of 8, +2.4749/-0.3536 with ddof=1 against +2.6457/-0.3780 with ddof=0.
-
-    Invariants: output lists align with the input lists; a group whose rewards are all equal
-    (including a group of one) gets exactly 0.0 everywhere, not a rounding residue; an empty group
-    gives an empty list (verl instead passes a lone sample's raw reward through: memrl does not, a
-    group of one carries no relative signal). Non-finite rewards raise `AdvantageError`.
-    """
+    """Group-relative advantages: `r - mean(group)`, divided by `std(group, ddof=std_ddof) + eps` if
+    `std_normalize` (ddof 1 is verl's and slime's sample std). A group of equal rewards (one of one too:
+    verl passes its raw reward through) gets exactly 0.0, not a rounding residue."""
     if eps <= 0:
         raise AdvantageError(f"eps = {eps} must be > 0 (it keeps the std division finite)")
     if std_ddof not in (0, 1):
@@ -77,12 +64,8 @@ def assign_credit(advantage: float, num_turns: int, mode: CreditMode) -> list[fl
 def trajectory_advantages(trajectories: Iterable[Trajectory], std_normalize: bool = True,
                           eps: float = 1e-6, std_ddof: int = 0,
                           rewards: Mapping[str, float] | None = None) -> dict[str, float]:
-    """GRPO advantage of each trajectory, grouped by `group_id`; each trajectory counts once.
-
-    Needs `reward` on every trajectory (TrajectoryError `reward_present` otherwise) and unique
-    trajectory ids (`trajectory_id_unique`). Turn counts play no part here. `rewards` (by trajectory id)
-    replaces the raw rewards, e.g. shaped ones (`memrl.rl.shaping`).
-    """
+    """GRPO advantage of each trajectory, grouped by `group_id`, each counted once whatever its turns.
+    `rewards` (by trajectory id) replaces the raw rewards, e.g. shaped ones (`memrl.rl.shaping`)."""
     ids_by_group: dict[str, list[str]] = {}
     rewards_by_group: dict[str, list[float]] = {}
     seen: set[str] = set()
@@ -102,26 +85,17 @@ def trajectory_advantages(trajectories: Iterable[Trajectory], std_normalize: boo
 
 
 def row_order_key(traj: Trajectory) -> tuple[str, int, str]:
-    """Deterministic row order: by group, then sample, then trajectory id (turns follow in order).
-
-    Rollouts finish in whatever order the engine serves them; sorting makes the rows of a step the
-    same on every run and in debug replay.
-    """
+    """Rows by group, sample, trajectory id: rollouts finish in any order, and a step's rows must be the
+    same on every run and in debug replay."""
     return traj.group_id, traj.sample_index, traj.trajectory_id
 
 
 def expand_rows(trajectories: Iterable[Trajectory], advantages: Mapping[str, float], credit: CreditMode,
                 rollout_id: int, *, turn_advantages: Mapping[str, Sequence[float]] | None = None,
                 mask_trajectory: Callable[[Trajectory], bool] | None = None) -> list[TrainRow]:
-    """One `TrainRow` per turn, in `row_order_key` order, with the turn's share of its trajectory's
-    advantage (`assign_credit`).
-
-    Every row's `tokens[-response_length:]` is the turn's response, and its `loss_mask` and
-    `rollout_log_probs` are copies of the turn's (one value per response token), so the advantage
-    applies to exactly the sampled tokens. The inputs are not modified; `advantages` must hold every
-    trajectory id. `turn_advantages[tid]` (one value per turn) replaces the credit split of `advantages`;
-    a trajectory for which `mask_trajectory` is true gets all-zero loss masks (it trains nothing).
-    """
+    """One `TrainRow` per turn (copies: inputs are not modified), in `row_order_key` order, with the
+    turn's share of its trajectory's advantage (`assign_credit`), or `turn_advantages[tid]` per turn. A
+    trajectory for which `mask_trajectory` is true gets all-zero loss masks (it trains nothing)."""
     rows: list[TrainRow] = []
     for traj in sorted(trajectories, key=row_order_key):
         if traj.trajectory_id not in advantages:
@@ -137,16 +111,11 @@ def expand_rows(trajectories: Iterable[Trajectory], advantages: Mapping[str, flo
                 raise AdvantageError(f"turn {turn.index} of trajectory '{traj.trajectory_id}' has advantage "
                                      f"{turn_advantage!r}")
             rows.append(TrainRow(
-                tokens=list(turn.prompt_ids) + list(turn.response_ids),
-                response_length=turn.response_length,
+                tokens=list(turn.prompt_ids) + list(turn.response_ids), response_length=turn.response_length,
                 loss_mask=[0] * turn.response_length if masked else list(turn.loss_mask),
-                rollout_log_probs=list(turn.rollout_log_probs),
-                advantage=turn_advantage,
-                group_id=traj.group_id,
-                trajectory_id=traj.trajectory_id,
-                turn_index=turn.index,
-                rollout_id=rollout_id,
-                weight_version=traj.metadata.get("weight_version"),
+                rollout_log_probs=list(turn.rollout_log_probs), advantage=turn_advantage,
+                group_id=traj.group_id, trajectory_id=traj.trajectory_id, turn_index=turn.index,
+                rollout_id=rollout_id, weight_version=traj.metadata.get("weight_version"),
                 trajectory_advantage=advantage,
             ))
     return rows

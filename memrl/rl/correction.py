@@ -1,32 +1,12 @@
-"""Rollout correction: the engine sampled with log-probs `rollout_logp`, the trainer scores the same tokens
-`old_logp`; their ratio rho = exp(old_logp - rollout_logp) is 1 only when both agree (bf16 engine vs fp32
-trainer, a stale pipeline rollout, top_p < 1 all move it). Options follow verl's
-`algorithm.rollout_correction`:
+"""Rollout correction (verl's `algorithm.rollout_correction`; the table is in docs/algorithms.md): the
+engine sampled with log-probs `rollout_logp`, the trainer scores the same tokens `old_logp`, and rho =
+exp(old_logp - rollout_logp) is 1 only when both agree (bf16 engine, stale rollout, top_p < 1 move it).
+`rollout_is` weights (token, or one per trajectory) multiply the policy-gradient term only; `rollout_rs`
+drops tokens (token, sequence, geometric) from every term, keeping their place in the normaliser (the
+step's row weights are fixed before any log-prob is known), like a zero weight.
 
-    rollout_is = token     w_t = min(rho_t, rollout_is_threshold)                   (truncated IS, TIS)
-    rollout_is = sequence  w_t = min(prod_{t' in traj} rho_t', rollout_is_threshold) (one weight per trajectory)
-    rollout_rs = token     drop token t      unless low <= rho_t <= high            (masked IS, MIS)
-    rollout_rs = sequence  drop a trajectory unless low <= prod_t rho_t <= high
-    rollout_rs = geometric drop a trajectory unless low <= exp(mean_t log rho_t) <= high
-
-with high = rollout_rs_threshold (unset: rollout_is_threshold) and low = rollout_rs_threshold_lower
-(unset: 1 / high). The older `algorithm.tis_cap: c` is refused at config load; it was rollout_is = token
-with rollout_is_threshold = c.
-
-A "sequence" is the whole trajectory, all response tokens of all its turns (its 1:N rows), whose rows
-may be in different micro-batches: the trainer sums log rho per trajectory over the optimizer step first
-(`trajectory_totals`) and hands each row its trajectory's total (`per_row`).
-
-Dropped tokens keep their place in the loss normaliser (they add 0 to the sum; the step's row weights are
-fixed before any log-prob is known), like a zero importance weight: dropping tokens never raises the
-weight of the ones left. verl instead removes them from its response mask, and so from the denominator.
-Both are detached and reach different terms, as in verl: the IS weights multiply the policy-gradient term
-only (`policy_loss(importance_weights=)`; verl hands rollout_is_weights to the policy loss alone), while a
-dropped token leaves every term, policy gradient, KL and entropy (the trainer multiplies the loss mask by it).
-
-Metrics (token means over the loss mask, so a step's micro-batches average by tokens):
-rollout_corr/ratio_mean and ratio_max (of the token ratio rho_t), is_clipped_fraction (tokens whose IS
-weight the threshold truncated), rs_masked_fraction (tokens dropped).
+A "sequence" is the whole trajectory, whose rows may sit in different micro-batches: the trainer sums
+log rho per trajectory over the step first (`trajectory_totals`) and hands each row its total (`per_row`).
 """
 
 from __future__ import annotations
@@ -66,10 +46,9 @@ class RolloutCorrection:
     def apply(self, old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor,
               trajectory_log_ratio: Tensor | None = None,
               trajectory_tokens: Tensor | None = None) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
-        """(importance weights [B, T] or None, keep mask [B, T] (1 = kept), metrics) for one micro-batch.
-
-        `trajectory_log_ratio[r]` / `trajectory_tokens[r]`: sum of log rho over, and masked token count of,
-        row r's whole trajectory in the step (needed for the sequence and geometric levels)."""
+        """(importance weights [B, T] or None, keep mask [B, T] (1 = kept), metrics: token means over the
+        mask) for one micro-batch. `trajectory_log_ratio[r]` / `trajectory_tokens[r]`: row r's whole
+        trajectory's sum of log rho and masked token count (sequence and geometric levels)."""
         log_rho = (old_log_probs - rollout_log_probs).detach()
         valid = mask != 0
         if self.needs_trajectory_totals and (trajectory_log_ratio is None or trajectory_tokens is None):

@@ -1,28 +1,13 @@
-"""Dynamic sampling (DAPO; verl `algorithm.filter_groups`, slime `--over-sampling-batch-size`): train only on
-prompt groups whose rewards differ, generating more groups until the step has enough.
+"""Dynamic sampling (DAPO; verl `algorithm.filter_groups`; docs/algorithms.md): train only on prompt groups
+whose *raw* rewards differ (a shaped reward would make an all-wrong group look informative, NeMo-RL #2431),
+generating further chunks of `over_sampling_batch_size` questions until the step has `rollout_batch_size`
+groups or `max_num_gen_batches` batches ran. Short of the cap, the step trains on what there is, topped up
+with equal-reward groups to one per optimizer step (advantage 0: only KL and entropy move).
 
-    out = generate(the step's batch)                     # rollout_batch_size questions
-    keep the groups whose raw rewards are not all equal  # an all-0 or all-1 group has advantage 0 everywhere
-    while kept < rollout_batch_size and generation batches < max_num_gen_batches:
-        out_k = generate(over_sampling_batch_size more questions, chunk k = 1, 2, ...)
-        keep its informative groups
-    train on the first rollout_batch_size kept groups, in generation order
-
-The filter reads `Trajectory.reward`, the raw reward, never a shaped one (an overlong penalty or a turn
-reward would make an all-wrong group look informative: NeMo-RL #2431). Where the cap is reached with
-fewer groups than asked for, the step trains on what there is; with fewer than `train.num_optimizer_steps`
-(e.g. none at all), equal-reward groups top it up in generation order so every optimizer step has a group
-(their advantages are 0: only the KL and entropy terms move).
-
-Which questions chunk k draws is `DataSource.extra_batch(rollout_id, k, size)`, a pure function of the
-rollout id, and the main data cursor never moves for it: a resumed run regenerates exactly the same
-chunks. Each chunk's groups take the slots after the ones before it (`slot_offset`), so their group ids
-and request seeds are distinct from the step's first batch.
-
-Row accounting stays exact: every batch arrives converted (`RolloutOutput.rows`, rows or a Ray run's row
-references, counted against the batch's announcement where they were made), so the step keeps the kept
-groups' rows, by `group_id`, and announces their number (None: a 1:1 task); the logs' advantages go with
-their trajectories.
+Chunk k's questions are `DataSource.extra_batch(rollout_id, k, size)`, a pure function of the rollout id
+(the data cursor does not move), so a resumed run regenerates the same chunks; its groups take the slots
+after the batches before it (`slot_offset`), so group ids and seeds stay distinct. Every batch arrives
+converted, so the step keeps its kept groups' rows by `group_id` and announces their number.
 """
 
 from __future__ import annotations
@@ -64,8 +49,7 @@ def is_informative(group: Sequence[Trajectory]) -> bool:
 def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int], RolloutOutput],
                               settings: GroupFilter) -> RolloutOutput:
     """The step's output with dynamic sampling: `first` is the step's own batch, `generate_more(k)` chunk k
-    (k = 1, 2, ...). Left-out trajectories go to `dropped` (kept for logs); metrics are in the module
-    docstring and under `dynamic_sampling/`."""
+    (k = 1, 2, ...). Left-out trajectories go to `dropped` (kept for logs); counts under `dynamic_sampling/`."""
     outs = [first]
     informative: list[list[Trajectory]] = []
     equal: list[list[Trajectory]] = []

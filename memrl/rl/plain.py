@@ -1,11 +1,6 @@
-"""A plain 1:1 converter for single-turn tasks: each trajectory is one turn and becomes one row.
-
-    convert_one_row_per_trajectory(trajectories, algorithm_cfg, rollout_id) -> list[TrainRow]
-
-Same contract as the MemAgent converter (validate everything first, GRPO per group_id, then rows),
-plus one rule: every trajectory has exactly one turn (`single_turn`), whose row carries the full
-advantage (with one turn, `split` and `share` agree). It is `memrl.task.Task.convert`'s default; the
-rollout then needs no `train_row_count`.
+"""The plain 1:1 converter (`Task.convert`'s default): the MemAgent converter's contract (validate first,
+GRPO per group, then rows) for trajectories of exactly one turn (`single_turn`), whose row carries the full
+advantage; the rollout then announces no `train_row_count`.
 """
 
 from __future__ import annotations

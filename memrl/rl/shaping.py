@@ -1,24 +1,13 @@
-"""What the converter makes of rewards and turns before rows exist: truncated answers and per-turn rewards.
+"""What the converter makes of rewards and turns before rows exist (docs/algorithms.md); every option is off
+by default, and off the rows are exactly what they were without it.
 
-Every option here is off by default; off, the converter's rows are exactly what they were without it.
-
-Truncated answers (the final turn hit its token limit, `finish_reason == "length"`):
-- `algorithm.mask_truncated_completions` (TRL's name): every row of such a trajectory gets an all-zero
-  loss mask, so it trains nothing; it still counts in its group's advantage (as in TRL) and as rows.
-- `algorithm.overlong_buffer_len` = B, `overlong_penalty_factor` = c (DAPO's soft overlong punishment,
-  verl `reward_model.overlong_buffer`): with L the final turn's limit and n its length,
-      penalty = min(0, -(n - (L - B)) / B * c)      (0 up to L - B tokens, -c at L)
-  added to the reward *for the advantage only*; `Trajectory.reward` (the raw reward, which dynamic
-  sampling filters on and the logs report) is untouched. B > L is refused (ConfigError), as verl does.
-
-Per-turn rewards (`algorithm.turn_reward_function`, ReMemR1-style): `Trainer` stores
-`metadata["turn_rewards"]` (one float per turn, `memrl.rl.turn_rewards`); each turn's advantage becomes
-
-    A'_{i,j} = alpha * credit_j(A_i) + (1 - alpha) * GRPO_j(r_{i,j})
-
-credit_j the trajectory credit (`algorithm.credit`: split or share), GRPO_j the turn reward normalised
-within the group among the turns of the same index j (centred, divided by std + eps as the trajectory
-advantage is). Every turn's row carries its own A'_{i,j}, memory turns included.
+- `mask_truncated_completions`: a trajectory whose final turn hit its limit trains nothing (all-zero loss
+  masks) but still counts in its group's advantage.
+- `overlong_buffer_len` B, `overlong_penalty_factor` c (DAPO): min(0, -(n - (L - B)) / B * c) is added to
+  the reward *for the advantage only*; `Trajectory.reward` (what filtering and the logs read) is untouched.
+- `turn_reward_function` (`metadata["turn_rewards"]`, memrl.rl.turn_rewards): each turn's advantage is
+  alpha * credit_j(A_i) + (1 - alpha) * GRPO_j(r_ij), the turn rewards normalised within the group among
+  the turns of the same index j.
 """
 
 from __future__ import annotations

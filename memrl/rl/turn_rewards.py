@@ -1,10 +1,6 @@
-"""Per-turn scores the trainer computes after a rollout, before converting (memrl.rl.shaping mixes them in).
-
-`score_turns` decodes every turn's response once into `metadata["turn_texts"]`, calls the configured
-`algorithm.turn_reward_function(turn, trajectory, golds) -> float` on every turn into
-`metadata["turn_rewards"]` (when set), and returns the task's per-turn diagnostics (`Task.turn_metrics`,
-e.g. MemAgent's gold recall per memory turn), whether or not they are a reward. Trajectories without
-`metadata["golds"]` get the golds `[]`.
+"""Per-turn scores the trainer computes after a rollout, before converting (memrl.rl.shaping mixes them in):
+every turn's response decoded once into `metadata["turn_texts"]`, `algorithm.turn_reward_function(turn,
+trajectory, golds)` into `metadata["turn_rewards"]` when set, and the task's `turn_metrics`.
 """
 
 from __future__ import annotations

@@ -1,44 +1,20 @@
 """Checks that trajectories (and the rows made from them) are fit for training (docs/design.md §3).
 
-A converter calls `validate_groups` on everything *before* it computes anything, so a bad trajectory
-stops the step with a `TrajectoryError` and no row is produced. Each rule has a short, stable id
-(`TrajectoryError.rule`) that tests and logs can rely on:
+A converter calls `validate_groups` before it computes anything, so a bad trajectory stops the step with a
+`TrajectoryError` and no row. Each rule has a stable id (`TrajectoryError.rule`), checked in this order:
+- per trajectory: status_trainable, reward_present, reward_finite (a real number, not a bool),
+  group_id_present, single_final_turn, final_turn_last, turn_kind (memory or final);
+- per turn: turn_index_sequence (0..T-1), response_length_positive, response_length_limit (the kind's
+  max_tokens), response_length_tokens (< len(tokens): token j is scored from position j-1, so one prompt
+  token is needed), loss_mask_length, log_probs_length, loss_mask_binary (integer 0 or 1),
+  log_probs_finite, log_probs_nonpositive;
+- across trajectories: trajectory_id_unique, group_turn_count (a group's samples read the same chunks);
+- per training row (`validate_train_rows`): the same as `row_*`, row_advantage_finite, padding_mask_zero,
+  row_token_id_type, row_token_id_range ([0, vocab_size): only the trainer knows the embedding's rows).
 
-Per trajectory (`validate_trajectory`), checked in this order:
-    status_trainable          status is one of `memrl.types.TRAINABLE_STATUSES` (`failed` is not)
-    reward_present            reward is set (the reward function ran)
-    reward_finite             reward is a finite real number (not a bool, not text)
-    group_id_present          group_id is a non-empty string (the GRPO group key)
-    single_final_turn         exactly one `final` turn (none, or several, is an error)
-    final_turn_last           the `final` turn is the last turn
-    turn_kind                 every turn is `memory` or `final`
-    turn_index_sequence       turn indices are 0, 1, ..., T-1 in list order
-    response_length_positive  0 < response_length
-    response_length_limit     response_length <= turn.max_tokens (the turn kind's own limit)
-    response_length_tokens    response_length < len(tokens), i.e. at least one prompt token
-    loss_mask_length          len(loss_mask) == response_length
-    log_probs_length          len(rollout_log_probs) == response_length
-    loss_mask_binary          every loss_mask value is the integer 0 or 1
-    log_probs_finite          every rollout log-prob is a finite real number
-    log_probs_nonpositive     every rollout log-prob is <= 0 (the log of a probability)
-Across trajectories (`validate_groups`):
-    trajectory_id_unique      no two trajectories share a trajectory_id
-    group_turn_count          all trajectories of one group_id have the same number of turns
-Per training row (`validate_train_rows`): row_response_length, row_loss_mask_length,
-row_log_probs_length, row_loss_mask_binary, row_log_probs_finite, row_log_probs_nonpositive,
-row_advantage_finite, padding_mask_zero, row_token_id_type, row_token_id_range: every token id (prompt
-and response) an integer in [0, vocab_size).
-
-Token ids are checked on the rows, the one place every converter's output passes (`memrl.train.partition.
-plan_rollout`) and where the model's vocabulary size is known (its embedding's rows, past the tokenizer's
-own for padded vocabularies such as Qwen3's); a converter cannot know it.
-
-Values are checked, not only lengths: a NaN log-prob or a mask value of 0.5 trains silently on NaN or on
-a half-weighted token, `reward=True` is a bool where a score belongs (it would count as 1), a token id of
-7.5 would train as token 7 and one of -1 or past the vocabulary ends the step in a bare IndexError.
-
-`response_length_tokens` is stricter than `<=`: the trainer scores response token j from the logits
-at position j-1, so the first response token needs at least one token before it.
+Values are checked, not only lengths: a NaN log-prob or a mask of 0.5 trains silently on NaN or a
+half-weighted token, `reward=True` would count as 1, a token id of 7.5 trains as 7 and -1 ends the step in
+a bare IndexError.
 """
 
 from __future__ import annotations
@@ -52,11 +28,8 @@ from memrl.types import TRAINABLE_STATUSES, TrainRow, Trajectory, Turn
 
 
 class TrajectoryError(ValueError, MemrlError):
-    """A trajectory (or a row made from one) breaks a training rule.
-
-    `trajectory_id` names the trajectory, `turn` its turn (position in `turns`, equal to the turn
-    index when indices are valid; None for trajectory-level rules), `rule` the stable rule id.
-    """
+    """A trajectory (or a row made from one) breaks rule `rule`; `turn` is the turn's position (None for
+    trajectory-level rules)."""
 
     def __init__(self, trajectory_id: str, turn: int | None, rule: str, found: str) -> None:
         self.trajectory_id = trajectory_id
@@ -73,11 +46,7 @@ def _is_real(value: object) -> bool:
 
 
 def _value_problem(loss_mask: Sequence[object], log_probs: Sequence[object]) -> tuple[str, str] | None:
-    """(rule, what was found) for the first bad loss-mask or log-prob value, else None.
-
-    Lengths are checked before this; values matter as much: the trainer multiplies by the mask and
-    takes exp of log-prob differences, so one NaN, inf or 0.5 silently changes the whole step.
-    """
+    """(rule, what was found) for the first bad loss-mask or log-prob value, else None."""
     for k, value in enumerate(loss_mask):
         if not (isinstance(value, numbers.Integral) and value in (0, 1)):
             return "loss_mask_binary", f"loss_mask[{k}] = {value!r}; every value must be the integer 0 or 1"
@@ -149,10 +118,7 @@ def validate_trajectory(traj: Trajectory) -> None:
 
 
 def validate_groups(trajectories: Sequence[Trajectory]) -> None:
-    """Validate every trajectory, then the rules that span trajectories (unique ids, equal turn counts).
-
-    An empty list is valid (it converts to zero rows).
-    """
+    """Validate every trajectory, then the rules across trajectories; an empty list is valid."""
     seen_ids: set[str] = set()
     turns_by_group: dict[str, tuple[str, int]] = {}
     for traj in trajectories:
@@ -171,12 +137,9 @@ def validate_groups(trajectories: Sequence[Trajectory]) -> None:
 
 
 def _token_id_problem(ids: Sequence[object], vocab_size: int | None) -> tuple[str, str] | None:
-    """(rule, what was found) for the first of `ids` that is not an integer in [0, vocab_size) (>= 0 when
-    `vocab_size` is None), else None.
-
-    Fast path first: a step's rows hold millions of ids; the set of types and min/max run at C speed (~50
-    ns an id), and only rows that fail them are walked to name the first bad id.
-    """
+    """(rule, what was found) for the first of `ids` not an integer in [0, vocab_size) (>= 0 when None).
+    A step holds millions of ids: the set of types and min/max run at C speed (~50 ns an id), and only a
+    row that fails them is walked to name the first bad id."""
     if not ids:
         return None
     if not set(map(type, ids)) <= {int}:
@@ -191,13 +154,8 @@ def _token_id_problem(ids: Sequence[object], vocab_size: int | None) -> tuple[st
 
 
 def validate_train_rows(rows: Iterable[TrainRow], vocab_size: int | None = None) -> None:
-    """Check rows just before training: shapes agree with response_length; mask, log-prob and advantage
-    values are usable (the same value rules as for turns); token ids are integers in [0, vocab_size), the
-    rows of the trainer's embedding (>= 0 only when `vocab_size` is None).
-
-    Padding rows (`is_padding`) obey the same shape rules and must have an all-zero loss mask, so they
-    can never contribute a gradient.
-    """
+    """Check rows just before training (rules `row_*` of the module docstring); padding rows obey the same
+    shape rules and must have an all-zero loss mask, so they never contribute a gradient."""
     for row in rows:
         def fail(rule: str, found: str, row: TrainRow = row) -> None:
             raise TrajectoryError(row.trajectory_id, row.turn_index, rule, found)

@@ -1,10 +1,7 @@
-"""A second, minimal task beside MemAgent: single-turn question answering on the plain 1:1 path.
-
-Each trajectory is one generation (question + context in one prompt, answer in \\boxed{}), one row per
-trajectory (the framework's converter and answer reward, memrl/task.py). It exists to show (and test) a
-whole Task in the least code: `plugins.task: memrl.tasks.single_turn:SingleTurnTask`. It runs through
-`memrl train`, validation, `memrl eval`, `memrl pass-at-k` and `memrl view` with no framework change.
-See docs/custom-tasks.md for writing your own.
+"""A second, minimal task beside MemAgent: single-turn question answering on the plain 1:1 path (question
+and context in one prompt, one row per trajectory, the framework's converter, reward and view). It shows
+(and tests) a whole Task in the least code; it runs through every command with no framework change
+(docs/custom-tasks.md: `plugins.task: memrl.tasks.single_turn:SingleTurnTask`).
 """
 
 from __future__ import annotations

@@ -1,39 +1,28 @@
-"""`memrl view`: one self-contained HTML file (inline CSS and JS, no server, no network) showing what the
-agent remembered, question by question, from files runs already write:
+"""`memrl view`: one self-contained HTML page (inline CSS and JS, no server, no network) of what the agent
+remembered, question by question, from an eval folder (results.jsonl; `--compare` a second one), a rollout
+log (RUN_ROOT/logs/rollouts/rollout_*.jsonl) or a run root (every rollout log, grouped by step).
 
-    an eval folder          results.jsonl (memrl.eval.results; `--compare` a second one for flips)
-    a rollout log           RUN_ROOT/logs/rollouts/rollout_XXXXXXX.jsonl (memrl.train.controller)
-    a training run root     every rollout log under it, with logs/metrics.jsonl, grouped by step
-
-Everything that needs the scorer is computed here, in Python, so the page's script stays small and
-cannot disagree with memrl: where each gold occurs in each memory (`memrl.scoring.gold_spans`; chunk
-occurrences were recorded by the run, as logs keep no chunk text), the extracted answer and its score.
-
-The page (template.html) builds every element with textContent, never innerHTML, so model outputs and
-documents containing HTML are shown as text; the data is one JSON script element whose `<`, `>`, `&`
-are escaped, so no string in it can close the element.
-
-Compact data: each result is a short-keyed object and each turn an array; a question's detail is only
-rendered when it is opened, and the list shows a page of rows at a time.
-
-Every record is checked against what the page reads (`EVAL_FIELDS`, `ROLLOUT_FIELDS`, `TURN_FIELDS`, the
-chunk gold hits) as it is read: a file that is not UTF-8 or not JSON lines, a record that is not an object,
-a missing id, a field of the wrong type or a non-finite number is a `ViewerError` naming the file, line and
-field, never a traceback or a page that breaks. Fields a record lacks (files written before them) are None.
+What it shows of a trajectory beyond answer, scores and turn texts is the run's Task's (`Task.view_fields`,
+from its `plugins.task`). Gold ranges and scores are computed here (`memrl.scoring`), so the page's script
+stays small and cannot disagree with memrl. The page builds every element with textContent, never
+innerHTML, and the data's `<`, `>`, `&` are escaped, so no model output can run or close the element.
+Every record is checked as it is read: a bad file, record or field is a one-line `ViewerError` naming the
+file, line and field, never a traceback or a broken page; fields a record lacks are None.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from memrl.config import ConfigError, PluginConfig, import_object
 from memrl.errors import MemrlError
 from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE
 from memrl.io import atomic_write_text, jsonl_lines
 from memrl.scoring import ANSWER_EXTRACTORS, gold_spans, score_answer
+from memrl.task import Task
+from memrl.viewer.fields import KINDS, check_kinds, short_value
 
 TEMPLATE = Path(__file__).with_name("template.html")
 DATA_MARKER = "__MEMRL_VIEW_DATA__"
@@ -45,25 +34,18 @@ class ViewerError(ValueError, MemrlError):
     """A path or file the viewer cannot read; the message says what to pass instead."""
 
 
+class Checked(NamedTuple):
+    """One record as the page reads it: the record, its turns and its task's display fields."""
+
+    record: dict[str, Any]
+    turns: list[dict[str, Any]]
+    view: dict[str, Any]
+
+
 # ------------------------------------------------------------------------------------------ record checks
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-# kind -> (test, what the value must be); None (a field the record lacks) always passes.
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "id": (lambda v: isinstance(v, str) or _is_int(v), "a string or integer id"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "number": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v), "a finite number"),
-    "count": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
-    "list": (lambda v: isinstance(v, list), "a list"),
-}
 _COMMON = {"question": "str", "golds": "strs", "answer": "str", "status": "str", "error": "str", "reward": "number",
-           "advantage": "number", "num_chunks": "count", "memory_truncations": "count", "document_tokens": "count",
-           "document_truncated": "bool", "chunk_golds": "list"}
+           "advantage": "number"}
 # An eval line (memrl.eval.results.sample_line): `trace` holds its turns, `turns` counts them.
 EVAL_FIELDS = {**_COMMON, "id": "str", "boxed": "str", "em": "number", "f1": "number", "sub_em": "number",
                "trace": "list", "turns": "count"}
@@ -82,40 +64,25 @@ def _check_fields(record: Any, fields: dict[str, str], where: str, required: str
         raise ViewerError(f"{where} is {type(record).__name__}, not an object; pass a file memrl wrote")
     if required is not None and record.get(required) is None:
         raise ViewerError(f"{where} has no '{required}'; pass a file memrl wrote")
-    for name, kind in fields.items():
-        value = record.get(name)
-        test, what = _KINDS[kind]
-        if value is not None and not test(value):
-            raise ViewerError(f"{where}: '{name}' is {_short(value)}, expected {what}; pass a file memrl wrote")
+    try:
+        check_kinds(record, fields)
+    except ValueError as e:
+        raise ViewerError(f"{where}: {e}; pass a file memrl wrote") from e
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _check_record(record: Any, kind: tuple[dict[str, str], str, str], where: str) -> dict[str, Any]:
-    """`record` as the page reads it (`kind`: EVAL_LINE or ROLLOUT_RECORD), or a ViewerError naming `where`
-    and the field that is wrong."""
+def _check_record(record: Any, kind: tuple[dict[str, str], str, str], where: str, task: Task) -> Checked:
+    """`record` as the page reads it (`kind`: EVAL_LINE or ROLLOUT_RECORD), its turns and the task's
+    display fields (`Task.view_fields`), or a ViewerError naming `where` and the field that is wrong."""
     fields, required, turns_field = kind
     _check_fields(record, fields, where, required)
-    for k, turn in enumerate(record.get(turns_field) or []):
+    turns = record.get(turns_field) or []
+    for k, turn in enumerate(turns):
         _check_fields(turn, TURN_FIELDS, f"{where}, turn {k}")
-    golds = record.get("golds") or []
-    for c, hits in enumerate(record.get("chunk_golds") or []):
-        if not isinstance(hits, list) or not all(_is_hit(h, len(golds)) for h in hits):
-            raise ViewerError(f"{where}: chunk_golds[{c}] is {_short(hits)}, expected a list of [gold index, count, "
-                              f"excerpt, start, end]; pass a file memrl wrote")
-    return record
-
-
-def _is_hit(hit: Any, num_golds: int) -> bool:
-    """One `[gold index, occurrences, excerpt, start, end]` of MemAgent's chunk_gold_hits (memagent/rollout.py)."""
-    if not (isinstance(hit, list) and len(hit) == 5 and isinstance(hit[2], str)
-            and all(_is_int(hit[k]) for k in (0, 1, 3, 4))):
-        return False
-    g, count, excerpt, start, end = hit
-    return 0 <= g < num_golds and count >= 1 and 0 <= start <= end <= len(excerpt)
+    try:
+        view = task.view_fields(record, turns)
+    except ValueError as e:
+        raise ViewerError(f"{where}: {e}; pass a file memrl wrote") from e
+    return Checked(record, turns, view)
 
 
 # ------------------------------------------------------------------------------------------ records
@@ -127,10 +94,10 @@ def _turns(turns: list[dict[str, Any]], golds: list[str]) -> list[list[Any]]:
             for t in turns]
 
 
-def _result(line: dict[str, Any], golds: list[str], extractor: str) -> dict[str, Any]:
-    """One run's answer to one question, from an eval line (`trace`) or a rollout log record (`turns`)."""
-    turns = line.get("trace") if isinstance(line.get("trace"), list) else line.get("turns")
-    turns = turns if isinstance(turns, list) else []
+def _result(checked: Checked, golds: list[str], extractor: str) -> dict[str, Any]:
+    """One run's answer to one question, from an eval line (`trace`) or a rollout log record (`turns`), with
+    the task's display fields."""
+    line = checked.record
     answer = line.get("answer") or ""
     if "em" in line:  # an eval line: its own scores
         boxed, em, f1, sub_em = line.get("boxed"), line.get("em"), line.get("f1"), line.get("sub_em")
@@ -140,25 +107,16 @@ def _result(line: dict[str, Any], golds: list[str], extractor: str) -> dict[str,
         done = line.get("status") == "complete"
         boxed, em, f1, sub_em = score.boxed, score.em * done, score.f1 * done, score.sub_em * done
         reward = line.get("reward")
-    memory_turns = [t for t in turns if t.get("kind") == "memory"]
-    memory_truncations = line.get("memory_truncations")
-    if memory_truncations is None:
-        memory_truncations = sum(t.get("finish_reason") == "length" for t in memory_turns)
-    num_chunks = line.get("num_chunks")
-    return {
-        "a": answer, "b": boxed, "em": em, "f1": f1, "sub": sub_em, "rw": reward, "st": line.get("status"),
-        "err": line.get("error"), "adv": line.get("advantage"),
-        "nc": num_chunks if num_chunks is not None else len(memory_turns),
-        "mt": int(memory_truncations), "at": line.get("status") == "truncated", "dt": bool(line.get("document_truncated")),
-        "dtok": line.get("document_tokens"), "cg": line.get("chunk_golds"), "t": _turns(turns, golds),
-    }
+    return {"a": answer, "b": boxed, "em": em, "f1": f1, "sub": sub_em, "rw": reward, "st": line.get("status"),
+            "err": line.get("error"), "adv": line.get("advantage"), "at": line.get("status") == "truncated",
+            "t": _turns(checked.turns, golds), **checked.view}
 
 
 def _golds(line: dict[str, Any]) -> list[str]:
     return list(line.get("golds") or [])
 
 
-def _read_jsonl(path: Path, kind: tuple[dict[str, str], str, str]) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path, kind: tuple[dict[str, str], str, str], task: Task) -> list[Checked]:
     """The checked records of a JSON-lines file memrl wrote (`_check_record`). Split at "\n" only, and
     what follows the last "\n" is a torn write (a run killed mid-line) and is left out (`memrl.io`)."""
 
@@ -170,13 +128,36 @@ def _read_jsonl(path: Path, kind: tuple[dict[str, str], str, str]) -> list[dict[
         lines = jsonl_lines(path, bad_line, torn_tail=True, nan_ok=False)
     except OSError as e:
         raise ViewerError(f"{path} cannot be read ({e.strerror}); pass a file memrl wrote") from e
-    return [_check_record(record, kind, f"{path} line {number}") for number, record in lines]
+    return [_check_record(record, kind, f"{path} line {number}", task) for number, record in lines]
+
+
+def _task(name: Any, where: Path) -> Task:
+    """The run's Task (`plugins.task`, recorded by the run), which says what the page shows of each
+    trajectory; the configured default for files that do not name one."""
+    try:
+        return import_object(name if isinstance(name, str) else PluginConfig().task)()
+    except ConfigError as e:
+        raise ViewerError(f"{where} names a task that cannot be loaded ({e}); view it where that task "
+                          f"is importable") from e
 
 
 # ------------------------------------------------------------------------------------------ sources
 
-def _eval_lines(folder: Path) -> list[dict[str, Any]]:
-    lines = _read_jsonl(folder / RESULTS_FILE, EVAL_LINE)
+def _summary(folder: Path) -> dict[str, Any]:
+    """An eval folder's summary.json, or {} while the run has not written it (or it is unreadable: only
+    the title and the task's view come from it)."""
+    try:
+        summary = json.loads((folder / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def _eval_lines(folder: Path) -> list[Checked]:
+    config = _summary(folder).get("config")
+    plugins = config.get("plugins") if isinstance(config, dict) else None
+    task = _task(plugins.get("task") if isinstance(plugins, dict) else None, folder / SUMMARY_FILE)
+    lines = _read_jsonl(folder / RESULTS_FILE, EVAL_LINE, task)
     if not lines:
         raise ViewerError(f"{folder / RESULTS_FILE} holds no results; run `memrl eval --out {folder}` first")
     return lines
@@ -185,7 +166,7 @@ def _eval_lines(folder: Path) -> list[dict[str, Any]]:
 def _eval_data(folder: Path, other: Path | None) -> dict[str, Any]:
     """Questions of one eval folder, or of two (same questions, in the first folder's order)."""
     runs = [folder] if other is None else [folder, other]
-    by_run = [{line["id"]: line for line in _eval_lines(f)} for f in runs]
+    by_run = [{line.record["id"]: line for line in _eval_lines(f)} for f in runs]
     if other is not None and set(by_run[0]) != set(by_run[1]):
         only_a, only_b = sorted(set(by_run[0]) - set(by_run[1])), sorted(set(by_run[1]) - set(by_run[0]))
         raise ViewerError(f"{folder} and {other} hold different questions ({len(only_a)} only in the first, e.g. "
@@ -193,20 +174,15 @@ def _eval_data(folder: Path, other: Path | None) -> dict[str, Any]:
                           f"of the same data and --limit")
     items = []
     for qid, first in by_run[0].items():
-        golds = _golds(first)
-        items.append({"id": qid, "q": first.get("question") or "", "g": golds,
+        golds = _golds(first.record)
+        items.append({"id": qid, "q": first.record.get("question") or "", "g": golds,
                       "r": [_result(lines[qid], golds, "boxed") for lines in by_run]})
     return {"kind": "eval", "runs": [_run_name(f) for f in runs], "items": items, "steps": [],
             "warning": _compare_warning(folder, other)}
 
 
 def _run_name(folder: Path) -> str:
-    summary = folder / SUMMARY_FILE
-    name = folder.resolve().name
-    try:  # only the page's title: an unreadable summary leaves the folder's name alone
-        model = json.loads(summary.read_text(encoding="utf-8")).get("model") if summary.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        model = None
+    name, model = folder.resolve().name, _summary(folder).get("model")
     return f"{name} ({Path(model).name})" if isinstance(model, str) and model else name
 
 
@@ -234,23 +210,25 @@ def _rollout_files(path: Path) -> list[Path]:
     return files
 
 
-def _answer_extractor(run_root: Path | None) -> str:
-    """The run's `task.answer_extractor` from its config.yaml (the logs score with it), else `boxed`."""
+def _run_config(run_root: Path | None) -> tuple[str, Task]:
+    """The run's `task.answer_extractor` (the logs score with it, else `boxed`) and its Task, from its
+    config.yaml."""
     import yaml
 
     config = run_root / "config.yaml" if run_root is not None else None
     if config is None or not config.is_file():
-        return "boxed"
+        return "boxed", _task(None, Path("config.yaml"))
     try:
         values = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise ViewerError(f"{config} is not a YAML config memrl wrote ({e}); pass a run root memrl wrote") from e
-    task = values.get("task") if isinstance(values, dict) else None
-    extractor = (task.get("answer_extractor") if isinstance(task, dict) else None) or "boxed"
+    section = {k: values.get(k) if isinstance(values, dict) and isinstance(values.get(k), dict) else {}
+               for k in ("task", "plugins")}
+    extractor = section["task"].get("answer_extractor") or "boxed"
     if extractor not in ANSWER_EXTRACTORS:
-        raise ViewerError(f"{config}: task.answer_extractor is {_short(extractor)}, expected one of "
+        raise ViewerError(f"{config}: task.answer_extractor is {short_value(extractor)}, expected one of "
                           f"{', '.join(ANSWER_EXTRACTORS)}; pass a run root memrl wrote")
-    return extractor
+    return extractor, _task(section["plugins"].get("task"), config)
 
 
 def _step_rewards(run_root: Path | None) -> dict[int, float | None]:
@@ -264,29 +242,29 @@ def _step_rewards(run_root: Path | None) -> dict[int, float | None]:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ViewerError(f"{run_root / 'logs' / 'metrics.jsonl'} cannot be read ({type(e).__name__}: {e}); pass a "
                           f"run root memrl wrote") from e
-    return {k: v if _KINDS["number"][0](v) else None for k, v in metrics.items()}
+    return {k: v if KINDS["number"][0](v) else None for k, v in metrics.items()}
 
 
 def _rollout_data(path: Path) -> dict[str, Any]:
     """Every trajectory of the rollout logs, one item each, and per step its GRPO groups."""
     files = _rollout_files(path)
     run_root = path if path.is_dir() and (path / "logs").is_dir() else None
-    extractor = _answer_extractor(run_root)
+    extractor, task = _run_config(run_root)
     rewards = _step_rewards(run_root)
     items: list[dict[str, Any]] = []
     steps = []
     for file in files:
         rollout_id = int(file.stem.rpartition("_")[2]) if file.stem.rpartition("_")[2].isdigit() else len(steps)
         groups: dict[str, dict[str, Any]] = {}
-        for record in _read_jsonl(file, ROLLOUT_RECORD):
-            golds = _golds(record)
+        for checked in _read_jsonl(file, ROLLOUT_RECORD, task):
+            record, golds = checked.record, _golds(checked.record)
             # Logs written before group ids were recorded: the trajectory id is "<group id>:s<sample>".
             group_id = record.get("group_id") or str(record.get("trajectory_id", "")).rpartition(":s")[0]
             group = groups.setdefault(group_id, {"gid": group_id, "qid": record.get("question_id"), "items": []})
             group["items"].append(len(items))
             items.append({"id": str(record.get("trajectory_id")), "qid": record.get("question_id"),
                           "q": record.get("question") or "", "g": golds, "step": rollout_id,
-                          "r": [_result(record, golds, extractor)]})
+                          "r": [_result(checked, golds, extractor)]})
         steps.append({"id": rollout_id, "reward": rewards.get(rollout_id), "groups": list(groups.values())})
     return {"kind": "train", "runs": [path.resolve().name], "items": items, "steps": steps, "warning": None}
 

@@ -16,8 +16,6 @@ from memrl.memagent.prompts import (
     PromptBuilder,
     PromptError,
     chunk_first_template,
-    final_prompt_ids,
-    memory_prompt_ids,
 )
 from memrl.tiny import build_tiny_tokenizer
 
@@ -136,18 +134,9 @@ def test_cached_prompts_are_independent(tiny_tokenizer):
     assert builder.final_prompt_ids(QUESTION, [70]) == expected
 
 
-def test_module_functions_match_builder(tiny_tokenizer):
-    cfg = TaskConfig()
-    builder = PromptBuilder(tiny_tokenizer, cfg)
-    assert memory_prompt_ids(tiny_tokenizer, cfg, QUESTION, [80], [81, 82]) == builder.memory_prompt_ids(
-        QUESTION, [80], [81, 82])
-    assert final_prompt_ids(tiny_tokenizer, cfg, QUESTION, None) == builder.final_prompt_ids(QUESTION, None)
-
-
 def test_final_prompt_has_no_chunk_parameter():
-    for fn in (PromptBuilder.final_prompt_ids, prompts.final_prompt_ids):
-        params = inspect.signature(fn).parameters
-        assert not any("chunk" in name for name in params), params
+    params = inspect.signature(PromptBuilder.final_prompt_ids).parameters
+    assert not any("chunk" in name for name in params), params
     assert "chunk_ids" in inspect.signature(PromptBuilder.memory_prompt_ids).parameters
 
 

@@ -6,7 +6,7 @@ import pytest
 from traj_factory import make_group, make_trajectory, make_turn
 
 from memrl.config import AlgorithmConfig, ConfigError
-from memrl.memagent.convert import convert_trajectories, count_train_rows
+from memrl.memagent.convert import convert_trajectories
 from memrl.memagent.reward import gold_in_text, memory_recall
 from memrl.memagent.task import MemAgentTask
 from memrl.rl.advantages import AdvantageError
@@ -23,7 +23,7 @@ def test_mask_truncated_completions_zeroes_only_the_truncated_trajectory():
     group[1].turns[-1].finish_reason, group[1].status = "length", "truncated"
     off = by_key(convert_trajectories(group, AlgorithmConfig(std_normalize=False), 0))
     on = convert_trajectories(group, AlgorithmConfig(std_normalize=False, mask_truncated_completions=True), 0)
-    assert len(on) == count_train_rows(group)
+    assert len(on) == sum(t.num_turns for t in group)
     for row in on:
         before = off[(row.trajectory_id, row.turn_index)]
         assert row.advantage == before.advantage  # it still counts in the group's advantage

@@ -80,6 +80,17 @@ def invoke(*args):
 TASK = ["--set", f"plugins.task={__name__}:RecordingTask", "--set", "task.final_tokens=4"]
 
 
+def assert_shown_by_the_base_default(path, n):
+    """`memrl view` asks the run's task what to show (`Task.view_fields`): the single-turn task keeps the
+    base default, so its one turn's text and no MemAgent field (chunks, truncations, gold hits)."""
+    from memrl.viewer.build import view_data
+
+    results = [r for item in view_data(path)["items"] for r in item["r"]]
+    assert len(results) == n
+    assert all([t[0] for t in r["t"]] == ["final"] and r["t"][0][1] for r in results)
+    assert not {"nc", "mt", "dt", "dtok", "cg"} & {key for r in results for key in r}
+
+
 def test_the_second_task_trains_and_validates_through_memrl_train(folders, tmp_path):
     root, model = folders
     invoke("train", "--run-root", tmp_path / "run", "--no-progress", *TASK, "--set", f"model.path={model}",
@@ -92,6 +103,7 @@ def test_the_second_task_trains_and_validates_through_memrl_train(folders, tmp_p
     lines = [json.loads(line) for line in next((tmp_path / "run" / "eval" / "heldout").glob("*/results.jsonl")).open()]
     assert [(line["id"], line["turns"]) for line in lines] == [("q0", 1), ("q1", 1)]
     assert "trajectories" in invoke("view", tmp_path / "run")
+    assert_shown_by_the_base_default(tmp_path / "run", 4)
 
 
 def test_the_second_task_through_memrl_eval_pass_at_k_and_view(folders, tmp_path):
@@ -102,6 +114,7 @@ def test_the_second_task_through_memrl_eval_pass_at_k_and_view(folders, tmp_path
     lines = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").open()]
     assert [[t["kind"] for t in line["trace"]] for line in lines] == [["final"], ["final"]]
     assert "2 questions" in invoke("view", tmp_path / "eval")
+    assert_shown_by_the_base_default(tmp_path / "eval", 2)
     invoke("pass-at-k", "--model", model, "--data", data, "--out", tmp_path / "counts.json", "--k", 3, *TASK)
     assert sorted(CALLS) == [("train", "r0:0:q0", 3), ("train", "r0:1:q1", 3)]
     assert set(json.loads((tmp_path / "counts.json").read_text())["pass_counts"]) == {"q0", "q1"}

@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from viewer_fixtures import INJECTED, N_QUESTIONS, eval_pair, train_run
+from viewer_fixtures import INJECTED, N_QUESTIONS, eval_pair, single_turn_eval, train_run
 
 from memrl.eval.compare import compare_results
 from memrl.eval.results import RESULTS_FILE, read_results
@@ -140,6 +140,19 @@ def test_filters_by_search_chunks_and_truncation(browser, pages, tmp_path):
     untruncated = [line["id"] for line in lines if line["num_chunks"] >= 3 and not line["document_truncated"]
                    and not line["memory_truncations"] and line["status"] != "truncated"]
     assert 0 < len(untruncated) < len(lines) and [row["text"] for row in dom.rows] == untruncated
+
+
+def test_a_single_turn_run_shows_its_turn_and_no_chunk_fields(browser, tiny_tokenizer, tmp_path):
+    """The second task keeps `Task.view_fields`' default: its page lists every question and shows the answer
+    turn, with no chunk count, chunk filter or chunk row (MemAgent's fields)."""
+    page, _ = write_viewer(single_turn_eval(tiny_tokenizer, tmp_path))
+    dom = Dom(run_browser(browser, page, "q=q2", tmp_path, "--dump-dom"))
+    body = next(attrs for tag, attrs in dom.tags if tag == "body")
+    assert body.get("data-ready") == "1" and int(dom.text("n-total")) == len(dom.rows) == N_QUESTIONS
+    assert dom.count("right") == N_QUESTIONS // 2
+    assert "f-cmin" not in dom.by_id and "\\boxed{alpha2}" in dom.text("detail")
+    assert not any(n["tag"] == "td" and n["text"] == "chunks" for n in dom._nodes)
+    assert "ch" not in next(n["text"] for n in dom._nodes if "num" in n["attrs"].get("class", "").split())
 
 
 @pytest.fixture(scope="module")

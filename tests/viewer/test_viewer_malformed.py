@@ -110,6 +110,7 @@ def test_malformed_records_are_one_line_errors_with_exit_2(evals, run_root, tmp_
 @pytest.mark.parametrize("file, text, message", [
     ("config.yaml", "rollout: [unclosed", "is not a YAML config memrl wrote"),
     ("config.yaml", "task:\n  answer_extractor: guess\n", "task.answer_extractor is 'guess'"),
+    ("config.yaml", "plugins:\n  task: no_such_package.task:Task\n", "names a task that cannot be loaded"),
     ("logs/metrics.jsonl", '{"rollout_id": 0}\nnot json\n{"rollout_id": 1}\n', "metrics.jsonl cannot be read"),
     ("logs/metrics.jsonl", '{"reward/mean": 0.5}\n\n', "metrics.jsonl cannot be read"),
 ])

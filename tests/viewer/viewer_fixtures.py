@@ -3,7 +3,9 @@
 - `eval_pair(tokenizer, root)`: two `memrl eval` folders of the same 16 questions by a scripted engine,
   "base" right on BASE_RIGHT and "trained" on TRAINED_RIGHT; question q3's final answer and q2's memory
   contain HTML that would change the page if it ever ran (INJECTED);
-- `train_run(tokenizer, root)`: one GRPO step of the real Trainer on a tiny random model.
+- `train_run(tokenizer, root)`: one GRPO step of the real Trainer on a tiny random model;
+- `single_turn_eval(tokenizer, root)`: a `memrl eval` folder of the second task (memrl.tasks.single_turn),
+  the answer boxed right on even questions.
 """
 
 from __future__ import annotations
@@ -59,6 +61,20 @@ def eval_pair(tokenizer, root: Path) -> tuple[Path, Path]:
                  model_name=name, data_sha256="sha-viewer", progress=False)
         folders.append(folder)
     return folders[0], folders[1]
+
+
+def single_turn_eval(tokenizer, root: Path) -> Path:
+    folder = root / "eval_single_turn"
+
+    def reply(prompt: str) -> str:
+        i = int(_QUESTION.search(prompt).group(1))
+        return f"\\boxed{{alpha{i if i % 2 == 0 else 'x'}}}"
+
+    cfg = Config.model_validate({"task": {"final_tokens": 32}, "sampling": {"temperature": 0.0},
+                                 "plugins": {"task": "memrl.tasks.single_turn:SingleTurnTask"}})
+    evaluate(ScriptedEngine(tokenizer, reply), tokenizer, cfg, make_records(), folder, model_name="single",
+             data_sha256="sha-viewer", progress=False)
+    return folder
 
 
 def parity_reward(traj, golds):
