@@ -47,7 +47,7 @@ from memrl.config import Config, RolloutConfig  # noqa: E402
 from memrl.engines.base import GenerationRequest  # noqa: E402
 from memrl.engines.hf import HFEngine, resolve_device_dtype  # noqa: E402
 from memrl.memagent.prompts import PromptBuilder  # noqa: E402
-from memrl.memagent.rollout import document_chunks  # noqa: E402
+from memrl.memagent.rollout import builder_of, document_chunks  # noqa: E402
 from memrl.memagent.task import MemAgentTask  # noqa: E402
 from memrl.rollout import RolloutContext  # noqa: E402
 from memrl.tiny import build_tiny_model  # noqa: E402
@@ -214,7 +214,7 @@ async def main_async(args: argparse.Namespace) -> None:
           f"layers, hidden {args.hidden}, vocabulary {len(tokenizer)}), {device}, {dtype}, torch threads "
           f"{torch.get_num_threads()}; engine max_batch_size {args.max_batch_size}, max_batch_tokens "
           f"{args.max_batch_tokens}")
-    stops = RolloutContext(engine=engine, tokenizer=tokenizer, config=Config()).stop_token_ids
+    stops = builder_of(RolloutContext(engine=engine, tokenizer=tokenizer, config=Config())).stop_token_ids
     print(f"\n{'shape':<9} {'layout':<12} {'sharing':<7} {'wall_s':>7} {'cpu_s':>7} {'prefill_s':>9} {'steps':>6} "
           f"{'requested':>10} "
           f"{'computed':>10} {'ratio':>6} {'turn0':>6} {'cover':>6} {'prompt/s':>10} {'gen/s':>7} {'same_len':>8}")
