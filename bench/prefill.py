@@ -253,8 +253,9 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.model is None:  # a random model would write every memory to its cap
             bias_stop_logits(engine.model, stops, args.mean_response * shape.memory_tokens)
         records = make_records(tokenizer, shape, args.seed)
-        if shape is shapes[0]:  # warm-up: allocator, kernels, prompt caches
-            await run_step(engine, tokenizer, SHAPES["seed"], "memagent", True, records[:1], args)
+        if shape is shapes[0]:  # warm-up (allocator, kernels, prompt caches): one chunk of one question, n = 2
+            warm_up = dataclasses.replace(SHAPES["seed"], questions=1, n=2, chunks=1)
+            await run_step(engine, tokenizer, warm_up, "memagent", True, records[:1], args)
         for layout in args.layouts:
             pairs = []
             for repeat in range(args.repeats if shape.name == "seed" else args.official_repeats):
