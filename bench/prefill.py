@@ -5,7 +5,7 @@
     python bench/prefill.py --shapes official --official-repeats 2
     python bench/prefill.py --tokenizer path/to/qwen3-tokenizer --device cuda
     python bench/prefill.py --quick --layers 4 --hidden 512 --questions 4   # prefill compute that is real
-    python bench/prefill.py --quick --model /tmp/smol_hf --questions 2      # a trained HF model, its tokenizer
+    python bench/prefill.py --quick --model models/smollm2-135m --questions 1  # a trained HF model, its tokenizer
 
 One MemAgent rollout step (`MemAgentTask.generate`, continuous batching, the engine's default dynamic cache)
 per (shape, prompt layout, sharing) on the same engine and model, sharing toggled between runs
