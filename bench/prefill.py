@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python bench/prefil
 
 from rollout import _WORDS, BenchError, Record, bias_stop_logits  # noqa: E402
 
-from memrl.config import Config, RolloutConfig  # noqa: E402
+from memrl.config import Config, TaskConfig  # noqa: E402
 from memrl.engines.base import GenerationRequest  # noqa: E402
 from memrl.engines.hf import HFEngine, resolve_device_dtype  # noqa: E402
 from memrl.memagent.prompts import PromptBuilder  # noqa: E402
@@ -133,7 +133,7 @@ def make_records(tokenizer, shape: Shape, seed: int) -> list[Record]:
 
 
 def rollout_config(shape: Shape, layout: str, args: argparse.Namespace) -> Config:
-    return Config(rollout=RolloutConfig(
+    return Config(rollout=TaskConfig(
         chunk_tokens=shape.chunk_tokens, memory_tokens=shape.memory_tokens, final_tokens=shape.final_tokens,
         max_chunks=shape.chunks, n_samples=shape.n, temperature=1.0, seed=args.seed, prompt_layout=layout,
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens))
@@ -142,11 +142,11 @@ def rollout_config(shape: Shape, layout: str, args: argparse.Namespace) -> Confi
 async def run_step(engine: MeteredEngine, tokenizer, shape: Shape, layout: str, shared: bool,
                    records: list[Record], args: argparse.Namespace) -> Run:
     ctx = RolloutContext(engine=engine, tokenizer=tokenizer, config=rollout_config(shape, layout, args), progress=False)
-    builder = PromptBuilder(tokenizer, ctx.config.rollout)
+    builder = PromptBuilder(tokenizer, ctx.config.task)
     engine.turn0 = frozenset(tuple(builder.memory_prompt_ids(
-        r.question, None, document_chunks(tokenizer, ctx.config.rollout, r.context).chunks[0])) for r in records)
+        r.question, None, document_chunks(tokenizer, ctx.config.task, r.context).chunks[0])) for r in records)
     for record in records:  # every document fills every chunk
-        if document_chunks(tokenizer, ctx.config.rollout, record.context).num_chunks != shape.chunks:
+        if document_chunks(tokenizer, ctx.config.task, record.context).num_chunks != shape.chunks:
             raise BenchError(f"a {shape.name} document has fewer than {shape.chunks} chunks; raise the word count")
     engine.share_prefixes = shared
     engine.reset_stats()

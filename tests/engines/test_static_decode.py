@@ -186,11 +186,11 @@ def test_settings_that_cannot_work_are_refused(model):
     with pytest.raises(EngineError, match="sliding_attention"):
         HFEngine(sliding, static_kv="on")
     with pytest.raises(ConfigError, match="static_kv"):
-        load_config(RECIPE, ["rollout.cuda_graphs=on", "rollout.static_kv=off"])
+        load_config(RECIPE, ["engine.cuda_graphs=on", "engine.static_kv=off"])
 
 
 def test_the_factory_passes_the_rollout_settings(model):
-    cfg = Config.model_validate({"model": {"device": "cpu", "dtype": "float32"}, "rollout": {"static_kv": "on"}})
+    cfg = Config.model_validate({"model": {"device": "cpu", "dtype": "float32"}, "engine": {"static_kv": "on"}})
     engine = build_engine(cfg, model=model, tokenizer=None)
     try:
         assert engine.static_decoder is not None
@@ -198,15 +198,15 @@ def test_the_factory_passes_the_rollout_settings(model):
         asyncio.run(engine.close())
     with pytest.raises(EngineError, match="needs a CUDA device"):
         build_engine(Config.model_validate({"model": {"device": "cpu"},
-                                            "rollout": {"static_kv": "auto", "cuda_graphs": "on"}}), model=model)
+                                            "engine": {"static_kv": "auto", "cuda_graphs": "on"}}), model=model)
 
 
 @pytest.mark.parametrize("recipe", [None, *sorted(RECIPE.parent.glob("*.yaml"))], ids=lambda r: getattr(r, "name", "defaults"))
 def test_static_decode_and_cuda_graphs_are_off_unless_asked_for(recipe):
     """The static path has never run on a GPU (bench/README.md): neither the defaults nor a shipped recipe
     may send a user's first GPU run down it; `auto` (on with CUDA) is opt-in until GPU figures decide."""
-    rollout = load_config(recipe).rollout
-    assert (rollout.static_kv, rollout.cuda_graphs) == ("off", "off")
+    engine = load_config(recipe).engine
+    assert (engine.static_kv, engine.cuda_graphs) == ("off", "off")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; this machine has none")
