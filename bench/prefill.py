@@ -4,6 +4,8 @@
     python bench/prefill.py --quick     # the seed's shape only, one repeat (~2 min)
     python bench/prefill.py --shapes official --official-repeats 2
     python bench/prefill.py --tokenizer path/to/qwen3-tokenizer --device cuda
+    python bench/prefill.py --quick --layers 4 --hidden 512 --questions 4   # prefill compute that is real
+    python bench/prefill.py --quick --model models/smollm2-135m --questions 1  # a trained HF model, its tokenizer
 
 One MemAgent rollout step (`MemAgentTask.generate`, continuous batching, the engine's default dynamic cache)
 per (shape, prompt layout, sharing) on the same engine and model, sharing toggled between runs
@@ -16,13 +18,17 @@ rounding (the table's `same_len` column: turns with the same response length). S
 Every document fills all its chunks. Model: a random-init tiny Qwen3 over the real Qwen3 vocabulary
 (151,669 tokens; --tokenizer, default ../shared/assets/qwen3-tokenizer); a bias on the stop-token logits
 makes response lengths geometric with mean `--mean-response` x the memory limit (a random model would run
-every memory to its cap).
+every memory to its cap). `--layers/--hidden` widen it (heads of 64 from hidden 256 on, intermediate 2x hidden);
+`--model` runs a Hugging Face folder instead (its own tokenizer unless --tokenizer is given, no stop bias:
+a trained model's responses end where it stops them). `--questions` reduces every shape's question count.
 
 Columns: `requested` prompt tokens asked for, `computed` token positions the prefills ran (padding
 included; `EngineStats`), `ratio` computed / requested, `turn0` that ratio over the prefills made only of
 turn-0 prompts (`cover`: the share of turn-0 requests they hold), `wall_s` the step's wall time,
 `cpu_s` the CPU time this process spent meanwhile (all threads: on a machine shared with other jobs the
-steadier measure of the work), `prefill_s` the wall time of the engine's prefills, `steps` decode steps,
+steadier measure of the work), `prefill_s` the wall time of the engine's prefills, `pf_cpu` the engine
+thread's CPU time in them (with 1 torch thread all their compute; unlike wall time, not inflated when other
+jobs take the cores), `steps` decode steps,
 `prompt/s` requested prompt tokens per prefill second, `gen/s` generated tokens per second of wall time.
 """
 
@@ -30,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
 import random
 import statistics
 import sys
@@ -47,7 +55,7 @@ from memrl.config import Config, EngineConfig, SamplingConfig, TaskConfig  # noq
 from memrl.engines.base import GenerationRequest  # noqa: E402
 from memrl.engines.hf import HFEngine, resolve_device_dtype  # noqa: E402
 from memrl.memagent.prompts import PromptBuilder  # noqa: E402
-from memrl.memagent.rollout import document_chunks  # noqa: E402
+from memrl.memagent.rollout import builder_of, document_chunks  # noqa: E402
 from memrl.memagent.task import MemAgentTask  # noqa: E402
 from memrl.rollout import RolloutContext  # noqa: E402
 from memrl.tiny import build_tiny_model  # noqa: E402
@@ -77,14 +85,15 @@ class MeteredEngine(HFEngine):
     def reset_stats(self) -> None:
         super().reset_stats()
         self.turn0_requested = self.turn0_computed = self.turn0_requests = 0
-        self.prefill_s = 0.0
+        self.prefill_s = self.prefill_cpu_s = 0.0
 
     def _prefill(self, requests: list[GenerationRequest], held=None):
-        before, start = self.stats.prefill_tokens, time.perf_counter()
+        before, start, cpu = self.stats.prefill_tokens, time.perf_counter(), time.thread_time()
         out = super()._prefill(requests, held)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.prefill_s += time.perf_counter() - start
+        self.prefill_cpu_s += time.thread_time() - cpu  # the engine's thread: its prefill compute alone
         if all(tuple(r.prompt_ids) in self.turn0 for r in requests):
             self.turn0_requested += sum(len(r.prompt_ids) for r in requests)
             self.turn0_computed += self.stats.prefill_tokens - before
@@ -100,6 +109,7 @@ class Run:
     wall_s: float
     cpu_s: float
     prefill_s: float
+    prefill_cpu_s: float
     decode_steps: int
     requested: int
     computed: int
@@ -148,8 +158,8 @@ async def run_step(engine: MeteredEngine, tokenizer, shape: Shape, layout: str, 
         raise BenchError(f"{len(output.dropped)} trajectories failed, e.g. {output.dropped[0].error}")
     turns = [t for trajectory in output.trajectories for t in trajectory.turns]
     stats = engine.stats
-    return Run(shape.name, layout, shared, wall, cpu, engine.prefill_s, stats.decode_steps, stats.prompt_tokens,
-               stats.prefill_tokens,
+    return Run(shape.name, layout, shared, wall, cpu, engine.prefill_s, engine.prefill_cpu_s, stats.decode_steps,
+               stats.prompt_tokens, stats.prefill_tokens,
                engine.turn0_computed / max(engine.turn0_requested, 1),
                engine.turn0_requests / (len(records) * shape.n), sum(t.response_length for t in turns),
                [t.response_length for t in turns])
@@ -157,7 +167,7 @@ async def run_step(engine: MeteredEngine, tokenizer, shape: Shape, layout: str, 
 
 def line(run: Run, same: float) -> str:
     return (f"{run.shape:<9} {run.layout:<12} {'on' if run.shared else 'off':<7} {run.wall_s:>7.1f} {run.cpu_s:>7.1f} "
-            f"{run.prefill_s:>9.1f} {run.decode_steps:>6d} "
+            f"{run.prefill_s:>9.1f} {run.prefill_cpu_s:>6.1f} {run.decode_steps:>6d} "
             f"{run.requested:>10d} {run.computed:>10d} {run.ratio:>6.3f} {run.turn0_ratio:>6.3f} {run.turn0_cover:>6.0%} "
             f"{run.requested / run.prefill_s:>10.0f} {run.generated / run.wall_s:>7.0f} {same:>8.0%}")
 
@@ -172,10 +182,30 @@ def same_lengths(a: Run, b: Run) -> float:
     return sum(x == y for x, y in zip(a.lengths, b.lengths, strict=False)) / max(len(a.lengths), 1)
 
 
+def load_model(args: argparse.Namespace, tokenizer) -> tuple[torch.nn.Module, str]:
+    """The benchmarked model and how to describe it: --model's folder, else the random Qwen3."""
+    if args.model is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
+        return model, (f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter {args.model.name} "
+                       f"({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, vocabulary "
+                       f"{len(tokenizer)})")
+    heads = max(4, args.hidden // 64)  # head_dim 64 as in small real models; 4 heads of 16 at hidden 64
+    model = build_tiny_model(len(tokenizer), layers=args.layers, hidden=args.hidden, heads=heads, kv_heads=2,
+                             intermediate=2 * args.hidden, seed=args.seed)
+    return model, (f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter random Qwen3 ({args.layers} "
+                   f"layers, hidden {args.hidden}, {heads} heads, vocabulary {len(tokenizer)})")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the seed's shape only, one repeat")
-    parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="a real (Qwen3) tokenizer folder")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a real tokenizer folder (default: --model's, else ../shared/assets/qwen3-tokenizer)")
+    parser.add_argument("--model", type=Path, default=None, help="a Hugging Face model folder instead of the random one")
+    parser.add_argument("--questions", type=int, default=None, help="questions per shape (default: the shape's)")
+    parser.add_argument("--layouts", nargs="+", choices=["memagent", "chunk_first"], default=["memagent", "chunk_first"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
@@ -193,10 +223,11 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.shapes = 1, ["seed"]
+    args.tokenizer = args.tokenizer or args.model or DEFAULT_TOKENIZER
     if not (args.tokenizer / "tokenizer.json").is_file():
         raise BenchError(f"no tokenizer.json in {args.tokenizer}; pass --tokenizer <a Qwen3 tokenizer folder>")
-    if min(args.repeats, args.official_repeats) <= 0 or not 0 < args.mean_response <= 1:
-        raise BenchError("--repeats and --official-repeats must be > 0 and --mean-response in (0, 1]")
+    if min(args.repeats, args.official_repeats, args.questions or 1) <= 0 or not 0 < args.mean_response <= 1:
+        raise BenchError("--repeats, --official-repeats and --questions must be > 0 and --mean-response in (0, 1]")
     return args
 
 
@@ -206,26 +237,27 @@ async def main_async(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
-    model = build_tiny_model(len(tokenizer), layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2,
-                             intermediate=2 * args.hidden, seed=args.seed)
+    model, described = load_model(args, tokenizer)
     engine = MeteredEngine(model, tokenizer, max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                            device=device, dtype=dtype)
-    shapes = [SHAPES[name] for name in args.shapes]
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter random Qwen3 ({args.layers} "
-          f"layers, hidden {args.hidden}, vocabulary {len(tokenizer)}), {device}, {dtype}, torch threads "
-          f"{torch.get_num_threads()}; engine max_batch_size {args.max_batch_size}, max_batch_tokens "
-          f"{args.max_batch_tokens}")
-    stops = RolloutContext(engine=engine, tokenizer=tokenizer, config=Config()).stop_token_ids
-    print(f"\n{'shape':<9} {'layout':<12} {'sharing':<7} {'wall_s':>7} {'cpu_s':>7} {'prefill_s':>9} {'steps':>6} "
+    shapes = [dataclasses.replace(SHAPES[name], questions=args.questions or SHAPES[name].questions)
+              for name in args.shapes]
+    print(f"model: {described}, {device}, {dtype}, torch threads {torch.get_num_threads()}; engine max_batch_size "
+          f"{args.max_batch_size}, max_batch_tokens {args.max_batch_tokens}; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    stops = builder_of(RolloutContext(engine=engine, tokenizer=tokenizer, config=Config())).stop_token_ids
+    print(f"\n{'shape':<9} {'layout':<12} {'sharing':<7} {'wall_s':>7} {'cpu_s':>7} {'prefill_s':>9} {'pf_cpu':>6} {'steps':>6} "
           f"{'requested':>10} "
           f"{'computed':>10} {'ratio':>6} {'turn0':>6} {'cover':>6} {'prompt/s':>10} {'gen/s':>7} {'same_len':>8}")
     summary = []
     for shape in shapes:
-        bias_stop_logits(engine.model, stops, args.mean_response * shape.memory_tokens)
+        if args.model is None:  # a random model would write every memory to its cap
+            bias_stop_logits(engine.model, stops, args.mean_response * shape.memory_tokens)
         records = make_records(tokenizer, shape, args.seed)
-        if shape is shapes[0]:  # warm-up: allocator, kernels, prompt caches
-            await run_step(engine, tokenizer, SHAPES["seed"], "memagent", True, records[:1], args)
-        for layout in ("memagent", "chunk_first"):
+        if shape is shapes[0]:  # warm-up (allocator, kernels, prompt caches): one chunk of one question, n = 2
+            warm_up = dataclasses.replace(SHAPES["seed"], questions=1, n=2, chunks=1)
+            await run_step(engine, tokenizer, warm_up, "memagent", True, records[:1], args)
+        for layout in args.layouts:
             pairs = []
             for repeat in range(args.repeats if shape.name == "seed" else args.official_repeats):
                 order = (False, True) if repeat % 2 == 0 else (True, False)
@@ -240,8 +272,9 @@ async def main_async(args: argparse.Namespace) -> None:
                            f"{pairs[0][0].ratio:.3f}), turn 0 {on.turn0_ratio:.3f} (1/n + 5% = "
                            f"{1 / shape.n + 0.05:.3f}); shared vs unshared, median of {len(pairs)}: step wall "
                            f"{ratios(pairs, 'wall_s')}, step CPU {ratios(pairs, 'cpu_s')}, prefill "
-                           f"{ratios(pairs, 'prefill_s')}")
+                           f"{ratios(pairs, 'prefill_s')}, prefill CPU {ratios(pairs, 'prefill_cpu_s')}")
     print("\n" + "\n".join(summary))
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     await engine.close()
 
 

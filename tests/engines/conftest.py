@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from numerics import sharp_model
 
 
 @pytest.fixture(scope="module")
@@ -11,3 +12,10 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The sharp tiny model (numerics.sharp_model), built once per test module; a module defining its own
+    `model` fixture overrides this one."""
+    return sharp_model()

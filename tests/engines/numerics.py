@@ -1,4 +1,4 @@
-"""The engine tests' sharp tiny model, and tolerances for float32 results computed under different batch
+"""The engine tests' sharp tiny model and the token ids they prompt it with, and tolerances for float32 results computed under different batch
 shapes, derived from the arithmetic.
 
 The same tokens decoded alone, with batch mates, after a mid-batch admission or in a full teacher-forced
@@ -55,3 +55,9 @@ def sharp_model(seed: int = 0) -> torch.nn.Module:
                 weight.mul_(10.0)
         model.model.norm.weight.mul_(30.0)
     return model
+
+
+def token_ids(seed: int, length: int) -> list[int]:
+    """`length` prompt ids inside the tiny tokenizer's vocabulary; seeds that differ mod 500 start with
+    different ids, so their prompts share no prefix."""
+    return [(7 * seed + 3 * k + 11) % 500 + 5 for k in range(length)]

@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 import torch
-from numerics import logprob_atol, sharp_model
+from numerics import logprob_atol, token_ids
 from staggering import staggered
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -24,28 +24,17 @@ from memrl.engines.prefix import MIN_SHARED_PREFIX, common_prefix_length, plan_p
 PATHS = [pytest.param({}, id="dynamic"), pytest.param({"static_kv": "on"}, id="static")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    """Every test here runs on one torch thread (the fixture is in tests/engines/conftest.py)."""
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/engines/conftest.py
 
 
-@pytest.fixture(scope="module")
-def model():
-    return sharp_model()
-
-
-def tokens(seed: int, length: int) -> list[int]:
-    return [(7 * seed + 3 * k + 11) % 500 + 5 for k in range(length)]
-
-
-TEMPLATE = tokens(900, MIN_SHARED_PREFIX + 8)  # the chat template + instruction every prompt starts with
+TEMPLATE = token_ids(900, MIN_SHARED_PREFIX + 8)  # the chat template + instruction every prompt starts with
 
 
 def group_prompt(question: int, memory: int | None = None) -> list[int]:
     """A memory-turn prompt: the template, a question and chunk of the question's own (longer than
     MIN_SHARED_PREFIX), then a memory (None: the turn-0 prompt, the same for the whole group)."""
-    memory_ids = [] if memory is None else tokens(50 + memory, 2 + memory % 4)
-    return TEMPLATE + tokens(question, MIN_SHARED_PREFIX + 3 + 5 * question) + memory_ids
+    memory_ids = [] if memory is None else token_ids(50 + memory, 2 + memory % 4)
+    return TEMPLATE + token_ids(question, MIN_SHARED_PREFIX + 3 + 5 * question) + memory_ids
 
 
 def group_wave(questions: int, n: int, max_tokens: int = 12, memories: bool = False) -> list[GenerationRequest]:
@@ -58,7 +47,7 @@ def group_wave(questions: int, n: int, max_tokens: int = 12, memories: bool = Fa
 def mixed_wave() -> list[GenerationRequest]:
     """Every kind of node: two turn-0 groups (repeated prompts), two later-turn groups (a question's prefix
     shared, memories distinct), and a prompt that shares nothing (a leaf at the first level)."""
-    alone = GenerationRequest(tokens(77, 20), 9, temperature=1.0, seed=7)
+    alone = GenerationRequest(token_ids(77, 20), 9, temperature=1.0, seed=7)
     return group_wave(2, 4) + group_wave(4, 4, memories=True)[8:] + [alone]
 
 
@@ -102,7 +91,7 @@ def test_plan_shares_each_groups_prefix_below_the_common_one():
     plan = plan_prefill(prompts)
     t, q2, q3 = len(TEMPLATE), len(group_prompt(2)), len(group_prompt(3))
     root, groups, leaves = levels(plan)
-    assert root == [(0, len(tokens(77, 20)), True), (0, t, False)]  # the lone prompt, the template
+    assert root == [(0, len(token_ids(77, 20)), True), (0, t, False)]  # the lone prompt, the template
     # Under the template: the two turn-0 prompts (leaves) and the two later-turn groups' question + chunk.
     assert groups == [(t, len(group_prompt(0)), True), (t, len(group_prompt(1)), True), (t, q2, False),
                       (t, q3, False)]
@@ -112,7 +101,7 @@ def test_plan_shares_each_groups_prefix_below_the_common_one():
 
 def test_prefixes_are_shared_only_when_that_leaves_little_to_compute():
     # The template shared, but most of each prompt still to compute (through a mask): the plain prefill.
-    long = [TEMPLATE + tokens(q, 100) for q in range(3)]
+    long = [TEMPLATE + token_ids(q, 100) for q in range(3)]
     assert plan_prefill(long) is None
     assert levels(plan_prefill(long, max_share=1))[0] == [(0, len(TEMPLATE), False)]
     # A repeated prompt is still computed once; only the template is not shared.
@@ -124,11 +113,11 @@ def test_prefixes_are_shared_only_when_that_leaves_little_to_compute():
 
 
 def test_plan_is_none_when_nothing_is_worth_sharing():
-    assert plan_prefill([tokens(i, 50) for i in range(4)]) is None  # distinct from the first token
-    short = tokens(0, MIN_SHARED_PREFIX - 1)
+    assert plan_prefill([token_ids(i, 50) for i in range(4)]) is None  # distinct from the first token
+    short = token_ids(0, MIN_SHARED_PREFIX - 1)
     assert plan_prefill([short + [1, 2], short + [3, 4]]) is None  # common prefix below the minimum
     assert levels(plan_prefill([short + [1, 2], short + [3, 4]], min_prefix=4, max_share=1))[0] == [(0, len(short), False)]
-    assert plan_prefill([tokens(0, 5)]) is None
+    assert plan_prefill([token_ids(0, 5)]) is None
 
 
 def test_plan_copies_what_running_rows_hold():
@@ -146,7 +135,7 @@ def test_plan_copies_what_running_rows_hold():
     # template copied from whichever row holds it.
     plan = plan_prefill(later, held=held[:1], max_share=1)
     assert levels(plan)[0] == [(len(TEMPLATE), len(turn0), False)] and plan.stages[0][0].held == 0
-    assert plan_prefill([tokens(i, 50) for i in range(3)], held=held) is None  # nothing in common
+    assert plan_prefill([token_ids(i, 50) for i in range(3)], held=held) is None  # nothing in common
 
 
 # ---- the prefill itself -------------------------------------------------------------------------------
@@ -209,7 +198,7 @@ def test_rows_joining_and_leaving_with_sharing(model, path):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "whole"])
 def test_prompts_that_share_nothing_behave_bit_for_bit_as_before(model, path, continuous):
-    requests = [GenerationRequest(tokens(i, 3 + 7 * i), 10 + i, temperature=(1.0, 0.7)[i % 2], seed=i)
+    requests = [GenerationRequest(token_ids(i, 3 + 7 * i), 10 + i, temperature=(1.0, 0.7)[i % 2], seed=i)
                 for i in range(6)]
     assert plan_prefill([r.prompt_ids for r in requests]) is None
     kwargs = dict(continuous_batching=continuous, **path)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from numerics import logprob_atol, sharp_model
+from numerics import logprob_atol, sharp_model, token_ids
 from staggering import staggered
 
 from memrl.config import Config, ConfigError, load_config
@@ -30,23 +30,12 @@ from memrl.engines.static_decode import MIN_CAPACITY, length_bucket, slot_bucket
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    """Every test here runs on one torch thread (the fixture is in tests/engines/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def model():
-    return sharp_model()
-
-
-def prompt(i: int, length: int) -> list[int]:
-    return [(7 * i + 3 * k + 11) % 500 + 5 for k in range(length)]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/engines/conftest.py
 
 
 def mixed_requests(n: int, stops: list[int] | None = None) -> list[GenerationRequest]:
     """Every sampling mode: T 1.0 / 0.7 / greedy, top_p 1 / 0.9, prompts of 3..40 tokens, own seeds."""
-    return [GenerationRequest(prompt(i, 3 + (7 * i) % 38), max_tokens=4 + (5 * i) % 23,
+    return [GenerationRequest(token_ids(i, 3 + (7 * i) % 38), max_tokens=4 + (5 * i) % 23,
                               temperature=(1.0, 0.7, 0.0)[i % 3], top_p=(1.0, 0.9)[(i // 3) % 2], seed=100 + i,
                               stop_token_ids=stops or []) for i in range(n)]
 
@@ -95,8 +84,8 @@ def test_a_timed_out_row_leaves_and_its_slot_is_reused():
         return original(slots, capacity)
 
     decoder.forward = slow
-    requests = [GenerationRequest(prompt(50, 5), max_tokens=50, seed=0),
-                GenerationRequest(prompt(51, 5), max_tokens=5, seed=1)]
+    requests = [GenerationRequest(token_ids(50, 5), max_tokens=50, seed=0),
+                GenerationRequest(token_ids(51, 5), max_tokens=5, seed=1)]
     results = generate(engine, requests)
     assert results[0].finish_reason == "error" and "timed out" in results[0].error
     assert results[1].finish_reason == "length" and len(results[1].output_ids) == 5
@@ -143,12 +132,12 @@ def recorded_buckets(engine: HFEngine) -> list[tuple[int, int]]:
 
 
 def test_rows_join_and_leave_mid_generation_with_the_same_results(model):
-    first = [GenerationRequest(prompt(0, 5), max_tokens=40, temperature=1.0, seed=1),
-             GenerationRequest(prompt(1, 12), max_tokens=6, temperature=0.7, top_p=0.9, seed=2)]  # leaves early
-    later = [GenerationRequest(prompt(2, 3), max_tokens=12, temperature=1.0, seed=3),
-             GenerationRequest(prompt(3, 60), max_tokens=30, temperature=0.7, top_p=0.9, seed=4),  # widens the bucket
-             GenerationRequest(prompt(4, 9), max_tokens=5, temperature=0.0),
-             GenerationRequest(prompt(5, 7), max_tokens=3, temperature=1.0, seed=6)]
+    first = [GenerationRequest(token_ids(0, 5), max_tokens=40, temperature=1.0, seed=1),
+             GenerationRequest(token_ids(1, 12), max_tokens=6, temperature=0.7, top_p=0.9, seed=2)]  # leaves early
+    later = [GenerationRequest(token_ids(2, 3), max_tokens=12, temperature=1.0, seed=3),
+             GenerationRequest(token_ids(3, 60), max_tokens=30, temperature=0.7, top_p=0.9, seed=4),  # widens the bucket
+             GenerationRequest(token_ids(4, 9), max_tokens=5, temperature=0.0),
+             GenerationRequest(token_ids(5, 7), max_tokens=3, temperature=1.0, seed=6)]
     engine = HFEngine(model, max_batch_size=8, static_kv="on")
     buckets = recorded_buckets(engine)
     first_results, later_results, _ = asyncio.run(staggered(engine, first, later, hold=(engine.static_decoder, "forward")))
@@ -170,7 +159,7 @@ def test_rows_join_and_leave_mid_generation_with_the_same_results(model):
 def test_weight_sync_keeps_parameter_storage_and_takes_effect():
     engine = HFEngine(sharp_model(seed=0), static_kv="on")
     trainer = sharp_model(seed=1)
-    request = GenerationRequest(prompt(4, 9), max_tokens=8, temperature=1.0, seed=9)
+    request = GenerationRequest(token_ids(4, 9), max_tokens=8, temperature=1.0, seed=9)
 
     async def main():
         before = (await engine.generate([request]))[0]
@@ -225,7 +214,7 @@ def test_cuda_graphs_decode_with_the_weights_of_the_last_sync():
     """Graphs on: the captured step reads the parameters' storage, so an in-place weight sync must show
     in the next generation without a recapture. bf16: tokens of greedy requests compared, log-probs
     within bf16 rounding of the eager static path."""
-    requests = [GenerationRequest(prompt(i, 5 + 3 * i), max_tokens=16, temperature=0.0) for i in range(6)]
+    requests = [GenerationRequest(token_ids(i, 5 + 3 * i), max_tokens=16, temperature=0.0) for i in range(6)]
     engine = HFEngine(sharp_model(seed=0), device="cuda", cuda_graphs="on")
     trainer = sharp_model(seed=1)
 
