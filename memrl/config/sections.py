@@ -105,9 +105,9 @@ class EngineConfig(Section):
         "off", description="Local engine: capture each bucket's static decode step as a CUDA graph; `auto` "
         "whenever the static path runs on CUDA (eager if a capture fails), `on` needs CUDA and static_kv "
         "auto/on.")
-    share_prefixes: bool = Field(False, description="Local engine: prefill what a batch's prompts share "
+    share_prefixes: bool = Field(True, description="Local engine: prefill what a batch's prompts share "
                                  "once (a GRPO group's turn-0 prompts, a chat-template prefix); results "
-                                 "match the unshared path within float32 tolerance.")
+                                 "match the unshared path within float32 tolerance (on: bench/README.md).")
 
     @model_validator(mode="after")
     def _graphs_need_static_shapes(self) -> EngineConfig:
