@@ -3,6 +3,7 @@ text uses a config key of the retired `rollout:` section (its keys moved to `sam
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -82,3 +83,13 @@ def test_no_retired_rollout_config_key(path):
     # `memrl/rollout.py` and `memrl.rollout.X` are the module; `rollout.<key>` would be an old config key.
     keys = [m for text in quoted(path) for m in re.findall(r"(?<![\w/.])rollout\.(\w+)", text) if m != "py"]
     assert keys == []
+
+
+def test_custom_tasks_shows_the_single_turn_task_as_it_is():
+    """docs/custom-tasks.md's whole-task example is memrl/tasks/single_turn.py, less its docstring and
+    `from __future__` line: a change to the module or to the Task API it uses shows up in the doc."""
+    doc = (ROOT / "docs" / "custom-tasks.md").read_text()
+    shown = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "class SingleTurnTask(Task)" in b)
+    module = ast.parse((ROOT / "memrl" / "tasks" / "single_turn.py").read_text())
+    body = [node for node in module.body[1:] if not isinstance(node, ast.ImportFrom) or node.module != "__future__"]
+    assert ast.dump(ast.parse(shown)) == ast.dump(ast.Module(body=body, type_ignores=[]))
