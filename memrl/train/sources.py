@@ -33,7 +33,8 @@ class RolloutSource(Protocol):
     in_process: bool
     takes_folders: bool
 
-    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
+    def generate(self, rollout_id: int, records: Sequence[Any],
+                 weight_version: int | None = None) -> RolloutOutput:
         ...
 
     def sync_from(self, source: WeightSource) -> None: ...
