@@ -131,8 +131,10 @@ class RankShare:
 def loss_scale_factor(config: Config) -> float:
     """L of seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token limit
     (a constant of the run, as Dr. GRPO's normaliser must be)."""
-    a, r = config.algorithm, config.task
-    return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
+    algorithm, task = config.algorithm, config.task
+    if algorithm.loss_scale_factor is not None:
+        return float(algorithm.loss_scale_factor)
+    return float(max(task.memory_tokens, task.final_tokens))
 
 
 def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int,
