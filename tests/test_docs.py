@@ -93,3 +93,14 @@ def test_custom_tasks_shows_the_single_turn_task_as_it_is():
     module = ast.parse((ROOT / "memrl" / "tasks" / "single_turn.py").read_text())
     body = [node for node in module.body[1:] if not isinstance(node, ast.ImportFrom) or node.module != "__future__"]
     assert ast.dump(ast.parse(shown)) == ast.dump(ast.Module(body=body, type_ignores=[]))
+
+
+def test_custom_tasks_table_lists_every_task_method():
+    """The method table of docs/custom-tasks.md is the Task's overridable API: each public method of
+    `memrl.task.Task`, and no other."""
+    from memrl.task import Task
+
+    doc = (ROOT / "docs" / "custom-tasks.md").read_text()
+    table = doc[doc.index("## The Task"):doc.index("`ctx` (")]
+    listed = set(re.findall(r"^\| `(\w+)\(", table, re.M))
+    assert listed == {name for name in vars(Task) if callable(vars(Task)[name]) and not name.startswith("_")}
