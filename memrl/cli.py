@@ -165,7 +165,7 @@ def train(
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster to join (HOST:PORT); default: a local one.")] = None,
     progress: Annotated[bool, typer.Option(help="Progress bars.")] = True,
 ) -> None:
-    """Train a MemAgent policy with GRPO (one row per turn)."""
+    """Train a policy with GRPO through the configured task (`plugins.task`; default: MemAgent)."""
     from memrl.config import load_config
     from memrl.train.controller import TrainOptions
     from memrl.train.controller import train as run_train
@@ -329,7 +329,8 @@ def eval_cmd(
     retry_failed: Annotated[bool, typer.Option(help="Run failed questions of an earlier run again.")] = False,
     progress: Annotated[bool, typer.Option(help="Progress bar with the running score.")] = True,
 ) -> None:
-    """Evaluate a model with the multi-turn memory loop: one JSONL line per question + summary.json."""
+    """Evaluate a model through the configured task (default: MemAgent's memory loop): one JSONL line per
+    question + summary.json."""
     from memrl.eval.results import RESULTS_FILE
     from memrl.eval.runner import eval_command, format_summary
 

@@ -83,7 +83,8 @@ def build_tiny_tokenizer(words: list[str] | None = None, vocab_size: int = 512) 
 
 
 def build_tiny_model(vocab_size: int, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                     intermediate: int = 128, seed: int = 0, eos_token_id: int | None = None) -> Qwen3ForCausalLM:
+                     intermediate: int = 128, seed: int = 0,
+                     eos_token_id: int | None = None) -> Qwen3ForCausalLM:
     """A randomly initialised Qwen3 causal LM (float32, eval mode, tied embeddings), identical for identical
     arguments; `hidden` must divide by `heads` and `heads` by `kv_heads`."""
     if vocab_size <= 0:
@@ -115,9 +116,9 @@ def _check_target(out: Path, overwrite: bool) -> None:
                              f"the files it would write)")
 
 
-def save_tiny_model(out: str | Path, tokenizer_dir: str | Path | None = None, layers: int = 2, hidden: int = 64,
-                    heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0,
-                    words: list[str] | None = None, overwrite: bool = False) -> Path:
+def save_tiny_model(out: str | Path, tokenizer_dir: str | Path | None = None, layers: int = 2,
+                    hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
+                    seed: int = 0, words: list[str] | None = None, overwrite: bool = False) -> Path:
     """Write a Hugging Face model folder (weights, config, tokenizer with chat template) to `out`, new or
     empty unless `overwrite` (files of the same names replaced, others kept). The tokenizer is
     `tokenizer_dir`'s (the Qwen-style template added only when it has none), else `build_tiny_tokenizer(words)`."""
@@ -140,8 +141,9 @@ def save_tiny_model(out: str | Path, tokenizer_dir: str | Path | None = None, la
     return out
 
 
-def make_tiny_model_command(out: Path, tokenizer: Path | None = None, layers: int = 2, hidden: int = 64, heads: int = 4,
-                            kv_heads: int = 2, intermediate: int = 128, seed: int = 0, overwrite: bool = False) -> None:
+def make_tiny_model_command(out: Path, tokenizer: Path | None = None, layers: int = 2, hidden: int = 64,
+                            heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0,
+                            overwrite: bool = False) -> None:
     """`memrl make-tiny-model`: `save_tiny_model`, then what it wrote."""
     path = save_tiny_model(out, tokenizer_dir=tokenizer, layers=layers, hidden=hidden, heads=heads,
                            kv_heads=kv_heads, intermediate=intermediate, seed=seed, overwrite=overwrite)

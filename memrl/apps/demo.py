@@ -248,8 +248,9 @@ def _scores(result: dict[str, Any]) -> dict[str, Any]:
             "f1": m["f1"]["value"]}
 
 
-def _compare_and_summarize(run_root: Path, settings: DemoSettings, heldout_questions: int, base_eval: dict[str, Any],
-             trained_eval: dict[str, Any], history: list[dict[str, float]]) -> dict[str, Any]:
+def _compare_and_summarize(run_root: Path, settings: DemoSettings, heldout_questions: int,
+                           base_eval: dict[str, Any], trained_eval: dict[str, Any],
+                           history: list[dict[str, float]]) -> dict[str, Any]:
     """The comparison (memrl compare), plots (memrl report) and viewer pages (memrl view), and the summary
     of the figures; `times_s` is the caller's to add."""
     from memrl.eval.compare import compare_results

@@ -113,7 +113,8 @@ def _metric(summary: dict[str, Any], name: str) -> dict[str, Any]:
     return {"value": m["value"], "ci95": [m["low"], m["high"]]}
 
 
-def _train(name: str, cfg: Config, run_dir: Path, base: Any, records: Sequence[Any], progress: bool) -> list[dict]:
+def _train(name: str, cfg: Config, run_dir: Path, base: Any, records: Sequence[Any],
+           progress: bool) -> list[dict]:
     from memrl.distributed.runtime import run_ray_training
     from memrl.train.controller import Trainer, TrainOptions
 
@@ -172,7 +173,8 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
     return summary
 
 
-def _evaluate(base: Any, cfg: Config, model: Any, out: Path, name: str, times: dict[str, float]) -> dict[str, Any]:
+def _evaluate(base: Any, cfg: Config, model: Any, out: Path, name: str,
+              times: dict[str, float]) -> dict[str, Any]:
     """Every policy evaluated alike: the base's held-out questions and data identity, one recipe; timed."""
     t = time.perf_counter()
     result = evaluate_policy(model, base.tokenizer, cfg, base.heldout, out, name, base.heldout_sha, base.paths["heldout"])

@@ -108,7 +108,8 @@ def read_jsonl(path: str | Path) -> list[Any]:
     return [value for _, value in read_jsonl_lines(path)]
 
 
-def check_unique_ids(records: Sequence[Any], source: str | Path, positions: Sequence[int] | None = None) -> None:
+def check_unique_ids(records: Sequence[Any], source: str | Path,
+                     positions: Sequence[int] | None = None) -> None:
     """Ids must be unique; `positions` (e.g. `Line`s) name the records in the error, default their index."""
     positions = positions if positions is not None else list(range(len(records)))
     seen: dict[str, int] = {}

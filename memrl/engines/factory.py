@@ -27,17 +27,18 @@ def build_engine(cfg: Config, *, server_url: str | None = None, model: torch.nn.
              if value is not None]
     if len(given) != 1:
         raise ConfigError(f"an engine needs exactly one of server_url, model, model_path; got {given or 'none'}")
-    r = cfg.engine
+    settings = cfg.engine
     if server_url is not None:
         from memrl.engines.openai import OpenAIEngine
 
-        return OpenAIEngine(server_url, api_key=r.api_key, max_concurrency=r.max_concurrency,
-                            timeout_s=r.request_timeout_s)
+        return OpenAIEngine(server_url, api_key=settings.api_key, max_concurrency=settings.max_concurrency,
+                            timeout_s=settings.request_timeout_s)
     from memrl.engines.hf import HFEngine
 
-    limits = {"max_batch_size": r.max_batch_size, "max_batch_tokens": r.max_batch_tokens,
-              "request_timeout_s": r.request_timeout_s,  # a stuck local batch fails its requests, no hang
-              "static_kv": r.static_kv, "cuda_graphs": r.cuda_graphs, "share_prefixes": r.share_prefixes}
+    limits = {"max_batch_size": settings.max_batch_size, "max_batch_tokens": settings.max_batch_tokens,
+              "request_timeout_s": settings.request_timeout_s,  # a stuck local batch fails its requests, no hang
+              "static_kv": settings.static_kv, "cuda_graphs": settings.cuda_graphs,
+              "share_prefixes": settings.share_prefixes}
     if model is not None:
         return HFEngine(copy.deepcopy(model), tokenizer, device=cfg.model.device, dtype=cfg.model.dtype, **limits)
     # The recipe's pinned revision applies to the recipe's own hub id, not to a folder given on the CLI.

@@ -58,8 +58,8 @@ class OpenAIEngine:
     """The Engine protocol over HTTP. Use one instance per server; `close()` when done."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 max_concurrency: int = 64, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 server_kind: ServerKind = "auto") -> None:
+                 max_concurrency: int = 64, timeout_s: float = 600.0, max_retries: int = 3,
+                 backoff_s: float = 0.5, server_kind: ServerKind = "auto") -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if timeout_s <= 0:
@@ -219,7 +219,8 @@ class OpenAIEngine:
             "`memrl serve` or SGLang to sync weights from disk, or restart the server on the new folder"
         )
 
-    async def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> ScoreResult:
+    async def score(self, prompt_ids: list[int], continuation_ids: list[int],
+                    temperature: float) -> ScoreResult:
         """The engine contract's teacher-forced log-probs (the weight-sync canary): memrl serve's POST /v1/score.
         vLLM and SGLang have no such endpoint here (docs/servers.md says how they could): EngineError."""
         try:

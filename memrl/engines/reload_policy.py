@@ -58,7 +58,8 @@ def _tokenizer_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def _architecture_differences(served: Mapping[str, Any], other: Mapping[str, Any], prefix: str = "") -> list[str]:
+def _architecture_differences(served: Mapping[str, Any], other: Mapping[str, Any],
+                              prefix: str = "") -> list[str]:
     """'field: other (served: value)' for each architecture field that differs, nested text_config too."""
     diffs = []
     for key in ARCHITECTURE_FIELDS:

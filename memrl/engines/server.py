@@ -337,10 +337,13 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None,
-               max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
-               max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               tokenizer: Any = None, vocab_size: int | None = None, close_engine_on_shutdown: bool = True,
-               gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S, reload_roots: Sequence[str | os.PathLike] | None = None,
+               max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+               max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+               max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer: Any = None,
+               vocab_size: int | None = None, close_engine_on_shutdown: bool = True,
+               gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+               reload_roots: Sequence[str | os.PathLike] | None = None,
                model_config: Mapping[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name`.
 
@@ -402,8 +405,8 @@ def _served_config(engine: Any, model_path: str) -> dict[str, Any] | None:
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # those both logging and uvicorn know
 
 
-def check_serve_options(port: int, reload_roots: Sequence[str | os.PathLike] | None, shutdown_timeout_s: float,
-                        log_level: str) -> None:
+def check_serve_options(port: int, reload_roots: Sequence[str | os.PathLike] | None,
+                        shutdown_timeout_s: float, log_level: str) -> None:
     """ConfigError for options uvicorn or the reload policy would refuse only with a traceback, and only
     after the model has loaded."""
     if log_level not in LOG_LEVELS:
@@ -427,8 +430,9 @@ def _log_exposure(host: str, api_key: str | None, reload_roots: Sequence[str | o
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, device: str = "auto", dtype: str = "auto",
-          max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
-          engine_factory: str | None = None, log_level: str = "info", gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+          max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+          max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT, engine_factory: str | None = None,
+          log_level: str = "info", gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
           reload_roots: Sequence[str | os.PathLike] | None = None,
           shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Load the model (HFEngine, or `engine_factory` 'module:function(model_path) -> Engine') and serve it

@@ -16,20 +16,21 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, rollout_cfg: Any,
+def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, task_cfg: Any,
                         keep_prob: float, rng: random.Random,
                         unknown_answer: str = "guess") -> list[tuple[list[int], list[int]]]:
     """(prompt_ids, response_ids) of every turn of one demonstrated trajectory, built with the rollout's own
-    `PromptBuilder` and chunks, so the warm start sees exactly the loop's prompts. At the answer chunk the
-    memory keeps the answer fact with probability `keep_prob`, else stays "unknown". With no value in memory the answer is a random value of the
-    attribute (`unknown_answer: guess`, right 1 time in 6) or "unknown" (`abstain`, never right).
+    `PromptBuilder` and chunks (`task_cfg`: the config's `task` section), so the warm start sees exactly the
+    loop's prompts. At the answer chunk the memory keeps the answer fact with probability `keep_prob`, else
+    stays "unknown". With no value in memory the answer is a random value of the attribute
+    (`unknown_answer: guess`, right 1 time in 6) or "unknown" (`abstain`, never right).
     """
     if unknown_answer not in ("guess", "abstain"):
         raise SyntheticTaskError(f"unknown_answer must be 'guess' or 'abstain', got {unknown_answer!r}")
     meta = record.metadata
     per_chunk = meta["facts_per_chunk"]
-    chunks = document_chunks(tokenizer, rollout_cfg, record.context)
-    if rollout_cfg.chunk_tokens != FACT_TOKENS * per_chunk or chunks.truncated:
+    chunks = document_chunks(tokenizer, task_cfg, record.context)
+    if task_cfg.chunk_tokens != FACT_TOKENS * per_chunk or chunks.truncated:
         raise SyntheticTaskError(f"task.chunk_tokens must be {FACT_TOKENS * per_chunk} and task.max_chunks "
                                  f">= {meta['num_chunks']} for record {record.id} (whole facts per chunk)")
     eos = tokenizer.eos_token_id
@@ -47,9 +48,10 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ro
         # The memory always restates the question's key and ends with the value or "unknown": the
         # decision sits at the value position, where the whole key is in context (a lookup a small
         # model learns far faster than deciding at the first token whether to write anything).
-        text = fact_text(*memory_fact) if memory_fact else fact_text(meta["attribute"], meta["entity"], UNKNOWN)
+        fact = memory_fact or (meta["attribute"], meta["entity"], UNKNOWN)
+        text = fact_text(*fact)
         prompt = builder.memory_prompt_ids(record.question, memory_ids, chunk_ids)
-        response = _encode(tokenizer, text)[: rollout_cfg.memory_tokens - 1] + [eos]
+        response = _encode(tokenizer, text)[: task_cfg.memory_tokens - 1] + [eos]
         turns.append((prompt, response))
         memory_ids, _ = builder.cap_memory(response)
     if memory_fact:
@@ -57,5 +59,6 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ro
     else:
         value = rng.choice(ATTRIBUTES[meta["attribute"]]) if unknown_answer == "guess" else UNKNOWN
     final = _encode(tokenizer, answer_text(value))
-    turns.append((builder.final_prompt_ids(record.question, memory_ids), final[: rollout_cfg.final_tokens - 1] + [eos]))
+    final_prompt = builder.final_prompt_ids(record.question, memory_ids)
+    turns.append((final_prompt, final[: task_cfg.final_tokens - 1] + [eos]))
     return turns

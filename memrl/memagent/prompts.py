@@ -83,18 +83,18 @@ class PromptBuilder:
     """Memory-turn and final-turn prompt ids for one tokenizer and rollout config; the static pieces are
     cached per (template, question), shared by every turn of every sample of a question."""
 
-    def __init__(self, tokenizer: Any, rollout_cfg: TaskConfig) -> None:
+    def __init__(self, tokenizer: Any, task_cfg: TaskConfig) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(
                 "the tokenizer has no chat template; MemAgent prompts go through one "
                 "(set tokenizer.chat_template, or use a chat/instruct model's tokenizer)"
             )
         self.tokenizer = tokenizer
-        self.cfg = rollout_cfg
-        self.memory_template = (chunk_first_template(rollout_cfg.memory_template)
-                                if rollout_cfg.prompt_layout == "chunk_first" else rollout_cfg.memory_template)
+        self.cfg = task_cfg
+        self.memory_template = (chunk_first_template(task_cfg.memory_template)
+                                if task_cfg.prompt_layout == "chunk_first" else task_cfg.memory_template)
         self._segments = functools.lru_cache(maxsize=256)(self._build_segments)
-        self._no_memory_ids = self._encode_text(rollout_cfg.no_memory_text)
+        self._no_memory_ids = self._encode_text(task_cfg.no_memory_text)
         self._stop_token_ids = self._find_stop_token_ids()
 
     @property
@@ -133,13 +133,15 @@ class PromptBuilder:
     def _find_stop_token_ids(self) -> list[int]:
         found = chat_stop_token_ids(self.tokenizer)
         if not found:
-            raise PromptError("the tokenizer has no eos token and no <|im_end|> / <|endoftext|>; set tokenizer.eos_token")
+            raise PromptError("the tokenizer has no eos token and no <|im_end|> / <|endoftext|>; "
+                              "set tokenizer.eos_token")
         return found
 
     def _build_segments(self, template: str, question: str) -> tuple[Segment, ...]:
         for sentinel in _SLOT_OF:
             if sentinel in question or sentinel in template:
-                raise PromptError(f"the question or template contains the reserved string {sentinel!r}; remove it")
+                raise PromptError(f"the question or template contains the reserved string {sentinel!r}; "
+                                  "remove it")
         user = template.replace("{chunk}", CHUNK_SENTINEL).replace("{memory}", MEMORY_SENTINEL)
         user = user.replace("{question}", question)
         rendered = self.tokenizer.apply_chat_template(

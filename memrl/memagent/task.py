@@ -57,7 +57,8 @@ class MemAgentTask(Task):
     async def generate(self, ctx: RolloutContext, records: Sequence[Any]) -> RolloutOutput:
         """Every group of the step at once, no group waiting for another; `train_row_count` is the exact
         number of rows the kept trajectories expand to (one per turn)."""
-        start, n = time.perf_counter(), ctx.config.sampling.n_samples
+        start = time.perf_counter()
+        n = ctx.config.sampling.n_samples
         bar = tqdm(total=len(records) * n, desc=f"rollout {ctx.rollout_id}", unit="traj",
                    disable=not ctx.progress, leave=False)
         try:

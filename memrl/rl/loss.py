@@ -127,7 +127,8 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     c > 1 tokens with A < 0 are capped at -A c. `advantages` is [batch, seq] or [batch] (broadcast);
     `importance_weights` (detached) multiply the per-token loss; `sequence_log_ratio` ([batch]) switches
     to GSPO's trajectory-level ratio (`gspo_log_ratio`). Reduced by `row_weights` (exact micro-batching)
-    if given, else `aggregate(agg, group_index)`.
+    if given, else `aggregate(agg, group_index)` (every mode but seq_mean_token_sum_norm, whose L comes in
+    with the row weights: `compute_token_weights`).
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(mask)

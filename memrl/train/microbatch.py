@@ -92,7 +92,8 @@ class MicroBatch:
         return out
 
 
-def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_tokens: int | None) -> Tensor:
+def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float,
+                       chunk_tokens: int | None) -> Tensor:
     """Log-probs [N] of the micro-batch's response tokens under `model` at the sampling temperature."""
     return ResponseStats(model, temperature, chunk_tokens)(*mb.inputs()).log_probs
 

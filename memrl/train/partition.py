@@ -85,7 +85,8 @@ def split_ranks(rows: Sequence[TrainRow], dp_size: int, pad_to_dp: bool, pad_tok
     return ranks
 
 
-def micro_batches(rows: Sequence[TrainRow], micro_batch_tokens: int, packed: bool = False) -> list[list[TrainRow]]:
+def micro_batches(rows: Sequence[TrainRow], micro_batch_tokens: int,
+                  packed: bool = False) -> list[list[TrainRow]]:
     """Length-sorted micro-batches whose padded size (rows x longest row), or with `packed` their total
     length (rows concatenated, `train.packing`), stays within the budget."""
     batches: list[list[TrainRow]] = []
@@ -130,11 +131,14 @@ class RankShare:
 def loss_scale_factor(config: Config) -> float:
     """L of seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token limit
     (a constant of the run, as Dr. GRPO's normaliser must be)."""
-    a, r = config.algorithm, config.task
-    return float(a.loss_scale_factor if a.loss_scale_factor is not None else max(r.memory_tokens, r.final_tokens))
+    algorithm, task = config.algorithm, config.task
+    if algorithm.loss_scale_factor is not None:
+        return float(algorithm.loss_scale_factor)
+    return float(max(task.memory_tokens, task.final_tokens))
 
 
-def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int, rollout_id: int) -> list[RankShare]:
+def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int,
+                        rollout_id: int) -> list[RankShare]:
     t, a = config.train, config.algorithm
     ranks = split_ranks(rows, t.dp_size, t.pad_to_dp, pad_token_id, rollout_id)
     all_rows = [r for rank in ranks for r in rank]

@@ -33,7 +33,8 @@ class RolloutSource(Protocol):
     in_process: bool
     takes_folders: bool
 
-    def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None) -> RolloutOutput:
+    def generate(self, rollout_id: int, records: Sequence[Any],
+                 weight_version: int | None = None) -> RolloutOutput:
         ...
 
     def sync_from(self, source: WeightSource) -> None: ...
@@ -86,10 +87,15 @@ class LocalRollout:
     """The task's `generate` over one engine, on one event loop kept for the run (the engine's batching
     worker lives on it)."""
 
-    generates, in_process = True, True
+    generates = True
+    in_process = True
 
     def __init__(self, cfg: Config, engine: Engine, tokenizer: Any, task: Task, progress: bool) -> None:
-        self.cfg, self.engine, self.tokenizer, self.progress, self.task = cfg, engine, tokenizer, progress, task
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.task = task
+        self.progress = progress
         self.reward_fn = task_reward(cfg, task)
         self.takes_folders = served_engine(cfg)
         self.loop = asyncio.new_event_loop()
@@ -98,8 +104,8 @@ class LocalRollout:
                  slot_offset: int = 0) -> RolloutOutput:
         ctx = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.cfg, rollout_id=rollout_id,
                              reward_function=self.reward_fn, progress=self.progress, slot_offset=slot_offset)
-        out = record_weight_version(self.loop.run_until_complete(self.task.generate(ctx, list(records))),
-                                    weight_version)
+        out = self.loop.run_until_complete(self.task.generate(ctx, list(records)))
+        out = record_weight_version(out, weight_version)
         return convert_rollout(out, self.tokenizer, self.cfg.algorithm, self.task, rollout_id)
 
     def sync_from(self, source: WeightSource) -> None:
@@ -120,10 +126,15 @@ class ReplayRollout:
     """Debug replay: a step's trajectories read back from `--save-rollouts` files and converted as they
     were when generated (they keep the weight version they were saved with); nothing generates."""
 
-    generates, in_process, takes_folders = False, False, False
+    generates = False
+    in_process = False
+    takes_folders = False
 
     def __init__(self, directory: Path, cfg: Config, tokenizer: Any, task: Task) -> None:
-        self.directory, self.algorithm, self.tokenizer, self.task = Path(directory), cfg.algorithm, tokenizer, task
+        self.directory = Path(directory)
+        self.algorithm = cfg.algorithm
+        self.tokenizer = tokenizer
+        self.task = task
 
     def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,
                  slot_offset: int = 0) -> RolloutOutput:

@@ -182,7 +182,8 @@ def _eval_data(folder: Path, other: Path | None) -> dict[str, Any]:
 
 
 def _run_name(folder: Path) -> str:
-    name, model = folder.resolve().name, _summary(folder).get("model")
+    name = folder.resolve().name
+    model = _summary(folder).get("model")
     return f"{name} ({Path(model).name})" if isinstance(model, str) and model else name
 
 

@@ -33,7 +33,7 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def rollout_cfg():
+def task_cfg():
     # The toy recipe's task section (chunk_tokens 21, max_chunks 3, short templates).
     return load_config(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml").task
 
@@ -65,22 +65,22 @@ def test_splits_are_deterministic_and_disjoint():
     assert [r.context for r in c_train] != [r.context for r in a_train]
 
 
-def test_chunks_hold_whole_facts(tokenizer, rollout_cfg):
+def test_chunks_hold_whole_facts(tokenizer, task_cfg):
     train, _ = make_splits(50, 0, SPEC, seed=0)
     for r in train:
-        chunks = document_chunks(tokenizer, rollout_cfg, r.context)
+        chunks = document_chunks(tokenizer, task_cfg, r.context)
         assert chunks.num_chunks == r.metadata["num_chunks"] and not chunks.truncated
         assert all(len(c) == FACT_TOKENS * SPEC.facts_per_chunk for c in chunks.chunks)
         assert tokenizer.unk_token_id not in [t for c in chunks.chunks for t in c]
 
 
-def test_demonstrations_keep_the_fact_at_the_rate_asked(tokenizer, rollout_cfg):
-    builder = PromptBuilder(tokenizer, rollout_cfg)
+def test_demonstrations_keep_the_fact_at_the_rate_asked(tokenizer, task_cfg):
+    builder = PromptBuilder(tokenizer, task_cfg)
     train, _ = make_splits(400, 0, SPEC, seed=2)
     for keep_prob, low, high in ((1.0, 1.0, 1.0), (0.5, 0.4, 0.6), (0.0, 0.0, 0.3)):
         rng, correct = random.Random(0), 0
         for r in train:
-            turns = demonstration_turns(r, tokenizer, builder, rollout_cfg, keep_prob, rng)
+            turns = demonstration_turns(r, tokenizer, builder, task_cfg, keep_prob, rng)
             assert len(turns) == r.metadata["num_chunks"] + 1
             for prompt, response in turns:
                 assert response[-1] == tokenizer.eos_token_id and len(prompt) > 0
@@ -90,12 +90,12 @@ def test_demonstrations_keep_the_fact_at_the_rate_asked(tokenizer, rollout_cfg):
         assert low <= correct / len(train) <= high, (keep_prob, correct / len(train))
 
 
-def test_an_abstaining_reader_answers_only_from_its_memory(tokenizer, rollout_cfg):
-    builder = PromptBuilder(tokenizer, rollout_cfg)
+def test_an_abstaining_reader_answers_only_from_its_memory(tokenizer, task_cfg):
+    builder = PromptBuilder(tokenizer, task_cfg)
     train, _ = make_splits(300, 0, SPEC, seed=6)
     rng, kept = random.Random(0), 0
     for r in train:
-        turns = demonstration_turns(r, tokenizer, builder, rollout_cfg, 0.5, rng, unknown_answer="abstain")
+        turns = demonstration_turns(r, tokenizer, builder, task_cfg, 0.5, rng, unknown_answer="abstain")
         memory = tokenizer.decode(turns[-2][1], skip_special_tokens=True)
         answer = tokenizer.decode(turns[-1][1], skip_special_tokens=True)
         # Right exactly when the memory kept the fact; otherwise the boxed answer is "unknown".
@@ -105,24 +105,24 @@ def test_an_abstaining_reader_answers_only_from_its_memory(tokenizer, rollout_cf
         kept += has_fact
     assert 0.4 <= kept / len(train) <= 0.6
     with pytest.raises(SyntheticTaskError, match="unknown_answer"):
-        demonstration_turns(train[0], tokenizer, builder, rollout_cfg, 0.5, rng, unknown_answer="maybe")
+        demonstration_turns(train[0], tokenizer, builder, task_cfg, 0.5, rng, unknown_answer="maybe")
 
 
-def test_demonstration_prompts_are_the_rollout_prompts(tokenizer, rollout_cfg):
-    builder = PromptBuilder(tokenizer, rollout_cfg)
+def test_demonstration_prompts_are_the_rollout_prompts(tokenizer, task_cfg):
+    builder = PromptBuilder(tokenizer, task_cfg)
     (r,), _ = make_splits(1, 0, TaskSpec(max_chunks=1), seed=0)
-    turns = demonstration_turns(r, tokenizer, builder, rollout_cfg, 1.0, random.Random(0))
-    chunk = document_chunks(tokenizer, rollout_cfg, r.context).chunks[0]
+    turns = demonstration_turns(r, tokenizer, builder, task_cfg, 1.0, random.Random(0))
+    chunk = document_chunks(tokenizer, task_cfg, r.context).chunks[0]
     assert turns[0][0] == builder.memory_prompt_ids(r.question, None, chunk)
     memory = turns[0][1][:-1]
     assert tokenizer.decode(memory) == f"the {r.metadata['attribute']} of {r.metadata['entity']} is {r.answers[0]}."
     assert turns[1][0] == builder.final_prompt_ids(r.question, memory)
 
 
-def test_wrong_chunk_size_is_refused(tokenizer, rollout_cfg):
-    builder = PromptBuilder(tokenizer, rollout_cfg)
+def test_wrong_chunk_size_is_refused(tokenizer, task_cfg):
+    builder = PromptBuilder(tokenizer, task_cfg)
     (r,), _ = make_splits(1, 0, SPEC, seed=0)
-    bad = rollout_cfg.model_copy(update={"chunk_tokens": 20})
+    bad = task_cfg.model_copy(update={"chunk_tokens": 20})
     with pytest.raises(SyntheticTaskError, match="chunk_tokens must be 21"):
         demonstration_turns(r, tokenizer, builder, bad, 1.0, random.Random(0))
 
@@ -249,10 +249,10 @@ def test_long_record_refuses_bad_parameters():
             make_long_record(random.Random(0), "x", **kwargs)
 
 
-def test_long_documents_chunk_into_whole_facts_and_demonstrate(tokenizer, rollout_cfg):
+def test_long_documents_chunk_into_whole_facts_and_demonstrate(tokenizer, task_cfg):
     from memrl.data.synthetic import make_length_set
 
-    cfg = rollout_cfg.model_copy(update={"max_chunks": 64})
+    cfg = task_cfg.model_copy(update={"max_chunks": 64})
     builder = PromptBuilder(tokenizer, cfg)
     for r in make_length_set(5, 64, seed=0):
         chunks = document_chunks(tokenizer, cfg, r.context)
