@@ -96,11 +96,11 @@ class HFEngine:
     i.e. the KV cache. `stats` counts the work done.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, *, max_batch_size: int = 32, max_batch_tokens: int = 65536,
-                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 request_timeout_s: float | None = None, continuous_batching: bool = True, static_kv: str = "auto",
-                 cuda_graphs: str = "auto", share_prefixes: bool = False,
-                 min_shared_prefix: int = MIN_SHARED_PREFIX) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer=None, *, max_batch_size: int = 32,
+                 max_batch_tokens: int = 65536, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, request_timeout_s: float | None = None,
+                 continuous_batching: bool = True, static_kv: str = "auto", cuda_graphs: str = "auto",
+                 share_prefixes: bool = False, min_shared_prefix: int = MIN_SHARED_PREFIX) -> None:
         if max_batch_size <= 0 or max_batch_tokens <= 0:
             raise EngineError(f"max_batch_size ({max_batch_size}) and max_batch_tokens ({max_batch_tokens}) must be > 0")
         for name, value in (("static_kv", static_kv), ("cuda_graphs", cuda_graphs)):
