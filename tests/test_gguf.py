@@ -172,7 +172,7 @@ def test_the_real_model_trains_converts_and_evaluates_on_real_hotpotqa(smollm2_f
     assert "rows saved/transferred/consumed 24/24/24" in result.output  # 8 samples x (2 memory turns + final)
     step = [json.loads(line) for line in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
     # The gradient, not the loss, shows it: on a first, on-policy step the PPO ratio is 1, so the loss is minus
-    # the token mean of the advantages, ~0 (float rounding) when each group's normalised advantages cancel.
+    # the token mean of the advantages, which cancel (to float rounding) when a group's turns are equally long.
     assert step["grad_norm"] > 0.0 and math.isfinite(step["loss/total"]), step
     result = _run("convert-to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))
     assert result.exit_code == 0, (result.output, result.exception)
