@@ -140,7 +140,7 @@ def _answerable_data(prepared, out, model, sizes: list[str], num_train: int):
     from memrl.data.records import load_questions, write_jsonl
     from memrl.memagent.hotpot_demonstrations import answerable
 
-    cfg, tokenizer = load_config(None, sizes).rollout, AutoTokenizer.from_pretrained(str(model))
+    cfg, tokenizer = load_config(None, sizes).task, AutoTokenizer.from_pretrained(str(model))
     kept = [r for r in load_questions(prepared) if answerable(r, tokenizer, cfg)]
     assert len(kept) > num_train, len(kept)
     write_jsonl(out / "hotpotqa_train.jsonl", kept[:num_train])
@@ -161,10 +161,10 @@ def test_the_real_model_trains_converts_and_evaluates_on_real_hotpotqa(smollm2_f
     dev_file.write_text(json.dumps(hotpot_dev_records))  # the shared dev records, as the official JSON
     assert _run("prepare-data", "hotpotqa", "--from-file", str(dev_file), "--out", str(prepared),
                 "--num-train", "60", "--num-heldout", "1").exit_code == 0
-    sizes = ["rollout.chunk_tokens=64", "rollout.memory_tokens=32", "rollout.final_tokens=16", "rollout.max_chunks=2"]
+    sizes = ["task.chunk_tokens=64", "task.memory_tokens=32", "task.final_tokens=16", "task.max_chunks=2"]
     data.mkdir()
     _answerable_data(prepared / "hotpotqa_train.jsonl", data, smollm2_folder, sizes, num_train=2)
-    sets = [*sizes, "rollout.n_samples=4", "train.rollout_batch_size=2", "train.num_rollout=1",
+    sets = [*sizes, "sampling.n_samples=4", "train.rollout_batch_size=2", "train.num_rollout=1",
             "algorithm.turn_reward_function=memrl.memagent.reward:memory_recall",
             "train.micro_batch_tokens=4096", "train.save_interval=1", f"model.path={smollm2_folder}", f"data.dir={data}"]
     result = _run("train", "--run-root", str(tmp_path / "run"), "--no-progress", *[x for s in sets for x in ("--set", s)])

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from memrl.config import RolloutConfig, load_config
+from memrl.config import TaskConfig, load_config
 from memrl.data.records import QuestionRecord, load_questions, write_jsonl
 from memrl.memagent.prompts import input_text
 from memrl.memagent.reward import gold_in_text
@@ -33,7 +33,7 @@ NOTHING_YET = "Nothing about the answer yet."
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
-def chunk_texts(record: QuestionRecord, tokenizer: Any, cfg: RolloutConfig) -> list[str]:
+def chunk_texts(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> list[str]:
     """The decoded chunks the rollout reads of `record` (after its truncation)."""
     return [tokenizer.decode(c) for c in document_chunks(tokenizer, cfg, record.context).chunks]
 
@@ -48,7 +48,7 @@ def _gold_sentence(text: str, golds: list[str]) -> str | None:
     return None
 
 
-def answerable(record: QuestionRecord, tokenizer: Any, cfg: RolloutConfig) -> bool:
+def answerable(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> bool:
     """Whether a gold answer occurs in one sentence of a chunk the rollout reads."""
     golds = gold_list(record.answers)
     return any(_gold_sentence(text, golds) for text in chunk_texts(record, tokenizer, cfg))
@@ -70,7 +70,7 @@ def _fill(template: str, **parts: str) -> str:
     return template
 
 
-def demonstration(record: QuestionRecord, tokenizer: Any, cfg: RolloutConfig) -> dict[str, list[dict[str, str]]]:
+def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> dict[str, list[dict[str, str]]]:
     """One demonstrated trajectory of `record`: memory turns over the rollout's chunks, then the final turn.
 
     A memory turn keeps the chunk's sentence with the answer (cut to `memory_tokens - 1`: the stop token is
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipe", type=Path, default=None)
     parser.add_argument("--set", dest="sets", action="append", default=[], help="config override, as memrl's")
     args = parser.parse_args(argv)
-    cfg = load_config(args.recipe, args.sets).rollout
+    cfg = load_config(args.recipe, args.sets).task
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     records = load_questions(args.data)
     kept = [r for r in records if answerable(r, tokenizer, cfg)]

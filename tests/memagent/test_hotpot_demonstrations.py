@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from memrl.config import RolloutConfig
+from memrl.config import TaskConfig
 from memrl.data.records import QuestionRecord, write_jsonl
 from memrl.memagent.hotpot_demonstrations import NOTHING_YET, answerable, demonstration, main
 
@@ -15,8 +15,8 @@ def _record(answer: str, context: str) -> QuestionRecord:
     return QuestionRecord(id="q", question="Where was the author born?", answers=[answer], context=context)
 
 
-def _cfg(**kw) -> RolloutConfig:
-    return RolloutConfig(**{"chunk_tokens": 64, "memory_tokens": 24, "final_tokens": 16, "max_chunks": 2, **kw})
+def _cfg(**kw) -> TaskConfig:
+    return TaskConfig(**{"chunk_tokens": 64, "memory_tokens": 24, "final_tokens": 16, "max_chunks": 2, **kw})
 
 
 def test_an_answer_cut_away_by_the_truncation_is_not_answerable(tiny_tokenizer):
@@ -61,7 +61,7 @@ def test_the_command_writes_answerable_records_and_final_only_demos(tmp_path, ti
     data = tmp_path / "q.jsonl"
     write_jsonl(data, [_record("Lisbon", "The author was born in Lisbon. " + FILLER),
                        QuestionRecord(id="r", question="Q?", answers=["Oslo"], context=FILLER * 8)])
-    sets = ["--set", "rollout.chunk_tokens=64", "--set", "rollout.max_chunks=2", "--set", "rollout.memory_tokens=24"]
+    sets = ["--set", "task.chunk_tokens=64", "--set", "task.max_chunks=2", "--set", "task.memory_tokens=24"]
     main(["answerable", str(data), str(model), str(tmp_path / "a.jsonl"), *sets])
     assert [json.loads(line)["id"] for line in (tmp_path / "a.jsonl").read_text().splitlines()] == ["q"]
     main(["demos", str(data), str(model), str(tmp_path / "d.jsonl"), "--final-only", *sets])
