@@ -5,6 +5,7 @@ $MEMRL_SMOLLM2_GGUF); where it is absent those tests skip with the reason."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -130,21 +131,49 @@ def test_the_imported_folder_is_plain_and_loads_without_the_gguf_file(smollm2_fo
 
 
 
+def _answerable_data(prepared, out, model, sizes: list[str], num_train: int):
+    """`prepared`'s questions whose answer the rollout can read (memrl.memagent.hotpot_demonstrations): the first
+    `num_train` to train on, the next one held out; a folder without a manifest, as a user's own selection."""
+    from transformers import AutoTokenizer
+
+    from memrl.config import load_config
+    from memrl.data.records import load_questions, write_jsonl
+    from memrl.memagent.hotpot_demonstrations import answerable
+
+    cfg, tokenizer = load_config(None, sizes).task, AutoTokenizer.from_pretrained(str(model))
+    kept = [r for r in load_questions(prepared) if answerable(r, tokenizer, cfg)]
+    assert len(kept) > num_train, len(kept)
+    write_jsonl(out / "hotpotqa_train.jsonl", kept[:num_train])
+    write_jsonl(out / "hotpotqa_heldout.jsonl", kept[num_train:num_train + 1])
+
+
 @needs_smollm2
 @pytest.mark.slow
 def test_the_real_model_trains_converts_and_evaluates_on_real_hotpotqa(smollm2_folder, tmp_path, hotpot_dev_records):
-    """The seed's smoke at 2-core sizes (one GRPO step of 1 question x 2 samples, 2 chunks of 64 tokens), then
-    convert-to-hf and `memrl eval` of base and trained. docs/real-model.md has the command at larger sizes."""
-    dev_file, data = tmp_path / "hotpot_dev.json", tmp_path / "data"
+    """The seed's smoke at 2-core sizes (one GRPO step of 2 questions x 4 samples, 2 chunks of 64 tokens), then
+    convert-to-hf and `memrl eval` of base and trained. docs/real-model.md has the command at larger sizes.
+
+    The step must learn something: its loss and gradient norm are nonzero. With the answer reward alone the
+    base model's groups all score 0 (it rarely boxes an answer, and truncation often cuts the answer away), so
+    the questions are ones whose answer lies in the chunks read, and memory turns also earn memrl's built-in
+    `memory_recall` (the memory holds the gold answer), in which 8 samples x 2 memory turns differ."""
+    dev_file, prepared, data = tmp_path / "hotpot_dev.json", tmp_path / "prepared", tmp_path / "data"
     dev_file.write_text(json.dumps(hotpot_dev_records))  # the shared dev records, as the official JSON
-    assert _run("prepare-data", "hotpotqa", "--from-file", str(dev_file), "--out", str(data),
-                "--num-train", "1", "--num-heldout", "1").exit_code == 0
-    sizes = ["task.chunk_tokens=64", "task.memory_tokens=16", "task.final_tokens=16", "task.max_chunks=2"]
-    sets = [*sizes, "sampling.n_samples=2", "train.rollout_batch_size=1", "train.num_rollout=1",
-            "train.save_interval=1", f"model.path={smollm2_folder}", f"data.dir={data}"]
+    assert _run("prepare-data", "hotpotqa", "--from-file", str(dev_file), "--out", str(prepared),
+                "--num-train", "60", "--num-heldout", "1").exit_code == 0
+    sizes = ["task.chunk_tokens=64", "task.memory_tokens=32", "task.final_tokens=16", "task.max_chunks=2"]
+    data.mkdir()
+    _answerable_data(prepared / "hotpotqa_train.jsonl", data, smollm2_folder, sizes, num_train=2)
+    sets = [*sizes, "sampling.n_samples=4", "train.rollout_batch_size=2", "train.num_rollout=1",
+            "algorithm.turn_reward_function=memrl.memagent.reward:memory_recall",
+            "train.micro_batch_tokens=4096", "train.save_interval=1", f"model.path={smollm2_folder}", f"data.dir={data}"]
     result = _run("train", "--run-root", str(tmp_path / "run"), "--no-progress", *[x for s in sets for x in ("--set", s)])
     assert result.exit_code == 0, (result.output, result.exception)
-    assert "rows saved/transferred/consumed 6/6/6" in result.output  # 2 samples x (2 memory turns + final)
+    assert "rows saved/transferred/consumed 24/24/24" in result.output  # 8 samples x (2 memory turns + final)
+    step = [json.loads(line) for line in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
+    # The gradient, not the loss, shows it: on a first, on-policy step the PPO ratio is 1, so the loss is minus
+    # the token mean of the advantages, which cancel (to float rounding) when a group's turns are equally long.
+    assert step["grad_norm"] > 0.0 and math.isfinite(step["loss/total"]), step
     result = _run("convert-to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))
     assert result.exit_code == 0, (result.output, result.exception)
     for name, model in (("base", smollm2_folder), ("trained", tmp_path / "hf")):

@@ -1,0 +1,123 @@
+"""HotpotQA questions a short MemAgent reading can answer, and demonstrations of that reading for `memrl sft`.
+
+A pretrained 135M model (docs/real-model.md) rarely writes a `\\boxed{}` answer, and at CPU sizes (2 chunks of
+128 tokens of a ~1,000-token HotpotQA document) the answer is often cut away by the truncation, so every
+sample of a GRPO group scores 0 and nothing is learned. Two tools, both decided by the gold answer only:
+- `answerable`: the gold answer occurs in a sentence of the chunks the rollout actually reads (so EM > 0 is
+  possible without guessing; yes/no answers never count);
+- `demonstration`: the trajectory a reader that keeps the answer would write: each memory turn keeps the
+  sentence of the chunk that holds the answer (or the memory so far), the final turn boxes the gold answer.
+Demonstrations are text (`{"turns": [{"prompt", "response"}]}`, what `memrl sft --data` reads), with the
+prompts filled from the rollout's own templates and chunks.
+
+    python -m memrl.memagent.hotpot_demonstrations answerable DATA.jsonl MODEL OUT.jsonl [--set k=v ...]
+    python -m memrl.memagent.hotpot_demonstrations demos DATA.jsonl MODEL OUT.jsonl [--final-only] [--set k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from memrl.config import TaskConfig, load_config
+from memrl.data.records import QuestionRecord, load_questions, write_jsonl
+from memrl.memagent.prompts import input_text
+from memrl.memagent.reward import gold_in_text
+from memrl.memagent.rollout import document_chunks
+from memrl.scoring import gold_list, normalize_answer
+
+NOTHING_YET = "Nothing about the answer yet."
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def chunk_texts(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> list[str]:
+    """The decoded chunks the rollout reads of `record` (after its truncation)."""
+    return [tokenizer.decode(c) for c in document_chunks(tokenizer, cfg, record.context).chunks]
+
+
+def _gold_sentence(text: str, golds: list[str]) -> str | None:
+    """The first sentence (or line) of `text` that holds a gold answer as whole words (HotpotQA normalisation),
+    None if none. Yes/no answers never do: the word "no" in a document does not answer a comparison."""
+    golds = [g for g in golds if normalize_answer(g) not in ("yes", "no")]
+    for sentence in _SENTENCE_END.split(text):
+        if golds and gold_in_text(sentence, golds):
+            return sentence.strip()
+    return None
+
+
+def answerable(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> bool:
+    """Whether a gold answer occurs in one sentence of a chunk the rollout reads."""
+    golds = gold_list(record.answers)
+    return any(_gold_sentence(text, golds) for text in chunk_texts(record, tokenizer, cfg))
+
+
+def _cap(text: str, tokenizer: Any, limit: int, gold: str) -> str:
+    """`text` cut to `limit` tokens, from the front when the gold answer would otherwise be cut off."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= limit:
+        return text
+    head = tokenizer.decode(ids[:limit])
+    return head if gold_in_text(head, [gold]) else tokenizer.decode(ids[-limit:]).strip()
+
+
+def _fill(template: str, **parts: str) -> str:
+    # str.replace, not str.format: templates hold literal braces such as \\boxed{} (as memrl's prompts do).
+    for name, value in parts.items():
+        template = template.replace("{" + name + "}", value)
+    return template
+
+
+def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> dict[str, list[dict[str, str]]]:
+    """One demonstrated trajectory of `record`: memory turns over the rollout's chunks, then the final turn.
+
+    A memory turn keeps the chunk's sentence with the answer (cut to `memory_tokens - 1`: the stop token is
+    appended by `memrl sft`), else repeats the memory so far; the final turn boxes the first gold answer."""
+    golds = gold_list(record.answers)
+    question = input_text(cfg, record.question)
+    memory, turns = None, []
+    for text in chunk_texts(record, tokenizer, cfg):
+        prompt = _fill(cfg.memory_template, question=question, chunk=text,
+                       memory=memory if memory is not None else cfg.no_memory_text)
+        sentence = _gold_sentence(text, golds)
+        if sentence is not None:
+            memory = _cap(sentence, tokenizer, cfg.memory_tokens - 1, golds[0])
+        elif memory is None:
+            memory = NOTHING_YET
+        turns.append({"prompt": prompt, "response": memory})
+    final = _fill(cfg.final_template, question=question, memory=memory or cfg.no_memory_text)
+    turns.append({"prompt": final, "response": "\\boxed{" + golds[0] + "}"})
+    return {"turns": turns}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["answerable", "demos"])
+    parser.add_argument("data", type=Path, help="prepared questions (JSONL, `memrl prepare-data`)")
+    parser.add_argument("model", help="model folder (its tokenizer cuts the chunks)")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--final-only", action="store_true",
+                        help="demonstrate only the final turn (a third of the tokens: teaches the boxed answer)")
+    parser.add_argument("--recipe", type=Path, default=None)
+    parser.add_argument("--set", dest="sets", action="append", default=[], help="config override, as memrl's")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.recipe, args.sets).task
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    records = load_questions(args.data)
+    kept = [r for r in records if answerable(r, tokenizer, cfg)]
+    if args.what == "answerable":
+        write_jsonl(args.out, kept)
+    else:
+        demos = [demonstration(r, tokenizer, cfg) for r in kept]
+        if args.final_only:
+            demos = [{"turns": d["turns"][-1:]} for d in demos]
+        args.out.write_text("".join(json.dumps(d) + "\n" for d in demos))
+    print(f"wrote {args.out}: {len(kept)} of {len(records)} questions answerable from the chunks read")
+
+
+if __name__ == "__main__":
+    main()

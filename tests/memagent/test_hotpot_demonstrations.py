@@ -1,0 +1,70 @@
+"""HotpotQA questions answerable from the chunks read, and their demonstrations (memrl/memagent/hotpot_demonstrations.py)."""
+
+from __future__ import annotations
+
+import json
+
+from memrl.config import TaskConfig
+from memrl.data.records import QuestionRecord, write_jsonl
+from memrl.memagent.hotpot_demonstrations import NOTHING_YET, answerable, demonstration, main
+
+FILLER = "Nothing here matters. " * 30
+
+
+def _record(answer: str, context: str) -> QuestionRecord:
+    return QuestionRecord(id="q", question="Where was the author born?", answers=[answer], context=context)
+
+
+def _cfg(**kw) -> TaskConfig:
+    return TaskConfig(**{"chunk_tokens": 64, "memory_tokens": 24, "final_tokens": 16, "max_chunks": 2, **kw})
+
+
+def test_an_answer_cut_away_by_the_truncation_is_not_answerable(tiny_tokenizer):
+    # The answer sits in the middle of a long document: center truncation to 2 x 64 tokens drops it.
+    cut = _record("Lisbon", FILLER * 3 + "The author was born in Lisbon. " + FILLER * 3)
+    kept = _record("Lisbon", "The author was born in Lisbon. " + FILLER * 6)
+    assert not answerable(cut, tiny_tokenizer, _cfg())
+    assert answerable(kept, tiny_tokenizer, _cfg())
+
+
+def test_answers_match_whole_words_and_yes_no_never_counts(tiny_tokenizer):
+    # "no" inside "now" (and the word "no" itself) does not answer a yes/no comparison.
+    assert not answerable(_record("no", "It is now here. There is no answer. " + FILLER), tiny_tokenizer, _cfg())
+    assert not answerable(_record("Lis", "The author was born in Lisbon. " + FILLER), tiny_tokenizer, _cfg())
+
+
+def test_the_demonstration_keeps_the_answer_sentence_and_boxes_the_gold(tiny_tokenizer):
+    record = _record("Lisbon", "Some intro text without it. " * 2 + "The author was born in Lisbon. " + FILLER * 6)
+    turns = demonstration(record, tiny_tokenizer, _cfg())["turns"]
+    assert len(turns) == 3  # 2 memory turns + the final turn
+    assert turns[0]["response"] == "The author was born in Lisbon."
+    assert turns[1]["response"] == turns[0]["response"]  # the second chunk has no answer: the memory stays
+    assert "Your memory so far:\nThe author was born in Lisbon." in turns[1]["prompt"]
+    assert turns[2]["response"] == "\\boxed{Lisbon}" and "{memory}" not in turns[2]["prompt"]
+    assert "Your memory:\nThe author was born in Lisbon." in turns[2]["prompt"]
+
+
+def test_memory_before_the_answer_and_a_long_sentence_cut_around_it(tiny_tokenizer):
+    long_sentence = "The author, " + "who wrote many long books, " * 8 + "was born in Lisbon."
+    record = _record("Lisbon", long_sentence + " " + FILLER * 4)
+    cfg = _cfg(chunk_tokens=512, truncation="head")
+    turns = demonstration(record, tiny_tokenizer, cfg)["turns"]
+    memory = turns[0]["response"]
+    assert memory.endswith("Lisbon.") and len(tiny_tokenizer(memory)["input_ids"]) <= cfg.memory_tokens - 1
+    record = _record("Lisbon", FILLER * 2 + "The author was born in Lisbon. " + FILLER)
+    assert demonstration(record, tiny_tokenizer, _cfg(truncation="head"))["turns"][0]["response"] == NOTHING_YET
+
+
+def test_the_command_writes_answerable_records_and_final_only_demos(tmp_path, tiny_tokenizer, capsys):
+    model = tmp_path / "tok"
+    tiny_tokenizer.save_pretrained(model)
+    data = tmp_path / "q.jsonl"
+    write_jsonl(data, [_record("Lisbon", "The author was born in Lisbon. " + FILLER),
+                       QuestionRecord(id="r", question="Q?", answers=["Oslo"], context=FILLER * 8)])
+    sets = ["--set", "task.chunk_tokens=64", "--set", "task.max_chunks=2", "--set", "task.memory_tokens=24"]
+    main(["answerable", str(data), str(model), str(tmp_path / "a.jsonl"), *sets])
+    assert [json.loads(line)["id"] for line in (tmp_path / "a.jsonl").read_text().splitlines()] == ["q"]
+    main(["demos", str(data), str(model), str(tmp_path / "d.jsonl"), "--final-only", *sets])
+    demos = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert [[t["response"] for t in d["turns"]] for d in demos] == [["\\boxed{Lisbon}"]]
+    assert "1 of 2 questions answerable" in capsys.readouterr().out
