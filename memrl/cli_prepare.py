@@ -135,3 +135,54 @@ def prepare_build_ruler_cmd(
     ns = _int_list(num_docs, ctx.args, "--num-docs", RULER_LENGTHS)
     output_folder(out, "--out")
     _wrote(build_ruler_command(from_file, out, ns, seed=seed, limit=limit, layout=layout.value))
+
+
+def _answerable_records(data: Path, model: str, recipe: Path | None, sets: list[str] | None):
+    """The task settings, the model's tokenizer, and `data`'s questions whose answer the rollout reads."""
+    from transformers import AutoTokenizer
+
+    from memrl.config import load_config, load_pretrained
+    from memrl.data.records import load_questions
+    from memrl.memagent.hotpot_demonstrations import answerable
+
+    cfg = load_config(recipe, list(sets or [])).task
+    tokenizer = load_pretrained(AutoTokenizer, model, "model")
+    records = load_questions(data)
+    kept = [r for r in records if answerable(r, tokenizer, cfg)]
+    typer.echo(f"{len(kept)} of {len(records)} questions answerable from the chunks read")
+    return cfg, tokenizer, kept
+
+
+_DataArg = typer.Argument(..., help="Prepared questions (JSONL, from `memrl prepare-data hotpotqa`).")
+_ModelArg = typer.Argument(..., help="Model folder: its tokenizer cuts the chunks.")
+_RecipeOption = typer.Option(None, help="Recipe whose task section (chunk sizes, templates) the rollout uses.")
+_SetOption = typer.Option(None, "--set", help="Override a config value: section.key=value.")
+
+
+@prepare_data.command("answerable")
+def prepare_answerable_cmd(data: Path = _DataArg, model: str = _ModelArg,
+                           out: Path = typer.Argument(..., help="JSONL of the answerable questions."),
+                           recipe: Path | None = _RecipeOption, set_: list[str] | None = _SetOption) -> None:
+    """HotpotQA questions whose gold answer lies in a sentence of the chunks the rollout reads (yes/no never)."""
+    from memrl.data.records import write_jsonl
+
+    _, _, kept = _answerable_records(data, model, recipe, set_)
+    write_jsonl(out, kept)
+    typer.echo(f"wrote {out}")
+
+
+@prepare_data.command("demonstrations")
+def prepare_demonstrations_cmd(
+    data: Path = _DataArg, model: str = _ModelArg,
+    out: Path = typer.Argument(..., help="JSONL of demonstrations, what `memrl sft --data` reads."),
+    final_only: bool = typer.Option(False, help="Only the final turn (a third of the tokens: teaches the box)."),
+    recipe: Path | None = _RecipeOption, set_: list[str] | None = _SetOption,
+) -> None:
+    """Demonstrated MemAgent readings of the answerable questions, for a `memrl sft` warm start."""
+    from memrl.data.records import write_jsonl
+    from memrl.memagent.hotpot_demonstrations import demonstration
+
+    cfg, tokenizer, kept = _answerable_records(data, model, recipe, set_)
+    demos = [demonstration(r, tokenizer, cfg) for r in kept]
+    write_jsonl(out, [{"turns": d["turns"][-1:]} for d in demos] if final_only else demos)
+    typer.echo(f"wrote {out}")

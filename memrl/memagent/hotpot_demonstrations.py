@@ -8,22 +8,17 @@ sample of a GRPO group scores 0 and nothing is learned. Two tools, both decided 
 - `demonstration`: the trajectory a reader that keeps the answer would write: each memory turn keeps the
   sentence of the chunk that holds the answer (or the memory so far), the final turn boxes the gold answer.
 Demonstrations are text (`{"turns": [{"prompt", "response"}]}`, what `memrl sft --data` reads), with the
-prompts filled from the rollout's own templates and chunks.
-
-    python -m memrl.memagent.hotpot_demonstrations answerable DATA.jsonl MODEL OUT.jsonl [--set k=v ...]
-    python -m memrl.memagent.hotpot_demonstrations demos DATA.jsonl MODEL OUT.jsonl [--final-only] [--set k=v ...]
+prompts filled from the rollout's own templates and chunks. Commands: `memrl prepare-data answerable` and
+`memrl prepare-data demonstrations`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-from pathlib import Path
 from typing import Any
 
-from memrl.config import TaskConfig, load_config
-from memrl.data.records import QuestionRecord, load_questions, write_jsonl
+from memrl.config import TaskConfig
+from memrl.data.records import QuestionRecord
 from memrl.memagent.prompts import input_text
 from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import document_chunks
@@ -90,34 +85,3 @@ def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> di
     final = _fill(cfg.final_template, question=question, memory=memory or cfg.no_memory_text)
     turns.append({"prompt": final, "response": "\\boxed{" + golds[0] + "}"})
     return {"turns": turns}
-
-
-def main(argv: list[str] | None = None) -> None:
-    from transformers import AutoTokenizer
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["answerable", "demos"])
-    parser.add_argument("data", type=Path, help="prepared questions (JSONL, `memrl prepare-data`)")
-    parser.add_argument("model", help="model folder (its tokenizer cuts the chunks)")
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--final-only", action="store_true",
-                        help="demonstrate only the final turn (a third of the tokens: teaches the boxed answer)")
-    parser.add_argument("--recipe", type=Path, default=None)
-    parser.add_argument("--set", dest="sets", action="append", default=[], help="config override, as memrl's")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.recipe, args.sets).task
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    records = load_questions(args.data)
-    kept = [r for r in records if answerable(r, tokenizer, cfg)]
-    if args.what == "answerable":
-        write_jsonl(args.out, kept)
-    else:
-        demos = [demonstration(r, tokenizer, cfg) for r in kept]
-        if args.final_only:
-            demos = [{"turns": d["turns"][-1:]} for d in demos]
-        args.out.write_text("".join(json.dumps(d) + "\n" for d in demos))
-    print(f"wrote {args.out}: {len(kept)} of {len(records)} questions answerable from the chunks read")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,16 @@
-"""HotpotQA questions answerable from the chunks read, and their demonstrations (memrl/memagent/hotpot_demonstrations.py)."""
+"""HotpotQA questions answerable from the chunks read, and their demonstrations
+(memrl/memagent/hotpot_demonstrations.py; commands `memrl prepare-data answerable` / `demonstrations`)."""
 
 from __future__ import annotations
 
 import json
 
+from typer.testing import CliRunner
+
+from memrl.cli import app
 from memrl.config import TaskConfig
 from memrl.data.records import QuestionRecord, write_jsonl
-from memrl.memagent.hotpot_demonstrations import NOTHING_YET, answerable, demonstration, main
+from memrl.memagent.hotpot_demonstrations import NOTHING_YET, answerable, demonstration
 
 FILLER = "Nothing here matters. " * 30
 
@@ -55,16 +59,27 @@ def test_memory_before_the_answer_and_a_long_sentence_cut_around_it(tiny_tokeniz
     assert demonstration(record, tiny_tokenizer, _cfg(truncation="head"))["turns"][0]["response"] == NOTHING_YET
 
 
-def test_the_command_writes_answerable_records_and_final_only_demos(tmp_path, tiny_tokenizer, capsys):
+def test_the_command_writes_answerable_records_and_final_only_demos(tmp_path, tiny_tokenizer):
     model = tmp_path / "tok"
     tiny_tokenizer.save_pretrained(model)
     data = tmp_path / "q.jsonl"
     write_jsonl(data, [_record("Lisbon", "The author was born in Lisbon. " + FILLER),
                        QuestionRecord(id="r", question="Q?", answers=["Oslo"], context=FILLER * 8)])
     sets = ["--set", "task.chunk_tokens=64", "--set", "task.max_chunks=2", "--set", "task.memory_tokens=24"]
-    main(["answerable", str(data), str(model), str(tmp_path / "a.jsonl"), *sets])
+    run = CliRunner().invoke
+    assert run(app, ["prepare-data", "answerable", str(data), str(model), str(tmp_path / "a.jsonl"), *sets]).exit_code == 0
     assert [json.loads(line)["id"] for line in (tmp_path / "a.jsonl").read_text().splitlines()] == ["q"]
-    main(["demos", str(data), str(model), str(tmp_path / "d.jsonl"), "--final-only", *sets])
+    result = run(app, ["prepare-data", "demonstrations", str(data), str(model), str(tmp_path / "d.jsonl"),
+                       "--final-only", *sets])
+    assert result.exit_code == 0, result.output
     demos = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert [[t["response"] for t in d["turns"]] for d in demos] == [["\\boxed{Lisbon}"]]
-    assert "1 of 2 questions answerable" in capsys.readouterr().out
+    assert "1 of 2 questions answerable" in result.output
+
+
+def test_a_missing_data_file_is_one_line(tmp_path, tiny_tokenizer):
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    result = CliRunner().invoke(app, ["prepare-data", "answerable", str(tmp_path / "none.jsonl"), str(tmp_path / "tok"),
+                                      str(tmp_path / "a.jsonl")])
+    assert result.exit_code == 2 and "none.jsonl" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "a.jsonl").exists()
