@@ -10,7 +10,7 @@ import torch
 
 from memrl.config import load_config
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
-from memrl.train.sft import SFTError, SFTOptions, demonstration_rows, run_sft, sft_config
+from memrl.train.sft import SFTError, SFTOptions, demonstration_rows, mean_nll, run_sft, sft_config
 
 WORDS = ["a", "b", "c", "d", "e", "f", "g", "h"]
 
@@ -112,3 +112,22 @@ def test_sft_config_turns_off_rollout_correction_and_gspo():
                                         "algorithm.credit=share", "algorithm.loss_mode=gspo"]), SFTOptions(lr=5e-3))
     assert cfg.algorithm.rollout_rs is None and cfg.algorithm.rollout_is is None
     assert cfg.algorithm.loss_mode == "vanilla"
+
+
+def test_the_nll_probe_runs_a_token_budget_at_a_time(tokenizer, monkeypatch):
+    """The probe never puts more than `micro_batch_tokens` padded tokens through one forward (32 long
+    demonstrations at once took ~12 GB for a 135M model), and splitting changes the mean only by float
+    rounding (a token-weighted mean over the micro-batches)."""
+    import memrl.train.microbatch as microbatch
+
+    model = build_tiny_model(len(tokenizer), seed=3)
+    rows = demonstration_rows(_demos(tokenizer) * 4)
+    whole = mean_nll(model, rows, tokenizer.pad_token_id, micro_batch_tokens=10**6)
+    sizes = []
+    build = microbatch.MicroBatch.build
+    monkeypatch.setattr(microbatch.MicroBatch, "build", lambda batch, *a, **k: sizes.append(
+        len(batch) * max(len(r.tokens) for r in batch)) or build(batch, *a, **k))
+    budget = 2 * max(len(r.tokens) for r in rows)
+    split = mean_nll(model, rows, tokenizer.pad_token_id, micro_batch_tokens=budget)
+    assert len(sizes) > 1 and max(sizes) <= budget
+    assert split == pytest.approx(whole, rel=1e-5)
