@@ -1,11 +1,12 @@
-"""The framework never imports the MemAgent task (issue 25): only the app layer (cli, demos, memrl/apps)
+"""The framework never imports the MemAgent task (issue 25): only the app layer (cli.py and cli_prepare.py, memrl/apps)
 and memrl.memagent itself do; everything else reaches a task through `plugins.task` (memrl/task.py)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "memrl"
-APP_LAYER = ("memagent/", "apps/", "cli.py", "demo")  # paths under memrl/ that may import memrl.memagent
+# Paths under memrl/ that may import memrl.memagent: the task itself and the app layer.
+APP_LAYER = ("memagent/", "apps/", "cli.py", "cli_prepare.py", "demo")
 
 
 def imported_modules(path: Path) -> set[str]:
