@@ -19,7 +19,7 @@ from typing import Any
 
 from memrl.config import TaskConfig
 from memrl.data.records import QuestionRecord
-from memrl.memagent.prompts import input_text
+from memrl.memagent.prompts import input_text, layout_memory_template
 from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import document_chunks
 from memrl.scoring import gold_list, normalize_answer
@@ -59,10 +59,9 @@ def _cap(text: str, tokenizer: Any, limit: int, gold: str) -> str:
 
 
 def _fill(template: str, **parts: str) -> str:
-    # str.replace, not str.format: templates hold literal braces such as \\boxed{} (as memrl's prompts do).
-    for name, value in parts.items():
-        template = template.replace("{" + name + "}", value)
-    return template
+    # One pass, not str.format (templates hold literal braces such as \\boxed{}) nor chained replaces: an
+    # inserted question or chunk that contains "{memory}" stays literal text, as in PromptBuilder.
+    return re.sub(r"\{(question|memory|chunk)\}", lambda m: parts.get(m.group(1), m.group(0)), template)
 
 
 def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> dict[str, list[dict[str, str]]]:
@@ -74,7 +73,7 @@ def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> di
     question = input_text(cfg, record.question)
     memory, turns = None, []
     for text in chunk_texts(record, tokenizer, cfg):
-        prompt = _fill(cfg.memory_template, question=question, chunk=text,
+        prompt = _fill(layout_memory_template(cfg), question=question, chunk=text,
                        memory=memory if memory is not None else cfg.no_memory_text)
         sentence = _gold_sentence(text, golds)
         if sentence is not None:

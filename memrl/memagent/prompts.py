@@ -73,6 +73,11 @@ def chunk_first_template(template: str) -> str:
             + template[memory[0]:memory[1]] + template[chunk[1]:])
 
 
+def layout_memory_template(cfg: TaskConfig) -> str:
+    """The memory-turn template in the order `task.prompt_layout` asks for (every prompt path reads it here)."""
+    return chunk_first_template(cfg.memory_template) if cfg.prompt_layout == "chunk_first" else cfg.memory_template
+
+
 def input_text(cfg: TaskConfig, text: str) -> str:
     """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on (the
     official evaluation strips both; off by default, as memrl's own runs trained on unstripped text)."""
@@ -91,8 +96,7 @@ class PromptBuilder:
             )
         self.tokenizer = tokenizer
         self.cfg = task_cfg
-        self.memory_template = (chunk_first_template(task_cfg.memory_template)
-                                if task_cfg.prompt_layout == "chunk_first" else task_cfg.memory_template)
+        self.memory_template = layout_memory_template(task_cfg)
         self._segments = functools.lru_cache(maxsize=256)(self._build_segments)
         self._no_memory_ids = self._encode_text(task_cfg.no_memory_text)
         self._stop_token_ids = self._find_stop_token_ids()

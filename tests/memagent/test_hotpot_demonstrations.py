@@ -48,6 +48,17 @@ def test_the_demonstration_keeps_the_answer_sentence_and_boxes_the_gold(tiny_tok
     assert "Your memory:\nThe author was born in Lisbon." in turns[2]["prompt"]
 
 
+def test_the_demonstration_prompt_follows_the_layout_and_keeps_inserted_text_literal(tiny_tokenizer):
+    """The prompt is the one the rollout builds: `task.prompt_layout` orders chunk and memory, and a question
+    holding "{memory}" stays literal text (as PromptBuilder keeps it)."""
+    record = QuestionRecord(id="q", question="Where is {memory} kept?", answers=["Lisbon"],
+                            context="The author was born in Lisbon. " + FILLER * 6)
+    for layout, chunk_first in (("memagent", False), ("chunk_first", True)):
+        prompt = demonstration(record, tiny_tokenizer, _cfg(prompt_layout=layout))["turns"][1]["prompt"]
+        assert "Question: Where is {memory} kept?" in prompt
+        assert (prompt.index("Next part of the document:") < prompt.index("Your memory so far:")) == chunk_first
+
+
 def test_memory_before_the_answer_and_a_long_sentence_cut_around_it(tiny_tokenizer):
     long_sentence = "The author, " + "who wrote many long books, " * 8 + "was born in Lisbon."
     record = _record("Lisbon", long_sentence + " " + FILLER * 4)
