@@ -1,11 +1,21 @@
-"""Rows joining a running batch, made deterministic for the engine tests: hold the batch at a decode step,
-send more calls, let it go on."""
+"""Driving an engine in the engine tests: one call then close (`generate`), and rows joining a running
+batch, made deterministic (`staggered`: hold the batch at a decode step, send more calls, let it go on)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from typing import Any
+
+
+def generate(engine: Any, requests: list) -> list:
+    """`requests` as one call on a fresh event loop, the engine closed after it (also when it raises)."""
+    async def main():
+        try:
+            return await engine.generate(requests)
+        finally:
+            await engine.close()
+    return asyncio.run(main())
 
 
 async def staggered(engine: Any, first: list, later: list, *, hold: tuple[Any, str],

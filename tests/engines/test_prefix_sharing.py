@@ -14,7 +14,7 @@ import asyncio
 import pytest
 import torch
 from numerics import logprob_atol, token_ids
-from staggering import staggered
+from staggering import generate, staggered
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from memrl.engines.base import GenerationRequest
@@ -49,15 +49,6 @@ def mixed_wave() -> list[GenerationRequest]:
     shared, memories distinct), and a prompt that shares nothing (a leaf at the first level)."""
     alone = GenerationRequest(token_ids(77, 20), 9, temperature=1.0, seed=7)
     return group_wave(2, 4) + group_wave(4, 4, memories=True)[8:] + [alone]
-
-
-def generate(engine: HFEngine, requests: list[GenerationRequest]):
-    async def main():
-        try:
-            return await engine.generate(requests)
-        finally:
-            await engine.close()
-    return asyncio.run(main())
 
 
 def assert_same(unshared, shared, atol: float) -> None:

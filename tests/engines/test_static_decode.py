@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from numerics import logprob_atol, sharp_model, token_ids
-from staggering import staggered
+from staggering import generate, staggered
 
 from memrl.config import Config, ConfigError, load_config
 from memrl.engines.base import EngineError, GenerationRequest, WeightsInMemory
@@ -38,15 +38,6 @@ def mixed_requests(n: int, stops: list[int] | None = None) -> list[GenerationReq
     return [GenerationRequest(token_ids(i, 3 + (7 * i) % 38), max_tokens=4 + (5 * i) % 23,
                               temperature=(1.0, 0.7, 0.0)[i % 3], top_p=(1.0, 0.9)[(i // 3) % 2], seed=100 + i,
                               stop_token_ids=stops or []) for i in range(n)]
-
-
-def generate(engine: HFEngine, requests: list[GenerationRequest]):
-    async def main():
-        try:
-            return await engine.generate(requests)
-        finally:
-            await engine.close()
-    return asyncio.run(main())
 
 
 def assert_same(dynamic, static, atol: float, same_prefill: bool = True) -> None:
