@@ -80,18 +80,18 @@ def sft_config(cfg: Config, options: SFTOptions) -> Config:
 
 
 @torch.no_grad()
-def mean_nll(model: torch.nn.Module, rows: Sequence[TrainRow], pad_token_id: int,
-             micro_batch_tokens: int = TrainConfig().micro_batch_tokens) -> float:
-    """Token-mean negative log-likelihood of the rows' response tokens, one token-budget micro-batch at a
-    time: 32 SmolLM2 demonstrations of a MemAgent reading in one forward took ~12 GB of 23."""
+def mean_nll(model: torch.nn.Module, rows: Sequence[TrainRow], pad_token_id: int, train: TrainConfig) -> float:
+    """Token-mean negative log-likelihood of the rows' response tokens, one `train.micro_batch_tokens`
+    micro-batch at a time (32 SmolLM2 demonstrations of a MemAgent reading in one forward took ~12 GB of
+    23), the LM head `train.logprob_chunk_tokens` at a time, as the training step computes them."""
     from memrl.train.microbatch import MicroBatch, response_log_probs
     from memrl.train.partition import micro_batches
 
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for batch in micro_batches(rows, micro_batch_tokens):
+    for batch in micro_batches(rows, train.micro_batch_tokens):
         mb = MicroBatch.build(batch, [0.0] * len(batch), pad_token_id, device)
-        log_probs = response_log_probs(model, mb, 1.0, TrainConfig().logprob_chunk_tokens)
+        log_probs = response_log_probs(model, mb, 1.0, train.logprob_chunk_tokens)
         total -= float(log_probs.sum())
         count += log_probs.numel()
     return total / count
@@ -133,7 +133,7 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, cfg: Config, demonstrations:
                 record = {"step": step, "epoch": epoch, "rows": float(len(rows)), "lr": metrics["lr"],
                           "grad_norm": metrics["grad_norm"], "time_s": metrics["time/train_s"]}
                 if b == steps_per_epoch - 1:
-                    record["nll"] = mean_nll(actor.model, probe, pad, actor.cfg.train.micro_batch_tokens)
+                    record["nll"] = mean_nll(actor.model, probe, pad, actor.cfg.train)
                     bar.set_postfix(nll=f"{record['nll']:.3f}")
                 history.append(record)
                 if metrics_file is not None:

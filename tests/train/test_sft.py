@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from memrl.config import load_config
+from memrl.config import TrainConfig, load_config
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 from memrl.train.sft import SFTError, SFTOptions, demonstration_rows, mean_nll, run_sft, sft_config
 
@@ -122,12 +122,12 @@ def test_the_nll_probe_runs_a_token_budget_at_a_time(tokenizer, monkeypatch):
 
     model = build_tiny_model(len(tokenizer), seed=3)
     rows = demonstration_rows(_demos(tokenizer) * 4)
-    whole = mean_nll(model, rows, tokenizer.pad_token_id, micro_batch_tokens=10**6)
+    whole = mean_nll(model, rows, tokenizer.pad_token_id, TrainConfig(micro_batch_tokens=10**6))
     sizes = []
     build = microbatch.MicroBatch.build
     monkeypatch.setattr(microbatch.MicroBatch, "build", lambda batch, *a, **k: sizes.append(
         len(batch) * max(len(r.tokens) for r in batch)) or build(batch, *a, **k))
     budget = 2 * max(len(r.tokens) for r in rows)
-    split = mean_nll(model, rows, tokenizer.pad_token_id, micro_batch_tokens=budget)
+    split = mean_nll(model, rows, tokenizer.pad_token_id, TrainConfig(micro_batch_tokens=budget))
     assert len(sizes) > 1 and max(sizes) <= budget
     assert split == pytest.approx(whole, rel=1e-5)
