@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, ScoreResult, WeightSource
 from memrl.engines.hf_batch import EngineStats, _Pending, _plain_layers, _Row, _RunningBatch
-from memrl.engines.prefix import MIN_SHARED_PREFIX, HeldPrompts, plan_prefill, run_plan
+from memrl.engines.prefix import MIN_SHARED_PREFIX, HeldPrompts, left_padded_mask, plan_prefill, run_plan
 from memrl.engines.sampling import sampling_log_probs
 from memrl.engines.static_decode import StaticBatch, StaticDecoder
 from memrl.engines.static_kv import supports_static_decode
@@ -372,19 +372,13 @@ class HFEngine:
                         past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `prompts` left-padded into `cache`, after the columns its rows already hold (`past`: their
         attention mask, None for a fresh cache): (attention mask over past + prompts, each row's last logits)."""
-        device, n = self.device, len(prompts)
-        lengths = [len(p) for p in prompts]
-        width = max(lengths)
-        input_ids = torch.zeros((n, width), dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            input_ids[row, width - lengths[row]:] = torch.tensor(ids)
-            attention_mask[row, width - lengths[row]:] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        offset = 0 if past is None else past.shape[1]
+        width = max(len(p) for p in prompts)
+        attention_mask = left_padded_mask([len(p) for p in prompts], width, self.device)
+        input_ids = torch.zeros_like(attention_mask)
+        input_ids[attention_mask.bool()] = torch.tensor([t for p in prompts for t in p], device=self.device)
         if past is not None:
             attention_mask = torch.cat([past, attention_mask], 1)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, offset:]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
         return attention_mask, self._forward(input_ids, attention_mask, position_ids, cache)
 
     def _new_row(self, request: GenerationRequest, pending: _Pending | None = None) -> _Row:

@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicLayer
 
 from memrl.engines.base import GenerationRequest, GenerationResult
 from memrl.engines.kv_cache import SpareLayer
-from memrl.engines.prefix import HeldPrompts, KeyValues, copy_columns, picks_mask
+from memrl.engines.prefix import HeldPrompts, KeyValues, held_block
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 
 
@@ -161,14 +161,8 @@ class _RunningBatch:
     def prefix_block(self, sources, width: int) -> tuple[KeyValues, torch.Tensor]:
         """`HeldPrompts.prefix_block`: row i's tokens start where its mask does (rows are right-aligned)."""
         starts = (self.attention_mask.shape[1] - self.attention_mask.sum(1)).tolist()
-        picks = []
-        for dst, source in enumerate(sources):
-            if source is not None:
-                row, n = source
-                picks.append((dst, row, torch.arange(starts[row], starts[row] + n)))
         layers = [(layer.keys, layer.values) for layer in self.cache.layers]
-        return (copy_columns(layers, picks, len(sources), width),
-                picks_mask(picks, len(sources), width, self.attention_mask.device))
+        return held_block(layers, sources, width, range(len(self.rows)), starts)
 
     def sample(self) -> list[_Row]:
         """One token for every row from its pending logits; returns the rows that finished with it."""

@@ -1,37 +1,9 @@
 """Prefix sharing at admission: the prompts of one admission wave compute what they share only once.
 
-Why: a MemAgent step is mostly prompt tokens, and the n samples of a GRPO group read the same document:
-their turn-0 prompts are identical, every prompt starts with the same chat template and instruction, and
-with `task.prompt_layout = chunk_first` a group's prompts share the question and the chunk too. One
-wave (the requests HFEngine prefills together, memrl/engines/hf.py `_prefill`) can hold several groups.
-
-The plan (`plan_prefill`, pure) is a prefix tree over the wave's distinct prompts. A node computes one
-segment of tokens for every prompt below it: the root the prefix all prompts share, an inner node the
-longer prefix of a cluster of prompts (a group's question and chunk), a leaf the rest of one prompt.
-A node is made only for at least MIN_SHARED_PREFIX shared tokens beyond its parent, and every leaf keeps
-at least one token, so each prompt's last logits are computed. Rows that continue from copies attend
-through an explicit mask, which costs more per token than the plain prefill's (MAX_COMPUTED_SHARE): a
-tree that would still compute more than that share of the plain prefill's tokens is dropped for the
-distinct prompts alone (a repeated prompt stays one row). The engine runs the tree level by level:
-one model call per level (`PrefillPlan.stages`), each node's row continuing from a copy of its parent's
-keys/values, its segment left-padded among the level's segments (attention mask: the parent's mask, then
-the row's padding and segment; position ids count the row's unmasked columns). A repeated prompt is one
-leaf, its rows copies of it.
-
-Running rows hold their prompts' keys/values too (`HeldPrompts`, the running batch): a subtree whose
-prompts start with tokens a running row's prompt has is not computed from the start but from a copy of
-that row's keys/values for them. This is what shares a GRPO group's prompts across waves: its samples
-finish a turn at different steps, so their next prompts (with chunk_first: the same question and chunk)
-arrive one wave at a time, while the siblings that asked first are still decoding.
-
-`run_plan` executes a plan through the engine's model call, and `Leaves` lays every request's keys/values
-out as a plain left-padded prefill would (its tokens in the last columns, zeros before them), so the
-dynamic and static batches admit them unchanged.
-
-A wave with no repeated prompt and nothing shared by MIN_SHARED_PREFIX tokens gets no plan: the plain
-prefill runs, bit for bit as before. Otherwise the arithmetic is the same under other batch shapes (and
-rows see padding gaps between segments), so results agree with the plain prefill within float32
-rounding (tests/engines/numerics.py), not bitwise.
+`plan_prefill` (pure) makes a prefix tree over the wave's distinct prompts, `run_plan` runs it one model
+call per level and leaves the cache laid out as the plain left-padded prefill would. A wave that shares
+nothing gets no plan (the plain prefill, bitwise); otherwise results agree within float32 rounding. The
+tree, held prompts and the numbers: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -204,11 +176,17 @@ def plan_prefill(prompts: Sequence[Sequence[int]], min_prefix: int = MIN_SHARED_
     return plan
 
 
+def left_padded_mask(lengths: Sequence[int], width: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The [rows, width] attention mask of left-padded rows: row i's last lengths[i] columns 1."""
+    lengths = torch.as_tensor(lengths, device=device)
+    return (torch.arange(width, device=lengths.device)[None, :] >= width - lengths[:, None]).long()
+
+
 def copy_columns(layers: KeyValues, picks: Sequence[tuple[int, int, torch.Tensor]], rows: int, width: int,
-                 into: KeyValues | None = None) -> KeyValues:
+                 into: KeyValues | None = None, *, at_start: bool = False) -> KeyValues:
     """For each pick (dst row, src row, src columns): layers[src, :, columns] copied into the last len(columns)
-    of `width` columns of row dst of `into` (None: new zero blocks [rows, H, width, D]), all in one gather
-    and one scatter per tensor."""
+    of `width` columns of row dst of `into` (`at_start`: its first len(columns); None: new zero blocks
+    [rows, H, width, D]), all in one gather and one scatter per tensor."""
     if into is None:
         # zeros, not garbage, before each row: masked columns still enter attention (0 * NaN = NaN)
         into = [tuple(kv.new_zeros((rows, kv.shape[1], width, kv.shape[3])) for kv in pair) for pair in layers]
@@ -217,19 +195,26 @@ def copy_columns(layers: KeyValues, picks: Sequence[tuple[int, int, torch.Tensor
         src_rows = torch.cat([torch.full((len(cols),), src) for _, src, cols in picks]).to(device)
         src_cols = torch.cat([cols.to(device) for _, _, cols in picks])
         dst_rows = torch.cat([torch.full((len(cols),), dst) for dst, _, cols in picks]).to(device)
-        dst_cols = torch.cat([torch.arange(width - len(cols), width) for _, _, cols in picks]).to(device)
+        dst_cols = torch.cat([torch.arange(len(cols)) + (0 if at_start else width - len(cols))
+                              for _, _, cols in picks]).to(device)
         for out, pair in zip(into, layers, strict=True):
             for buffer, kv in zip(out, pair, strict=True):
                 buffer[dst_rows, :, dst_cols] = kv[src_rows, :, src_cols]
     return into
 
 
-def picks_mask(picks: Sequence[tuple[int, int, torch.Tensor]], rows: int, width: int, device) -> torch.Tensor:
-    """The attention mask of `copy_columns`' blocks: each pick's last len(columns) columns 1."""
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for dst, _, cols in picks:
-        mask[dst, width - len(cols):] = 1
-    return mask.to(device)
+def held_block(layers: KeyValues, sources: Sequence[tuple[int, int] | None], width: int, rows: Sequence[int],
+               starts: Sequence[int]) -> tuple[KeyValues, torch.Tensor]:
+    """`HeldPrompts.prefix_block` of a running batch whose row i is row rows[i] of `layers`, its prompt
+    starting at column starts[i]."""
+    picks, lengths = [], []
+    for dst, source in enumerate(sources):
+        row, n = source or (0, 0)
+        lengths.append(n)
+        if n:
+            picks.append((dst, rows[row], torch.arange(starts[row], starts[row] + n)))
+    return (copy_columns(layers, picks, len(sources), width),
+            left_padded_mask(lengths, width, layers[0][0].device))
 
 
 class Leaves:
@@ -259,14 +244,12 @@ class Leaves:
         """Per layer (keys, values), the attention mask and the last logits, one row per request."""
         device = self.logits.device
         rows = torch.tensor(self.plan.rows, device=device)
-        lengths = torch.tensor([len(self.plan.prompts[u]) for u in self.plan.rows], device=device)
-        mask = (torch.arange(self.width, device=device)[None, :] >= self.width - lengths[:, None]).long()
+        mask = left_padded_mask([len(self.plan.prompts[u]) for u in self.plan.rows], self.width, device)
         layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.layers]
         return layers, mask, self.logits.index_select(0, rows)
 
 
-# (segments, cache, past mask or None) -> (mask over past + segments, each row's last logits): the engine's
-# left-padded model call (HFEngine._padded_forward), appending to the cache.
+# The engine's left-padded model call into a cache (HFEngine._padded_forward).
 PaddedForward = Callable[[list, Any, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 

@@ -17,7 +17,7 @@ import torch
 
 from memrl.engines.base import EngineError
 from memrl.engines.hf_batch import ModelRunner, _Row, record_samples
-from memrl.engines.prefix import KeyValues, copy_columns, picks_mask
+from memrl.engines.prefix import KeyValues, copy_columns, held_block
 from memrl.engines.sampling import sample_tokens, sampling_log_probs
 from memrl.engines.static_kv import SlotCache, SlotStorage, decode_attention
 
@@ -194,7 +194,7 @@ class StaticBatch:
         need = max(self._columns_needed(), *(p + r.request.max_tokens for p, r in zip(prompt_lengths, rows, strict=True)))
         self._fit(len(self.rows) + len(rows), need, shrink=False)
         slots = [self._free.pop(0) for _ in rows]
-        self._copy_prefill(layers, prompt_lengths, mask.shape[1], slots, device)
+        self._copy_prefill(layers, prompt_lengths, mask.shape[1], slots)
         self.decoder.positions_in[torch.tensor(slots, device=device)] = torch.tensor(prompt_lengths, device=device)
 
         temperatures = torch.tensor([r.request.temperature for r in rows], dtype=torch.float32)
@@ -223,14 +223,7 @@ class StaticBatch:
 
     def prefix_block(self, sources, width: int) -> tuple[KeyValues, torch.Tensor]:
         """`HeldPrompts.prefix_block`: row i's prompt token j sits in column j of its slot."""
-        picks = []
-        for dst, source in enumerate(sources):
-            if source is not None:
-                row, n = source
-                picks.append((dst, self.slots[row], torch.arange(n)))
-        device = self.decoder.positions_in.device
-        return (copy_columns(self.decoder.storage.views(*self.bucket), picks, len(sources), width),
-                picks_mask(picks, len(sources), width, device))
+        return held_block(self.decoder.storage.views(*self.bucket), sources, width, self.slots, [0] * len(self.rows))
 
     def _set_sampling(self, temperatures: torch.Tensor, top_ps: torch.Tensor, device: torch.device) -> None:
         self.host_temperatures, self.host_top_ps = temperatures, top_ps
@@ -238,17 +231,12 @@ class StaticBatch:
         # Known on the host, so sampling need not ask the device (sampling_log_probs would sync for it).
         self.any_nucleus = bool(((temperatures > 0) & (top_ps < 1.0)).any())
 
-    def _copy_prefill(self, layers, lengths: Sequence[int], width: int, slots: Sequence[int],
-                      device: torch.device) -> None:
+    def _copy_prefill(self, layers, lengths: Sequence[int], width: int, slots: Sequence[int]) -> None:
         """Row r of the left-padded prefill holds its tokens in the last lengths[r] columns; they go to
-        columns [0, lengths[r]) of slots[r], all rows of a layer in one gather and one scatter."""
-        src_rows = torch.cat([torch.full((n,), r, dtype=torch.long) for r, n in enumerate(lengths)]).to(device)
-        src_cols = torch.cat([torch.arange(width - n, width) for n in lengths]).to(device)
-        dst_slots = torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in zip(slots, lengths, strict=True)]).to(device)
-        dst_cols = torch.cat([torch.arange(n) for n in lengths]).to(device)
-        for layer, (keys, values) in zip(layers, self.decoder.storage.views(*self.bucket), strict=True):
-            keys[dst_slots, :, dst_cols] = layer.keys[src_rows, :, src_cols]
-            values[dst_slots, :, dst_cols] = layer.values[src_rows, :, src_cols]
+        columns [0, lengths[r]) of slots[r]."""
+        picks = [(s, r, torch.arange(width - n, width)) for r, (s, n) in enumerate(zip(slots, lengths, strict=True))]
+        copy_columns([(layer.keys, layer.values) for layer in layers], picks, len(slots), width,
+                     self.decoder.storage.views(*self.bucket), at_start=True)
 
     # ------------------------------------------------------------------------------ buckets
     def _fit(self, rows: int, columns: int, *, shrink: bool) -> None:
