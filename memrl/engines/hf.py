@@ -1,14 +1,10 @@
 """The default engine: a local transformers model serving concurrent async requests in dynamic batches.
 
 `HFEngine` owns the async queue, the worker and its thread, admission limits, the model calls and weight
-sync; the running batch it decodes is in hf_batch.py (static-shape decode, `static_kv`/`cuda_graphs`:
-static_decode.py), the sampling rules in sampling.py, prefix sharing in prefix.py. How they fit together,
-and why the engine runs its own decode loop instead of `model.generate`: docs/engines.md.
-
-Invariants: a seeded request's tokens never depend on its batch mates, its admission time or the device
-(its uniforms come from its own CPU generator); a request with out-of-vocabulary ids fails alone; a batch
-that raises fails only its own waiters; `close()` or a stopped worker fails every pending request; past
-`request_timeout_s` a request fails and its row leaves the batch. One event loop at a time.
+sync; the running batch is hf_batch.py (static-shape decode: static_decode.py), sampling sampling.py,
+prefix sharing prefix.py. How they fit, the failure rules and why the engine runs its own decode loop
+instead of `model.generate`: docs/engines.md. Key invariant: a seeded request's tokens never depend on its
+batch mates, its admission time or the device (its uniforms come from its own CPU generator).
 """
 
 from __future__ import annotations
@@ -89,11 +85,10 @@ class _EngineRunner:
 class HFEngine:
     """Local transformers engine implementing the `Engine` protocol.
 
-    The engine owns `model`, moved to `device`/`dtype` (None keeps the model's own; `auto`: see
-    `resolve_device_dtype`) and put in eval mode: give it its own copy of a trainer's model and sync it with
-    `sync_from`, which waits for a running batch (in continuous mode: until no request is left).
-    `max_batch_tokens` bounds batch size x (longest cache row + most tokens any row may still generate),
-    i.e. the KV cache. `stats` counts the work done.
+    The engine owns `model` (moved to `device`/`dtype`, None keeping the model's own, and put in eval mode):
+    give it its own copy of a trainer's model and sync it with `sync_from`, which waits for a running batch
+    (in continuous mode: until no request is left). `max_batch_tokens` bounds batch size x (longest cache
+    row + most tokens any row may still generate), i.e. the KV cache.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, *, max_batch_size: int = 32,
@@ -133,7 +128,6 @@ class HFEngine:
         self._closed = False
 
     def _build_static_decoder(self, static_kv: str, cuda_graphs: str) -> StaticDecoder | None:
-        """The static-shape decoder these settings ask for, or None for the dynamic path."""
         on_cuda = self.device.type == "cuda"
         if cuda_graphs == "on" and not on_cuda:
             raise EngineError(f"cuda_graphs = 'on' needs a CUDA device, but the engine runs on {self.device}; "
@@ -156,8 +150,7 @@ class HFEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto",
                         tokenizer_path: str | Path | None = None, revision: str | None = None, **kwargs) -> HFEngine:
-        """Load a Hugging Face model folder or hub id (pinned at `revision`, and its tokenizer, if it has
-        one); kwargs go to `HFEngine`."""
+        """Load a Hugging Face model folder or hub id (pinned at `revision`) and its tokenizer, if it has one."""
         device_, dtype_ = resolve_device_dtype(device, dtype)
         model = _load_model(path, dtype_, revision)
         try:
@@ -348,9 +341,8 @@ class HFEngine:
         return out.logits[:, -1, :].float()
 
     def _prefill(self, requests: list[GenerationRequest], held: HeldPrompts | None = None):
-        """Left-padded prefill of `requests` into a fresh cache: (cache, attention_mask, next_position, logits).
-        With `share_prefixes`, what the prompts share (among them and with `held`, the running rows) is
-        computed once (prefix.py); the result has the same layout either way."""
+        """`ModelRunner.prefill`. With `share_prefixes`, what the prompts share (among them and with `held`,
+        the running rows) is computed once (prefix.py); the result has the same layout either way."""
         prompts = [r.prompt_ids for r in requests]
         cache = DynamicCache(config=self.model.config)
         plan = None

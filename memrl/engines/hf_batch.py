@@ -1,10 +1,9 @@
 """The running batch behind HFEngine: rows decoded together in one right-aligned, mergeable KV cache.
 
-Owns the per-step bookkeeping of a batch (`_RunningBatch`: admit, sample, keep, advance), the per-request
-state (`_Row`, `_Pending`) and the counters (`EngineStats`). A batch reaches the engine's model calls only
-through its `ModelRunner`, so this module never imports hf.py. Invariant: merging, trimming and copying
-prompt prefixes between rows change no logit (zero keys/values under mask 0, per-row position ids); how:
-docs/engines.md.
+Owns a batch's per-step bookkeeping (`_RunningBatch`), per-request state (`_Row`, `_Pending`) and counters
+(`EngineStats`); it reaches the engine's model calls only through a `ModelRunner`, so it never imports
+hf.py. Invariant: merging, trimming and copying prompt prefixes between rows change no logit (zero
+keys/values under mask 0, per-row position ids): docs/engines.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A KV-cache layer with spare capacity, for HFEngine's running batch (memrl/engines/hf_batch.py).
 
-transformers' `DynamicLayer.update` appends a token by `torch.cat` of the whole cache (O(L) per step;
-~30% of a CPU decode step, profiled). `SpareLayer` keeps keys/values in preallocated buffers with free
-columns on the right, `keys`/`values` being views of the filled ones: an append writes in place, a full
-buffer doubles. Attention sees the same values, so no logit changes. Code that assigns `layer.keys` /
-`layer.values` itself (transformers' `crop`, `reset`) stays correct: `update` adopts what they hold.
+`SpareLayer` appends in place into free columns of preallocated buffers, where `DynamicLayer.update`
+copies the whole cache by `torch.cat` (~30% of a CPU decode step, profiled). Attention sees the same
+values, so no logit changes. How, and why code that assigns `layer.keys` itself stays correct: docs/engines.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """HFEngine's static-shape decode: rows in slots of preallocated KV buffers, one CUDA graph per bucket.
 
-Rows sit in the slots of a bucket of S slots x C columns (powers of two), so a step's shapes depend only
-on the bucket: on CUDA its forward is captured once per bucket as a CUDA graph and replayed
-(`StaticDecoder`), on CPU it runs eagerly. Invariants: same sampling rules and random draws as the dynamic
-path, the prefill and first log-prob bitwise its own, later log-probs within the float32 bound of
-tests/engines/numerics.py; one device->host transfer per step (the sampled tokens and log-probs). Why,
-and how admission, relayout and memory work: docs/engines.md.
+A step's shapes depend only on its bucket (S slots x C columns, powers of two): on CUDA its forward is
+captured once per bucket and replayed (`StaticDecoder`), on CPU it runs eagerly. Invariants: the dynamic
+path's sampling rules and random draws, its prefill and first log-prob bitwise, later log-probs within
+tests/engines/numerics.py's float32 bound; one device->host transfer per step. Why and how: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from memrl.engines.base import EngineError
 from memrl.engines.hf_batch import ModelRunner, _Row, record_samples
@@ -202,14 +201,11 @@ class StaticBatch:
         # Each request's uniforms for all its steps, drawn up front from its own generator: the same
         # numbers, in the same order, as one draw per step (torch's CPU generator fills serially).
         draws = [torch.rand(r.request.max_tokens, generator=r.generator) for r in rows]
-        width = max([d.numel() for d in draws] + ([self.uniforms.shape[1]] if self.rows else []))
-        uniforms = torch.zeros(len(rows), width)
-        for i, d in enumerate(draws):
-            uniforms[i, : d.numel()] = d
-        uniforms, steps = uniforms.to(device), torch.zeros(len(rows), dtype=torch.long, device=device)
+        uniforms = pad_sequence(draws, batch_first=True).to(device)
+        steps = torch.zeros(len(rows), dtype=torch.long, device=device)
         if self.rows:
-            old = torch.nn.functional.pad(self.uniforms, (0, width - self.uniforms.shape[1]))
-            uniforms, steps = torch.cat([old, uniforms]), torch.cat([self.steps, steps])
+            uniforms = pad_sequence([*self.uniforms, *uniforms], batch_first=True)
+            steps = torch.cat([self.steps, steps])
             temperatures, top_ps = torch.cat([self.host_temperatures, temperatures]), torch.cat([self.host_top_ps, top_ps])
             logits = torch.cat([self.logits, logits])
         self.uniforms, self.steps, self.logits = uniforms, steps, logits
@@ -223,7 +219,8 @@ class StaticBatch:
 
     def prefix_block(self, sources, width: int) -> tuple[KeyValues, torch.Tensor]:
         """`HeldPrompts.prefix_block`: row i's prompt token j sits in column j of its slot."""
-        return held_block(self.decoder.storage.views(*self.bucket), sources, width, self.slots, [0] * len(self.rows))
+        views = self.decoder.storage.views(*self.bucket)
+        return held_block(views, sources, width, self.slots, [0] * len(self.rows))
 
     def _set_sampling(self, temperatures: torch.Tensor, top_ps: torch.Tensor, device: torch.device) -> None:
         self.host_temperatures, self.host_top_ps = temperatures, top_ps
@@ -234,7 +231,8 @@ class StaticBatch:
     def _copy_prefill(self, layers, lengths: Sequence[int], width: int, slots: Sequence[int]) -> None:
         """Row r of the left-padded prefill holds its tokens in the last lengths[r] columns; they go to
         columns [0, lengths[r]) of slots[r]."""
-        picks = [(s, r, torch.arange(width - n, width)) for r, (s, n) in enumerate(zip(slots, lengths, strict=True))]
+        columns = [torch.arange(width - n, width) for n in lengths]
+        picks = [(slot, r, cols) for r, (slot, cols) in enumerate(zip(slots, columns, strict=True))]
         copy_columns([(layer.keys, layer.values) for layer in layers], picks, len(slots), width,
                      self.decoder.storage.views(*self.bucket), at_start=True)
 
@@ -253,25 +251,20 @@ class StaticBatch:
 
     def _relayout(self, slots: int, capacity: int) -> None:
         """Copy the live rows into the first slots of a (slots, capacity) bucket."""
-        storage, n = self.decoder.storage, len(self.rows)
-        live = self.width
-        moved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        in_place = storage.tokens >= slots * capacity
+        storage, n, live = self.decoder.storage, len(self.rows), self.width
+        index = torch.tensor(self.slots, device=storage.device)
         old_views = storage.views(*self.bucket) if n else []
-        index = torch.tensor(self.slots, device=storage.device) if n else None
-        if n and not in_place:  # the allocation is replaced: copy everything out first
-            moved = [(k[index, :, :live], v[index, :, :live]) for k, v in old_views]
-            old_views = []  # let the old allocation go before the new one exists
+        # The indexed reads are copies, each taken before its layer is written (in place, the old and new
+        # views share memory); when the allocation is replaced, all of them first, so the old one can go.
+        live_rows = ((k[index, :, :live], v[index, :, :live]) for k, v in old_views)
+        if storage.tokens < slots * capacity:
+            live_rows, old_views = list(live_rows), []
         if storage.ensure(slots, capacity):
             self.decoder.storage_moved()
         self.decoder.ensure_inputs(slots)
-        for i, (keys, values) in enumerate(storage.views(slots, capacity)):
-            if not n:
-                break
-            # In place, the old and new views share memory: the indexed read is a copy, taken first.
-            k_old, v_old = moved[i] if moved else (old_views[i][0][index, :, :live], old_views[i][1][index, :, :live])
-            keys[:n, :, :live] = k_old
-            values[:n, :, :live] = v_old
+        for (keys, values), (old_keys, old_values) in zip(storage.views(slots, capacity), live_rows, strict=False):
+            keys[:n, :, :live] = old_keys
+            values[:n, :, :live] = old_values
         positions = self.decoder.positions_in
         positions[:slots] = 0
         if n:

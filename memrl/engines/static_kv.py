@@ -1,10 +1,8 @@
 """Preallocated, slotted KV storage for HFEngine's static-shape decode (memrl/engines/static_decode.py).
 
-Every layer's keys and values live in one allocation, viewed for a bucket of S slots x C columns as
-[S, kv_heads, C, head_dim] tensors; a request owns one slot, its token at position p sits in column p, and
-a decode step writes each slot's key/value at its own column. The views' data pointers never move while
-the allocation lives, which is what lets a step be captured as a CUDA graph. Why not transformers'
-`StaticCache` (one shared write column for all rows): docs/engines.md.
+Every layer's keys and values live in one allocation, viewed per bucket as [S, kv_heads, C, head_dim];
+a request owns one slot, its token at position p in column p. The views' data pointers never move while
+the allocation lives (what lets a step be captured as a CUDA graph). Why not `StaticCache`: docs/engines.md.
 """
 
 from __future__ import annotations
