@@ -94,14 +94,6 @@ class ModelRunner(Protocol):
         ...
 
 
-def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zeros prepended along `dim` (counted from the end, -1 or -2) up to `width`."""
-    missing = width - x.shape[dim]
-    if missing == 0:
-        return x
-    return F.pad(x, (missing, 0) if dim == -1 else (0, 0, missing, 0))
-
-
 class _RunningBatch:
     """The rows being decoded, right-aligned in one KV cache.
 
@@ -147,7 +139,9 @@ class _RunningBatch:
             # in place, layer by layer: the merged cache never coexists with the whole old one
             self.cache.layers[i] = SpareLayer.merged([(mine.keys, mine.values), (theirs.keys, theirs.values)],
                                                      width, spare)
-        self.attention_mask = torch.cat([_left_pad(self.attention_mask, width, -1), _left_pad(mask, width, -1)])
+        # Right-aligned rows: the narrower side gets zero (masked) columns on the left.
+        self.attention_mask = torch.cat([F.pad(self.attention_mask, (width - self.width, 0)),
+                                         F.pad(mask, (width - mask.shape[1], 0))])
         self.next_position = torch.cat([self.next_position, next_position])
         self.temperatures = torch.cat([self.temperatures, temperatures])
         self.top_ps = torch.cat([self.top_ps, top_ps])
