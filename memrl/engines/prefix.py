@@ -60,7 +60,7 @@ class Node:
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """How one admission wave is prefilled with sharing (see the module docstring)."""
+    """How one admission wave is prefilled with sharing (docs/engines.md, Prefix sharing)."""
 
     prompts: tuple[tuple[int, ...], ...]  # the distinct prompts, in order of first use
     rows: tuple[int, ...]  # request r's prompt is prompts[rows[r]]
@@ -97,24 +97,21 @@ def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
     return _shared_length(min(ordered), max(ordered))
 
 
-class _HeldIndex:
-    """The running rows' prompts, sorted, for the longest match of a newcomer's prompt."""
-
-    def __init__(self, prompts: Sequence[tuple[int, ...]]) -> None:
-        self.order = sorted(range(len(prompts)), key=prompts.__getitem__)
-        self.sorted = [prompts[i] for i in self.order]
-
-    def match(self, prompt: tuple[int, ...]) -> tuple[int, int]:
-        """(running row, tokens it shares with `prompt`); (-1, 0) when there are none. The longest match
-        in lexicographic order is a neighbour of where `prompt` would be inserted."""
-        at = bisect.bisect_left(self.sorted, prompt)
+def _held_matches(held: Sequence[tuple[int, ...]], prompts: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
+    """Per prompt: (running row, tokens it shares with the prompt) of its longest match among `held`, (-1, 0)
+    when none. In lexicographic order the longest match is a neighbour of where the prompt would be inserted."""
+    order = sorted(range(len(held)), key=held.__getitem__)
+    ordered = [held[i] for i in order]
+    matches = []
+    for prompt in prompts:
+        at = bisect.bisect_left(ordered, prompt)
         best = (-1, 0)
-        for i in (at - 1, at):
-            if 0 <= i < len(self.sorted):
-                shared = _shared_length(prompt, self.sorted[i])
-                if shared > best[1]:
-                    best = (self.order[i], shared)
-        return best
+        for i in range(max(at - 1, 0), min(at + 1, len(ordered))):
+            shared = _shared_length(prompt, ordered[i])
+            if shared > best[1]:
+                best = (order[i], shared)
+        matches.append(best)
+    return matches
 
 
 def plan_prefill(prompts: Sequence[Sequence[int]], min_prefix: int = MIN_SHARED_PREFIX,
@@ -127,8 +124,7 @@ def plan_prefill(prompts: Sequence[Sequence[int]], min_prefix: int = MIN_SHARED_
     rows = tuple(distinct.setdefault(tuple(p), len(distinct)) for p in prompts)
     unique = tuple(distinct)
     stages: list[list[Node]] = []
-    index = _HeldIndex(held)
-    matches = [index.match(p) for p in unique] if held else [(-1, 0)] * len(unique)
+    matches = _held_matches(held, unique)
 
     def shared(members: Sequence[int]) -> int:
         """Tokens all `members` share, one short of the shortest: every leaf keeps a token."""
