@@ -297,8 +297,14 @@ class HFEngine:
     # ------------------------------------------------------------------------ blocking torch work
     def _run_batch(self, batch: list[_Pending]) -> None:
         """Whole-request batching: decode `batch` together until every one has finished, then post the results."""
-        with self._batch_thread(), self._timed():
-            results = self._decode([p.request for p in batch])
+        with self._batch_thread():
+            start = time.perf_counter()
+            try:
+                results = self._decode([p.request for p in batch])
+            finally:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.stats.compute_s += time.perf_counter() - start
         for pending, result in zip(batch, results, strict=True):
             self._post(pending, result)
 
@@ -317,16 +323,6 @@ class HFEngine:
             finally:
                 if self._closed and self.static_decoder is not None:
                     self.static_decoder.release()
-
-    @contextlib.contextmanager
-    def _timed(self):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.stats.compute_s += time.perf_counter() - start
 
     def _attention_backends(self):
         """On CUDA, keep SDPA off cuDNN attention: it builds a graph per (batch, length) shape, so our

@@ -280,10 +280,8 @@ class StaticBatch:
 
     # ------------------------------------------------------------------------------ steps
     def sample(self) -> list[_Row]:
-        """One token for every row from its pending logits; returns the rows that finished with it. The next
-        step's forward (every row's) is launched before the host waits for the sampled tokens, so the host's
-        bookkeeping of step n overlaps the device's step n + 1 (none when every row is sure to finish by
-        length; a finished row wastes that one row-step)."""
+        """One token for every row from its pending logits; returns the rows that finished with it. Launches
+        the next step's forward first unless every row finishes by length (a finished row wastes one row-step)."""
         uniforms = self.uniforms.gather(1, self.steps[:, None]).squeeze(1)
         row_log_probs = sampling_log_probs(self.logits, self.temperatures, self.top_ps, any_nucleus=self.any_nucleus)
         self.tokens = sample_tokens(row_log_probs, self.temperatures, uniforms)
