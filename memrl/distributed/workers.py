@@ -37,9 +37,8 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
     """A worker did not answer within its timeout (raise the matching `ray.*_timeout_s` if it is just slow)."""
 
 
-def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool = False) -> dict[str, Any]:
-    """`ray.get` of named object refs, bounded by `timeout_s` in total; fails at the first failure.
-    `reraise=True` re-raises a task's own exception instead of wrapping it in `WorkerError`."""
+def wait_named(refs: dict[str, Any], timeout_s: float, what: str) -> dict[str, Any]:
+    """`ray.get` of named object refs, bounded by `timeout_s` in total; fails at the first failure."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
@@ -61,8 +60,6 @@ def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool 
         except GetTimeoutError as error:
             raise WorkerTimeoutError(f"{what}: {name} did not answer within {timeout_s:g}s") from error
         except RayTaskError as error:
-            if reraise:
-                raise
             cause = error.cause if getattr(error, "cause", None) is not None else error
             raise WorkerError(f"{what}: {name} raised {type(cause).__name__}: {cause}") from error
         except RayError as error:  # e.g. an argument lost with the worker that owned it
@@ -165,8 +162,9 @@ class TrainerWorker:
         seed_everything(self.cfg.train.seed)
         device = torch.device("cuda" if use_cuda else "cpu")
         # Every rank loads the same files (`load`), so replicas, shards and optimizer states agree.
-        self.actor = Actor(model if model is not None else load_policy(self.cfg), self.cfg, pad_token_id=pad_token_id, device=device,
-                           rank=self.rank, world_size=self.world_size, load=load)
+        policy = model if model is not None else load_policy(self.cfg)
+        self.actor = Actor(policy, self.cfg, pad_token_id=pad_token_id, device=device, rank=self.rank,
+                           world_size=self.world_size, load=load)
         return {"rank": self.rank, "pid": os.getpid(), "global_step": self.actor.global_step}
 
     def train_streamed(self, refs: list[Any], rollout_id: int, timeout_s: float) -> dict[str, float]:
@@ -210,12 +208,6 @@ class TrainerWorker:
     def log_probs(self, rows: list[Any]) -> list[list[float]]:
         return self.actor.log_probs(rows)
 
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 class RolloutWorker:
     """The one-process rollout source (`LocalRollout`) over a slice of each step's batch."""
@@ -229,9 +221,7 @@ class RolloutWorker:
             cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"server_url": server_url})})
         self.cfg, self.index = cfg, index
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-        if served_engine(cfg):
-            model = None  # the server holds the weights
-        elif model is None:
+        if model is None and not served_engine(cfg):  # a served engine's server holds the weights
             model = load_policy(cfg)
         engine = training_engine(cfg, model, tokenizer)
         self.source = LocalRollout(cfg, engine, tokenizer, load_task(cfg), progress=False)
@@ -261,6 +251,3 @@ class RolloutWorker:
     def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> Any:
         return self.source.loop.run_until_complete(self.source.engine.score(prompt_ids, continuation_ids,
                                                                             temperature))
-
-    def close(self) -> None:
-        self.source.close()

@@ -1,13 +1,9 @@
 """An Engine over a served model: `memrl serve`, vLLM's OpenAI server, or SGLang's native API.
 
-The protocols (`/v1/completions` with token-id prompts, or SGLang's `/generate`), where token ids and
-log-probs are read from, and `server_kind='auto'` (GET /v1/models' `owned_by`): docs/servers.md.
-
-Invariants: `generate` never raises and never hangs (each attempt lasts at most `timeout_s`; connection
-errors and 502/503/504 are retried `max_retries` times with exponential backoff from `backoff_s`; every
-other failure is a `GenerationResult.failed` saying what to change); at most `max_concurrency` HTTP
-requests are in flight at once; a result has one log-prob per output token, and a response without token
-ids or log-probs is a failure (never re-tokenized from text).
+Protocols, retries and `server_kind='auto'`: docs/servers.md. Invariants: `generate` never raises and
+never hangs (each attempt bounded by `timeout_s`; any failure but a retried one is a
+`GenerationResult.failed` saying what to change); a result has one log-prob per output token, and a
+response without token ids or log-probs is a failure (never re-tokenized from text).
 """
 
 from __future__ import annotations

@@ -115,9 +115,7 @@ class ReloadPolicy:
         self._matching_tokenizers: set[str] = set()  # digests of tokenizer files found to match
 
     def check(self, path: str) -> Path:
-        """The real folder `path` names, if the engine may load it (blocking I/O); ReloadRefused if not: 403
-        outside the roots or with a link out of them, 400 unless a readable model folder, 409 unless it
-        matches the served model."""
+        """The real folder `path` names, if the engine may load it (blocking I/O); ReloadRefused if not."""
         folder = self.resolve(path)
         try:
             if not folder.is_dir():
@@ -158,9 +156,8 @@ class ReloadPolicy:
                         pending.append(Path(entry.path))
 
     def resolve(self, path: str) -> Path:
-        """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not. `..` is
-        collapsed as text first, so nothing outside the roots is even looked at; then symlinks are resolved
-        and the result checked again (a link inside a root may point out of it)."""
+        """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not (`..`
+        collapsed as text first, so nothing outside the roots is even looked at)."""
         if not self.roots:
             raise ReloadRefused(403, RELOAD_DISABLED_MESSAGE, "permission_denied")
         lexical = Path(os.path.abspath(path))

@@ -206,14 +206,10 @@ class BodySizeLimit:
                 await self._reject(scope, receive, send)
                 return
             more = message.get("more_body", False)
-        replayed = False
+        first = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            return first.pop() if first else await receive()  # the whole body once, then the client's messages
 
         await self.app(scope, replay, send)
 
