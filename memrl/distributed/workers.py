@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ def wait_named(refs: dict[str, Any], timeout_s: float, what: str) -> dict[str, A
     pending = list(by_ref)
     while pending:
         left = deadline - time.monotonic()
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0)) if left > 0 else ([], pending)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left) if left > 0 else ([], pending)
         if not ready:
             names = ", ".join(sorted(by_ref[r] for r in pending))
             raise WorkerTimeoutError(f"{what}: {names} did not answer within {timeout_s:g}s")
@@ -98,26 +99,24 @@ class ObjectStoreWeights(Mapping):
 
     def __init__(self, ref: Any, timeout_s: float) -> None:
         self.ref, self.timeout_s = ref, timeout_s
-        self._weights: dict[str, torch.Tensor] | None = None
 
-    def _fetched(self) -> dict[str, torch.Tensor]:
-        if self._weights is None:
-            import ray
+    @cached_property
+    def _weights(self) -> dict[str, torch.Tensor]:
+        import ray
 
-            self._weights = ray.get(self.ref, timeout=self.timeout_s)
-        return self._weights
+        return ray.get(self.ref, timeout=self.timeout_s)
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self._fetched()[key]
+        return self._weights[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._fetched())
+        return iter(self._weights)
 
     def __len__(self) -> int:
-        return len(self._fetched())
+        return len(self._weights)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"ref": self.ref, "timeout_s": self.timeout_s, "_weights": None}
+        return {"ref": self.ref, "timeout_s": self.timeout_s}  # never the fetched weights
 
 
 def _free_port() -> int:

@@ -43,7 +43,7 @@ class _LoopState:
     loop: asyncio.AbstractEventLoop
     client: httpx.AsyncClient
     semaphore: asyncio.Semaphore
-    ready_lock: asyncio.Lock
+    discovery: asyncio.Future | None = None  # the running or last GET /v1/models (`_ensure_ready`)
 
 
 def _short(text: str, limit: int = 500) -> str:
@@ -69,8 +69,6 @@ class OpenAIEngine:
         self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self._state: _LoopState | None = None
-        self._ready_failures = 0
-        self._ready_error = ""
 
     def _loop_state(self) -> _LoopState:
         loop = asyncio.get_running_loop()
@@ -78,7 +76,7 @@ class OpenAIEngine:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
             client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(self.timeout_s), limits=limits)
-            self._state = _LoopState(loop, client, asyncio.Semaphore(self.max_concurrency), asyncio.Lock())
+            self._state = _LoopState(loop, client, asyncio.Semaphore(self.max_concurrency))
         return self._state
 
     async def _request(self, method: str, path: str, payload: dict | None = None) -> Any:
@@ -122,23 +120,15 @@ class OpenAIEngine:
         return self.server_kind != "auto" and (self.model is not None or self.server_kind == "sglang")
 
     async def _ensure_ready(self) -> None:
-        """Resolve the server kind and model name once (GET /v1/models). Callers queued behind a failed
-        attempt share its error, so N requests to a dead server fail in one retry cycle, not N."""
+        """Resolve the server kind and model name once (GET /v1/models). Callers that arrive while it runs
+        share it and its error, so N requests to a dead server fail in one retry cycle, not N; the next
+        caller after a failure tries again."""
         if self._is_ready():
             return
         state = self._loop_state()
-        failures_before = self._ready_failures
-        async with state.ready_lock:
-            if self._is_ready():
-                return
-            if self._ready_failures != failures_before:
-                raise RequestFailed(self._ready_error)
-            try:
-                await self._discover()
-            except RequestFailed as err:
-                self._ready_failures += 1
-                self._ready_error = str(err)
-                raise
+        if state.discovery is None or state.discovery.done():
+            state.discovery = asyncio.ensure_future(self._discover())
+        await asyncio.shield(state.discovery)  # a cancelled caller leaves it running for the others
 
     async def _discover(self) -> None:
         try:

@@ -94,12 +94,10 @@ class _ReloadGate:
             try:
                 await self._wait(lambda: not self._reloading and self._active == 0,
                                  "in-flight generations (or another reload) to finish before reloading")
-            except BaseException:
-                # This reload gives up: generations held back only for it may go ahead now.
+            finally:
+                # If this reload gave up, generations held back only for it may go ahead now.
                 self._reloads_waiting -= 1
                 self._cond.notify_all()
-                raise
-            self._reloads_waiting -= 1
             self._reloading = True
         try:
             yield
