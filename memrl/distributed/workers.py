@@ -232,12 +232,8 @@ class RolloutWorker:
                  weight_version: int | None = None) -> RolloutOutput:
         """`records`, the slice of the step's batch starting at `slot_offset` (slots name groups and seed
         requests: a slice keeps its batch positions), generated and converted as in one process; the rows
-        stay in the object store (`RolloutOutput.rows` are `RowRef`s).
-
-        Converting a slice gives the rows converting the whole batch would: advantages are per prompt group
-        and a group never spans slices; the plan takes rows in group order whatever the slicing
-        (`memrl.train.partition.plan_rollout`).
-        """
+        stay in the object store (`RolloutOutput.rows` are `RowRef`s). A prompt group never spans slices,
+        so these are the rows converting the whole batch would give (docs/multinode.md)."""
         from memrl.distributed.rows import put_rows
 
         out = self.source.generate(rollout_id, records, weight_version, slot_offset)

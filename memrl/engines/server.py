@@ -401,10 +401,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: s
           reload_roots: Sequence[str | os.PathLike] | None = None,
           shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Load the model (HFEngine, or `engine_factory` 'module:function(model_path) -> Engine') and serve it
-    as `served_model_name` (default: the folder's name) until interrupted. `reload_roots` default to none
-    (reloads disabled): a served model has no business loading arbitrary folders unless the operator says
-    where training writes them. `shutdown_timeout_s`: on SIGTERM or Ctrl-C, the longest wait for running
-    requests before they are cancelled. The other options: `create_app`."""
+    as `served_model_name` (default: the folder's name) until interrupted. `reload_roots` default to none:
+    reloads disabled (docs/servers.md says why). The other options: `memrl serve --help`, `create_app`."""
     import uvicorn
 
     check_serve_options(port, reload_roots, shutdown_timeout_s, log_level)
