@@ -108,7 +108,7 @@ class _ReloadGate:
 
 
 def _token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
-    if tokenizer is not None and hasattr(tokenizer, "convert_ids_to_tokens"):
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
         return [str(t) for t in tokenizer.convert_ids_to_tokens(ids)]
     return [f"token_id:{t}" for t in ids]  # vLLM's --return-tokens-as-token-ids format
 
@@ -168,8 +168,6 @@ class _Service:
     async def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "memrl"}
         return {"object": "list", "data": [card]}
-
-    # ---- /v1/completions
 
     def completion_requests(self, body: CompletionBody) -> list[GenerationRequest]:
         prompts: list[list[int]] = body.prompt
@@ -231,8 +229,6 @@ class _Service:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
-    # ---- /v1/score
-
     async def score(self, body: ScoreBody) -> dict:
         scorer = getattr(self.engine, "score", None)
         if scorer is None:
@@ -245,8 +241,6 @@ class _Service:
             result = await scorer(body.prompt_ids, body.continuation_ids, body.temperature)
         # JSON has no NaN or infinity: such a log-prob goes out as null (the client reads it back as NaN).
         return {"log_probs": [lp if math.isfinite(lp) else None for lp in result.log_probs], "dtype": result.dtype}
-
-    # ---- /v1/reload_weights
 
     async def reload_weights(self, body: ReloadBody) -> dict:
         reload = getattr(self.engine, "reload_from_path", None)
