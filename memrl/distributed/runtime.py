@@ -84,8 +84,7 @@ class TrainerGroup:
 
     def __init__(self, ray: Any, cfg: Config, options: list[dict], pad_token_id: int, model_ref: Any,
                  load: Path | None, handles: list[Any]) -> None:
-        self.ray, self.cfg, self.settings = ray, cfg, cfg.ray
-        settings = cfg.ray
+        self.settings = settings = cfg.ray
         world = len(options)
         self.workers = [ray.remote(TrainerWorker).options(**opt).remote(cfg, rank, world)
                         for rank, opt in enumerate(options)]
@@ -125,12 +124,10 @@ class TrainerGroup:
         """The whole weights, fetched to the caller (for tests; the loop never fetches them)."""
         return self._on_every_rank(lambda w: w.state_dict.remote(), "fetch weights")
 
-    def publish_weights(self) -> Any:
-        return self._on_every_rank(lambda w: w.publish_weights.remote(), "weight sync (gather)")
-
     def weight_snapshot(self) -> ObjectStoreWeights:
         """The whole weights as of now: rank 0's immutable copy in the object store, for the pipeline."""
-        return ObjectStoreWeights(self.publish_weights(), self.settings.sync_timeout_s)
+        ref = self._on_every_rank(lambda w: w.publish_weights.remote(), "weight sync (gather)")
+        return ObjectStoreWeights(ref, self.settings.sync_timeout_s)
 
     def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> SyncProbe:
         """The weight-sync canary's reference, rank 0's (every rank runs the forward: a collective under FSDP)."""
@@ -180,16 +177,15 @@ class RolloutPool:
 
     def __init__(self, ray: Any, cfg: Config, options: list[dict], tokenizer: Any, model_ref: Any,
                  handles: list[Any]) -> None:
-        self.ray, self.cfg, self.settings = ray, cfg, cfg.ray
+        self.ray, self.settings = ray, cfg.ray
         self.takes_folders = served_engine(cfg)
-        settings = cfg.ray
-        urls = settings.rollout_server_urls or (None,) * len(options)
+        urls = self.settings.rollout_server_urls or (None,) * len(options)
         self.workers = [ray.remote(RolloutWorker).options(**opt).remote(cfg, i, tokenizer, model_ref, url)
                         for i, (opt, url) in enumerate(zip(options, urls, strict=True))]
         handles.extend(self.workers)
         names = [f"rollout worker {i}" for i in range(len(self.workers))]
         pids = wait_named({n: w.ping.remote() for n, w in zip(names, self.workers, strict=True)},
-                          settings.startup_timeout_s, "rollout worker start")
+                          self.settings.startup_timeout_s, "rollout worker start")
         self.names = [f"{n} (pid {pids[n]})" for n in names]
 
     def generate(self, rollout_id: int, records: Sequence[Any], weight_version: int | None = None,

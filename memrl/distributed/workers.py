@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -37,9 +38,8 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
     """A worker did not answer within its timeout (raise the matching `ray.*_timeout_s` if it is just slow)."""
 
 
-def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool = False) -> dict[str, Any]:
-    """`ray.get` of named object refs, bounded by `timeout_s` in total; fails at the first failure.
-    `reraise=True` re-raises a task's own exception instead of wrapping it in `WorkerError`."""
+def wait_named(refs: dict[str, Any], timeout_s: float, what: str) -> dict[str, Any]:
+    """`ray.get` of named object refs, bounded by `timeout_s` in total; fails at the first failure."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
@@ -49,7 +49,7 @@ def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool 
     pending = list(by_ref)
     while pending:
         left = deadline - time.monotonic()
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0)) if left > 0 else ([], pending)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left) if left > 0 else ([], pending)
         if not ready:
             names = ", ".join(sorted(by_ref[r] for r in pending))
             raise WorkerTimeoutError(f"{what}: {names} did not answer within {timeout_s:g}s")
@@ -61,8 +61,6 @@ def wait_named(refs: dict[str, Any], timeout_s: float, what: str, reraise: bool 
         except GetTimeoutError as error:
             raise WorkerTimeoutError(f"{what}: {name} did not answer within {timeout_s:g}s") from error
         except RayTaskError as error:
-            if reraise:
-                raise
             cause = error.cause if getattr(error, "cause", None) is not None else error
             raise WorkerError(f"{what}: {name} raised {type(cause).__name__}: {cause}") from error
         except RayError as error:  # e.g. an argument lost with the worker that owned it
@@ -101,26 +99,24 @@ class ObjectStoreWeights(Mapping):
 
     def __init__(self, ref: Any, timeout_s: float) -> None:
         self.ref, self.timeout_s = ref, timeout_s
-        self._weights: dict[str, torch.Tensor] | None = None
 
-    def _fetched(self) -> dict[str, torch.Tensor]:
-        if self._weights is None:
-            import ray
+    @cached_property
+    def _weights(self) -> dict[str, torch.Tensor]:
+        import ray
 
-            self._weights = ray.get(self.ref, timeout=self.timeout_s)
-        return self._weights
+        return ray.get(self.ref, timeout=self.timeout_s)
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self._fetched()[key]
+        return self._weights[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._fetched())
+        return iter(self._weights)
 
     def __len__(self) -> int:
-        return len(self._fetched())
+        return len(self._weights)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"ref": self.ref, "timeout_s": self.timeout_s, "_weights": None}
+        return {"ref": self.ref, "timeout_s": self.timeout_s}  # never the fetched weights
 
 
 def _free_port() -> int:
@@ -165,8 +161,9 @@ class TrainerWorker:
         seed_everything(self.cfg.train.seed)
         device = torch.device("cuda" if use_cuda else "cpu")
         # Every rank loads the same files (`load`), so replicas, shards and optimizer states agree.
-        self.actor = Actor(model if model is not None else load_policy(self.cfg), self.cfg, pad_token_id=pad_token_id, device=device,
-                           rank=self.rank, world_size=self.world_size, load=load)
+        policy = model if model is not None else load_policy(self.cfg)
+        self.actor = Actor(policy, self.cfg, pad_token_id=pad_token_id, device=device, rank=self.rank,
+                           world_size=self.world_size, load=load)
         return {"rank": self.rank, "pid": os.getpid(), "global_step": self.actor.global_step}
 
     def train_streamed(self, refs: list[Any], rollout_id: int, timeout_s: float) -> dict[str, float]:
@@ -210,12 +207,6 @@ class TrainerWorker:
     def log_probs(self, rows: list[Any]) -> list[list[float]]:
         return self.actor.log_probs(rows)
 
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 class RolloutWorker:
     """The one-process rollout source (`LocalRollout`) over a slice of each step's batch."""
@@ -229,9 +220,7 @@ class RolloutWorker:
             cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"server_url": server_url})})
         self.cfg, self.index = cfg, index
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-        if served_engine(cfg):
-            model = None  # the server holds the weights
-        elif model is None:
+        if model is None and not served_engine(cfg):  # a served engine's server holds the weights
             model = load_policy(cfg)
         engine = training_engine(cfg, model, tokenizer)
         self.source = LocalRollout(cfg, engine, tokenizer, load_task(cfg), progress=False)
@@ -243,12 +232,8 @@ class RolloutWorker:
                  weight_version: int | None = None) -> RolloutOutput:
         """`records`, the slice of the step's batch starting at `slot_offset` (slots name groups and seed
         requests: a slice keeps its batch positions), generated and converted as in one process; the rows
-        stay in the object store (`RolloutOutput.rows` are `RowRef`s).
-
-        Converting a slice gives the rows converting the whole batch would: advantages are per prompt group
-        and a group never spans slices; the plan takes rows in group order whatever the slicing
-        (`memrl.train.partition.plan_rollout`).
-        """
+        stay in the object store (`RolloutOutput.rows` are `RowRef`s). A prompt group never spans slices,
+        so these are the rows converting the whole batch would give (docs/multinode.md)."""
         from memrl.distributed.rows import put_rows
 
         out = self.source.generate(rollout_id, records, weight_version, slot_offset)
@@ -261,6 +246,3 @@ class RolloutWorker:
     def score(self, prompt_ids: list[int], continuation_ids: list[int], temperature: float) -> Any:
         return self.source.loop.run_until_complete(self.source.engine.score(prompt_ids, continuation_ids,
                                                                             temperature))
-
-    def close(self) -> None:
-        self.source.close()

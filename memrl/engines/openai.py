@@ -1,13 +1,9 @@
 """An Engine over a served model: `memrl serve`, vLLM's OpenAI server, or SGLang's native API.
 
-The protocols (`/v1/completions` with token-id prompts, or SGLang's `/generate`), where token ids and
-log-probs are read from, and `server_kind='auto'` (GET /v1/models' `owned_by`): docs/servers.md.
-
-Invariants: `generate` never raises and never hangs (each attempt lasts at most `timeout_s`; connection
-errors and 502/503/504 are retried `max_retries` times with exponential backoff from `backoff_s`; every
-other failure is a `GenerationResult.failed` saying what to change); at most `max_concurrency` HTTP
-requests are in flight at once; a result has one log-prob per output token, and a response without token
-ids or log-probs is a failure (never re-tokenized from text).
+Protocols, retries and `server_kind='auto'`: docs/servers.md. Invariants: `generate` never raises and
+never hangs (each attempt bounded by `timeout_s`; any failure but a retried one is a
+`GenerationResult.failed` saying what to change); a result has one log-prob per output token, and a
+response without token ids or log-probs is a failure (never re-tokenized from text).
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ class _LoopState:
     loop: asyncio.AbstractEventLoop
     client: httpx.AsyncClient
     semaphore: asyncio.Semaphore
-    ready_lock: asyncio.Lock
+    discovery: asyncio.Future | None = None  # the running or last GET /v1/models (`_ensure_ready`)
 
 
 def _short(text: str, limit: int = 500) -> str:
@@ -73,8 +69,6 @@ class OpenAIEngine:
         self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self._state: _LoopState | None = None
-        self._ready_failures = 0
-        self._ready_error = ""
 
     def _loop_state(self) -> _LoopState:
         loop = asyncio.get_running_loop()
@@ -82,7 +76,7 @@ class OpenAIEngine:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
             client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(self.timeout_s), limits=limits)
-            self._state = _LoopState(loop, client, asyncio.Semaphore(self.max_concurrency), asyncio.Lock())
+            self._state = _LoopState(loop, client, asyncio.Semaphore(self.max_concurrency))
         return self._state
 
     async def _request(self, method: str, path: str, payload: dict | None = None) -> Any:
@@ -126,23 +120,15 @@ class OpenAIEngine:
         return self.server_kind != "auto" and (self.model is not None or self.server_kind == "sglang")
 
     async def _ensure_ready(self) -> None:
-        """Resolve the server kind and model name once (GET /v1/models). Callers queued behind a failed
-        attempt share its error, so N requests to a dead server fail in one retry cycle, not N."""
+        """Resolve the server kind and model name once (GET /v1/models). Callers that arrive while it runs
+        share it and its error, so N requests to a dead server fail in one retry cycle, not N; the next
+        caller after a failure tries again."""
         if self._is_ready():
             return
         state = self._loop_state()
-        failures_before = self._ready_failures
-        async with state.ready_lock:
-            if self._is_ready():
-                return
-            if self._ready_failures != failures_before:
-                raise RequestFailed(self._ready_error)
-            try:
-                await self._discover()
-            except RequestFailed as err:
-                self._ready_failures += 1
-                self._ready_error = str(err)
-                raise
+        if state.discovery is None or state.discovery.done():
+            state.discovery = asyncio.ensure_future(self._discover())
+        await asyncio.shield(state.discovery)  # a cancelled caller leaves it running for the others
 
     async def _discover(self) -> None:
         try:

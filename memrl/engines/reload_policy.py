@@ -21,10 +21,6 @@ from memrl.engines.server_requests import APIError
 logger = logging.getLogger("memrl.engines.server")  # the server's log, where refusals are explained
 
 
-class ReloadRefused(APIError):
-    """A reload request refused with an HTTP `status` (400, 403, 409); the server answers it as any APIError."""
-
-
 RELOAD_DISABLED_MESSAGE = (
     "weight reloads are disabled on this server: start memrl serve with --reload-root DIR (repeatable) "
     "naming the folders it may reload from, e.g. the training run root that holds weights_sync"
@@ -115,20 +111,18 @@ class ReloadPolicy:
         self._matching_tokenizers: set[str] = set()  # digests of tokenizer files found to match
 
     def check(self, path: str) -> Path:
-        """The real folder `path` names, if the engine may load it (blocking I/O); ReloadRefused if not: 403
-        outside the roots or with a link out of them, 400 unless a readable model folder, 409 unless it
-        matches the served model."""
+        """The real folder `path` names, if the engine may load it (blocking I/O); an APIError (4xx) if not."""
         folder = self.resolve(path)
         try:
             if not folder.is_dir():
-                raise ReloadRefused(400, f"reload path {path!r} is not a folder on the server's machine")
+                raise APIError(400, f"reload path {path!r} is not a folder on the server's machine")
             self._check_links(folder, path)
             if self.config is not None:
                 self._check_config(folder, path)
             if self.vocab is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
                 self._check_vocab(folder, path)
         except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP: the path is unusable, whatever it names
-            raise ReloadRefused(400, f"reload path {path!r} cannot be read on the server's machine: "
+            raise APIError(400, f"reload path {path!r} cannot be read on the server's machine: "
                                      f"{exc.strerror or exc}") from exc
         return folder
 
@@ -152,17 +146,16 @@ class ReloadPolicy:
                     if not self._inside_roots(Path(os.path.realpath(entry.path))):
                         relative = os.path.relpath(entry.path, folder)
                         logger.warning("refused a reload from %r: %s links outside the roots", given, relative)
-                        raise ReloadRefused(403, LINK_OUT_MESSAGE.format(given=given, entry=relative),
+                        raise APIError(403, LINK_OUT_MESSAGE.format(given=given, entry=relative),
                                             "permission_denied")
                     if entry.is_dir():  # follows links, which now lie inside a root
                         pending.append(Path(entry.path))
 
     def resolve(self, path: str) -> Path:
-        """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not. `..` is
-        collapsed as text first, so nothing outside the roots is even looked at; then symlinks are resolved
-        and the result checked again (a link inside a root may point out of it)."""
+        """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not (`..`
+        collapsed as text first, so nothing outside the roots is even looked at)."""
         if not self.roots:
-            raise ReloadRefused(403, RELOAD_DISABLED_MESSAGE, "permission_denied")
+            raise APIError(403, RELOAD_DISABLED_MESSAGE, "permission_denied")
         lexical = Path(os.path.abspath(path))
         if not any(lexical.is_relative_to(given) or lexical.is_relative_to(real) for given, real in self.roots):
             self._forbid(path)
@@ -177,20 +170,20 @@ class ReloadPolicy:
     def _forbid(self, path: str) -> NoReturn:
         # The caller learns nothing about the path; the operator finds what was asked in the log.
         logger.warning("refused a reload from %r: outside --reload-root %s", path, [str(r) for r, _ in self.roots])
-        raise ReloadRefused(403, RELOAD_FORBIDDEN_MESSAGE, "permission_denied")
+        raise APIError(403, RELOAD_FORBIDDEN_MESSAGE, "permission_denied")
 
     def _check_config(self, folder: Path, given: str) -> None:
         if not (folder / "config.json").is_file():
-            raise ReloadRefused(400, f"reload folder {given!r} has no config.json; reload from a Hugging Face model folder")
+            raise APIError(400, f"reload folder {given!r} has no config.json; reload from a Hugging Face model folder")
         try:
             config = read_model_config(folder)
         except Exception as exc:  # unknown model_type, broken JSON: not the served architecture either way
-            raise ReloadRefused(409, f"the config.json in {given!r} does not load as the served model's config ({exc}); "
+            raise APIError(409, f"the config.json in {given!r} does not load as the served model's config ({exc}); "
                                 "reload only checkpoints of the served model, or restart memrl serve on the new model",
                                 "conflict") from exc
         diffs = _architecture_differences(self.config, config)
         if diffs:
-            raise ReloadRefused(409, f"reload folder {given!r} holds a different model than the one served: "
+            raise APIError(409, f"reload folder {given!r} holds a different model than the one served: "
                                 f"{'; '.join(diffs)}. Reload only checkpoints of the served model (same architecture "
                                 "and vocabulary), or restart memrl serve on the new model", "conflict")
 
@@ -205,11 +198,11 @@ class ReloadPolicy:
         try:
             vocab = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False).get_vocab()
         except Exception as exc:
-            raise ReloadRefused(409, f"the tokenizer files in {given!r} do not load ({type(exc).__name__}: {exc}); the "
+            raise APIError(409, f"the tokenizer files in {given!r} do not load ({type(exc).__name__}: {exc}); the "
                                 "served tokenizer decodes every reply, so a reload folder may only carry that same "
                                 "tokenizer", "conflict") from exc
         if vocab != self.vocab:
-            raise ReloadRefused(409, f"the tokenizer in {given!r} has a different vocabulary ({len(vocab)} tokens, "
+            raise APIError(409, f"the tokenizer in {given!r} has a different vocabulary ({len(vocab)} tokens, "
                                 f"served: {len(self.vocab)}; {_first_vocab_difference(self.vocab, vocab)}). Token ids "
                                 "are checked and decoded with the served tokenizer: reload only folders with that "
                                 "tokenizer (or none)", "conflict")

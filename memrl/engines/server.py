@@ -1,19 +1,9 @@
 """`memrl serve`: an OpenAI-compatible completions server over a local engine, token ids in and out.
 
-Endpoints (shapes follow vLLM's OpenAI server, so one client speaks to both): GET /health (never needs
-the key, never waits on a reload), GET /v1/models, POST /v1/completions (`prompt`: token ids or a batch
-of them; per choice `text`, `token_ids`, `logprobs`, `finish_reason`), POST /v1/reload_weights {"path"}
-(under a --reload-root, same architecture and vocabulary: reload_policy.py) and POST /v1/score (the
-teacher-forced log-probs the trainer's weight-sync canary checks). What a request may hold and how it is
-refused: server_requests.py. An engine failure is a 500 with its message; nothing is dropped silently.
-
-Invariants:
-- A generation whose client disconnected is cancelled (the engine drops its rows); a shutdown waits at
-  most `shutdown_timeout_s` for running requests, then cancels them.
-- A reload waits for in-flight generations and holds new ones back until it is done, so no response
-  mixes two weight versions; every wait at that gate is bounded by `gate_timeout_s` (then a 503 naming
-  the setting). The folder is checked again under the gate, right before the engine reads it.
-- Bound to 127.0.0.1 unless told otherwise; with an API key every /v1 route needs `Authorization: Bearer`.
+Endpoints, refusals and reload rules: docs/servers.md; request bodies: server_requests.py; reload
+folders: reload_policy.py. Invariants: a generation whose client disconnected is cancelled; a reload
+waits for in-flight generations and holds new ones back, so no response mixes two weight versions (each
+wait at that gate bounded by `gate_timeout_s`, then a 503); an engine failure is a 500 with its message.
 """
 
 from __future__ import annotations
@@ -28,7 +18,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +65,6 @@ class _ReloadGate:
         self.timeout_s = timeout_s
 
     async def _wait(self, predicate: Callable[[], bool], what: str) -> None:
-        """Wait (holding `_cond`) until `predicate()`; a 503 past `timeout_s`."""
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._cond.wait_for(predicate)
@@ -105,12 +94,10 @@ class _ReloadGate:
             try:
                 await self._wait(lambda: not self._reloading and self._active == 0,
                                  "in-flight generations (or another reload) to finish before reloading")
-            except BaseException:
-                # This reload gives up: generations held back only for it may go ahead now.
+            finally:
+                # If this reload gave up, generations held back only for it may go ahead now.
                 self._reloads_waiting -= 1
                 self._cond.notify_all()
-                raise
-            self._reloads_waiting -= 1
             self._reloading = True
         try:
             yield
@@ -121,7 +108,7 @@ class _ReloadGate:
 
 
 def _token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
-    if tokenizer is not None and hasattr(tokenizer, "convert_ids_to_tokens"):
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
         return [str(t) for t in tokenizer.convert_ids_to_tokens(ids)]
     return [f"token_id:{t}" for t in ids]  # vLLM's --return-tokens-as-token-ids format
 
@@ -146,33 +133,30 @@ async def _while_connected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 @asynccontextmanager
-async def _engine_failures(call: str):
+async def _engine_failures(call: str, what: str = "engine error"):
     """An engine failure becomes a 500 with its message: it must reach the client, not hang it."""
     try:
         yield
     except Exception as exc:
         logger.exception("%s failed", call)
-        raise APIError(500, f"engine error: {type(exc).__name__}: {exc}", "server_error") from exc
+        raise APIError(500, f"{what}: {type(exc).__name__}: {exc}", "server_error") from exc
 
 
-@dataclass(frozen=True)
-class _Limits:
-    """Per-request bounds of one app (`create_app`'s arguments of the same names)."""
+@dataclass
+class _Service:
+    """The routes of one app over its engine (`_add_routes` wires them), with `create_app`'s settings."""
 
+    engine: Engine
+    model_name: str
+    api_key: str | None
     max_prompt_tokens: int
     max_tokens_limit: int
     max_batch_prompts: int
-
-
-class _Service:
-    """What the routes of one app do over its engine (`_add_routes` wires them): one function per route's
-    checks, engine call and answer, reading the app's settings from one place."""
-
-    def __init__(self, engine: Engine, model_name: str, api_key: str | None, limits: _Limits, tokenizer: Any,
-                 vocab_size: int | None, gate: _ReloadGate, policy: ReloadPolicy) -> None:
-        self.engine, self.model_name, self.api_key, self.limits = engine, model_name, api_key, limits
-        self.tokenizer, self.vocab_size, self.gate, self.policy = tokenizer, vocab_size, gate, policy
-        self.created = int(time.time())
+    tokenizer: Any
+    vocab_size: int | None
+    gate: _ReloadGate
+    policy: ReloadPolicy
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -181,26 +165,22 @@ class _Service:
         if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", "authentication_error")
 
-    def models(self) -> dict:
+    async def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "memrl"}
         return {"object": "list", "data": [card]}
 
-    # ---- /v1/completions
-
     def completion_requests(self, body: CompletionBody) -> list[GenerationRequest]:
-        """The engine requests of a completion body, after the checks against this server's limits."""
         prompts: list[list[int]] = body.prompt
-        limits = self.limits
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} is not served here; this server serves {self.model_name!r}")
-        if len(prompts) > limits.max_batch_prompts:
-            raise APIError(400, f"{len(prompts)} prompts in one request; the limit is {limits.max_batch_prompts}")
-        if body.max_tokens > limits.max_tokens_limit:
-            raise APIError(400, f"max_tokens={body.max_tokens} exceeds this server's limit of {limits.max_tokens_limit}")
+        if len(prompts) > self.max_batch_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request; the limit is {self.max_batch_prompts}")
+        if body.max_tokens > self.max_tokens_limit:
+            raise APIError(400, f"max_tokens={body.max_tokens} exceeds this server's limit of {self.max_tokens_limit}")
         for i, ids in enumerate(prompts):
-            if len(ids) > limits.max_prompt_tokens:
+            if len(ids) > self.max_prompt_tokens:
                 raise APIError(400, f"prompt {i} has {len(ids)} tokens; this server accepts at most "
-                                    f"{limits.max_prompt_tokens}")
+                                    f"{self.max_prompt_tokens}")
         check_token_ids([*prompts, body.stop_token_ids], self.vocab_size)
         if body.seed is not None and body.seed + len(prompts) - 1 > MAX_SEED:
             # Prompt i samples with seed + i (below): the last of them must still be an int64.
@@ -249,22 +229,18 @@ class _Service:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
-    # ---- /v1/score
-
     async def score(self, body: ScoreBody) -> dict:
         scorer = getattr(self.engine, "score", None)
         if scorer is None:
             raise APIError(501, f"{type(self.engine).__name__} cannot score a continuation (no score method)")
         length = len(body.prompt_ids) + len(body.continuation_ids)
-        if length > self.limits.max_prompt_tokens:
-            raise APIError(400, f"{length} tokens to score; this server accepts at most {self.limits.max_prompt_tokens}")
+        if length > self.max_prompt_tokens:
+            raise APIError(400, f"{length} tokens to score; this server accepts at most {self.max_prompt_tokens}")
         check_token_ids([body.prompt_ids, body.continuation_ids], self.vocab_size)
         async with self.gate.generation(), _engine_failures("engine.score"):  # never with half-reloaded weights
             result = await scorer(body.prompt_ids, body.continuation_ids, body.temperature)
         # JSON has no NaN or infinity: such a log-prob goes out as null (the client reads it back as NaN).
         return {"log_probs": [lp if math.isfinite(lp) else None for lp in result.log_probs], "dtype": result.dtype}
-
-    # ---- /v1/reload_weights
 
     async def reload_weights(self, body: ReloadBody) -> dict:
         reload = getattr(self.engine, "reload_from_path", None)
@@ -277,14 +253,10 @@ class _Service:
         start = time.perf_counter()
         async with self.gate.reload():
             folder = await asyncio.to_thread(self.policy.check, body.path)
-            try:
-                # The resolved folder that was checked, not the path as sent: its symlinks are not followed
-                # a second time, so the load reads what the root and architecture checks saw.
+            # The resolved folder that was checked, not the path as sent: its symlinks are not followed
+            # a second time, so the load reads what the root and architecture checks saw.
+            async with _engine_failures("reload_from_path", f"reload from {body.path!r} failed"):
                 await _run_reload(reload, str(folder))
-            except Exception as exc:
-                logger.exception("reload_from_path failed")
-                raise APIError(500, f"reload from {body.path!r} failed: {type(exc).__name__}: {exc}",
-                               "server_error") from exc
         return {"success": True, "path": body.path, "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -309,30 +281,17 @@ async def _run_reload(reload: Callable[[str], Any], folder: str) -> None:
 
 
 def _add_routes(app: FastAPI, service: _Service) -> None:
-    """The endpoints of the module docstring; every /v1 route checks the API key first."""
+    """The endpoints of docs/servers.md; every /v1 route checks the API key first."""
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(service.check_key)])
-
-    @v1.get("/models")
-    async def models() -> dict:
-        return service.models()
-
-    @v1.post("/completions")
-    async def completions(body: CompletionBody, request: Request) -> dict:
-        return await service.completions(body, request)
-
-    @v1.post("/score")
-    async def score(body: ScoreBody) -> dict:
-        return await service.score(body)
-
-    @v1.post("/reload_weights")
-    async def reload_weights(body: ReloadBody) -> dict:
-        return await service.reload_weights(body)
-
+    v1.add_api_route("/models", service.models, methods=["GET"])
+    v1.add_api_route("/completions", service.completions, methods=["POST"])
+    v1.add_api_route("/score", service.score, methods=["POST"])
+    v1.add_api_route("/reload_weights", service.reload_weights, methods=["POST"])
     app.include_router(v1)
 
 
@@ -358,8 +317,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None,
     if model_config is None:
         model_config = _engine_config(engine)
     policy = ReloadPolicy(reload_roots, model_config, tokenizer)
-    limits = _Limits(max_prompt_tokens, max_tokens_limit, max_batch_prompts)
-    service = _Service(engine, model_name, api_key, limits, tokenizer, vocab_size, _ReloadGate(gate_timeout_s), policy)
+    service = _Service(engine, model_name, api_key, max_prompt_tokens, max_tokens_limit, max_batch_prompts,
+                       tokenizer, vocab_size, _ReloadGate(gate_timeout_s), policy)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -436,10 +395,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: s
           reload_roots: Sequence[str | os.PathLike] | None = None,
           shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Load the model (HFEngine, or `engine_factory` 'module:function(model_path) -> Engine') and serve it
-    as `served_model_name` (default: the folder's name) until interrupted. `reload_roots` default to none
-    (reloads disabled): a served model has no business loading arbitrary folders unless the operator says
-    where training writes them. `shutdown_timeout_s`: on SIGTERM or Ctrl-C, the longest wait for running
-    requests before they are cancelled. The other options: `create_app`."""
+    as `served_model_name` (default: the folder's name) until interrupted. `reload_roots` default to none:
+    reloads disabled (docs/servers.md says why). The other options: `memrl serve --help`, `create_app`."""
     import uvicorn
 
     check_serve_options(port, reload_roots, shutdown_timeout_s, log_level)

@@ -8,6 +8,7 @@ engine would overflow on (a seed past int64) or sample nonsense from (an infinit
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -138,11 +139,10 @@ class ReloadBody(BaseModel):
 def check_token_ids(id_lists: list[list[int]], vocab_size: int | None) -> None:
     """400 for an id outside the vocabulary; with no known vocabulary, outside int64 (what engines take)."""
     limit = vocab_size if vocab_size is not None else MAX_TOKEN_ID + 1
-    for ids in id_lists:
-        bad = next((t for t in ids if not 0 <= t < limit), None)
-        if bad is not None:
-            where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, 2**63)"
-            raise APIError(400, f"token id {bad} is outside {where}")
+    bad = next((t for t in chain.from_iterable(id_lists) if not 0 <= t < limit), None)
+    if bad is not None:
+        where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, 2**63)"
+        raise APIError(400, f"token id {bad} is outside {where}")
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -206,14 +206,10 @@ class BodySizeLimit:
                 await self._reject(scope, receive, send)
                 return
             more = message.get("more_body", False)
-        replayed = False
+        first = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            return first.pop() if first else await receive()  # the whole body once, then the client's messages
 
         await self.app(scope, replay, send)
 
