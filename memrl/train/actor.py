@@ -377,10 +377,6 @@ class Actor:
         """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums."""
         a = self.cfg.algorithm
         terms = trajectory_terms or {}
-
-        def add(key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
-            add_metric(sums, key, value, w)
-
         mb = self._build(mb_rows, mb_weights)
         stats = self._forward(self.policy, mb)
         logp = mb.scatter(stats.log_probs)
@@ -400,25 +396,23 @@ class Actor:
             kl = kl_penalty(logp, ref, a.kl_estimator)
             kl_term = (kl * w_tokens).sum()
             loss = loss + a.kl_coef * kl_term
-            add("kl/mean", kl_term.detach())
+            add_metric(sums, "kl/mean", kl_term.detach())
         if a.entropy_coef > 0:
-            with_grad_entropy = mb.scatter(stats.entropy)
-            loss = loss - a.entropy_coef * (with_grad_entropy * w_tokens).sum()
+            loss = loss - a.entropy_coef * (mb.scatter(stats.entropy) * w_tokens).sum()
         (loss * loss_scale).backward()
         n_tok = mb.loss_mask.sum().double()
         # where(), not a product: a masked-out token's gap must not count, not even as inf * 0 = NaN.
         gap = torch.where(mb.loss_mask > 0, (old - mb.rollout_log_probs).abs(), 0.0)
-        add("loss/policy", pg.detach())
-        add("loss/total", loss.detach())
-        add("entropy/mean", (entropy * w_tokens).sum())
-        add("logprob_gap/sum_abs", gap.sum())
-        top = gap.max().double() if gap.numel() else torch.zeros((), dtype=torch.float64, device=gap.device)
-        max_metric(sums, "logprob_gap/max_abs", top)
-        add("tokens/loss", n_tok)
-        add("clip_fraction_tokens", m["clip_fraction"], n_tok)
-        add("micro_batches", 1.0)
-        add("tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
-        add("tokens/padded", mb.input_ids.numel())  # processed positions: rows x longest, or all rows packed
+        add_metric(sums, "loss/policy", pg.detach())
+        add_metric(sums, "loss/total", loss.detach())
+        add_metric(sums, "entropy/mean", (entropy * w_tokens).sum())
+        add_metric(sums, "logprob_gap/sum_abs", gap.sum())
+        max_metric(sums, "logprob_gap/max_abs", gap.max().double())  # a micro-batch has >= 1 response token
+        add_metric(sums, "tokens/loss", n_tok)
+        add_metric(sums, "clip_fraction_tokens", m["clip_fraction"], n_tok)
+        add_metric(sums, "micro_batches", 1.0)
+        add_metric(sums, "tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
+        add_metric(sums, "tokens/padded", mb.input_ids.numel())  # positions run: rows x longest, or all packed
 
     def _rollout_correction(self, mb: MicroBatch, old: Tensor, terms: dict[str, Tensor],
                             sums: dict[str, Any]) -> tuple[Tensor | None, Tensor]:

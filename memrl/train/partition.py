@@ -13,7 +13,6 @@ Invariants (asserted by tests/train/test_actor.py and tests/distributed/test_par
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,19 +68,13 @@ def split_ranks(rows: Sequence[TrainRow], dp_size: int, pad_to_dp: bool, pad_tok
             )
         rows += [padding_row(pad_token_id, rollout_id) for _ in range(dp_size - remainder)]
     per_rank = len(rows) // dp_size
-    # Longest-first greedy onto the least-loaded rank that still has room: near-equal token loads.
-    heap = [(0, rank) for rank in range(dp_size)]
+    # Longest-first greedy onto the least-loaded rank that still has room (ties: the lowest rank).
+    loads = [0] * dp_size
     ranks: list[list[TrainRow]] = [[] for _ in range(dp_size)]
     for row in sorted(rows, key=lambda r: len(r.tokens), reverse=True):
-        skipped = []
-        load, rank = heapq.heappop(heap)
-        while len(ranks[rank]) >= per_rank:
-            skipped.append((load, rank))
-            load, rank = heapq.heappop(heap)
+        rank = min((k for k in range(dp_size) if len(ranks[k]) < per_rank), key=lambda k: (loads[k], k))
         ranks[rank].append(row)
-        heapq.heappush(heap, (load + len(row.tokens), rank))
-        for item in skipped:
-            heapq.heappush(heap, item)
+        loads[rank] += len(row.tokens)
     return ranks
 
 
