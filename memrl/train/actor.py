@@ -1,13 +1,12 @@
 """The policy optimizer: consumes exactly one rollout step's rows, PPO-clip + KL, AdamW, grad clipping.
 
-The plan of a step (optimizer steps of whole prompt groups, ranks, token-budget micro-batches, each row's
-weight in the whole step) is `memrl.train.partition.plan_rollout`, so any micro-batching or rank split
-gives the same gradient as one full batch. One process runs every rank's share in turn; with
-`world_size > 1` (torch.distributed, e.g. one Ray trainer worker per rank) each process runs its own and
-DDP all-reduces once per optimizer step (no_sync on every micro-batch but the last). DDP and FSDP
+A step follows `memrl.train.partition.plan_rollout` (whose row weights make any micro-batching or rank
+split give the full batch's gradient). One process runs every rank's share in turn; with `world_size > 1`
+(torch.distributed, e.g. one Ray trainer worker per rank) each runs its own. DDP and FSDP
 (`train.strategy = "fsdp"`, `memrl.train.fsdp`) *average*, so each rank's loss is scaled by the world
-size; metrics are summed across ranks. FSDP reduces on every micro-batch: accumulating unsharded
-gradients would cost the memory sharding saves.
+size; metrics are summed across ranks. DDP all-reduces once per optimizer step (no_sync on every
+micro-batch but the last); FSDP on every micro-batch: accumulating unsharded gradients would cost the
+memory sharding saves.
 """
 
 from __future__ import annotations
@@ -61,11 +60,6 @@ class ActorError(RuntimeError, MemrlError):
 
 class NonFiniteUpdateError(ActorError):
     """A NaN or infinite loss or gradient norm: the step was not applied (message only: it pickles)."""
-
-
-def _fused_adamw(device: torch.device, strategy: str) -> dict[str, bool]:
-    """One fused AdamW kernel per step on CUDA (torch's default is `foreach`); not yet run under FSDP."""
-    return {"fused": True} if device.type == "cuda" and strategy != "fsdp" else {}
 
 
 def _check_process_group(config: Config, world_size: int) -> None:
@@ -157,8 +151,10 @@ class Actor:
         t = self.cfg.train
         # After sharding: FSDP replaces the parameters by sharded ones, which the optimizer must hold.
         trained = self.model.parameters() if self.peft is None else [p for p in self.model.parameters() if p.requires_grad]
+        # One fused AdamW kernel per step on CUDA (torch's default is `foreach`); not yet run under FSDP.
+        fused = {"fused": True} if self.device.type == "cuda" and self.strategy != "fsdp" else {}
         self.optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
-                                           **_fused_adamw(self.device, self.strategy))
+                                           **fused)
         self.scheduler = build_scheduler(self.optimizer, t)
 
     def _restore_training_state(self, checkpoint: Path) -> None:
@@ -235,17 +231,14 @@ class Actor:
                         tokenizer: Any = None) -> Path | None:
         """The checkpoint of `rollout_id` (same files under every strategy); rank 0 writes, None elsewhere."""
         state = {**state, "global_step": self.global_step}
-        if self.strategy == "fsdp":
-            weights = fsdp.full_weights(self.model, self.rank)
-            optimizer_state = fsdp.full_optimizer_state(self.model, self.optimizer, self.rank)
-            if self.rank != 0:
-                return None
-            return save_checkpoint(run_root, rollout_id, self.model, optimizer_state, self.scheduler, state,
-                                   tokenizer=tokenizer, weights=weights)
+        model, optimizer, weights = self._saved_model, self.optimizer, None
+        if self.strategy == "fsdp":  # gathered whole on rank 0 (collectives: every rank takes part)
+            model, weights = self.model, fsdp.full_weights(self.model, self.rank)
+            optimizer = fsdp.full_optimizer_state(self.model, self.optimizer, self.rank)
         if self.rank != 0:  # DDP replicas and their optimizer states are identical
             return None
-        return save_checkpoint(run_root, rollout_id, self._saved_model, self.optimizer, self.scheduler, state,
-                               tokenizer=tokenizer)
+        return save_checkpoint(run_root, rollout_id, model, optimizer, self.scheduler, state, tokenizer=tokenizer,
+                               weights=weights)
 
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
         """`train.num_optimizer_steps` optimizer steps over exactly these rows (every rank is given all of
@@ -434,10 +427,7 @@ class Actor:
     @torch.no_grad()
     def log_probs(self, rows: list[TrainRow]) -> list[list[float]]:
         """The trainer's log-probs of each row's response tokens (a collective under FSDP)."""
-        out = []
-        for r in rows:
-            mb = self._build([r], [0.0])
-            out.append(self._forward(self.policy, mb).log_probs.tolist())
+        out = [self._forward(self.policy, self._build([r], [0.0])).log_probs.tolist() for r in rows]
         self._reshard_after_inference(self.policy)
         return out
 
