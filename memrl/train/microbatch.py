@@ -112,14 +112,11 @@ class ResponseStats(torch.nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                 row_lengths: list[int] | None, cu_seq_lens: Tensor | None, positions: Tensor,
                 targets: Tensor) -> TokenStats:
-        if row_lengths is None:
-            hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=position_ids).last_hidden_state
-        else:  # packed: the attention gets the row boundaries and no mask (memrl.train.packing)
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask}
+        if row_lengths is not None:  # packed: the attention gets the row boundaries and no mask
             packing.check_enabled(self.model)
-            hidden = self.model.base_model(input_ids=input_ids, attention_mask=packing.no_masks(),
-                                           position_ids=position_ids,
-                                           **packing.packed_kwargs(row_lengths, cu_seq_lens)).last_hidden_state
+            kwargs = packing.packed_kwargs(row_lengths, cu_seq_lens)
+        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
         return response_token_stats(hidden[positions[:, 0], positions[:, 1]], targets,
                                     self.model.get_output_embeddings(), self.temperature, self.chunk_tokens,
                                     self.with_entropy)

@@ -90,12 +90,9 @@ def check_enabled(model: torch.nn.Module) -> None:
 
 
 def packed_kwargs(row_lengths: list[int], cu_seq_lens: Tensor) -> dict[str, Any]:
-    """A packed sequence's row boundaries as the attention kwargs every layer gets (FlashAttention's names)."""
+    """A packed forward's kwargs: the row boundaries every attention layer gets (FlashAttention's names) and a
+    "prepared" mask mapping of None (transformers would otherwise build a dense [T x T] mask)."""
     longest = max(row_lengths)
-    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
-            "max_length_k": longest, "packed_lengths": row_lengths}
-
-
-def no_masks() -> dict[str, None]:
-    """A "prepared" mask mapping of None: transformers would otherwise build a dense [T x T] mask."""
-    return {"full_attention": None, "sliding_attention": None}
+    return {"attention_mask": {"full_attention": None, "sliding_attention": None}, "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest, "max_length_k": longest,
+            "packed_lengths": row_lengths}

@@ -13,6 +13,7 @@ Invariants (asserted by tests/train/test_actor.py and tests/distributed/test_par
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,6 @@ class PartitionError(ValueError, MemrlError):
 
 
 def padding_row(pad_token_id: int, rollout_id: int) -> TrainRow:
-    """A row that trains nothing: two tokens, an all-zero loss mask, marked as padding."""
     return TrainRow(tokens=[pad_token_id, pad_token_id], response_length=1, loss_mask=[0], rollout_log_probs=[0.0],
                     advantage=0.0, group_id="__padding__", trajectory_id="__padding__", turn_index=0,
                     rollout_id=rollout_id, is_padding=True)
@@ -46,11 +46,8 @@ def split_optimizer_steps(rows: Sequence[TrainRow], num_steps: int) -> list[list
             f"lower train.num_optimizer_steps or raise train.rollout_batch_size"
         )
     ordered = list(groups.values())
-    steps: list[list[TrainRow]] = []
-    for k in range(num_steps):
-        lo, hi = k * len(ordered) // num_steps, (k + 1) * len(ordered) // num_steps
-        steps.append([r for g in ordered[lo:hi] for r in g])
-    return steps
+    bounds = [k * len(ordered) // num_steps for k in range(num_steps + 1)]
+    return [[r for g in ordered[lo:hi] for r in g] for lo, hi in itertools.pairwise(bounds)]
 
 
 def split_ranks(rows: Sequence[TrainRow], dp_size: int, pad_to_dp: bool, pad_token_id: int,

@@ -104,10 +104,11 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, cfg: Config, demonstrations:
     """Train `model` in place; per-step metrics (with `out_dir`: also metrics.jsonl, sft_options.json and
     the trained model + tokenizer in `out_dir/model`)."""
     from memrl.train.actor import Actor
+    from memrl.train.setup import pad_token_id
 
     if not demonstrations:
         raise SFTError("no demonstrations to train on")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     actor = Actor(model, sft_config(cfg, options), pad_token_id=pad)
     # Each demonstration's rows, in order (demonstration_rows emits them consecutively).
     demos = [list(rows) for _, rows in itertools.groupby(demonstration_rows(demonstrations),
