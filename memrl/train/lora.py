@@ -9,6 +9,7 @@ base (`base_record`) and resume and `convert-to-hf` compare against it (memrl/tr
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -154,8 +155,6 @@ def merged_weights(peft_model: Any) -> dict[str, torch.Tensor]:
 
 def merged_model(peft_model: Any) -> torch.nn.Module:
     """A plain Hugging Face model (a new one) holding the merged weights; the actor's model is untouched."""
-    import copy
-
     return copy.deepcopy(peft_model).merge_and_unload()  # peft's merge: W + get_delta_weight, as merged_weights
 
 

@@ -25,6 +25,10 @@ from tqdm.auto import tqdm
 from memrl.config import Config, TrainConfig
 from memrl.errors import MemrlError
 from memrl.io import atomic_folder
+from memrl.train import setup
+from memrl.train.actor import Actor
+from memrl.train.microbatch import MicroBatch, response_log_probs
+from memrl.train.partition import micro_batches
 from memrl.types import TrainRow
 
 Demonstration = Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -86,9 +90,6 @@ def mean_nll(model: torch.nn.Module, rows: Sequence[TrainRow], pad_token_id: int
     """Token-mean negative log-likelihood of the rows' response tokens, one `train.micro_batch_tokens`
     micro-batch at a time (32 SmolLM2 demonstrations of a MemAgent reading in one forward took ~12 GB of
     23), the LM head `train.logprob_chunk_tokens` at a time, as the training step computes them."""
-    from memrl.train.microbatch import MicroBatch, response_log_probs
-    from memrl.train.partition import micro_batches
-
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for batch in micro_batches(rows, train.micro_batch_tokens):
@@ -103,12 +104,9 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, cfg: Config, demonstrations:
             options: SFTOptions, out_dir: str | Path | None = None) -> list[dict[str, float]]:
     """Train `model` in place; per-step metrics (with `out_dir`: also metrics.jsonl, sft_options.json and
     the trained model + tokenizer in `out_dir/model`)."""
-    from memrl.train.actor import Actor
-    from memrl.train.setup import pad_token_id
-
     if not demonstrations:
         raise SFTError("no demonstrations to train on")
-    pad = pad_token_id(tokenizer)
+    pad = setup.pad_token_id(tokenizer)
     actor = Actor(model, sft_config(cfg, options), pad_token_id=pad)
     # Each demonstration's rows, in order (demonstration_rows emits them consecutively).
     demos = [list(rows) for _, rows in itertools.groupby(demonstration_rows(demonstrations),
