@@ -365,11 +365,9 @@ class Actor:
         return step_report(sums, float(grad_norm), self.scheduler.get_last_lr()[0])
 
     def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, Any],
-                     loss_scale: float, old: Tensor | None = None,
-                     trajectory_terms: dict[str, Tensor] | None = None) -> None:
+                     loss_scale: float, old: Tensor | None, terms: dict[str, Tensor]) -> None:
         """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums."""
         a = self.cfg.algorithm
-        terms = trajectory_terms or {}
         mb = self._build(mb_rows, mb_weights)
         stats = self._forward(self.policy, mb)
         logp = mb.scatter(stats.log_probs)
