@@ -257,8 +257,7 @@ class Actor:
         # ratio must be taken against the policy before this rollout's first update, computed up front.
         # A trajectory-level rollout correction needs them up front too: a trajectory's rows may be in
         # several micro-batches, and its total log-ratio must be known before the first of them.
-        correction = self.correction
-        up_front = len(steps) > 1 or (correction is not None and correction.needs_trajectory_totals)
+        up_front = len(steps) > 1 or (self.correction is not None and self.correction.needs_trajectory_totals)
         olds = [self._old_log_probs(shares) for shares in steps] if up_front else [None] * len(steps)
         for index, (shares, old) in enumerate(zip(steps, olds, strict=True)):
             for key, value in self._optimizer_step(shares, rollout_id, old, fresh_old=index == 0).items():
