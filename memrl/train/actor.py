@@ -1,13 +1,12 @@
 """The policy optimizer: consumes exactly one rollout step's rows, PPO-clip + KL, AdamW, grad clipping.
 
-The plan of a step (optimizer steps of whole prompt groups, ranks, token-budget micro-batches, each row's
-weight in the whole step) is `memrl.train.partition.plan_rollout`, so any micro-batching or rank split
-gives the same gradient as one full batch. One process runs every rank's share in turn; with
-`world_size > 1` (torch.distributed, e.g. one Ray trainer worker per rank) each process runs its own and
-DDP all-reduces once per optimizer step (no_sync on every micro-batch but the last). DDP and FSDP
+A step follows `memrl.train.partition.plan_rollout` (whose row weights make any micro-batching or rank
+split give the full batch's gradient). One process runs every rank's share in turn; with `world_size > 1`
+(torch.distributed, e.g. one Ray trainer worker per rank) each runs its own. DDP and FSDP
 (`train.strategy = "fsdp"`, `memrl.train.fsdp`) *average*, so each rank's loss is scaled by the world
-size; metrics are summed across ranks. FSDP reduces on every micro-batch: accumulating unsharded
-gradients would cost the memory sharding saves.
+size; metrics are summed across ranks. DDP all-reduces once per optimizer step (no_sync on every
+micro-batch but the last); FSDP on every micro-batch: accumulating unsharded gradients would cost the
+memory sharding saves.
 """
 
 from __future__ import annotations
@@ -61,11 +60,6 @@ class ActorError(RuntimeError, MemrlError):
 
 class NonFiniteUpdateError(ActorError):
     """A NaN or infinite loss or gradient norm: the step was not applied (message only: it pickles)."""
-
-
-def _fused_adamw(device: torch.device, strategy: str) -> dict[str, bool]:
-    """One fused AdamW kernel per step on CUDA (torch's default is `foreach`); not yet run under FSDP."""
-    return {"fused": True} if device.type == "cuda" and strategy != "fsdp" else {}
 
 
 def _check_process_group(config: Config, world_size: int) -> None:
@@ -157,8 +151,10 @@ class Actor:
         t = self.cfg.train
         # After sharding: FSDP replaces the parameters by sharded ones, which the optimizer must hold.
         trained = self.model.parameters() if self.peft is None else [p for p in self.model.parameters() if p.requires_grad]
+        # One fused AdamW kernel per step on CUDA (torch's default is `foreach`); not yet run under FSDP.
+        fused = {"fused": True} if self.device.type == "cuda" and self.strategy != "fsdp" else {}
         self.optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
-                                           **_fused_adamw(self.device, self.strategy))
+                                           **fused)
         self.scheduler = build_scheduler(self.optimizer, t)
 
     def _restore_training_state(self, checkpoint: Path) -> None:
@@ -235,17 +231,14 @@ class Actor:
                         tokenizer: Any = None) -> Path | None:
         """The checkpoint of `rollout_id` (same files under every strategy); rank 0 writes, None elsewhere."""
         state = {**state, "global_step": self.global_step}
-        if self.strategy == "fsdp":
-            weights = fsdp.full_weights(self.model, self.rank)
-            optimizer_state = fsdp.full_optimizer_state(self.model, self.optimizer, self.rank)
-            if self.rank != 0:
-                return None
-            return save_checkpoint(run_root, rollout_id, self.model, optimizer_state, self.scheduler, state,
-                                   tokenizer=tokenizer, weights=weights)
+        model, optimizer, weights = self._saved_model, self.optimizer, None
+        if self.strategy == "fsdp":  # gathered whole on rank 0 (collectives: every rank takes part)
+            model, weights = self.model, fsdp.full_weights(self.model, self.rank)
+            optimizer = fsdp.full_optimizer_state(self.model, self.optimizer, self.rank)
         if self.rank != 0:  # DDP replicas and their optimizer states are identical
             return None
-        return save_checkpoint(run_root, rollout_id, self._saved_model, self.optimizer, self.scheduler, state,
-                               tokenizer=tokenizer)
+        return save_checkpoint(run_root, rollout_id, model, optimizer, self.scheduler, state, tokenizer=tokenizer,
+                               weights=weights)
 
     def train_rollout(self, rows: list[TrainRow], rollout_id: int) -> dict[str, float]:
         """`train.num_optimizer_steps` optimizer steps over exactly these rows (every rank is given all of
@@ -264,8 +257,7 @@ class Actor:
         # ratio must be taken against the policy before this rollout's first update, computed up front.
         # A trajectory-level rollout correction needs them up front too: a trajectory's rows may be in
         # several micro-batches, and its total log-ratio must be known before the first of them.
-        correction = self.correction
-        up_front = len(steps) > 1 or (correction is not None and correction.needs_trajectory_totals)
+        up_front = len(steps) > 1 or (self.correction is not None and self.correction.needs_trajectory_totals)
         olds = [self._old_log_probs(shares) for shares in steps] if up_front else [None] * len(steps)
         for index, (shares, old) in enumerate(zip(steps, olds, strict=True)):
             for key, value in self._optimizer_step(shares, rollout_id, old, fresh_old=index == 0).items():
@@ -372,15 +364,9 @@ class Actor:
         return step_report(sums, float(grad_norm), self.scheduler.get_last_lr()[0])
 
     def _micro_batch(self, mb_rows: list[TrainRow], mb_weights: list[float], sums: dict[str, Any],
-                     loss_scale: float, old: Tensor | None = None,
-                     trajectory_terms: dict[str, Tensor] | None = None) -> None:
+                     loss_scale: float, old: Tensor | None, terms: dict[str, Tensor]) -> None:
         """Forward + backward of one micro-batch (its exact weighted share of the step loss); metrics into sums."""
         a = self.cfg.algorithm
-        terms = trajectory_terms or {}
-
-        def add(key: str, value: Tensor | float, w: Tensor | float = 1.0) -> None:
-            add_metric(sums, key, value, w)
-
         mb = self._build(mb_rows, mb_weights)
         stats = self._forward(self.policy, mb)
         logp = mb.scatter(stats.log_probs)
@@ -400,25 +386,23 @@ class Actor:
             kl = kl_penalty(logp, ref, a.kl_estimator)
             kl_term = (kl * w_tokens).sum()
             loss = loss + a.kl_coef * kl_term
-            add("kl/mean", kl_term.detach())
+            add_metric(sums, "kl/mean", kl_term.detach())
         if a.entropy_coef > 0:
-            with_grad_entropy = mb.scatter(stats.entropy)
-            loss = loss - a.entropy_coef * (with_grad_entropy * w_tokens).sum()
+            loss = loss - a.entropy_coef * (mb.scatter(stats.entropy) * w_tokens).sum()
         (loss * loss_scale).backward()
         n_tok = mb.loss_mask.sum().double()
         # where(), not a product: a masked-out token's gap must not count, not even as inf * 0 = NaN.
         gap = torch.where(mb.loss_mask > 0, (old - mb.rollout_log_probs).abs(), 0.0)
-        add("loss/policy", pg.detach())
-        add("loss/total", loss.detach())
-        add("entropy/mean", (entropy * w_tokens).sum())
-        add("logprob_gap/sum_abs", gap.sum())
-        top = gap.max().double() if gap.numel() else torch.zeros((), dtype=torch.float64, device=gap.device)
-        max_metric(sums, "logprob_gap/max_abs", top)
-        add("tokens/loss", n_tok)
-        add("clip_fraction_tokens", m["clip_fraction"], n_tok)
-        add("micro_batches", 1.0)
-        add("tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
-        add("tokens/padded", mb.input_ids.numel())  # processed positions: rows x longest, or all rows packed
+        add_metric(sums, "loss/policy", pg.detach())
+        add_metric(sums, "loss/total", loss.detach())
+        add_metric(sums, "entropy/mean", (entropy * w_tokens).sum())
+        add_metric(sums, "logprob_gap/sum_abs", gap.sum())
+        max_metric(sums, "logprob_gap/max_abs", gap.max().double())  # a micro-batch has >= 1 response token
+        add_metric(sums, "tokens/loss", n_tok)
+        add_metric(sums, "clip_fraction_tokens", m["clip_fraction"], n_tok)
+        add_metric(sums, "micro_batches", 1.0)
+        add_metric(sums, "tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
+        add_metric(sums, "tokens/padded", mb.input_ids.numel())  # positions run: rows x longest, or all packed
 
     def _rollout_correction(self, mb: MicroBatch, old: Tensor, terms: dict[str, Tensor],
                             sums: dict[str, Any]) -> tuple[Tensor | None, Tensor]:
@@ -440,19 +424,15 @@ class Actor:
     @torch.no_grad()
     def log_probs(self, rows: list[TrainRow]) -> list[list[float]]:
         """The trainer's log-probs of each row's response tokens (a collective under FSDP)."""
-        out = []
-        for r in rows:
-            mb = self._build([r], [0.0])
-            out.append(self._forward(self.policy, mb).log_probs.tolist())
+        out = [self._forward(self.policy, self._build([r], [0.0])).log_probs.tolist() for r in rows]
         self._reshard_after_inference(self.policy)
         return out
 
     def sync_probe(self, prompt_ids: list[int], continuation_ids: list[int], version: int) -> SyncProbe:
         """The weight-sync canary's reference (memrl/train/sync_check.py): the policy's log-probs of the
         continuation, computed as old log-probs are, with weight version `version` (a collective under FSDP)."""
-        tokens = [*prompt_ids, *continuation_ids]
         n = len(continuation_ids)
-        row = TrainRow(tokens=tokens, response_length=n, loss_mask=[1] * n, rollout_log_probs=[0.0] * n,
+        row = TrainRow(tokens=[*prompt_ids, *continuation_ids], response_length=n, loss_mask=[1] * n, rollout_log_probs=[0.0] * n,
                        advantage=0.0, group_id="sync-probe", trajectory_id="sync-probe", turn_index=0,
                        rollout_id=version)
         (log_probs,) = self.log_probs([row])

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from memrl.config import ConfigError, load_pretrained
 from memrl.io import atomic_folder
 from memrl.train import lora
 from memrl.train.checkpoint import LORA_BASE, MODEL_DIR, CheckpointError, read_state_file, resolve_checkpoint
@@ -49,8 +50,6 @@ def export_to_hf(checkpoint_path: str | Path, out_dir: str | Path, tokenizer: An
             if isinstance(tokenizer, str | Path):
                 from transformers import AutoTokenizer
 
-                from memrl.config import load_pretrained
-
                 tokenizer = load_pretrained(AutoTokenizer, tokenizer, "tokenizer")
             tokenizer.save_pretrained(tmp)
         (tmp / EXPORT_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
@@ -81,8 +80,6 @@ def _merge_adapters(ckpt: Path, state: Mapping[str, Any], tmp: Path, base_model:
                     allow_other_base: bool) -> dict[str, Any]:
     """Merge the adapters of `ckpt` into their base model, written to `tmp`; the base and what was checked."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from memrl.config import ConfigError, load_pretrained
 
     path, revision = (base_model, None) if base_model else _lora_base_path(ckpt, state)
     hint = "" if base_model else " (the base model recorded at training time); pass --base-model DIR"

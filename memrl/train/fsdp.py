@@ -59,16 +59,20 @@ def full_weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] |
     return out if rank == 0 else None
 
 
+def _rekeyed(state: dict[str, Any], key: dict[Any, Any]) -> dict[str, Any]:
+    """An optimizer state dict with its parameter keys mapped by `key` (torch's indices <-> FSDP's names)."""
+    return {"state": {key[k]: value for k, value in state["state"].items()},
+            "param_groups": [{**group, "params": [key[k] for k in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict | None:
     """The sharded optimizer's whole state in `optimizer.state_dict()` form; None off rank 0."""
     by_name = get_optimizer_state_dict(model, optimizer,
                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-    return {"state": {index[name]: state for name, state in by_name["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                             for group in by_name["param_groups"]]}
+    return _rekeyed(by_name, {name: i for i, (name, _) in enumerate(model.named_parameters())})
 
 
 def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -83,8 +87,6 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
             # Rank 0 raises; the others fail in the broadcast they were waiting in (named by the runtime).
             raise ValueError(f"the saved optimizer state covers {saved} parameters, this model has "
                              f"{len(names)}; is it the same architecture?")
-        by_name = {"state": {names[i]: value for i, value in state["state"].items()},
-                   "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                                    for group in state["param_groups"]]}
+        by_name = _rekeyed(state, dict(enumerate(names)))
     set_optimizer_state_dict(model, optimizer, by_name,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

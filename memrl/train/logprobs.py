@@ -63,11 +63,10 @@ class _ChunkedHeadStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_lp: Tensor | None, g_ent: Tensor | None) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, ent = ctx.saved_tensors
-        none = (None,) * 8
         if g_lp is None and g_ent is None:
-            return none
+            return (None,) * 8
         c, dtype, temperature = ctx.chunk_tokens, ctx.dtype, ctx.temperature
-        w = weight.to(dtype) if dtype is not None else weight
+        w = weight.to(dtype)  # dtype None (no autocast): `.to(None)` is the tensor itself
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
@@ -90,12 +89,12 @@ class _ChunkedHeadStats(torch.autograd.Function):
                 grad.scatter_add_(1, t.unsqueeze(-1), g_lp[start:start + c, None])
             if temperature > 0:
                 grad.div_(temperature)
-            g = grad.to(dtype) if dtype is not None else grad
+            g = grad.to(dtype)
             del grad
             if grad_h is not None:
                 grad_h[start:start + c] = (g @ w).to(hidden.dtype)
             if grad_w is not None:
-                grad_w.add_((g.t() @ (h.to(dtype) if dtype is not None else h)).float())
+                grad_w.add_((g.t() @ h.to(dtype)).float())
             if grad_b is not None:
                 grad_b.add_(g.float().sum(0))
             del g

@@ -9,6 +9,7 @@ base (`base_record`) and resume and `convert-to-hf` compare against it (memrl/tr
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -51,19 +52,15 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> Any:
     return peft_model
 
 
-def _adaptable_layers(model: torch.nn.Module) -> list[str]:
-    from transformers.pytorch_utils import Conv1D
-
-    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
-    return [name for name, module in model.named_modules() if isinstance(module, kinds)]
-
-
 def _check_targets(model: torch.nn.Module, targets: str | list[str]) -> None:
     """Every entry of model.lora.target_modules names a layer, by peft's rule (a name or its last dotted
     parts; a string: a regex): peft ignores a misspelt entry beside good ones."""
+    from transformers.pytorch_utils import Conv1D
+
     if targets == "all-linear":
         return
-    layers = _adaptable_layers(model)
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+    layers = [name for name, module in model.named_modules() if isinstance(module, kinds)]
     if isinstance(targets, str):
         unmatched = [] if any(re.fullmatch(targets, name) for name in layers) else [targets]
     else:
@@ -91,7 +88,6 @@ def describe_base(record: Mapping[str, Any]) -> str:
 
 
 def architecture(config: Any) -> dict[str, Any]:
-    """The fields of a transformers config that fix the shapes of a model's weights."""
     return {key: getattr(config, key, None) for key in _ARCHITECTURE}
 
 
@@ -159,8 +155,6 @@ def merged_weights(peft_model: Any) -> dict[str, torch.Tensor]:
 
 def merged_model(peft_model: Any) -> torch.nn.Module:
     """A plain Hugging Face model (a new one) holding the merged weights; the actor's model is untouched."""
-    import copy
-
     return copy.deepcopy(peft_model).merge_and_unload()  # peft's merge: W + get_delta_weight, as merged_weights
 
 
@@ -185,6 +179,5 @@ def load_adapters(peft_model: Any, folder: Path) -> None:
 
 
 def export_merged(adapter_folder: Path, base: torch.nn.Module, out: Path) -> None:
-    """A plain Hugging Face folder at `out`: `base` with the adapters of `adapter_folder` merged in."""
     peft_model = _peft().PeftModel.from_pretrained(base, str(adapter_folder))
     peft_model.merge_and_unload().save_pretrained(out)

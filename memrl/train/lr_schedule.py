@@ -33,7 +33,7 @@ class LRSchedule:
     def __call__(self, step: int) -> float:
         done = step + 1  # the factor of the update about to be taken
         if self.warmup > 0 and done <= self.warmup:
-            return min(1.0, done / self.warmup)
+            return done / self.warmup
         if self.style == "constant":
             return 1.0
         progress = min(1.0, max(0.0, (done - self.warmup) / max(1, self.total - self.warmup)))

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from memrl.train import packing
 from memrl.train.logprobs import TokenStats, response_token_stats
@@ -40,15 +41,10 @@ class MicroBatch:
     @classmethod
     def build(cls, rows: list[TrainRow], weights: list[float], pad_id: int, device: torch.device,
               packed: bool = False) -> MicroBatch:
-        resp_width = max(r.response_length for r in rows)
-        mask = torch.zeros((len(rows), resp_width))
-        old = torch.zeros((len(rows), resp_width))
         pos, tgt, ridx = [], [], []
         offset = 0  # where row b starts: in its own row (padded) or in the one packed sequence
         for b, r in enumerate(rows):
             p = r.prompt_length
-            mask[b, : r.response_length] = torch.tensor(r.loss_mask, dtype=torch.float)
-            old[b, : r.response_length] = torch.tensor(r.rollout_log_probs, dtype=torch.float)
             for k in range(r.response_length):
                 # the hidden state at position t predicts token t + 1
                 pos.append((0, offset + p + k - 1) if packed else (b, p + k - 1))
@@ -62,12 +58,11 @@ class MicroBatch:
             cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
             attn = None
         else:
-            ids = torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long)
-            attn = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
-            for b, r in enumerate(rows):
-                ids[b, : len(r.tokens)] = torch.tensor(r.tokens)
-                attn[b, : len(r.tokens)] = 1
+            ids = _right_padded([r.tokens for r in rows], torch.long, pad_id)
+            attn = (torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1)).long()
             position_ids = cu_seq_lens = None
+        mask = _right_padded([r.loss_mask for r in rows], torch.float)
+        old = _right_padded([r.rollout_log_probs for r in rows], torch.float)
 
         def put(t: Tensor | None) -> Tensor | None:
             # From pinned memory without blocking: a pageable host-to-GPU copy waits for every kernel queued
@@ -92,6 +87,11 @@ class MicroBatch:
         return out
 
 
+def _right_padded(values: list[Any], dtype: torch.dtype, fill: float = 0) -> Tensor:
+    """[rows, longest] of each row's values, filled after its end."""
+    return pad_sequence([torch.tensor(v, dtype=dtype) for v in values], batch_first=True, padding_value=fill)
+
+
 def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float,
                        chunk_tokens: int | None) -> Tensor:
     """Log-probs [N] of the micro-batch's response tokens under `model` at the sampling temperature."""
@@ -112,14 +112,11 @@ class ResponseStats(torch.nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                 row_lengths: list[int] | None, cu_seq_lens: Tensor | None, positions: Tensor,
                 targets: Tensor) -> TokenStats:
-        if row_lengths is None:
-            hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=position_ids).last_hidden_state
-        else:  # packed: the attention gets the row boundaries and no mask (memrl.train.packing)
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask}
+        if row_lengths is not None:  # packed: the attention gets the row boundaries and no mask
             packing.check_enabled(self.model)
-            hidden = self.model.base_model(input_ids=input_ids, attention_mask=packing.no_masks(),
-                                           position_ids=position_ids,
-                                           **packing.packed_kwargs(row_lengths, cu_seq_lens)).last_hidden_state
+            kwargs = packing.packed_kwargs(row_lengths, cu_seq_lens)
+        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
         return response_token_stats(hidden[positions[:, 0], positions[:, 1]], targets,
                                     self.model.get_output_embeddings(), self.temperature, self.chunk_tokens,
                                     self.with_entropy)

@@ -22,6 +22,11 @@ from transformers.masking_utils import sdpa_mask
 
 from memrl.errors import MemrlError
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # older torch: per-row sdpa
+    varlen_attn = None
+
 log = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "memrl_packed"
@@ -30,14 +35,6 @@ _VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 
 class PackingError(ValueError, MemrlError):
     """A model or batch that packed micro-batches cannot serve; the message says what to change."""
-
-
-def _varlen_attn() -> Any:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # older torch: per-row sdpa
-        return None
-    return varlen_attn
 
 
 def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -52,22 +49,19 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
                            "to false for this model")
     if query.shape[0] != 1:
         raise PackingError(f"a packed batch is one sequence, got a batch of {query.shape[0]}")
-    varlen = _varlen_attn()
     # Under autocast the rotary product leaves q and k in float32; sdpa would cast them itself, varlen does not.
     dtype = torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
-    if varlen is not None and query.is_cuda and dtype in _VARLEN_DTYPES:
+    gqa = key.shape[1] != query.shape[1]
+    if varlen_attn is not None and query.is_cuda and dtype in _VARLEN_DTYPES:
         q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, heads, D]
-        out = varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                     window_size=(-1, 0), enable_gqa=key.shape[1] != query.shape[1])
+        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
+                          window_size=(-1, 0), enable_gqa=gqa)
         return out.unsqueeze(0), None
     # One causal sdpa call per row; the lengths come from the host (`packed_kwargs`), so no device sync.
     bounds = kwargs.get("packed_lengths") or torch.diff(cu_seq_lens_q).tolist()
-    outs, start = [], 0
-    for n in bounds:
-        outs.append(F.scaled_dot_product_attention(
-            query[:, :, start:start + n], key[:, :, start:start + n], value[:, :, start:start + n],
-            is_causal=True, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]))
-        start += n
+    rows = zip(*(x.split(bounds, dim=2) for x in (query, key, value)), strict=True)
+    outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+            for q, k, v in rows]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -96,12 +90,9 @@ def check_enabled(model: torch.nn.Module) -> None:
 
 
 def packed_kwargs(row_lengths: list[int], cu_seq_lens: Tensor) -> dict[str, Any]:
-    """A packed sequence's row boundaries as the attention kwargs every layer gets (FlashAttention's names)."""
+    """A packed forward's kwargs: the row boundaries every attention layer gets (FlashAttention's names) and a
+    "prepared" mask mapping of None (transformers would otherwise build a dense [T x T] mask)."""
     longest = max(row_lengths)
-    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
-            "max_length_k": longest, "packed_lengths": row_lengths}
-
-
-def no_masks() -> dict[str, None]:
-    """A "prepared" mask mapping of None: transformers would otherwise build a dense [T x T] mask."""
-    return {"full_attention": None, "sliding_attention": None}
+    return {"attention_mask": {"full_attention": None, "sliding_attention": None}, "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest, "max_length_k": longest,
+            "packed_lengths": row_lengths}

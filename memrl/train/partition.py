@@ -13,7 +13,7 @@ Invariants (asserted by tests/train/test_actor.py and tests/distributed/test_par
 
 from __future__ import annotations
 
-import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +29,6 @@ class PartitionError(ValueError, MemrlError):
 
 
 def padding_row(pad_token_id: int, rollout_id: int) -> TrainRow:
-    """A row that trains nothing: two tokens, an all-zero loss mask, marked as padding."""
     return TrainRow(tokens=[pad_token_id, pad_token_id], response_length=1, loss_mask=[0], rollout_log_probs=[0.0],
                     advantage=0.0, group_id="__padding__", trajectory_id="__padding__", turn_index=0,
                     rollout_id=rollout_id, is_padding=True)
@@ -47,11 +46,8 @@ def split_optimizer_steps(rows: Sequence[TrainRow], num_steps: int) -> list[list
             f"lower train.num_optimizer_steps or raise train.rollout_batch_size"
         )
     ordered = list(groups.values())
-    steps: list[list[TrainRow]] = []
-    for k in range(num_steps):
-        lo, hi = k * len(ordered) // num_steps, (k + 1) * len(ordered) // num_steps
-        steps.append([r for g in ordered[lo:hi] for r in g])
-    return steps
+    bounds = [k * len(ordered) // num_steps for k in range(num_steps + 1)]
+    return [[r for g in ordered[lo:hi] for r in g] for lo, hi in itertools.pairwise(bounds)]
 
 
 def split_ranks(rows: Sequence[TrainRow], dp_size: int, pad_to_dp: bool, pad_token_id: int,
@@ -69,19 +65,13 @@ def split_ranks(rows: Sequence[TrainRow], dp_size: int, pad_to_dp: bool, pad_tok
             )
         rows += [padding_row(pad_token_id, rollout_id) for _ in range(dp_size - remainder)]
     per_rank = len(rows) // dp_size
-    # Longest-first greedy onto the least-loaded rank that still has room: near-equal token loads.
-    heap = [(0, rank) for rank in range(dp_size)]
+    # Longest-first greedy onto the least-loaded rank that still has room (ties: the lowest rank).
+    loads = [0] * dp_size
     ranks: list[list[TrainRow]] = [[] for _ in range(dp_size)]
     for row in sorted(rows, key=lambda r: len(r.tokens), reverse=True):
-        skipped = []
-        load, rank = heapq.heappop(heap)
-        while len(ranks[rank]) >= per_rank:
-            skipped.append((load, rank))
-            load, rank = heapq.heappop(heap)
+        rank = min((k for k in range(dp_size) if len(ranks[k]) < per_rank), key=lambda k: (loads[k], k))
         ranks[rank].append(row)
-        heapq.heappush(heap, (load + len(row.tokens), rank))
-        for item in skipped:
-            heapq.heappush(heap, item)
+        loads[rank] += len(row.tokens)
     return ranks
 
 

@@ -8,10 +8,12 @@ changes the weights exactly as one AdamW step on that NLL would (tested).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,10 @@ from tqdm.auto import tqdm
 from memrl.config import Config, TrainConfig
 from memrl.errors import MemrlError
 from memrl.io import atomic_folder
+from memrl.train import setup
+from memrl.train.actor import Actor
+from memrl.train.microbatch import MicroBatch, response_log_probs
+from memrl.train.partition import micro_batches
 from memrl.types import TrainRow
 
 Demonstration = Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -53,8 +59,8 @@ class SFTOptions:
             raise SFTError(f"SFT option {err['loc'][0]} = {err['input']!r}: {err['msg']}") from None
 
 
-def demonstration_rows(demonstrations: Sequence[Demonstration], prefix: str = "sft") -> list[TrainRow]:
-    """One row per turn; each demonstration is one group and trajectory (`{prefix}:{i}`), never split."""
+def demonstration_rows(demonstrations: Sequence[Demonstration]) -> list[TrainRow]:
+    """One row per turn; each demonstration is one group and trajectory (`sft:{i}`), never split."""
     rows = []
     for i, demo in enumerate(demonstrations):
         for turn, (prompt, response) in enumerate(demo):
@@ -62,7 +68,7 @@ def demonstration_rows(demonstrations: Sequence[Demonstration], prefix: str = "s
                 raise SFTError(f"demonstration {i}, turn {turn}: prompt and response must both be non-empty")
             rows.append(TrainRow(tokens=[*map(int, prompt), *map(int, response)], response_length=len(response),
                                  loss_mask=[1] * len(response), rollout_log_probs=[0.0] * len(response),
-                                 advantage=1.0, group_id=f"{prefix}:{i}", trajectory_id=f"{prefix}:{i}",
+                                 advantage=1.0, group_id=f"sft:{i}", trajectory_id=f"sft:{i}",
                                  turn_index=turn, rollout_id=0))
     return rows
 
@@ -84,9 +90,6 @@ def mean_nll(model: torch.nn.Module, rows: Sequence[TrainRow], pad_token_id: int
     """Token-mean negative log-likelihood of the rows' response tokens, one `train.micro_batch_tokens`
     micro-batch at a time (32 SmolLM2 demonstrations of a MemAgent reading in one forward took ~12 GB of
     23), the LM head `train.logprob_chunk_tokens` at a time, as the training step computes them."""
-    from memrl.train.microbatch import MicroBatch, response_log_probs
-    from memrl.train.partition import micro_batches
-
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for batch in micro_batches(rows, train.micro_batch_tokens):
@@ -101,34 +104,31 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, cfg: Config, demonstrations:
             options: SFTOptions, out_dir: str | Path | None = None) -> list[dict[str, float]]:
     """Train `model` in place; per-step metrics (with `out_dir`: also metrics.jsonl, sft_options.json and
     the trained model + tokenizer in `out_dir/model`)."""
-    from memrl.train.actor import Actor
-
     if not demonstrations:
         raise SFTError("no demonstrations to train on")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = setup.pad_token_id(tokenizer)
     actor = Actor(model, sft_config(cfg, options), pad_token_id=pad)
-    by_demo: dict[str, list[TrainRow]] = {}
-    for row in demonstration_rows(demonstrations):
-        by_demo.setdefault(row.trajectory_id, []).append(row)
-    keys = list(by_demo)
-    probe = [r for k in keys[:32] for r in by_demo[k]]  # fixed rows to report the NLL on
+    # Each demonstration's rows, in order (demonstration_rows emits them consecutively).
+    demos = [list(rows) for _, rows in itertools.groupby(demonstration_rows(demonstrations),
+                                                         key=lambda r: r.trajectory_id)]
+    probe = [r for demo in demos[:32] for r in demo]  # fixed rows to report the NLL on
     rng = random.Random(options.seed)
-    steps_per_epoch = math.ceil(len(keys) / options.batch_size)
+    steps_per_epoch = math.ceil(len(demos) / options.batch_size)
     out = Path(out_dir) if out_dir is not None else None
-    metrics_file = None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sft_options.json").write_text(json.dumps(asdict(options), indent=2) + "\n")
-        metrics_file = open(out / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115 (closed below)
     history: list[dict[str, float]] = []
-    bar = tqdm(total=options.epochs * steps_per_epoch, desc="sft", unit="step", disable=not options.progress)
-    try:
+    with (
+        open(out / "metrics.jsonl", "w", encoding="utf-8") if out is not None else nullcontext() as metrics_file,
+        tqdm(total=options.epochs * steps_per_epoch, desc="sft", unit="step", disable=not options.progress) as bar,
+    ):
         for epoch in range(options.epochs):
-            order = keys[:]
+            order = demos[:]
             rng.shuffle(order)
             for b in range(steps_per_epoch):
                 step = epoch * steps_per_epoch + b
-                rows = [r for k in order[b * options.batch_size:(b + 1) * options.batch_size] for r in by_demo[k]]
+                rows = [r for demo in order[b * options.batch_size:(b + 1) * options.batch_size] for r in demo]
                 metrics = actor.train_rollout(rows, rollout_id=step)
                 record = {"step": step, "epoch": epoch, "rows": float(len(rows)), "lr": metrics["lr"],
                           "grad_norm": metrics["grad_norm"], "time_s": metrics["time/train_s"]}
@@ -140,10 +140,6 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, cfg: Config, demonstrations:
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()  # a step's line is readable while the next one trains
                 bar.update()
-    finally:
-        bar.close()
-        if metrics_file is not None:
-            metrics_file.close()
     model.eval()
     if out is not None:
         with atomic_folder(out / "model") as tmp:  # a killed save leaves no half-written model folder

@@ -30,9 +30,8 @@ def load_demonstrations(path: str | Path, tokenizer: Any, enable_thinking: bool 
     demos: list[Demonstration] = []
     for n, record in jsonl_lines(path, bad_line):
         try:
-            turns = record["turns"]
             demo = []
-            for turn in turns:
+            for turn in record["turns"]:
                 response = tokenizer(turn["response"], add_special_tokens=False)["input_ids"]
                 demo.append((_prompt_ids(tokenizer, turn["prompt"], enable_thinking),
                              [*response, tokenizer.eos_token_id]))
