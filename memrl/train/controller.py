@@ -265,7 +265,7 @@ class Trainer:
 
     def _train(self, rollout_id: int, timer: StageTimer, wait_stage: str = "train") -> dict[str, float]:
         with timer(wait_stage):
-            consumed = self.parts.rows.get_rollout(rollout_id, timeout_s=self.cfg.queue.timeout_s)
+            consumed = self.parts.rows.get_rollout(rollout_id)
         with timer("train"):
             try:
                 return self.parts.policy.train_rollout(consumed, rollout_id)
