@@ -1,19 +1,10 @@
-"""The training loop (docs/design.md, "One rollout step"), the only one; what it talks to are parts:
-
-    for rollout_id in range(start, num_rollout):
-        records = parts.data.batch(rollout_id)               # same ids after a resume
-        out     = parts.rollout.generate(rollout_id, records) # scored and converted where generated
-        parts.rows.put(rollout_id, out.rows, out.train_row_count) # exact row count announced; rows once
-        metrics = parts.policy.train_rollout(parts.rows.get_rollout(rollout_id), rollout_id)
-        parts.rollout.sync_from(parts.policy.weight_source(...)); check it (canary); log
-        validate (train.eval_interval); checkpoint (+ best.json, keep_last_n)
-
-`local_parts` builds them in one process, `memrl.distributed.runtime.ray_parts` on Ray actors; the loop
-never asks which, only what a part declares (memrl/train/sources.py; the policy's `shares_cpu`). Rows
-saved, transferred and consumed must be equal every step. After every weight sync (and once before the
-first rollout) the engine must score the trainer's probe (memrl/train/sync_check.py). With
-`train.max_staleness = k >= 1` generation runs ahead in a producer thread (memrl/train/pipeline.py) and
-the loop publishes a frozen copy of the weights after each step instead of syncing the engine itself.
+"""The training loop, the only one (docs/design.md, "One rollout step"): generate, put the rows, train,
+sync the engine, check the sync (memrl/train/sync_check.py), log, validate, checkpoint. It talks to
+`TrainingParts`, built by `local_parts` in one process or `memrl.distributed.runtime.ray_parts` on Ray,
+and asks only what a part declares, never its kind. Rows saved, transferred and consumed must be equal
+every step. With `train.max_staleness = k >= 1` generation runs ahead in a producer thread
+(memrl/train/pipeline.py) and the loop publishes a frozen copy of the weights after each step instead of
+syncing the engine itself.
 """
 
 from __future__ import annotations
@@ -126,7 +117,8 @@ def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, out: Rol
         "trajectory_id": traj.trajectory_id, "question_id": traj.metadata.get("question_id"),
         "question": traj.metadata.get("question"), "group_id": traj.group_id, "sample_index": traj.sample_index,
         "weight_version": traj.metadata.get("weight_version"), "status": traj.status, "reward": traj.reward,
-        "advantage": out.advantages.get(traj.trajectory_id), "answer": traj.answer, "golds": traj.metadata.get("golds"), "error": traj.error,
+        "advantage": out.advantages.get(traj.trajectory_id), "answer": traj.answer,
+        "golds": traj.metadata.get("golds"), "error": traj.error,
         **task.log_fields(traj, "train"), "turns": turns,
     }
 
@@ -319,9 +311,8 @@ class Trainer:
         start, k, end = parts.start_rollout_id, cfg.train.max_staleness, cfg.train.num_rollout
         board = WeightBoard(start, cfg.queue.timeout_s, discard=_remove_version_folder)
 
-        version_of = self._version_of
         self._producer = Producer(range(start, end), self._produce, self._deliver, self._sync_checked,
-                                  version_of, board, parts.rows.fail)
+                                  self._version_of, board, parts.rows.fail)
         self._torch_threads = torch.get_num_threads()  # restored when the run ends
         if parts.policy.shares_cpu and self._torch_threads > 1:
             # torch's intra-op pool is shared: half the threads each, so the two stages use different cores.
@@ -335,7 +326,7 @@ class Trainer:
             except QueueError as error:  # the producer failed this rollout: its error, named
                 raise TrainingError(f"pipeline: {error}") from error
             version = rollout_id + 1
-            if any(version_of(r) == version for r in range(version, min(version + k, end - 1) + 1)):
+            if any(self._version_of(r) == version for r in range(version, min(version + k, end - 1) + 1)):
                 probe = None
                 if self._probe_ids is not None:
                     with timer("sync_check"):  # the trainer's side; the engine's runs in the producer

@@ -83,11 +83,6 @@ class DataSource:
             raise TrainingError("the training set is empty; check data.dir and data.train_file")
         self.records, self.batch_size, self.seed = list(records), batch_size, seed
 
-    @classmethod
-    def from_config(cls, cfg: Config, records: Sequence[Any] | None = None) -> DataSource:
-        return cls(records if records is not None else load_train_records(cfg), cfg.train.rollout_batch_size,
-                   cfg.train.seed)
-
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))
         if epoch > 0:
@@ -95,12 +90,8 @@ class DataSource:
         return order
 
     def batch(self, rollout_id: int) -> list[Any]:
-        start = rollout_id * self.batch_size
-        out = []
-        for k in range(start, start + self.batch_size):
-            epoch, pos = divmod(k, len(self.records))
-            out.append(self.records[self._epoch_order(epoch)[pos]])
-        return out
+        n, start = len(self.records), rollout_id * self.batch_size
+        return [self.records[self._epoch_order(k // n)[k % n]] for k in range(start, start + self.batch_size)]
 
     def extra_batch(self, rollout_id: int, chunk: int, size: int) -> list[Any]:
         """Chunk `chunk` (1, 2, ...) of `size` further questions (dynamic sampling): a shuffle seeded by
@@ -181,6 +172,7 @@ def run_start(cfg: Config, tokenizer: Any = None, records: Sequence[Any] | None 
     replace what the config names)."""
     seed_everything(cfg.train.seed)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    start = RunStart(tokenizer, DataSource.from_config(cfg, records), load_task(cfg))
+    records = records if records is not None else load_train_records(cfg)
+    start = RunStart(tokenizer, DataSource(records, cfg.train.rollout_batch_size, cfg.train.seed), load_task(cfg))
     warn_about_top_p(cfg)
     return start
