@@ -38,7 +38,6 @@ from memrl.train.setup import (
     pad_token_id,
     run_start,
     start_rollout_id,
-    trainer_device,
 )
 from memrl.train.sources import LocalRollout, ReplayRollout, RolloutSource, save_raw_rollout
 from memrl.train.sync_check import check_sync, probe_ids
@@ -140,12 +139,15 @@ def check_trainable(rollout_id: int, out: RolloutOutput, max_errors: int = 2) ->
 def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | None = None,
                 tokenizer: Any = None, records: Sequence[Any] | None = None) -> TrainingParts:
     """The parts of a one-process run; `model`, `tokenizer`, `records` replace what the config names."""
+    from memrl.engines.hf import resolve_device_dtype
+
     first = start_rollout_id(cfg, options.load, options.start_rollout_id)  # before anything loads
     start = run_start(cfg, tokenizer, records)
     tokenizer = start.tokenizer
     model = model if model is not None else load_policy(cfg)
+    device, _ = resolve_device_dtype(cfg.model.device, None)  # `auto` resolved as the engines resolve it
     # The reference model is the starting policy, also on resume: the actor copies it before any load.
-    actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=trainer_device(cfg), load=options.load)
+    actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=device, load=options.load)
     # Room for the rollouts in flight at once: this step's and the k the pipeline may generate ahead.
     in_flight = cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1)
     queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.sampling.n_samples, rows_per_trajectory(cfg))
@@ -383,7 +385,6 @@ class Trainer:
 
     def run(self) -> list[dict[str, float]]:
         cfg, parts = self.cfg, self.parts
-        self.opt.run_root.mkdir(parents=True, exist_ok=True)
         history: list[dict[str, float]] = []
         t = cfg.train
         logger = RunLogger(self.opt.run_root, cfg, start_rollout_id=parts.start_rollout_id, loggers=t.loggers,

@@ -143,10 +143,10 @@ class RunLogger:
         self.rollouts_dir = self.logs_dir / "rollouts"
         self.metrics_path = self.logs_dir / METRICS_FILE
         self.rollouts_dir.mkdir(parents=True, exist_ok=True)
-        if config_dict is not None:
-            if hasattr(config_dict, "model_dump"):
-                config_dict = config_dict.model_dump(mode="json")
-            atomic_write_text(self.run_root / "config.yaml", yaml.safe_dump(_json_safe(config_dict), sort_keys=False))
+        config = config_dict.model_dump(mode="json") if hasattr(config_dict, "model_dump") else config_dict
+        config = _json_safe(config)
+        if config is not None:
+            atomic_write_text(self.run_root / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         self.jsonl = "jsonl" in loggers
         # File handler on the package logger, so every memrl module's records reach train.log.
         self._handler = logging.FileHandler(self.logs_dir / "train.log", encoding="utf-8")
@@ -169,8 +169,7 @@ class RunLogger:
         self._wandb = None
         if "wandb" in loggers:
             try:
-                self._wandb = WandbLogger(self.run_root, _json_safe(config_dict) if config_dict is not None else None,
-                                          project_name, experiment_name)
+                self._wandb = WandbLogger(self.run_root, config, project_name, experiment_name)
             except BaseException:
                 self.close()
                 raise

@@ -66,13 +66,6 @@ def pad_token_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def trainer_device(cfg: Config) -> torch.device:
-    """Where the actor trains: `model.device`, `auto` resolved as the engines resolve it (one rule)."""
-    from memrl.engines.hf import resolve_device_dtype
-
-    return resolve_device_dtype(cfg.model.device, None)[0]
-
-
 class DataSource:
     """Deterministic batches: rollout id -> the same questions on every run and after every resume. The
     file's order first, then each epoch shuffled by (seed, epoch): the cursor is a pure function of the
