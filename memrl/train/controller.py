@@ -304,8 +304,12 @@ class Trainer:
         return sampling_version(rollout_id, self.parts.start_rollout_id, self.cfg.train.max_staleness,
                                 self._saves_after)
 
+    def _ends_interval(self, rollout_id: int, interval: int) -> bool:
+        """Step `rollout_id` is the last of an `interval` (0: never) or of the run."""
+        return interval > 0 and ((rollout_id + 1) % interval == 0 or rollout_id == self.cfg.train.num_rollout - 1)
+
     def _saves_after(self, rollout_id: int) -> bool:
-        return (rollout_id + 1) % self.cfg.train.save_interval == 0 or rollout_id == self.cfg.train.num_rollout - 1
+        return self._ends_interval(rollout_id, self.cfg.train.save_interval)
 
     def _overlapped_steps(self) -> Callable[[int, RunLogger], dict[str, float]]:
         """Start the producer thread (memrl/train/pipeline.py); return the trainer's side of each step."""
@@ -351,10 +355,6 @@ class Trainer:
             return WeightsOnDisk(self.parts.policy.weight_source(folder, self.parts.tokenizer).saved_folder(), probe)
         return WeightsInMemory(self.parts.policy.weight_snapshot(), probe)
 
-    def _validates_after(self, rollout_id: int) -> bool:
-        interval = self.cfg.train.eval_interval
-        return interval > 0 and ((rollout_id + 1) % interval == 0 or rollout_id == self.cfg.train.num_rollout - 1)
-
     def validate(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
         """Evaluate the eval sets with the engine's weights (those after step `rollout_id`) and log them."""
         assert self.validator is not None and self.parts.rollout.in_process
@@ -384,20 +384,19 @@ class Trainer:
         return path
 
     def run(self) -> list[dict[str, float]]:
-        cfg, parts = self.cfg, self.parts
+        cfg, parts, t = self.cfg, self.parts, self.cfg.train
         history: list[dict[str, float]] = []
-        t = cfg.train
         logger = RunLogger(self.opt.run_root, cfg, start_rollout_id=parts.start_rollout_id, loggers=t.loggers,
                            project_name=t.project_name, experiment_name=t.experiment_name)
-        bar = tqdm(range(parts.start_rollout_id, cfg.train.num_rollout), desc="train", unit="step",
+        bar = tqdm(range(parts.start_rollout_id, t.num_rollout), desc="train", unit="step",
                    disable=not self.opt.progress)
         last_saved = None
         try:
             if self._probe_ids is not None:  # the engine starts with the starting weights (local_parts, ray_parts)
                 self._check_engine(self._probe(parts.start_rollout_id))
-            steps = self.step if cfg.train.max_staleness == 0 else self._overlapped_steps()
+            steps = self.step if t.max_staleness == 0 else self._overlapped_steps()
             before = parts.start_rollout_id - 1
-            if cfg.train.eval_before_train and not any(
+            if t.eval_before_train and not any(
                     r["rollout_id"] == before for r in read_metrics(self.opt.run_root, EVAL_METRICS_FILE)):
                 self.validate(before, logger)  # a resumed run validated its starting weights already
             for rollout_id in bar:
@@ -405,7 +404,8 @@ class Trainer:
                 history.append(metrics)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                 rows=int(metrics["rows/consumed"]))
-                evaluation = self.validate(rollout_id, logger) if self._validates_after(rollout_id) else {}
+                validates = self._ends_interval(rollout_id, t.eval_interval)
+                evaluation = self.validate(rollout_id, logger) if validates else {}
                 metrics.update(evaluation)
                 saved = self.save(rollout_id) if self._saves_after(rollout_id) else None
                 last_saved = self._keep_best(rollout_id, evaluation, saved) or saved or last_saved
