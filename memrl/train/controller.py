@@ -197,10 +197,9 @@ class Trainer:
         if t.keep_best is None:
             return None
         best = read_best(self.opt.run_root)
-        if best is not None and (best["metric"], best["mode"]) == (t.keep_best, t.keep_best_mode) \
-                and best["rollout_id"] < self.parts.start_rollout_id:
-            return BestTracker(t.keep_best, t.keep_best_mode, float(best["value"]))
-        return BestTracker(t.keep_best, t.keep_best_mode)
+        carried = best is not None and (best["metric"], best["mode"]) == (t.keep_best, t.keep_best_mode) \
+            and best["rollout_id"] < self.parts.start_rollout_id
+        return BestTracker(t.keep_best, t.keep_best_mode, float(best["value"]) if carried else None)
 
     def step(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
         """One synchronous step: generate, deliver, train, sync the engine, log."""
@@ -323,7 +322,7 @@ class Trainer:
         if parts.policy.shares_cpu and self._torch_threads > 1:
             # torch's intra-op pool is shared: half the threads each, so the two stages use different cores.
             torch.set_num_threads(max(1, self._torch_threads // 2))
-        self._producer.start(engine_version=start)
+        self._producer.start()
 
         def trained_step(rollout_id: int, logger: RunLogger) -> dict[str, float]:
             timer = StageTimer()
