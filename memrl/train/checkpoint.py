@@ -25,6 +25,7 @@ import socket
 import time
 import warnings
 from collections.abc import Mapping
+from contextlib import suppress
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from memrl.errors import MemrlError
-from memrl.io import atomic_write_text
+from memrl.io import atomic_write_json, atomic_write_text
 from memrl.train import lora
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -145,16 +146,12 @@ def _jsonable(value: Any) -> Any:
 
 def _fsync_dir(path: Path) -> None:
     # Make the renames durable; not all platforms allow opening a directory, which is harmless.
-    try:
+    with suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -225,10 +222,7 @@ def _write_checkpoint_files(target: Path, rollout_id: int, model: torch.nn.Modul
     }
     (target / STATE_FILE).write_text(json.dumps(full_state, indent=2, default=_jsonable) + "\n")
     _fsync_tree(target)
-    with open(target / COMPLETE_MARKER, "w") as f:
-        f.write(f"{checkpoint_name(rollout_id)}\n")
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write_text(target / COMPLETE_MARKER, f"{checkpoint_name(rollout_id)}\n")
     _fsync_dir(target)
 
 
@@ -274,8 +268,7 @@ def write_best(run_root: str | Path, rollout_id: int, metric: str, value: float,
     if not _is_complete(ckpt_dir / name):
         raise CheckpointError(f"best.json may only name a complete checkpoint; {ckpt_dir / name} is not one")
     record = {"checkpoint": name, "rollout_id": rollout_id, "metric": metric, "value": value, "mode": mode}
-    atomic_write_text(ckpt_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
-    return ckpt_dir / BEST_FILE
+    return atomic_write_json(ckpt_dir / BEST_FILE, record)
 
 
 def read_best(run_root: str | Path) -> dict[str, Any] | None:
@@ -314,10 +307,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
-    is_checkpoint_dir = bool(_CHECKPOINT_NAME.match(path.name)) or (path / STATE_FILE).exists() or (
-        path / COMPLETE_MARKER
-    ).exists() or (path / MODEL_DIR).is_dir()
-    if is_checkpoint_dir:
+    named = _CHECKPOINT_NAME.match(path.name) or (path / MODEL_DIR).is_dir()
+    if named or (path / STATE_FILE).exists() or (path / COMPLETE_MARKER).exists():
         if not _is_complete(path):
             complete = [p.name for p in list_checkpoints(path.parent)]
             raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker: its save was "

@@ -1,19 +1,10 @@
-"""The training loop (docs/design.md, "One rollout step"), the only one; what it talks to are parts:
-
-    for rollout_id in range(start, num_rollout):
-        records = parts.data.batch(rollout_id)               # same ids after a resume
-        out     = parts.rollout.generate(rollout_id, records) # scored and converted where generated
-        parts.rows.put(rollout_id, out.rows, out.train_row_count) # exact row count announced; rows once
-        metrics = parts.policy.train_rollout(parts.rows.get_rollout(rollout_id), rollout_id)
-        parts.rollout.sync_from(parts.policy.weight_source(...)); check it (canary); log
-        validate (train.eval_interval); checkpoint (+ best.json, keep_last_n)
-
-`local_parts` builds them in one process, `memrl.distributed.runtime.ray_parts` on Ray actors; the loop
-never asks which, only what a part declares (memrl/train/sources.py; the policy's `shares_cpu`). Rows
-saved, transferred and consumed must be equal every step. After every weight sync (and once before the
-first rollout) the engine must score the trainer's probe (memrl/train/sync_check.py). With
-`train.max_staleness = k >= 1` generation runs ahead in a producer thread (memrl/train/pipeline.py) and
-the loop publishes a frozen copy of the weights after each step instead of syncing the engine itself.
+"""The training loop, the only one (docs/design.md, "One rollout step"): generate, put the rows, train,
+sync the engine, check the sync (memrl/train/sync_check.py), log, validate, checkpoint. It talks to
+`TrainingParts`, built by `local_parts` in one process or `memrl.distributed.runtime.ray_parts` on Ray,
+and asks only what a part declares, never its kind. Rows saved, transferred and consumed must be equal
+every step. With `train.max_staleness = k >= 1` generation runs ahead in a producer thread
+(memrl/train/pipeline.py) and the loop publishes a frozen copy of the weights after each step instead of
+syncing the engine itself.
 """
 
 from __future__ import annotations
@@ -47,7 +38,6 @@ from memrl.train.setup import (
     pad_token_id,
     run_start,
     start_rollout_id,
-    trainer_device,
 )
 from memrl.train.sources import LocalRollout, ReplayRollout, RolloutSource, save_raw_rollout
 from memrl.train.sync_check import check_sync, probe_ids
@@ -126,7 +116,8 @@ def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, out: Rol
         "trajectory_id": traj.trajectory_id, "question_id": traj.metadata.get("question_id"),
         "question": traj.metadata.get("question"), "group_id": traj.group_id, "sample_index": traj.sample_index,
         "weight_version": traj.metadata.get("weight_version"), "status": traj.status, "reward": traj.reward,
-        "advantage": out.advantages.get(traj.trajectory_id), "answer": traj.answer, "golds": traj.metadata.get("golds"), "error": traj.error,
+        "advantage": out.advantages.get(traj.trajectory_id), "answer": traj.answer,
+        "golds": traj.metadata.get("golds"), "error": traj.error,
         **task.log_fields(traj, "train"), "turns": turns,
     }
 
@@ -148,12 +139,15 @@ def check_trainable(rollout_id: int, out: RolloutOutput, max_errors: int = 2) ->
 def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | None = None,
                 tokenizer: Any = None, records: Sequence[Any] | None = None) -> TrainingParts:
     """The parts of a one-process run; `model`, `tokenizer`, `records` replace what the config names."""
+    from memrl.engines.hf import resolve_device_dtype
+
     first = start_rollout_id(cfg, options.load, options.start_rollout_id)  # before anything loads
     start = run_start(cfg, tokenizer, records)
     tokenizer = start.tokenizer
     model = model if model is not None else load_policy(cfg)
+    device, _ = resolve_device_dtype(cfg.model.device, None)  # `auto` resolved as the engines resolve it
     # The reference model is the starting policy, also on resume: the actor copies it before any load.
-    actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=trainer_device(cfg), load=options.load)
+    actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=device, load=options.load)
     # Room for the rollouts in flight at once: this step's and the k the pipeline may generate ahead.
     in_flight = cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1)
     queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.sampling.n_samples, rows_per_trajectory(cfg))
@@ -203,10 +197,9 @@ class Trainer:
         if t.keep_best is None:
             return None
         best = read_best(self.opt.run_root)
-        if best is not None and (best["metric"], best["mode"]) == (t.keep_best, t.keep_best_mode) \
-                and best["rollout_id"] < self.parts.start_rollout_id:
-            return BestTracker(t.keep_best, t.keep_best_mode, float(best["value"]))
-        return BestTracker(t.keep_best, t.keep_best_mode)
+        carried = best is not None and (best["metric"], best["mode"]) == (t.keep_best, t.keep_best_mode) \
+            and best["rollout_id"] < self.parts.start_rollout_id
+        return BestTracker(t.keep_best, t.keep_best_mode, float(best["value"]) if carried else None)
 
     def step(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
         """One synchronous step: generate, deliver, train, sync the engine, log."""
@@ -265,7 +258,7 @@ class Trainer:
 
     def _train(self, rollout_id: int, timer: StageTimer, wait_stage: str = "train") -> dict[str, float]:
         with timer(wait_stage):
-            consumed = self.parts.rows.get_rollout(rollout_id, timeout_s=self.cfg.queue.timeout_s)
+            consumed = self.parts.rows.get_rollout(rollout_id)
         with timer("train"):
             try:
                 return self.parts.policy.train_rollout(consumed, rollout_id)
@@ -310,8 +303,12 @@ class Trainer:
         return sampling_version(rollout_id, self.parts.start_rollout_id, self.cfg.train.max_staleness,
                                 self._saves_after)
 
+    def _ends_interval(self, rollout_id: int, interval: int) -> bool:
+        """Step `rollout_id` is the last of an `interval` (0: never) or of the run."""
+        return interval > 0 and ((rollout_id + 1) % interval == 0 or rollout_id == self.cfg.train.num_rollout - 1)
+
     def _saves_after(self, rollout_id: int) -> bool:
-        return (rollout_id + 1) % self.cfg.train.save_interval == 0 or rollout_id == self.cfg.train.num_rollout - 1
+        return self._ends_interval(rollout_id, self.cfg.train.save_interval)
 
     def _overlapped_steps(self) -> Callable[[int, RunLogger], dict[str, float]]:
         """Start the producer thread (memrl/train/pipeline.py); return the trainer's side of each step."""
@@ -319,14 +316,13 @@ class Trainer:
         start, k, end = parts.start_rollout_id, cfg.train.max_staleness, cfg.train.num_rollout
         board = WeightBoard(start, cfg.queue.timeout_s, discard=_remove_version_folder)
 
-        version_of = self._version_of
         self._producer = Producer(range(start, end), self._produce, self._deliver, self._sync_checked,
-                                  version_of, board, parts.rows.fail)
+                                  self._version_of, board, parts.rows.fail)
         self._torch_threads = torch.get_num_threads()  # restored when the run ends
         if parts.policy.shares_cpu and self._torch_threads > 1:
             # torch's intra-op pool is shared: half the threads each, so the two stages use different cores.
             torch.set_num_threads(max(1, self._torch_threads // 2))
-        self._producer.start(engine_version=start)
+        self._producer.start()
 
         def trained_step(rollout_id: int, logger: RunLogger) -> dict[str, float]:
             timer = StageTimer()
@@ -335,7 +331,7 @@ class Trainer:
             except QueueError as error:  # the producer failed this rollout: its error, named
                 raise TrainingError(f"pipeline: {error}") from error
             version = rollout_id + 1
-            if any(version_of(r) == version for r in range(version, min(version + k, end - 1) + 1)):
+            if any(self._version_of(r) == version for r in range(version, min(version + k, end - 1) + 1)):
                 probe = None
                 if self._probe_ids is not None:
                     with timer("sync_check"):  # the trainer's side; the engine's runs in the producer
@@ -357,10 +353,6 @@ class Trainer:
             folder = self.opt.run_root / VERSIONS_DIR / f"v{version:07d}"
             return WeightsOnDisk(self.parts.policy.weight_source(folder, self.parts.tokenizer).saved_folder(), probe)
         return WeightsInMemory(self.parts.policy.weight_snapshot(), probe)
-
-    def _validates_after(self, rollout_id: int) -> bool:
-        interval = self.cfg.train.eval_interval
-        return interval > 0 and ((rollout_id + 1) % interval == 0 or rollout_id == self.cfg.train.num_rollout - 1)
 
     def validate(self, rollout_id: int, logger: RunLogger) -> dict[str, float]:
         """Evaluate the eval sets with the engine's weights (those after step `rollout_id`) and log them."""
@@ -391,21 +383,19 @@ class Trainer:
         return path
 
     def run(self) -> list[dict[str, float]]:
-        cfg, parts = self.cfg, self.parts
-        self.opt.run_root.mkdir(parents=True, exist_ok=True)
+        cfg, parts, t = self.cfg, self.parts, self.cfg.train
         history: list[dict[str, float]] = []
-        t = cfg.train
         logger = RunLogger(self.opt.run_root, cfg, start_rollout_id=parts.start_rollout_id, loggers=t.loggers,
                            project_name=t.project_name, experiment_name=t.experiment_name)
-        bar = tqdm(range(parts.start_rollout_id, cfg.train.num_rollout), desc="train", unit="step",
+        bar = tqdm(range(parts.start_rollout_id, t.num_rollout), desc="train", unit="step",
                    disable=not self.opt.progress)
         last_saved = None
         try:
             if self._probe_ids is not None:  # the engine starts with the starting weights (local_parts, ray_parts)
                 self._check_engine(self._probe(parts.start_rollout_id))
-            steps = self.step if cfg.train.max_staleness == 0 else self._overlapped_steps()
+            steps = self.step if t.max_staleness == 0 else self._overlapped_steps()
             before = parts.start_rollout_id - 1
-            if cfg.train.eval_before_train and not any(
+            if t.eval_before_train and not any(
                     r["rollout_id"] == before for r in read_metrics(self.opt.run_root, EVAL_METRICS_FILE)):
                 self.validate(before, logger)  # a resumed run validated its starting weights already
             for rollout_id in bar:
@@ -413,7 +403,8 @@ class Trainer:
                 history.append(metrics)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                 rows=int(metrics["rows/consumed"]))
-                evaluation = self.validate(rollout_id, logger) if self._validates_after(rollout_id) else {}
+                validates = self._ends_interval(rollout_id, t.eval_interval)
+                evaluation = self.validate(rollout_id, logger) if validates else {}
                 metrics.update(evaluation)
                 saved = self.save(rollout_id) if self._saves_after(rollout_id) else None
                 last_saved = self._keep_best(rollout_id, evaluation, saved) or saved or last_saved

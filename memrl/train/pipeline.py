@@ -113,13 +113,12 @@ class Producer:
     results: dict[int, Produced] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
-    engine_version: int = -1
 
     def __post_init__(self) -> None:
+        self.engine_version = self.board.start  # the engine starts with the run's starting weights
         self.thread = threading.Thread(target=self._run, name="memrl-rollout-producer", daemon=True)
 
-    def start(self, engine_version: int) -> None:
-        self.engine_version = engine_version
+    def start(self) -> None:
         self.thread.start()
 
     def _run(self) -> None:

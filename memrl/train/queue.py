@@ -55,8 +55,7 @@ class _Rollout:
     finished: bool = False             # 1:1 path: put(final=True) called
     rows: list[Any] = field(default_factory=list)  # rows put and not yet taken, in put order
     rows_put: int = 0
-    rows_taken: int = 0
-    asked: bool = False                # a consumer called get_rollout
+    taken: bool = False                # a consumer took every row (get_rollout hands them out at once)
     error: BaseException | None = None
 
     @property
@@ -74,7 +73,7 @@ class _Rollout:
     def status(self) -> str:
         if self.error is not None:
             return "failed"
-        if self.complete and self.rows_taken == self.target:
+        if self.taken:
             return "consumed"
         return "complete" if self.complete else "open"
 
@@ -90,10 +89,10 @@ def _checked_int(value: object, name: str) -> int:
     return int(value)
 
 
-def _checked_timeout(value: object, name: str) -> float:
+def _checked_timeout(value: object) -> float:
     """A wait's timeout: NaN made the deadline test never true (a wait forever), inf overflowed the wait."""
     if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
-        raise QueueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        raise QueueError(f"timeout_s (queue.timeout_s) must be a finite number of seconds > 0, got {value!r}")
     return float(value)
 
 
@@ -102,7 +101,7 @@ class TransferQueue:
 
     def __init__(self, capacity_rows: int, timeout_s: float = 1800.0) -> None:
         capacity_rows = _checked_int(capacity_rows, "capacity_rows")
-        timeout_s = _checked_timeout(timeout_s, "timeout_s (queue.timeout_s)")
+        timeout_s = _checked_timeout(timeout_s)
         if capacity_rows <= 0:
             raise QueueError(f"capacity_rows must be > 0, got {capacity_rows}")
         self.capacity_rows = capacity_rows
@@ -151,7 +150,7 @@ class TransferQueue:
         with self._cond:
             state = self._rollouts.setdefault(_checked_int(rollout_id, "rollout_id"), _Rollout())
             # A consumed rollout has no waiter left, and its rows were trained on: it stays consumed.
-            if state.error is None and not self._consumed(state):
+            if state.error is None and not state.taken:
                 self._drop_rows_locked(state)
                 state.error = error
             self._cond.notify_all()
@@ -164,16 +163,14 @@ class TransferQueue:
 
     # ---- consumer -------------------------------------------------------------------------------
 
-    def get_rollout(self, rollout_id: int, timeout_s: float | None = None) -> list[Any]:
+    def get_rollout(self, rollout_id: int) -> list[Any]:
         """Wait until `rollout_id` is complete, then take all its rows in put order (releasing capacity)."""
         with self._cond:
             state = self._checked(rollout_id)
-            state.asked = True
-            self._wait_locked(rollout_id, timeout_s)
-            if state.rows_taken:  # get_rollout hands out everything at once, so this is a second call
-                raise QueueError(f"rollout {rollout_id} was already consumed ({state.rows_taken} rows)")
-            rows, state.rows = state.rows, []
-            state.rows_taken += len(rows)
+            self._wait_locked(rollout_id)
+            if state.taken:
+                raise QueueError(f"rollout {rollout_id} was already consumed ({state.rows_put} rows)")
+            rows, state.rows, state.taken = state.rows, [], True
             self._held -= len(rows)
             self._cond.notify_all()
             return rows
@@ -184,15 +181,10 @@ class TransferQueue:
         """rows_put, rows_taken, expected (None while unknown), held, status (open|complete|consumed|failed)."""
         with self._cond:
             state = self._rollouts.get(_checked_int(rollout_id, "rollout_id"), _Rollout())
-            return {"rows_put": state.rows_put, "rows_taken": state.rows_taken, "expected": state.target,
-                    "held": len(state.rows), "status": state.status}
+            return {"rows_put": state.rows_put, "rows_taken": state.rows_put if state.taken else 0,
+                    "expected": state.target, "held": len(state.rows), "status": state.status}
 
     # ---- internals (call with the lock held) ----------------------------------------------------
-
-    @staticmethod
-    def _consumed(state: _Rollout) -> bool:
-        """Every row was taken by a consumer (not merely finished with zero rows before anyone asked)."""
-        return state.asked and state.status == "consumed"
 
     def _producer_state(self, rollout_id: int) -> _Rollout:
         state = self._checked(rollout_id)
@@ -201,8 +193,8 @@ class TransferQueue:
                              f"nothing more can be put for it")
         # Raise to the late producer only: failing the rollout here would rewrite the stats of a step
         # that was already trained on.
-        if self._consumed(state):
-            raise QueueError(f"rollout {rollout_id} was already consumed ({state.rows_taken} rows trained on); "
+        if state.taken:
+            raise QueueError(f"rollout {rollout_id} was already consumed ({state.rows_put} rows trained on); "
                              f"nothing more can be put for it (is the producer using a stale rollout id?)")
         return state
 
@@ -252,16 +244,15 @@ class TransferQueue:
         self._held -= len(state.rows)
         state.rows = []
 
-    def _wait_locked(self, rollout_id: int, timeout_s: float | None) -> None:
-        timeout = self.timeout_s if timeout_s is None else _checked_timeout(timeout_s, f"rollout {rollout_id}: timeout_s")
-        deadline = time.monotonic() + timeout
+    def _wait_locked(self, rollout_id: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
         while not self._checked(rollout_id).complete:  # raises on close/failure: how waiters wake with errors
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 state = self._rollouts[rollout_id]
                 expected = "not yet announced" if state.target is None else str(state.target)
                 raise QueueTimeoutError(
-                    f"rollout {rollout_id}: waited {timeout:.1f} s for all rows; received {state.rows_put} rows "
-                    f"so far, expected {expected} (taken {state.rows_taken}); the producer may have died "
-                    f"without calling fail(), or raise queue.timeout_s")
+                    f"rollout {rollout_id}: waited {self.timeout_s:.1f} s for all rows; received {state.rows_put} "
+                    f"rows so far, expected {expected}; the producer may have died without calling fail(), or "
+                    f"raise queue.timeout_s")
             self._cond.wait(remaining)

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from memrl.errors import MemrlError
 from memrl.eval.results import METRICS as EVAL_METRICS
 from memrl.io import atomic_save_figure, atomic_write_text
-from memrl.train.run_log import EVAL_METRICS_FILE, REWARD_KEY, read_metrics, reward_summary
+from memrl.train.run_log import EVAL_METRICS_FILE, REWARD_KEY, metric_series, read_metrics, reward_summary
 
 # (file stem, title, y label, metric keys drawn as lines on one plot)
 PLOTS: list[tuple[str, str, str, list[str]]] = [
@@ -39,8 +39,7 @@ class ReportError(RuntimeError, MemrlError):
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    points = [(int(r["rollout_id"]), float(r[key])) for r in records
-              if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]
+    points = metric_series(records, key)
     return [x for x, _ in points], [y for _, y in points]
 
 
@@ -97,14 +96,14 @@ def _eval_lines(evals: list[dict[str, Any]]) -> list[str]:
     """Per set: the last validation's scores and the best EM (with its rollout id)."""
     lines = []
     for name in _eval_sets(evals):
-        xs, ems = _series(evals, f"eval/{name}/em")
-        if not xs:
+        points = metric_series(evals, f"eval/{name}/em")
+        if not points:
             continue
         last = next(r for r in reversed(evals) if f"eval/{name}/em" in r)
-        best_x, best_em = max(zip(xs, ems, strict=True), key=lambda p: p[1])
+        best_x, best_em = max(points, key=lambda p: p[1])
         scores = ", ".join(f"{m} {_fmt(last.get(f'eval/{name}/{m}'))}" for m in EVAL_METRICS)
         lines.append(f"- Validation `{name}` after rollout {last['rollout_id']}: {scores}; best EM {_fmt(best_em)} "
-                     f"(rollout {best_x}; {len(xs)} validations)")
+                     f"(rollout {best_x}; {len(points)} validations)")
     return lines
 
 

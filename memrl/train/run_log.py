@@ -9,7 +9,7 @@
     RUN_ROOT/wandb/                           Weights & Biases (`train.loggers`; logs/wandb_run_id resumes it)
     RUN_ROOT/reward_summary.json              per-rollout mean reward, first/last-10 means, best
 
-Invariants: metrics lines are strict JSON (non-finite numbers as null), flushed as written; a resumed
+Invariants: metrics lines are strict JSON (non-finite numbers as null), appended whole and fsynced; a resumed
 run first drops the lines (and TensorBoard steps) of rollout ids >= its start, so a step is logged once
 even if it ran twice; rollout files are written whole (temporary file, then rename).
 """
@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from memrl.errors import MemrlError
-from memrl.io import atomic_write_text, jsonl_lines
+from memrl.io import atomic_write_json, atomic_write_text, jsonl_lines
 
 LOGGER_NAME = "memrl"
 REWARD_KEY = "reward/mean"
@@ -78,11 +78,20 @@ def read_metrics(run_root: str | Path, filename: str = METRICS_FILE) -> list[dic
     return [by_rollout[k] for k in sorted(by_rollout)]
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def metric_series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(rollout id, value) of each record whose `key` is a finite number."""
+    return [(int(r["rollout_id"]), float(r[key])) for r in records
+            if _is_number(r.get(key)) and math.isfinite(r[key])]
+
+
 def reward_summary(records: list[dict[str, Any]], key: str = REWARD_KEY, window: int = 10) -> dict[str, Any]:
     """Per-rollout mean reward, the mean of the first / last `window` rollouts (over all of them when
     fewer), and the best rollout; rollouts without a finite `key` are left out."""
-    rewards = [(int(r["rollout_id"]), float(r[key])) for r in records
-               if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    rewards = metric_series(records, key)
     if not rewards:
         return {"num_rollouts": 0, "per_rollout": [], "first_10_mean": None, "last_10_mean": None, "best": None}
     values = [v for _, v in rewards]
@@ -134,10 +143,10 @@ class RunLogger:
         self.rollouts_dir = self.logs_dir / "rollouts"
         self.metrics_path = self.logs_dir / METRICS_FILE
         self.rollouts_dir.mkdir(parents=True, exist_ok=True)
-        if config_dict is not None:
-            if hasattr(config_dict, "model_dump"):
-                config_dict = config_dict.model_dump(mode="json")
-            atomic_write_text(self.run_root / "config.yaml", yaml.safe_dump(_json_safe(config_dict), sort_keys=False))
+        config = config_dict.model_dump(mode="json") if hasattr(config_dict, "model_dump") else config_dict
+        config = _json_safe(config)
+        if config is not None:
+            atomic_write_text(self.run_root / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         self.jsonl = "jsonl" in loggers
         # File handler on the package logger, so every memrl module's records reach train.log.
         self._handler = logging.FileHandler(self.logs_dir / "train.log", encoding="utf-8")
@@ -149,7 +158,8 @@ class RunLogger:
         if start_rollout_id is not None:
             self._drop_metrics_from(start_rollout_id, METRICS_FILE)
             self._drop_metrics_from(start_rollout_id, EVAL_METRICS_FILE)
-        self._metrics_file = open(self.metrics_path, "a", encoding="utf-8") if self.jsonl else None
+        if self.jsonl:
+            self.metrics_path.touch()
         self._writer = None
         if use_tensorboard and "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
@@ -159,8 +169,7 @@ class RunLogger:
         self._wandb = None
         if "wandb" in loggers:
             try:
-                self._wandb = WandbLogger(self.run_root, _json_safe(config_dict) if config_dict is not None else None,
-                                          project_name, experiment_name)
+                self._wandb = WandbLogger(self.run_root, config, project_name, experiment_name)
             except BaseException:
                 self.close()
                 raise
@@ -173,36 +182,27 @@ class RunLogger:
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log_metrics(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Append one metrics line and one TensorBoard scalar per finite numeric value; returns the line."""
-        record = self._record(rollout_id, metrics)
-        if self._metrics_file is not None:
-            self._metrics_file.write(json.dumps(record) + "\n")
-            self._metrics_file.flush()
-        self._scalars(rollout_id, record, f"rollout {rollout_id}")
-        return record
+        """One step's metrics: a line of metrics.jsonl and the numbers as scalars; returns the line."""
+        return self._log(METRICS_FILE, rollout_id, metrics, f"rollout {rollout_id}")
 
     def log_eval(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        """One validation's metrics (`eval/<set>/<metric>`): a line of eval_metrics.jsonl (appended whole,
-        flushed and fsynced) and TensorBoard scalars at step `rollout_id`; returns the line."""
-        record = self._record(rollout_id, metrics)
+        """One validation's metrics (`eval/<set>/<metric>`), as `log_metrics` does in eval_metrics.jsonl."""
+        return self._log(EVAL_METRICS_FILE, rollout_id, metrics, f"validation after rollout {rollout_id}")
+
+    def _log(self, filename: str, rollout_id: int, metrics: dict[str, Any], label: str) -> dict[str, Any]:
+        """A line appended whole (flushed and fsynced), then the scalars at step `rollout_id`."""
+        record = {"rollout_id": int(rollout_id), **{str(k): _json_safe(v) for k, v in metrics.items()}}
         if self.jsonl:
-            with open(self.logs_dir / EVAL_METRICS_FILE, "a", encoding="utf-8") as f:
+            with open(self.logs_dir / filename, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        self._scalars(rollout_id, record, f"validation after rollout {rollout_id}")
-        return record
-
-    @staticmethod
-    def _record(rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        record: dict[str, Any] = {"rollout_id": int(rollout_id)}
-        record.update({str(k): _json_safe(v) for k, v in metrics.items()})
+        self._scalars(rollout_id, record, label)
         return record
 
     def _scalars(self, rollout_id: int, record: dict[str, Any], label: str) -> None:
         """The finite numbers of a record to TensorBoard (at step `rollout_id`), W&B and train.log."""
-        numeric = {k: v for k, v in record.items()
-                   if k != "rollout_id" and isinstance(v, int | float) and not isinstance(v, bool)}
+        numeric = {k: v for k, v in record.items() if k != "rollout_id" and _is_number(v)}
         if self._writer is not None:
             for key, value in numeric.items():
                 self._writer.add_scalar(key, value, global_step=int(rollout_id))
@@ -219,11 +219,9 @@ class RunLogger:
 
     def write_reward_summary(self) -> Path | None:
         """RUN_ROOT/reward_summary.json from metrics.jsonl (None without the jsonl logger)."""
-        if self._metrics_file is None:
+        if not self.jsonl:
             return None
-        self._metrics_file.flush()
-        summary = reward_summary(read_metrics(self.run_root))
-        return atomic_write_text(self.run_root / "reward_summary.json", json.dumps(summary, indent=2) + "\n")
+        return atomic_write_json(self.run_root / "reward_summary.json", reward_summary(read_metrics(self.run_root)))
 
     def close(self) -> None:
         if self._writer is not None:
@@ -232,8 +230,6 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.close()
             self._wandb = None
-        if self._metrics_file is not None and not self._metrics_file.closed:
-            self._metrics_file.close()
         logging.getLogger(LOGGER_NAME).removeHandler(self._handler)
         self._handler.close()
 
@@ -284,5 +280,5 @@ class StageTimer:
         finally:  # a failed stage still reports how long it ran
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
 
-    def metrics(self, prefix: str = "time/") -> dict[str, float]:
-        return {f"{prefix}{stage}_s": seconds for stage, seconds in self.seconds.items()}
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{stage}_s": seconds for stage, seconds in self.seconds.items()}

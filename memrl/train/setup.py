@@ -66,13 +66,6 @@ def pad_token_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def trainer_device(cfg: Config) -> torch.device:
-    """Where the actor trains: `model.device`, `auto` resolved as the engines resolve it (one rule)."""
-    from memrl.engines.hf import resolve_device_dtype
-
-    return resolve_device_dtype(cfg.model.device, None)[0]
-
-
 class DataSource:
     """Deterministic batches: rollout id -> the same questions on every run and after every resume. The
     file's order first, then each epoch shuffled by (seed, epoch): the cursor is a pure function of the
@@ -83,11 +76,6 @@ class DataSource:
             raise TrainingError("the training set is empty; check data.dir and data.train_file")
         self.records, self.batch_size, self.seed = list(records), batch_size, seed
 
-    @classmethod
-    def from_config(cls, cfg: Config, records: Sequence[Any] | None = None) -> DataSource:
-        return cls(records if records is not None else load_train_records(cfg), cfg.train.rollout_batch_size,
-                   cfg.train.seed)
-
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))
         if epoch > 0:
@@ -95,12 +83,8 @@ class DataSource:
         return order
 
     def batch(self, rollout_id: int) -> list[Any]:
-        start = rollout_id * self.batch_size
-        out = []
-        for k in range(start, start + self.batch_size):
-            epoch, pos = divmod(k, len(self.records))
-            out.append(self.records[self._epoch_order(epoch)[pos]])
-        return out
+        n, start = len(self.records), rollout_id * self.batch_size
+        return [self.records[self._epoch_order(k // n)[k % n]] for k in range(start, start + self.batch_size)]
 
     def extra_batch(self, rollout_id: int, chunk: int, size: int) -> list[Any]:
         """Chunk `chunk` (1, 2, ...) of `size` further questions (dynamic sampling): a shuffle seeded by
@@ -181,6 +165,7 @@ def run_start(cfg: Config, tokenizer: Any = None, records: Sequence[Any] | None 
     replace what the config names)."""
     seed_everything(cfg.train.seed)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    start = RunStart(tokenizer, DataSource.from_config(cfg, records), load_task(cfg))
+    records = records if records is not None else load_train_records(cfg)
+    start = RunStart(tokenizer, DataSource(records, cfg.train.rollout_batch_size, cfg.train.seed), load_task(cfg))
     warn_about_top_p(cfg)
     return start

@@ -1,14 +1,11 @@
-"""The weight-sync canary: after every weight sync the engine must score a fixed probe as the trainer does.
+"""The weight-sync canary: after every weight sync, and once before the first rollout (a server that cannot
+score or serves another model fails at start), the engine must score a fixed probe as the trainer does
+(docs/design.md says which side scores it when).
 
 A served engine that did not reload, a weight version mixed up on the way, a dtype or temperature that
 differs: each makes the engine sample from other weights than the ones the trainer takes ratios against,
-and nothing else in the loop says so (the log-prob gap only grows). So the trainer scores a fixed probe
-(`probe_ids`: 8 prompt and 4 continuation tokens, the same for the whole run) when it holds a weight
-version (`SyncProbe`: sync loop right after the step, pipeline when it publishes the version, Ray on
-trainer rank 0), the engine scores the same continuation once it synced to that version (`Engine.score`),
-and `check_sync` stops the run when they differ beyond the float tolerance of the two forwards. It also
-runs once before the first rollout, on the starting weights, so a server that cannot score (or serves
-another model) fails at start.
+and nothing else in the loop says so (the log-prob gap only grows). `check_sync` stops the run when the
+two differ beyond the float tolerance of the two forwards.
 
 Tolerance (`default_atol`), from the arithmetic of two forwards of the same weights:
 - both float32: they differ only in reduction order (kernels block products by shape). A dot product of

@@ -96,8 +96,8 @@ class Validator:
         mean over samples) and `eval/<set>/failed` (questions)."""
         metrics: dict[str, float] = {}
         for eval_set in self.sets:
-            name = eval_set.spec.name
-            folder = self.run_root / EVAL_DIR / name / validation_name(rollout_id)
+            name, step = eval_set.spec.name, validation_name(rollout_id)
+            folder = self.run_root / EVAL_DIR / name / step
             if folder.exists():  # an earlier attempt at this step: start over, never mix two runs' lines
                 shutil.rmtree(folder)
             summaries = []
@@ -105,7 +105,7 @@ class Validator:
                 out = folder / f"sample_{sample}" if eval_set.spec.samples > 1 else folder
                 summaries.append(run(evaluate_records(
                     engine, self.tokenizer, set_config(self.cfg, eval_set.spec, sample), eval_set.records, out,
-                    model_name=f"{self.run_root.resolve()}:{validation_name(rollout_id)}",
+                    model_name=f"{self.run_root.resolve()}:{step}",
                     data_sha256=eval_set.sha256, data_path=str(eval_set.path), progress=self.progress, task=self.task)))
             for metric in METRICS:
                 values = [s["metrics"][metric]["value"] for s in summaries]
