@@ -10,7 +10,6 @@ at length is the memory failing to carry the fact through more turns, not a memo
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -28,6 +27,8 @@ from memrl.apps.demo import (
     quiet_single_thread,
     run_demo,
 )
+from memrl.config import Config
+from memrl.io import atomic_write_json
 
 MIN_TARGET_LENGTH = 8  # the issue's target: trained > base at every length of 8 chunks and more
 
@@ -71,10 +72,13 @@ def first_match_rates(records: Sequence[Any], lines: dict[str, dict[str, Any]]) 
             "first_match_is_answer_pct": 100 * first_is_answer / len(records)}
 
 
-def _check_lengths(settings: LongDemoSettings) -> None:
+def length_config(settings: LongDemoSettings) -> Config:
+    """One recipe for every length (max_chunks = the longest): documents are never truncated, and every result
+    folder shares one format. Bad lengths or overrides fail here, before any work."""
     if not settings.lengths or min(settings.lengths) < 1 or settings.questions_per_length < 1:
         raise DemoError(f"--lengths ({list(settings.lengths)}) must be >= 1 chunk and --questions "
                         f"({settings.questions_per_length}) >= 1")
+    return demo_config(replace(settings.train, max_chunks=max(settings.lengths)))
 
 
 def evaluate_lengths(models: dict[str, tuple[Any, Any]], settings: LongDemoSettings, out_root: Path,
@@ -90,9 +94,7 @@ def evaluate_lengths(models: dict[str, tuple[Any, Any]], settings: LongDemoSetti
 
     if len(models) != 2:
         raise DemoError(f"evaluate_lengths compares two models (base, trained), got {len(models)}")
-    _check_lengths(settings)
-    # One recipe for every length: documents are never truncated, and every result folder shares one format.
-    cfg = demo_config(replace(settings.train, max_chunks=max(settings.lengths)))
+    cfg = length_config(settings)
     rows = []
     for length in sorted(set(settings.lengths)):
         records = make_length_set(settings.questions_per_length, length, settings.seed,
@@ -214,7 +216,7 @@ def run_long_demo(run_root: Path, settings: LongDemoSettings = LONG_FULL, progre
         "times_s": {"train_s": round(train_s, 1), "eval_lengths_s": round(time.perf_counter() - t, 1),
                     "total_s": round(time.perf_counter() - started, 1)},
     }
-    (run_root / "demo_long_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_json(run_root / "demo_long_summary.json", summary)
     return summary
 
 
@@ -270,8 +272,7 @@ def demo_long_command(run_root: Path, quick: bool = False, overrides: Sequence[s
     a `DemoError` / `ConfigError` is exit 2 in memrl.cli."""
     quiet_single_thread()
     settings = long_settings(quick, overrides, questions_per_length, lengths, filler)
-    _check_lengths(settings)
-    demo_config(replace(settings.train, max_chunks=max(settings.lengths)))  # a bad override fails before training
+    length_config(settings)  # bad input fails before training
     summary = run_long_demo(Path(run_root), settings)
     print(format_summary(summary, Path(run_root)))
     return 0 if summary["target"]["met"] else 1
