@@ -14,7 +14,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from memrl.cli_prepare import prepare_data
+from memrl.cli_prepare import SetOption, prepare_data
 from memrl.data.manifest import output_folder
 from memrl.errors import MemrlError
 
@@ -40,7 +40,6 @@ app = typer.Typer(help="memrl: train and evaluate MemAgent-style long-document r
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 app.add_typer(prepare_data, name="prepare-data")
 
-SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a config value: section.key=value.")]
 DemoSetOption = Annotated[list[str] | None, typer.Option(
     "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")]
 
@@ -261,9 +260,8 @@ def report(run_root: Annotated[Path, typer.Argument(help="A training run root.")
     """Write PNG plots (reward, KL, log-prob gap, lengths) and a markdown summary of a run."""
     from memrl.train.report import write_report
 
-    paths = write_report(run_root)
-    for p in paths:
-        typer.echo(str(p))
+    for path in write_report(run_root):
+        typer.echo(str(path))
 
 
 @app.command("pass-at-k")

@@ -1,10 +1,9 @@
 """`memrl demo`: the CPU main job. With no GPU and no download, GRPO through the MemAgent loop teaches a
-tiny model to keep the right fact in its memory (stages and measurements: docs/demo.md).
+tiny model to keep the right fact in its memory (stages, targets and measurements: docs/demo.md).
 
-Both evaluations sample at temperature 1.0 (the recipe's sampling, the distribution GRPO optimizes) with
-per-question seeds independent of the model, so base and trained see identical randomness. Targets:
-held-out EM +15 pp; training reward, last 10 rollouts vs first 10, +0.15; measured, never assumed.
-The other demos reuse the stages through this module's public names.
+Both evaluations sample at temperature 1.0 (the recipe's sampling) with per-question seeds independent of
+the model, so base and trained see identical randomness. The other demos reuse the stages through this
+module's public names.
 """
 
 from __future__ import annotations

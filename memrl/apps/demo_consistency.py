@@ -1,10 +1,8 @@
 """`memrl demo-consistency`: two training paths agree, the 3 pp consistency test (docs/multinode.md).
 
-`memrl demo`'s data and warm start, done once; from that base, the demo's GRPO three ways: `local` (one
-process, synchronous), `ray` (2 rollout workers, 2 DDP ranks on gloo, max_staleness 1, the same seeds) and
-`local-seed2` (local with other seeds: the yardstick, since two paths agreeing within 3 pp mean little if
-two seeds of one path differ by 10). Every policy is evaluated alike and every pair compared; exit 0 when
-|sub_EM(ray) - sub_EM(local)| <= 3 pp, else 1.
+From `memrl demo`'s warm start, done once, its GRPO three ways: `local`, `ray` and `local-seed2` (local with
+other seeds: the yardstick, since two paths agreeing within 3 pp mean little if two seeds of one path
+differ by 10). Every policy is evaluated alike and every pair compared.
 """
 
 from __future__ import annotations

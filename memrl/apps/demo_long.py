@@ -1,11 +1,7 @@
-"""`memrl demo-long`: train short, read long. The seed's length-generalization test in the shape of
-MemAgent's table, on CPU (docs/demo.md, "Train short, read long").
-
-`memrl demo`'s training on short documents padded with filler (`--no-filler`: its own 1-3-chunk task), then
-base and trained on held-out documents of exactly L chunks for every length (the answering fact spread
-evenly, every fact beyond the short task's distractors unrelated filler), one recipe for all lengths
-(max_chunks = the longest, so nothing is truncated). The memory cap does not change with length, so a loss
-at length is the memory failing to carry the fact through more turns, not a memory that grows.
+"""`memrl demo-long`: train short, read long, MemAgent's length table on CPU (docs/demo.md, "Train short,
+read long"): `memrl demo`'s training, then base and trained on held-out documents of exactly L chunks for
+every length, one recipe for all. The memory cap does not change with length, so a loss at length is the
+memory failing to carry the fact through more turns, not a memory that grows.
 """
 
 from __future__ import annotations
@@ -124,27 +120,23 @@ def _length_row(length: int, records: Sequence[Any], summaries: dict[str, dict[s
     report = compare_results([folder / a, folder / b], names=[a, b])
     report.write(folder / "compare")
     pair = report.pairs[0]
-    by_third: dict[str, dict[str, float]] = {}
-    first_match: dict[str, dict[str, float]] = {}
-    for name, result in zip(summaries, report.results, strict=True):
-        lines = {line["id"]: line for line in result.lines.values()}
-        for third in ("first", "middle", "last"):
-            ids = [r.id for r in records if _position_third(r) == third]
-            if ids:
-                by_third.setdefault(name, {})[third] = 100 * sum(lines[i]["em"] for i in ids) / len(ids)
-        first_match[name] = first_match_rates(records, lines)
+    lines = {name: result.lines for name, result in zip(summaries, report.results, strict=True)}  # by question id
+    thirds = {t: [r.id for r in records if _position_third(r) == t] for t in ("first", "middle", "last")}
+    by_third = {name: {t: 100 * sum(by_id[i]["em"] for i in ids) / len(ids) for t, ids in thirds.items() if ids}
+                for name, by_id in lines.items()}
     return {
         "length": length, "questions": len(records), "document_tokens": len(records[0].context.split()),
         **{name: {"em": s["metrics"]["em"]["value"],
                   "em_ci95": [s["metrics"]["em"]["low"], s["metrics"]["em"]["high"]],
                   "failed": s["failed"], "eval_s": round(times[name], 1),
                   "memory_max_tokens": max((max(line["memory_lengths"], default=0)
-                                            for line in result.lines.values()), default=0),
-                  "memory_truncations": sum(line["memory_truncations"] for line in result.lines.values())}
-           for (name, s), result in zip(summaries.items(), report.results, strict=True)},
+                                            for line in lines[name].values()), default=0),
+                  "memory_truncations": sum(line["memory_truncations"] for line in lines[name].values())}
+           for name, s in summaries.items()},
         "diff_pp": pair.diffs["em"], "wrong_to_right": len(pair.wrong_to_right),
         "right_to_wrong": len(pair.right_to_wrong), "mcnemar_p": pair.mcnemar_p,
-        "em_by_position_third": by_third, "first_match": first_match,
+        "em_by_position_third": by_third,
+        "first_match": {name: first_match_rates(records, by_id) for name, by_id in lines.items()},
     }
 
 
