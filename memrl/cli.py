@@ -19,21 +19,17 @@ from memrl.data.manifest import output_folder
 from memrl.errors import MemrlError
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
-
-
 class _Commands(TyperGroup):
-    """The one place where expected errors of every command become `_fail`: a `MemrlError` (its message says
+    """The one place where expected errors of every command are handled: a `MemrlError` (its message says
     what to change) is one line, exit 2, as click does for a bad option; any other exception is a bug and
     keeps its traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except MemrlError as error:
-            _fail(" ".join(str(error).split()))  # one line, whatever the message's own newlines
+        except MemrlError as error:  # one line, whatever the message's own newlines
+            typer.secho(f"error: {' '.join(str(error).split())}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
 
 
 app = typer.Typer(help="memrl: train and evaluate MemAgent-style long-document readers with RL.", cls=_Commands,
