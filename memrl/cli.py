@@ -14,33 +14,28 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from memrl.cli_prepare import prepare_data
+from memrl.cli_prepare import SetOption, prepare_data
 from memrl.data.manifest import output_folder
 from memrl.errors import MemrlError
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
-
-
 class _Commands(TyperGroup):
-    """The one place where expected errors of every command become `_fail`: a `MemrlError` (its message says
+    """The one place where expected errors of every command are handled: a `MemrlError` (its message says
     what to change) is one line, exit 2, as click does for a bad option; any other exception is a bug and
     keeps its traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except MemrlError as error:
-            _fail(" ".join(str(error).split()))  # one line, whatever the message's own newlines
+        except MemrlError as error:  # one line, whatever the message's own newlines
+            typer.secho(f"error: {' '.join(str(error).split())}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
 
 
 app = typer.Typer(help="memrl: train and evaluate MemAgent-style long-document readers with RL.", cls=_Commands,
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 app.add_typer(prepare_data, name="prepare-data")
 
-SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a config value: section.key=value.")]
 DemoSetOption = Annotated[list[str] | None, typer.Option(
     "--set", help="Override a value of the GRPO training recipe (recipes/toy.yaml): section.key=value.")]
 
@@ -261,9 +256,8 @@ def report(run_root: Annotated[Path, typer.Argument(help="A training run root.")
     """Write PNG plots (reward, KL, log-prob gap, lengths) and a markdown summary of a run."""
     from memrl.train.report import write_report
 
-    paths = write_report(run_root)
-    for p in paths:
-        typer.echo(str(p))
+    for path in write_report(run_root):
+        typer.echo(str(path))
 
 
 @app.command("pass-at-k")

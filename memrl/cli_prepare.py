@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -19,6 +20,7 @@ prepare_data = typer.Typer(help="Download or convert data into a prepared folder
                            no_args_is_help=True)
 
 OutOption = typer.Option(..., "--out", envvar="DATA_DIR", help="Output data folder (default: $DATA_DIR).")
+SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a config value: section.key=value.")]
 _MULTI = {"allow_extra_args": True}
 
 
@@ -156,13 +158,12 @@ def _answerable_records(data: Path, model: str, recipe: Path | None, sets: list[
 _DataArg = typer.Argument(..., help="Prepared questions (JSONL, from `memrl prepare-data hotpotqa`).")
 _ModelArg = typer.Argument(..., help="Model folder: its tokenizer cuts the chunks.")
 _RecipeOption = typer.Option(None, help="Recipe whose task section (chunk sizes, templates) the rollout uses.")
-_SetOption = typer.Option(None, "--set", help="Override a config value: section.key=value.")
 
 
 @prepare_data.command("answerable")
 def prepare_answerable_cmd(data: Path = _DataArg, model: str = _ModelArg,
                            out: Path = typer.Argument(..., help="JSONL of the answerable questions."),
-                           recipe: Path | None = _RecipeOption, set_: list[str] | None = _SetOption) -> None:
+                           recipe: Path | None = _RecipeOption, set_: SetOption = None) -> None:
     """HotpotQA questions whose gold answer lies in a sentence of the chunks the rollout reads (yes/no never)."""
     from memrl.data.records import write_jsonl
 
@@ -176,7 +177,7 @@ def prepare_demonstrations_cmd(
     data: Path = _DataArg, model: str = _ModelArg,
     out: Path = typer.Argument(..., help="JSONL of demonstrations, what `memrl sft --data` reads."),
     final_only: bool = typer.Option(False, help="Only the final turn (a third of the tokens: teaches the box)."),
-    recipe: Path | None = _RecipeOption, set_: list[str] | None = _SetOption,
+    recipe: Path | None = _RecipeOption, set_: SetOption = None,
 ) -> None:
     """Demonstrated MemAgent readings of the answerable questions, for a `memrl sft` warm start."""
     from memrl.data.records import write_jsonl

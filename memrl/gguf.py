@@ -39,33 +39,19 @@ def find_smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-def _require_readers() -> None:
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise GgufError(f"reading GGUF needs the package(s) {', '.join(missing)}; "
-                        f"install them with `pip install 'memrl[gguf]'`")
-
-
-def gguf_architecture(path: Path) -> str:
-    """`general.architecture` of a GGUF file, read from its header (memory-mapped, no tensor is loaded)."""
+def check_convertible(path: Path) -> str:
+    """The file's `general.architecture` when transformers can make a causal LM of it, else a `GgufError`
+    naming those it can; read from the header (memory-mapped, no tensor loaded), since the full load
+    dequantizes every tensor (~30 s for 135M parameters on 2 cores) before it finds out."""
     from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     try:
-        reader = GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
+        field = GGUFReader(str(path)).fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8")
     except (ValueError, KeyError, IndexError, OSError) as error:
         raise GgufError(f"{path} is not a readable GGUF model file ({error}); pass a .gguf file "
                         f"written by llama.cpp") from error
-
-
-def check_convertible(path: Path) -> str:
-    """The file's architecture when transformers can make a causal LM of it, else a `GgufError` naming those
-    it can; read from the header, since the full load dequantizes every tensor (~30 s for 135M parameters
-    on 2 cores) before it finds out."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    arch = gguf_architecture(path)
     # An encoder-only file (t5encoder) loads in transformers, but not as a model that generates text.
     if arch not in GGUF_SUPPORTED_ARCHITECTURES or "encoder" in arch:
         supported = ", ".join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if "encoder" not in a))
@@ -94,7 +80,10 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
         raise GgufError(f"GGUF file {path} does not exist; pass the path of a .gguf file")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GgufError(f"{out} exists and is not empty; pick a new or empty folder")
-    _require_readers()
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise GgufError(f"reading GGUF needs the package(s) {', '.join(missing)}; "
+                        f"install them with `pip install 'memrl[gguf]'`")
     check_convertible(path)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -108,14 +108,6 @@ def build_tiny_model(vocab_size: int, *, layers: int = 2, hidden: int = 64, head
     return model.float().eval()
 
 
-def _check_target(out: Path, overwrite: bool) -> None:
-    """Refuse a non-empty folder unless `overwrite`: writing into a folder that holds a model replaced
-    its config.json and weights without a word."""
-    if not overwrite and out.is_dir() and any(out.iterdir()):
-        raise TinyModelError(f"{out} is not empty; pass a new or empty folder (or --overwrite to replace "
-                             f"the files it would write)")
-
-
 def save_tiny_model(out: str | Path, tokenizer_dir: str | Path | None = None, layers: int = 2,
                     hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
                     seed: int = 0, words: list[str] | None = None, overwrite: bool = False) -> Path:
@@ -123,7 +115,9 @@ def save_tiny_model(out: str | Path, tokenizer_dir: str | Path | None = None, la
     empty unless `overwrite` (files of the same names replaced, others kept). The tokenizer is
     `tokenizer_dir`'s (the Qwen-style template added only when it has none), else `build_tiny_tokenizer(words)`."""
     out = Path(out)
-    _check_target(out, overwrite)
+    if not overwrite and out.is_dir() and any(out.iterdir()):  # it replaced a model's files without a word
+        raise TinyModelError(f"{out} is not empty; pass a new or empty folder (or --overwrite to replace "
+                             f"the files it would write)")
     if tokenizer_dir is not None:
         if not Path(tokenizer_dir).is_dir():
             raise TinyModelError(f"tokenizer folder {tokenizer_dir} does not exist; pass a folder with tokenizer.json")

@@ -1,17 +1,15 @@
 """`memrl demo`: the CPU main job. With no GPU and no download, GRPO through the MemAgent loop teaches a
-tiny model to keep the right fact in its memory (stages and measurements: docs/demo.md).
+tiny model to keep the right fact in its memory (stages, targets and measurements: docs/demo.md).
 
-Both evaluations sample at temperature 1.0 (the recipe's sampling, the distribution GRPO optimizes) with
-per-question seeds independent of the model, so base and trained see identical randomness. Targets:
-held-out EM +15 pp; training reward, last 10 rollouts vs first 10, +0.15; measured, never assumed.
-The other demos reuse the stages through this module's public names.
+Both evaluations sample at temperature 1.0 (the recipe's sampling) with per-question seeds independent of
+the model, so base and trained see identical randomness. The other demos reuse the stages through this
+module's public names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -23,6 +21,7 @@ import torch
 
 from memrl.config import Config, load_config
 from memrl.errors import MemrlError
+from memrl.io import atomic_write_json
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml"
 EM_TARGET_PP = 15.0
@@ -102,17 +101,21 @@ def evaluate_policy(model: torch.nn.Module, tokenizer: Any, cfg: Config, records
         asyncio.run(engine.close())
 
 
-def window_means(rewards: list[float], window: int = 10) -> tuple[float, float, int]:
-    """Mean of the first and last `window` rollouts (shorter windows, never overlapping, on short runs)."""
+def reward_curve(history: Sequence[dict[str, float]], window: int = 10) -> dict[str, Any]:
+    """The training reward per rollout and the means of its first and last `window` rollouts (shorter
+    windows, never overlapping, on short runs)."""
+    rewards = [float(m.get("reward/mean", 0.0)) for m in history]
     w = max(1, min(window, len(rewards) // 2))
-    return sum(rewards[:w]) / w, sum(rewards[-w:]) / w, w
+    first, last = sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+    return {"window": w, "first": first, "last": last, "gain": last - first, "per_rollout": rewards}
 
 
 def new_run_root(run_root: Path) -> Path:
-    """`run_root` as a Path, refused (DemoError) when it holds anything: a demo never mixes two runs' files."""
+    """`run_root` created, refused (DemoError) when it holds anything: a demo never mixes two runs' files."""
     run_root = Path(run_root)
     if run_root.exists() and any(run_root.iterdir()):
         raise DemoError(f"{run_root} is not empty; pass a new --run-root (or delete the old run)")
+    run_root.mkdir(parents=True, exist_ok=True)
     return run_root
 
 
@@ -139,6 +142,11 @@ class WarmStart:
     tokenizer: Any
     model: torch.nn.Module
     seconds: float
+
+    def evaluate(self, model: torch.nn.Module, cfg: Config, out_dir: Path, name: str) -> dict[str, Any]:
+        """`evaluate_policy` on the held-out questions, with their data identity."""
+        return evaluate_policy(model, self.tokenizer, cfg, self.heldout, out_dir, name, self.heldout_sha,
+                               self.paths["heldout"])
 
 
 def warm_start(run_root: Path, settings: DemoSettings, cfg: Config, progress: bool = True) -> WarmStart:
@@ -198,16 +206,14 @@ def grpo_records(settings: DemoSettings, train: Sequence[Any]) -> Sequence[Any]:
 def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = True) -> dict[str, Any]:
     """Run every stage into `run_root` (new or empty); returns the summary (also run_root/demo_summary.json)."""
     run_root = new_run_root(run_root)
-    run_root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cfg = demo_config(settings, data_dir=run_root / "data")
-    (run_root / "demo_settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
+    atomic_write_json(run_root / "demo_settings.json", asdict(settings))
     base = warm_start(run_root, settings, cfg, progress)
     times = {"data+sft_s": base.seconds}
 
     t = time.perf_counter()
-    base_eval = evaluate_policy(base.model, base.tokenizer, cfg, base.heldout, run_root / "eval_base", "sft-base",
-                                base.heldout_sha, base.paths["heldout"])
+    base_eval = base.evaluate(base.model, cfg, run_root / "eval_base", "sft-base")
     times["eval_base_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -216,13 +222,12 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
 
     # The same held-out questions, sampling settings and seeds as the base's evaluation.
     t = time.perf_counter()
-    trained_eval = evaluate_policy(trained_model, base.tokenizer, cfg, base.heldout, run_root / "eval_trained",
-                                   "grpo-trained", base.heldout_sha, base.paths["heldout"])
+    trained_eval = base.evaluate(trained_model, cfg, run_root / "eval_trained", "grpo-trained")
     times["eval_trained_s"] = time.perf_counter() - t
 
     summary = _compare_and_summarize(run_root, settings, len(base.heldout), base_eval, trained_eval, history)
     summary["times_s"] = {**times, "total_s": time.perf_counter() - started}
-    (run_root / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_json(run_root / "demo_summary.json", summary)
     return summary
 
 
@@ -264,8 +269,7 @@ def _compare_and_summarize(run_root: Path, settings: DemoSettings, heldout_quest
     write_viewer(run_root / "eval_base", run_root / "eval_trained", run_root / "viewer.html")
     write_viewer(run_root / "train")
 
-    rewards = [float(m.get("reward/mean", 0.0)) for m in history]
-    first, last, window = window_means(rewards)
+    reward = reward_curve(history)
     base, trained = _scores(base_eval), _scores(trained_eval)
     pair = report.pairs[0]
     validation = [[r["rollout_id"], r["eval/heldout/em"]] for r in read_metrics(run_root / "train", EVAL_METRICS_FILE)]
@@ -278,9 +282,9 @@ def _compare_and_summarize(run_root: Path, settings: DemoSettings, heldout_quest
         "flips": {"wrong_to_right": len(pair.wrong_to_right), "right_to_wrong": len(pair.right_to_wrong),
                   "mcnemar_p": pair.mcnemar_p},
         "validation": {"interval": settings.eval_interval, "heldout_em": validation},
-        "reward": {"window": window, "first": first, "last": last, "gain": last - first, "per_rollout": rewards},
+        "reward": reward,
         "targets": {"em_gain_pp": {"target": EM_TARGET_PP, "met": trained["em"] - base["em"] >= EM_TARGET_PP},
-                    "reward_gain": {"target": REWARD_TARGET, "met": last - first >= REWARD_TARGET}},
+                    "reward_gain": {"target": REWARD_TARGET, "met": reward["gain"] >= REWARD_TARGET}},
         "paths": {"eval_base": "eval_base", "eval_trained": "eval_trained", "compare": "compare/report.md",
                   "train": "train", "report": "train/report/report.md", "plots": [str(p) for p in plots],
                   "viewer": "viewer.html", "train_viewer": "train/viewer.html"},
@@ -297,10 +301,8 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
         "",
         "| policy  | boxed EM % [95% CI]     | sub_EM % | F1 %  |",
         "|---------|-------------------------|----------|-------|",
-        f"| base    | {b['em']:5.1f} [{b['em_ci95'][0]:4.1f}, {b['em_ci95'][1]:4.1f}]      | {b['sub_em']:8.1f} | "
-        f"{b['f1']:5.1f} |",
-        f"| trained | {t['em']:5.1f} [{t['em_ci95'][0]:4.1f}, {t['em_ci95'][1]:4.1f}]      | {t['sub_em']:8.1f} | "
-        f"{t['f1']:5.1f} |",
+        *(f"| {name:<7} | {s['em']:5.1f} [{s['em_ci95'][0]:4.1f}, {s['em_ci95'][1]:4.1f}]      | {s['sub_em']:8.1f} | "
+          f"{s['f1']:5.1f} |" for name, s in (("base", b), ("trained", t))),
         "",
         f"EM flips: {summary['flips']['wrong_to_right']} wrong->right, {summary['flips']['right_to_wrong']} "
         f"right->wrong (exact McNemar p = {summary['flips']['mcnemar_p']:.3g})",

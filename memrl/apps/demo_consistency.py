@@ -1,16 +1,13 @@
 """`memrl demo-consistency`: two training paths agree, the 3 pp consistency test (docs/multinode.md).
 
-`memrl demo`'s data and warm start, done once; from that base, the demo's GRPO three ways: `local` (one
-process, synchronous), `ray` (2 rollout workers, 2 DDP ranks on gloo, max_staleness 1, the same seeds) and
-`local-seed2` (local with other seeds: the yardstick, since two paths agreeing within 3 pp mean little if
-two seeds of one path differ by 10). Every policy is evaluated alike and every pair compared; exit 0 when
-|sub_EM(ray) - sub_EM(local)| <= 3 pp, else 1.
+From `memrl demo`'s warm start, done once, its GRPO three ways: `local`, `ray` and `local-seed2` (local with
+other seeds: the yardstick, since two paths agreeing within 3 pp mean little if two seeds of one path
+differ by 10). Every policy is evaluated alike and every pair compared.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -23,15 +20,16 @@ from memrl.apps.demo import (
     QUICK,
     DemoError,
     DemoSettings,
+    WarmStart,
     demo_config,
-    evaluate_policy,
     grpo_records,
     new_run_root,
     quiet_single_thread,
+    reward_curve,
     warm_start,
-    window_means,
 )
 from memrl.config import Config
+from memrl.io import atomic_write_json
 
 RUNS = ("local", "ray", "local-seed2")
 CHECKED_PAIR = ("local", "ray")
@@ -108,13 +106,13 @@ def _weights_distance(a: dict[str, Any], b: dict[str, Any]) -> float:
     return math.sqrt(num / den) if den else 0.0
 
 
-def _metric(summary: dict[str, Any], name: str) -> dict[str, Any]:
-    m = summary["metrics"][name]
-    return {"value": m["value"], "ci95": [m["low"], m["high"]]}
+def _metrics(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    m = summary["metrics"]
+    return {name: {"value": m[name]["value"], "ci95": [m[name]["low"], m[name]["high"]]}
+            for name in ("em", "sub_em", "f1")}
 
 
-def _train(name: str, cfg: Config, run_dir: Path, base: Any, records: Sequence[Any],
-           progress: bool) -> list[dict]:
+def _train(cfg: Config, run_dir: Path, base: WarmStart, records: Sequence[Any], progress: bool) -> list[dict]:
     from memrl.distributed.runtime import run_ray_training
     from memrl.train.controller import Trainer, TrainOptions
 
@@ -133,11 +131,10 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
     summary (also RUN_ROOT/consistency_summary.json)."""
     from memrl.eval.compare import compare_results
 
-    run_root = new_run_root(run_root)
     configs = run_configs(settings)
     grpo_records(settings.demo, range(settings.demo.num_train))  # too few GRPO questions: refused before the warm start
-    run_root.mkdir(parents=True, exist_ok=True)
-    (run_root / "consistency_settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
+    run_root = new_run_root(run_root)
+    atomic_write_json(run_root / "consistency_settings.json", asdict(settings))
     started = time.perf_counter()
     times: dict[str, float] = {}
     base = warm_start(run_root, settings.demo, demo_config(settings.demo, data_dir=run_root / "data"), progress)
@@ -159,7 +156,7 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
         "settings": asdict(settings),
         "heldout_questions": len(base.heldout),
         "grpo_questions": len(records),
-        "base": {"em": _metric(base_eval, "em"), "sub_em": _metric(base_eval, "sub_em"), "f1": _metric(base_eval, "f1")},
+        "base": _metrics(base_eval),
         "runs": runs,
         "pairs": [_pair(p, weights) for p in report.pairs],
         "thresholds": [{"pair": [c.a, c.b], "metric": c.metric, "abs_diff_pp": c.diff, "limit_pp": c.limit,
@@ -169,20 +166,20 @@ def run_consistency(run_root: Path, settings: ConsistencySettings = CONSISTENCY_
                   **{name: {"train": f"{name}/train", "eval": f"{name}/eval"} for name in RUNS}},
         "times_s": {**{k: round(v, 1) for k, v in times.items()}, "total_s": round(time.perf_counter() - started, 1)},
     }
-    (run_root / "consistency_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_json(run_root / "consistency_summary.json", summary)
     return summary
 
 
-def _evaluate(base: Any, cfg: Config, model: Any, out: Path, name: str,
+def _evaluate(base: WarmStart, cfg: Config, model: Any, out: Path, name: str,
               times: dict[str, float]) -> dict[str, Any]:
     """Every policy evaluated alike: the base's held-out questions and data identity, one recipe; timed."""
     t = time.perf_counter()
-    result = evaluate_policy(model, base.tokenizer, cfg, base.heldout, out, name, base.heldout_sha, base.paths["heldout"])
+    result = base.evaluate(model, cfg, out, name)
     times[f"eval_{name}_s"] = time.perf_counter() - t
     return result
 
 
-def _train_and_evaluate(name: str, cfg: Config, eval_cfg: Config, run_root: Path, base: Any,
+def _train_and_evaluate(name: str, cfg: Config, eval_cfg: Config, run_root: Path, base: WarmStart,
                         records: Sequence[Any], times: dict[str, float],
                         progress: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """One run: trained from a copy of the base, its last checkpoint loaded into another copy and evaluated;
@@ -190,14 +187,12 @@ def _train_and_evaluate(name: str, cfg: Config, eval_cfg: Config, run_root: Path
     from memrl.train.checkpoint import load_checkpoint
 
     t = time.perf_counter()
-    history = _train(name, cfg, run_root / name / "train", base, records, progress)
+    history = _train(cfg, run_root / name / "train", base, records, progress)
     times[f"train_{name}_s"] = time.perf_counter() - t
     model = copy.deepcopy(base.model)
     load_checkpoint(run_root / name / "train", model, restore_rng=False)
     model.eval()
     result = _evaluate(base, eval_cfg, model, run_root / name / "eval", name, times)
-    rewards = [float(m.get("reward/mean", 0.0)) for m in history]
-    first, last, window = window_means(rewards)
     run = {
         "path": describe(cfg), "runtime": cfg.train.runtime,
         "rollout_workers": cfg.ray.num_rollout_workers if cfg.train.runtime == "ray" else 1,
@@ -206,8 +201,8 @@ def _train_and_evaluate(name: str, cfg: Config, eval_cfg: Config, run_root: Path
         "steps": len(history),
         # the staleness each step trained at, as logged (0 synchronous; 1 from the second step when overlapped)
         "staleness_per_step": [float(m.get("pipeline/staleness", 0.0)) for m in history],
-        "em": _metric(result, "em"), "sub_em": _metric(result, "sub_em"), "f1": _metric(result, "f1"),
-        "reward": {"window": window, "first": first, "last": last, "per_rollout": rewards},
+        **_metrics(result),
+        "reward": reward_curve(history),
     }
     return run, model.state_dict()
 

@@ -1,16 +1,11 @@
-"""`memrl demo-long`: train short, read long. The seed's length-generalization test in the shape of
-MemAgent's table, on CPU (docs/demo.md, "Train short, read long").
-
-`memrl demo`'s training on short documents padded with filler (`--no-filler`: its own 1-3-chunk task), then
-base and trained on held-out documents of exactly L chunks for every length (the answering fact spread
-evenly, every fact beyond the short task's distractors unrelated filler), one recipe for all lengths
-(max_chunks = the longest, so nothing is truncated). The memory cap does not change with length, so a loss
-at length is the memory failing to carry the fact through more turns, not a memory that grows.
+"""`memrl demo-long`: train short, read long, MemAgent's length table on CPU (docs/demo.md, "Train short,
+read long"): `memrl demo`'s training, then base and trained on held-out documents of exactly L chunks for
+every length, one recipe for all. The memory cap does not change with length, so a loss at length is the
+memory failing to carry the fact through more turns, not a memory that grows.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -28,6 +23,8 @@ from memrl.apps.demo import (
     quiet_single_thread,
     run_demo,
 )
+from memrl.config import Config
+from memrl.io import atomic_write_json
 
 MIN_TARGET_LENGTH = 8  # the issue's target: trained > base at every length of 8 chunks and more
 
@@ -71,10 +68,13 @@ def first_match_rates(records: Sequence[Any], lines: dict[str, dict[str, Any]]) 
             "first_match_is_answer_pct": 100 * first_is_answer / len(records)}
 
 
-def _check_lengths(settings: LongDemoSettings) -> None:
+def length_config(settings: LongDemoSettings) -> Config:
+    """One recipe for every length (max_chunks = the longest): documents are never truncated, and every result
+    folder shares one format. Bad lengths or overrides fail here, before any work."""
     if not settings.lengths or min(settings.lengths) < 1 or settings.questions_per_length < 1:
         raise DemoError(f"--lengths ({list(settings.lengths)}) must be >= 1 chunk and --questions "
                         f"({settings.questions_per_length}) >= 1")
+    return demo_config(replace(settings.train, max_chunks=max(settings.lengths)))
 
 
 def evaluate_lengths(models: dict[str, tuple[Any, Any]], settings: LongDemoSettings, out_root: Path,
@@ -90,9 +90,7 @@ def evaluate_lengths(models: dict[str, tuple[Any, Any]], settings: LongDemoSetti
 
     if len(models) != 2:
         raise DemoError(f"evaluate_lengths compares two models (base, trained), got {len(models)}")
-    _check_lengths(settings)
-    # One recipe for every length: documents are never truncated, and every result folder shares one format.
-    cfg = demo_config(replace(settings.train, max_chunks=max(settings.lengths)))
+    cfg = length_config(settings)
     rows = []
     for length in sorted(set(settings.lengths)):
         records = make_length_set(settings.questions_per_length, length, settings.seed,
@@ -122,27 +120,23 @@ def _length_row(length: int, records: Sequence[Any], summaries: dict[str, dict[s
     report = compare_results([folder / a, folder / b], names=[a, b])
     report.write(folder / "compare")
     pair = report.pairs[0]
-    by_third: dict[str, dict[str, float]] = {}
-    first_match: dict[str, dict[str, float]] = {}
-    for name, result in zip(summaries, report.results, strict=True):
-        lines = {line["id"]: line for line in result.lines.values()}
-        for third in ("first", "middle", "last"):
-            ids = [r.id for r in records if _position_third(r) == third]
-            if ids:
-                by_third.setdefault(name, {})[third] = 100 * sum(lines[i]["em"] for i in ids) / len(ids)
-        first_match[name] = first_match_rates(records, lines)
+    lines = {name: result.lines for name, result in zip(summaries, report.results, strict=True)}  # by question id
+    thirds = {t: [r.id for r in records if _position_third(r) == t] for t in ("first", "middle", "last")}
+    by_third = {name: {t: 100 * sum(by_id[i]["em"] for i in ids) / len(ids) for t, ids in thirds.items() if ids}
+                for name, by_id in lines.items()}
     return {
         "length": length, "questions": len(records), "document_tokens": len(records[0].context.split()),
         **{name: {"em": s["metrics"]["em"]["value"],
                   "em_ci95": [s["metrics"]["em"]["low"], s["metrics"]["em"]["high"]],
                   "failed": s["failed"], "eval_s": round(times[name], 1),
                   "memory_max_tokens": max((max(line["memory_lengths"], default=0)
-                                            for line in result.lines.values()), default=0),
-                  "memory_truncations": sum(line["memory_truncations"] for line in result.lines.values())}
-           for (name, s), result in zip(summaries.items(), report.results, strict=True)},
+                                            for line in lines[name].values()), default=0),
+                  "memory_truncations": sum(line["memory_truncations"] for line in lines[name].values())}
+           for name, s in summaries.items()},
         "diff_pp": pair.diffs["em"], "wrong_to_right": len(pair.wrong_to_right),
         "right_to_wrong": len(pair.right_to_wrong), "mcnemar_p": pair.mcnemar_p,
-        "em_by_position_third": by_third, "first_match": first_match,
+        "em_by_position_third": by_third,
+        "first_match": {name: first_match_rates(records, by_id) for name, by_id in lines.items()},
     }
 
 
@@ -214,7 +208,7 @@ def run_long_demo(run_root: Path, settings: LongDemoSettings = LONG_FULL, progre
         "times_s": {"train_s": round(train_s, 1), "eval_lengths_s": round(time.perf_counter() - t, 1),
                     "total_s": round(time.perf_counter() - started, 1)},
     }
-    (run_root / "demo_long_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_json(run_root / "demo_long_summary.json", summary)
     return summary
 
 
@@ -270,8 +264,7 @@ def demo_long_command(run_root: Path, quick: bool = False, overrides: Sequence[s
     a `DemoError` / `ConfigError` is exit 2 in memrl.cli."""
     quiet_single_thread()
     settings = long_settings(quick, overrides, questions_per_length, lengths, filler)
-    _check_lengths(settings)
-    demo_config(replace(settings.train, max_chunks=max(settings.lengths)))  # a bad override fails before training
+    length_config(settings)  # bad input fails before training
     summary = run_long_demo(Path(run_root), settings)
     print(format_summary(summary, Path(run_root)))
     return 0 if summary["target"]["met"] else 1

@@ -126,17 +126,15 @@ def _collect_env(collect_env: Any) -> dict[str, Any]:
 
 
 def _memrl_source() -> dict[str, Any]:
-    root = MEMRL_ROOT
-    out: dict[str, Any] = {"version": package_version("memrl"), "location": str(root)}
+    out: dict[str, Any] = {"version": package_version("memrl"), "location": str(MEMRL_ROOT)}
     git = shutil.which("git")
-    if git is not None and (root.parent / ".git").exists():
-        try:
-            head = subprocess.run([git, "--no-optional-locks", "-C", str(root.parent), "rev-parse", "--short", "HEAD"],
+    if git is not None and (MEMRL_ROOT.parent / ".git").exists():
+        try:  # the short hash (tags excluded), marked when tracked files have changes
+            head = subprocess.run([git, "--no-optional-locks", "-C", str(MEMRL_ROOT.parent), "describe",
+                                   "--always", "--exclude=*", "--dirty= (local changes)"],
                                   capture_output=True, text=True, timeout=10, check=False)
-            dirty = subprocess.run([git, "--no-optional-locks", "-C", str(root.parent), "status", "--porcelain",
-                                    "--untracked-files=no"], capture_output=True, text=True, timeout=10, check=False)
             if head.returncode == 0:
-                out["commit"] = head.stdout.strip() + (" (local changes)" if dirty.stdout.strip() else "")
+                out["commit"] = head.stdout.strip()
         except (OSError, subprocess.SubprocessError):
             pass
     return out
