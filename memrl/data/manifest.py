@@ -19,7 +19,6 @@ from memrl.errors import MemrlError
 from memrl.io import atomic_write_json
 
 MANIFEST_NAME = "manifest.json"
-_HASH_BLOCK = 1 << 20
 
 
 class ManifestError(ValueError, MemrlError):
@@ -43,12 +42,9 @@ def output_folder(path: str | Path, option: str) -> Path:
 
 
 def sha256_file(path: str | Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB blocks (prepared files can be hundreds of MB)."""
-    digest = hashlib.sha256()
+    """Hex SHA-256 of a file, read in blocks (prepared files can be hundreds of MB)."""
     with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:

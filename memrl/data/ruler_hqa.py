@@ -12,21 +12,18 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from memrl.data.hotpotqa import (
-    HotpotExample,
-    derived_seed,
-    format_documents,
-    paragraph_document,
-)
+from memrl.data.hotpotqa import HotpotExample, Paragraph, derived_seed, format_documents, paragraph_document
 from memrl.data.records import (
     DataError,
     QuestionRecord,
     check_unique_ids,
+    read_json_list,
     require_module,
     verify_if_manifest,
 )
@@ -86,14 +83,14 @@ def load_pool(pool: str | Path | Sequence[Any]) -> list[str]:
     return documents
 
 
-def _materialize(indices: list[Any], pool: list[str] | None, source: Any, index: int, record_id: Any) -> str:
+def _materialize(indices: list[Any], pool: list[str] | None, error: Callable[..., DataError]) -> str:
     if pool is None:
-        raise DataError(source, "context is a list of document indices; pass the document pool it indexes "
-                                "(--pool FILE, a JSON list of documents)", index, record_id, "context")
+        raise error("context is a list of document indices; pass the document pool it indexes "
+                    "(--pool FILE, a JSON list of documents)", field="context")
     for pos, i in enumerate(indices):
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(pool):
-            raise DataError(source, f"item {pos} = {i!r} is not an index into the pool of {len(pool)} documents",
-                            index, record_id, "context")
+            raise error(f"item {pos} = {i!r} is not an index into the pool of {len(pool)} documents",
+                        field="context")
     return format_documents([pool[i] for i in indices])
 
 
@@ -101,27 +98,23 @@ def normalize_ruler_record(raw: Any, source: Any, index: int, pool: list[str] | 
     """Validate one record; an index-list context is replaced by its text. Extra fields are kept."""
     if not isinstance(raw, dict):
         raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
-    record_id = raw.get("id", raw.get("index"))
-    out = dict(raw)
+    error = partial(DataError, source, index=index, record_id=raw.get("id", raw.get("index")))
     for name in ("num_docs", "index"):
         if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
-            raise DataError(source, f"must be an integer, got {raw.get(name)!r}", index, record_id, name)
+            raise error(f"must be an integer, got {raw.get(name)!r}", field=name)
     if not isinstance(raw.get("input"), str) or not raw["input"].strip():
-        raise DataError(source, f"must be a non-empty question string, got {raw.get('input')!r}"[:200],
-                        index, record_id, "input")
+        raise error(f"must be a non-empty question string, got {raw.get('input')!r}"[:200], field="input")
     answers = raw.get("answers")
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
-        raise DataError(source, f"must be a non-empty list of strings, got {answers!r}"[:200], index, record_id, "answers")
+        raise error(f"must be a non-empty list of strings, got {answers!r}"[:200], field="answers")
     context = raw.get("context")
-    if isinstance(context, list):
-        if len(context) != raw["num_docs"]:
-            raise DataError(source, f"lists {len(context)} documents but num_docs is {raw['num_docs']}",
-                            index, record_id, "context")
-        out["context"] = _materialize(context, pool, source, index, record_id)
-    elif not isinstance(context, str):
-        raise DataError(source, f"must be a string or a list of document indices, got {type(context).__name__}",
-                        index, record_id, "context")
-    return out
+    if isinstance(context, str):
+        return dict(raw)
+    if not isinstance(context, list):
+        raise error(f"must be a string or a list of document indices, got {type(context).__name__}", field="context")
+    if len(context) != raw["num_docs"]:
+        raise error(f"lists {len(context)} documents but num_docs is {raw['num_docs']}", field="context")
+    return {**raw, "context": _materialize(context, pool, error)}
 
 
 def read_ruler_file(path: str | Path, pool: str | Path | Sequence[Any] | None = None,
@@ -132,12 +125,7 @@ def read_ruler_file(path: str | Path, pool: str | Path | Sequence[Any] | None = 
         raise DataError(path, "file does not exist")
     if verify:
         verify_if_manifest(path)
-    try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataError(path, f"not valid JSON: {e}") from e
-    if not isinstance(rows, list):
-        raise DataError(path, f"expected a JSON list of records, got {type(rows).__name__}")
+    rows = read_json_list(path, "records")
     documents = load_pool(pool) if pool is not None else None
     return [normalize_ruler_record(raw, path, i, documents) for i, raw in enumerate(rows)]
 
@@ -163,9 +151,6 @@ def write_ruler_file(path: str | Path, records: Sequence[dict[str, Any]]) -> int
 
 
 # ---------------------------------------------------------------------------------------------- building
-
-Paragraph = tuple[str, tuple[str, ...]]  # (title, sentences)
-
 
 def _distinct_paragraphs(examples: Sequence[HotpotExample]) -> list[Paragraph]:
     """Every paragraph of the pool once, by title, in first-seen order (one Wikipedia article = one title)."""
