@@ -1,11 +1,7 @@
-"""HotpotQA (distractor): parse, build per-question contexts, choose held-out and training ids.
-
-Sources: the hub dataset `hotpotqa/hotpot_qa` at a pinned revision (via `datasets`, imported lazily), or a
-local copy of the official JSON; both parse to `HotpotExample`. A question's context is its own paragraphs
-(`title + "\\n" + "".join(sentences)`), shuffled per question with `derived_seed(seed, id)` (one global
-shuffle would pin gold paragraphs to the same positions), numbered `Document i:` and joined by blank lines.
-The held-out ids are drawn first, by seed, from all ids (never from any model's answers); training ids
-come from the rest, by seed or by Pass@k counts.
+"""HotpotQA (distractor) from the pinned hub dataset or a local official JSON (docs/design.md §5): parse
+to `HotpotExample`, build per-question contexts, choose held-out then training ids. A context's paragraphs
+are shuffled per question with `derived_seed(seed, id)`: one global shuffle would pin gold paragraphs to the
+same positions. Held-out ids are drawn by seed from all ids, never from any model's answers.
 """
 
 from __future__ import annotations
@@ -59,22 +55,33 @@ class HotpotExample:
 
 # ---------------------------------------------------------------------------------------------- parsing
 
-def _paragraph(title: Any, sentences: Any, pos: int, error: Callable[..., DataError]) -> Paragraph:
+def _paragraph(item: Any, pos: int, error: Callable[..., DataError]) -> Paragraph:
+    if not isinstance(item, list | tuple) or len(item) != 2:
+        raise error(f"paragraph {pos} must be [title, sentences]", field="context")
+    title, sentences = item
     if not isinstance(title, str) or not isinstance(sentences, list | tuple) or \
             not all(isinstance(s, str) for s in sentences):
         raise error(f"paragraph {pos} must be a title string and a list of sentence strings", field="context")
     return title, tuple(sentences)
 
 
-def _fact(title: Any, sent_id: Any, pos: int, error: Callable[..., DataError]) -> tuple[str, int]:
+def _fact(item: Any, pos: int, error: Callable[..., DataError]) -> tuple[str, int]:
+    if not isinstance(item, list | tuple) or len(item) != 2:
+        raise error(f"fact {pos} must be [title, sentence index]", field="supporting_facts")
+    title, sent_id = item
     if not isinstance(title, str) or not isinstance(sent_id, int) or isinstance(sent_id, bool):
         raise error(f"fact {pos} must be (title string, sentence index), got {[title, sent_id]!r}",
                     field="supporting_facts")
     return title, sent_id
 
 
-def _example(raw: dict, record_id: str, facts: list[tuple[str, int]], paragraphs: list[Paragraph],
+def _example(raw: dict, record_id: str, paragraphs: Sequence[Any], facts: Sequence[Any],
              error: Callable[..., DataError]) -> HotpotExample:
+    """The example of `raw` whose (title, sentences) and (title, sentence index) pairs are `paragraphs`
+    and `facts`, each checked in turn (both formats share these rules)."""
+    parsed = tuple(_paragraph(item, pos, error) for pos, item in enumerate(paragraphs))
+    parsed_facts = tuple(_fact(item, pos, error) for pos, item in enumerate(facts))
+
     def text(name: str, optional: bool = False) -> str:
         value = raw.get(name, "" if optional else None)
         if not isinstance(value, str) or (not optional and not value.strip()):
@@ -82,7 +89,7 @@ def _example(raw: dict, record_id: str, facts: list[tuple[str, int]], paragraphs
         return value
 
     return HotpotExample(id=record_id, question=text("question"), answer=text("answer"), type=text("type", True),
-                         level=text("level", True), supporting_facts=tuple(facts), paragraphs=tuple(paragraphs))
+                         level=text("level", True), supporting_facts=parsed_facts, paragraphs=parsed)
 
 
 def parse_official_record(raw: Any, source: Any, index: int) -> HotpotExample:
@@ -95,17 +102,7 @@ def parse_official_record(raw: Any, source: Any, index: int) -> HotpotExample:
         raise error("must be a non-empty list of [title, sentences]", field="context")
     if not isinstance(facts, list):
         raise error("must be a list of [title, sentence index]", field="supporting_facts")
-    paragraphs = []
-    for pos, item in enumerate(context):
-        if not isinstance(item, list | tuple) or len(item) != 2:
-            raise error(f"paragraph {pos} must be [title, sentences]", field="context")
-        paragraphs.append(_paragraph(*item, pos, error))
-    parsed_facts = []
-    for pos, item in enumerate(facts):
-        if not isinstance(item, list | tuple) or len(item) != 2:
-            raise error(f"fact {pos} must be [title, sentence index]", field="supporting_facts")
-        parsed_facts.append(_fact(*item, pos, error))
-    return _example(raw, record_id, parsed_facts, paragraphs, error)
+    return _example(raw, record_id, context, facts, error)
 
 
 def parse_hub_record(raw: Any, source: Any, index: int) -> HotpotExample:
@@ -121,11 +118,8 @@ def parse_hub_record(raw: Any, source: Any, index: int) -> HotpotExample:
     if not isinstance(facts, dict) or not isinstance(facts.get("title"), list) \
             or not isinstance(facts.get("sent_id"), list) or len(facts["title"]) != len(facts["sent_id"]):
         raise error("must be {title: [...], sent_id: [...]} of equal lengths", field="supporting_facts")
-    paragraphs = [_paragraph(t, s, pos, error)
-                  for pos, (t, s) in enumerate(zip(context["title"], context["sentences"], strict=True))]
-    parsed_facts = [_fact(t, s, pos, error)
-                    for pos, (t, s) in enumerate(zip(facts["title"], facts["sent_id"], strict=True))]
-    return _example(raw, record_id, parsed_facts, paragraphs, error)
+    return _example(raw, record_id, list(zip(context["title"], context["sentences"], strict=True)),
+                    list(zip(facts["title"], facts["sent_id"], strict=True)), error)
 
 
 def parse_hotpot_record(raw: Any, source: Any, index: int) -> HotpotExample:

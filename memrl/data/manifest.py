@@ -82,12 +82,10 @@ def write_manifest(folder: str | Path, records: dict[str, int | None], created_b
     Entries of an existing manifest for other files that still exist are kept (two commands may write
     into one folder); the previous `created_by`/`args` move into `history`."""
     folder = Path(folder)
-    previous: dict[str, Any] = {}
-    if (folder / MANIFEST_NAME).is_file():
-        try:
-            previous = read_manifest(folder)
-        except ManifestError:
-            previous = {}  # a broken manifest is replaced wholesale; its files are re-listed below if named
+    try:
+        previous = read_manifest(folder)
+    except ManifestError:  # none yet, or broken: replaced wholesale; its files are re-listed below if named
+        previous = {}
     files: dict[str, Any] = {
         name: entry for name, entry in previous.get("files", {}).items()
         if name not in records and (folder / name).is_file()

@@ -83,10 +83,8 @@ def prepare_hotpotqa(examples: Sequence[HotpotExample], out: str | Path, *, num_
                      no_context_counts: dict[str, int] | None = None,
                      args: dict[str, Any] | None = None) -> dict[str, Path]:
     """Choose held-out ids (by seed, from all ids), then training ids from the rest (by seed, or by
-    Pass@k counts: 0 < passes < k), and write the questions, id lists and manifest into `out`.
-
-    `no_context_counts` (passes without the document): training ids are drawn only from ids it holds with
-    0 passes; the held-out set is unchanged (drawn first, from all ids)."""
+    Pass@k counts: 0 < passes < k), only among the ids `no_context_counts` holds with 0 passes if given;
+    write the questions, id lists and manifest into `out`."""
     out = Path(out)
     all_ids = [e.id for e in examples]
     heldout = select_heldout(all_ids, num_heldout, seed)
