@@ -1,11 +1,7 @@
-"""HotpotQA (distractor): parse, build per-question contexts, choose held-out and training ids.
-
-Sources: the hub dataset `hotpotqa/hotpot_qa` at a pinned revision (via `datasets`, imported lazily), or a
-local copy of the official JSON; both parse to `HotpotExample`. A question's context is its own paragraphs
-(`title + "\\n" + "".join(sentences)`), shuffled per question with `derived_seed(seed, id)` (one global
-shuffle would pin gold paragraphs to the same positions), numbered `Document i:` and joined by blank lines.
-The held-out ids are drawn first, by seed, from all ids (never from any model's answers); training ids
-come from the rest, by seed or by Pass@k counts.
+"""HotpotQA (distractor) from the pinned hub dataset or a local official JSON (docs/design.md §5): parse
+to `HotpotExample`, build per-question contexts, choose held-out then training ids. A context's paragraphs
+are shuffled per question with `derived_seed(seed, id)`: one global shuffle would pin gold paragraphs to the
+same positions. Held-out ids are drawn by seed from all ids, never from any model's answers.
 """
 
 from __future__ import annotations
@@ -13,19 +9,29 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from memrl.data.records import DataError, QuestionRecord, check_unique_ids, read_jsonl_lines, require_module
+from memrl.data.records import (
+    DataError,
+    QuestionRecord,
+    check_unique_ids,
+    checked_id,
+    read_json_list,
+    read_jsonl_lines,
+    require_module,
+)
 from memrl.errors import MemrlError
 
 HOTPOTQA_REPO = "hotpotqa/hotpot_qa"
 HOTPOTQA_CONFIG = "distractor"
 HOTPOTQA_REVISION = "1908d6afbbead072334abe2965f91bd2709910ab"
+Paragraph = tuple[str, tuple[str, ...]]  # (title, sentences)
 
 
 class SelectionError(ValueError, MemrlError):
@@ -40,7 +46,7 @@ class HotpotExample:
     type: str
     level: str
     supporting_facts: tuple[tuple[str, int], ...]
-    paragraphs: tuple[tuple[str, tuple[str, ...]], ...]  # (title, sentences), in source order
+    paragraphs: tuple[Paragraph, ...]  # in source order
 
     @property
     def gold_titles(self) -> set[str]:
@@ -49,87 +55,71 @@ class HotpotExample:
 
 # ---------------------------------------------------------------------------------------------- parsing
 
-def _text_field(raw: dict, name: str, source: Any, index: int, record_id: Any, optional: bool = False) -> str:
-    value = raw.get(name, "" if optional else None)
-    if not isinstance(value, str) or (not optional and name in ("question", "answer") and not value.strip()):
-        raise DataError(source, f"must be a non-empty string, got {value!r}"[:200], index, record_id, name)
-    return value
-
-
-def _paragraph(title: Any, sentences: Any, source: Any, index: int, record_id: Any, pos: int):
+def _paragraph(item: Any, pos: int, error: Callable[..., DataError]) -> Paragraph:
+    if not isinstance(item, list | tuple) or len(item) != 2:
+        raise error(f"paragraph {pos} must be [title, sentences]", field="context")
+    title, sentences = item
     if not isinstance(title, str) or not isinstance(sentences, list | tuple) or \
             not all(isinstance(s, str) for s in sentences):
-        raise DataError(source, f"paragraph {pos} must be a title string and a list of sentence strings",
-                        index, record_id, "context")
+        raise error(f"paragraph {pos} must be a title string and a list of sentence strings", field="context")
     return title, tuple(sentences)
 
 
-def _fact(title: Any, sent_id: Any, source: Any, index: int, record_id: Any, pos: int) -> tuple[str, int]:
+def _fact(item: Any, pos: int, error: Callable[..., DataError]) -> tuple[str, int]:
+    if not isinstance(item, list | tuple) or len(item) != 2:
+        raise error(f"fact {pos} must be [title, sentence index]", field="supporting_facts")
+    title, sent_id = item
     if not isinstance(title, str) or not isinstance(sent_id, int) or isinstance(sent_id, bool):
-        raise DataError(source, f"fact {pos} must be (title string, sentence index), got {[title, sent_id]!r}",
-                        index, record_id, "supporting_facts")
+        raise error(f"fact {pos} must be (title string, sentence index), got {[title, sent_id]!r}",
+                    field="supporting_facts")
     return title, sent_id
 
 
-def _record_id(raw: Any, key: str, source: Any, index: int) -> str:
-    if not isinstance(raw, dict):
-        raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
-    record_id = raw.get(key)
-    if not isinstance(record_id, str) or not record_id:
-        raise DataError(source, f"must be a non-empty string, got {record_id!r}", index, record_id, key)
-    return record_id
+def _example(raw: dict, record_id: str, paragraphs: Sequence[Any], facts: Sequence[Any],
+             error: Callable[..., DataError]) -> HotpotExample:
+    """The example of `raw` whose (title, sentences) and (title, sentence index) pairs are `paragraphs`
+    and `facts`, each checked in turn (both formats share these rules)."""
+    parsed = tuple(_paragraph(item, pos, error) for pos, item in enumerate(paragraphs))
+    parsed_facts = tuple(_fact(item, pos, error) for pos, item in enumerate(facts))
 
-
-def _example(raw: dict, source: Any, index: int, record_id: str, facts: list[tuple[str, int]],
-             paragraphs: list[tuple[str, tuple[str, ...]]]) -> HotpotExample:
     def text(name: str, optional: bool = False) -> str:
-        return _text_field(raw, name, source, index, record_id, optional)
+        value = raw.get(name, "" if optional else None)
+        if not isinstance(value, str) or (not optional and not value.strip()):
+            raise error(f"must be a non-empty string, got {value!r}"[:200], field=name)
+        return value
 
     return HotpotExample(id=record_id, question=text("question"), answer=text("answer"), type=text("type", True),
-                         level=text("level", True), supporting_facts=tuple(facts), paragraphs=tuple(paragraphs))
+                         level=text("level", True), supporting_facts=parsed_facts, paragraphs=parsed)
 
 
 def parse_official_record(raw: Any, source: Any, index: int) -> HotpotExample:
     """One record of the official JSON: {_id, question, answer, supporting_facts:[[title, sent_id]...],
     context:[[title, [sentence...]]...], type, level}."""
-    record_id = _record_id(raw, "_id", source, index)
+    record_id = checked_id(raw, "_id", source, index)
+    error = partial(DataError, source, index=index, record_id=record_id)
     context, facts = raw.get("context"), raw.get("supporting_facts")
     if not isinstance(context, list) or not context:
-        raise DataError(source, "must be a non-empty list of [title, sentences]", index, record_id, "context")
+        raise error("must be a non-empty list of [title, sentences]", field="context")
     if not isinstance(facts, list):
-        raise DataError(source, "must be a list of [title, sentence index]", index, record_id, "supporting_facts")
-    paragraphs = []
-    for pos, item in enumerate(context):
-        if not isinstance(item, list | tuple) or len(item) != 2:
-            raise DataError(source, f"paragraph {pos} must be [title, sentences]", index, record_id, "context")
-        paragraphs.append(_paragraph(item[0], item[1], source, index, record_id, pos))
-    parsed_facts = []
-    for pos, item in enumerate(facts):
-        if not isinstance(item, list | tuple) or len(item) != 2:
-            raise DataError(source, f"fact {pos} must be [title, sentence index]", index, record_id, "supporting_facts")
-        parsed_facts.append(_fact(item[0], item[1], source, index, record_id, pos))
-    return _example(raw, source, index, record_id, parsed_facts, paragraphs)
+        raise error("must be a list of [title, sentence index]", field="supporting_facts")
+    return _example(raw, record_id, context, facts, error)
 
 
 def parse_hub_record(raw: Any, source: Any, index: int) -> HotpotExample:
     """One row of the hub dataset: {id, question, answer, type, level,
     supporting_facts:{title:[...], sent_id:[...]}, context:{title:[...], sentences:[[...]...]}}."""
-    record_id = _record_id(raw, "id", source, index)
+    record_id = checked_id(raw, "id", source, index)
+    error = partial(DataError, source, index=index, record_id=record_id)
     context, facts = raw.get("context"), raw.get("supporting_facts")
     if not isinstance(context, dict) or not isinstance(context.get("title"), list) \
             or not isinstance(context.get("sentences"), list) \
             or len(context["title"]) != len(context["sentences"]) or not context["title"]:
-        raise DataError(source, "must be {title: [...], sentences: [[...]...]} of equal, non-zero lengths",
-                        index, record_id, "context")
+        raise error("must be {title: [...], sentences: [[...]...]} of equal, non-zero lengths", field="context")
     if not isinstance(facts, dict) or not isinstance(facts.get("title"), list) \
             or not isinstance(facts.get("sent_id"), list) or len(facts["title"]) != len(facts["sent_id"]):
-        raise DataError(source, "must be {title: [...], sent_id: [...]} of equal lengths",
-                        index, record_id, "supporting_facts")
-    paragraphs = [_paragraph(t, s, source, index, record_id, pos)
-                  for pos, (t, s) in enumerate(zip(context["title"], context["sentences"], strict=True))]
-    parsed_facts = [_fact(t, s, source, index, record_id, pos)
-                    for pos, (t, s) in enumerate(zip(facts["title"], facts["sent_id"], strict=True))]
-    return _example(raw, source, index, record_id, parsed_facts, paragraphs)
+        raise error("must be {title: [...], sent_id: [...]} of equal lengths", field="supporting_facts")
+    return _example(raw, record_id, list(zip(context["title"], context["sentences"], strict=True)),
+                    list(zip(facts["title"], facts["sent_id"], strict=True)), error)
 
 
 def parse_hotpot_record(raw: Any, source: Any, index: int) -> HotpotExample:
@@ -159,12 +149,7 @@ def load_hotpotqa_file(path: str | Path) -> list[HotpotExample]:
         numbered = read_jsonl_lines(path)
         return parse_hotpot_records([raw for _, raw in numbered], path, total=len(numbered),
                                     positions=[line for line, _ in numbered])
-    try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataError(path, f"not valid JSON: {e}") from e
-    if not isinstance(rows, list):
-        raise DataError(path, f"expected a JSON list of question records, got {type(rows).__name__}")
+    rows = read_json_list(path, "question records")
     return parse_hotpot_records(rows, path, total=len(rows))
 
 

@@ -19,7 +19,6 @@ from memrl.errors import MemrlError
 from memrl.io import atomic_write_json
 
 MANIFEST_NAME = "manifest.json"
-_HASH_BLOCK = 1 << 20
 
 
 class ManifestError(ValueError, MemrlError):
@@ -43,12 +42,9 @@ def output_folder(path: str | Path, option: str) -> Path:
 
 
 def sha256_file(path: str | Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB blocks (prepared files can be hundreds of MB)."""
-    digest = hashlib.sha256()
+    """Hex SHA-256 of a file, read in blocks (prepared files can be hundreds of MB)."""
     with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:
@@ -86,12 +82,10 @@ def write_manifest(folder: str | Path, records: dict[str, int | None], created_b
     Entries of an existing manifest for other files that still exist are kept (two commands may write
     into one folder); the previous `created_by`/`args` move into `history`."""
     folder = Path(folder)
-    previous: dict[str, Any] = {}
-    if (folder / MANIFEST_NAME).is_file():
-        try:
-            previous = read_manifest(folder)
-        except ManifestError:
-            previous = {}  # a broken manifest is replaced wholesale; its files are re-listed below if named
+    try:
+        previous = read_manifest(folder)
+    except ManifestError:  # none yet, or broken: replaced wholesale; its files are re-listed below if named
+        previous = {}
     files: dict[str, Any] = {
         name: entry for name, entry in previous.get("files", {}).items()
         if name not in records and (folder / name).is_file()

@@ -83,25 +83,23 @@ def prepare_hotpotqa(examples: Sequence[HotpotExample], out: str | Path, *, num_
                      no_context_counts: dict[str, int] | None = None,
                      args: dict[str, Any] | None = None) -> dict[str, Path]:
     """Choose held-out ids (by seed, from all ids), then training ids from the rest (by seed, or by
-    Pass@k counts: 0 < passes < k), and write the questions, id lists and manifest into `out`.
-
-    `no_context_counts` (passes without the document): training ids are drawn only from ids it holds with
-    0 passes; the held-out set is unchanged (drawn first, from all ids)."""
+    Pass@k counts: 0 < passes < k), only among the ids `no_context_counts` holds with 0 passes if given;
+    write the questions, id lists and manifest into `out`."""
     out = Path(out)
     all_ids = [e.id for e in examples]
     heldout = select_heldout(all_ids, num_heldout, seed)
     heldout_set = set(heldout)
-    allowed = None  # ids training may use beyond the held-out rule; None = all
+    usable = set(all_ids) - heldout_set  # the ids training may draw from
+    allowed = None
     if no_context_counts is not None:
         _check_known(no_context_counts, set(all_ids), "no-context pass counts")
         allowed = {qid for qid, c in no_context_counts.items() if c == 0}
+        usable &= allowed
     if pass_counts is None:
-        train = select_by_seed([i for i in all_ids if i not in heldout_set and (allowed is None or i in allowed)],
-                               num_train, seed)
+        train = select_by_seed(usable, num_train, seed)
     else:
         _check_known(pass_counts, set(all_ids), "pass counts")
-        candidates = {qid: c for qid, c in pass_counts.items()
-                      if qid not in heldout_set and (allowed is None or qid in allowed)}
+        candidates = {qid: c for qid, c in pass_counts.items() if qid in usable}
         train = select_by_pass_counts(candidates, pass_k, num_train, seed=seed)
     written: dict[str, int | None] = {
         TRAIN_FILE: write_jsonl(out / TRAIN_FILE, _records(examples, train, seed, "train questions")),

@@ -70,12 +70,18 @@ class QuestionRecord:
         return asdict(self)
 
 
-def question_record_from_dict(raw: Any, source: str | Path, index: int) -> QuestionRecord:
+def checked_id(raw: Any, key: str, source: Any, index: int) -> str:
+    """The non-empty string id under `key` of the JSON object `raw`, or a `DataError` naming the record."""
     if not isinstance(raw, dict):
         raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
-    record_id = raw.get("id")
+    record_id = raw.get(key)
     if not isinstance(record_id, str) or not record_id:
-        raise DataError(source, f"must be a non-empty string, got {record_id!r}", index, record_id, "id")
+        raise DataError(source, f"must be a non-empty string, got {record_id!r}", index, record_id, key)
+    return record_id
+
+
+def question_record_from_dict(raw: Any, source: str | Path, index: int) -> QuestionRecord:
+    record_id = checked_id(raw, "id", source, index)
     for name in ("question", "context"):
         if not isinstance(raw.get(name), str):
             raise DataError(source, f"must be a string, got {type(raw.get(name)).__name__}", index, record_id, name)
@@ -104,8 +110,15 @@ def read_jsonl_lines(path: str | Path) -> list[tuple[Line, Any]]:
     return [(Line(number), value) for number, value in lines]
 
 
-def read_jsonl(path: str | Path) -> list[Any]:
-    return [value for _, value in read_jsonl_lines(path)]
+def read_json_list(path: Path, what: str) -> list[Any]:
+    """The JSON list in the file at `path`; `what` names its items in the error."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(path, f"not valid JSON: {e}") from e
+    if not isinstance(rows, list):
+        raise DataError(path, f"expected a JSON list of {what}, got {type(rows).__name__}")
+    return rows
 
 
 def check_unique_ids(records: Sequence[Any], source: str | Path,

@@ -1,10 +1,7 @@
-"""RULER-HQA: read the published `eval_{N}.json` files, and build sets of the same shape offline.
-
-Published files (`BytedTsinghua-SIA/hotpotqa` at a pinned revision) are JSON lists of `{context, input,
-answers, num_docs, index}`, `context` being `num_docs` paragraphs formatted as `format_documents` does. In
-the largest sets (12800/25600) `context` is a list of indices into a pool the repository does not ship:
-readable only with that pool. Every record returned or written has a string `context`, a non-empty
-`input`, non-empty string `answers` and integer `num_docs` / `index` (else a `DataError`); extra fields stay.
+"""RULER-HQA (docs/design.md §5): read the published `eval_{N}.json` files, and build sets of the same shape
+offline. In 12800/25600 `context` is a list of indices into a pool the repository does not ship. Every
+record returned or written has a string `context`, a non-empty `input`, non-empty string `answers` and
+integer `num_docs` / `index` (else a `DataError`); extra fields stay.
 """
 
 from __future__ import annotations
@@ -12,21 +9,18 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from memrl.data.hotpotqa import (
-    HotpotExample,
-    derived_seed,
-    format_documents,
-    paragraph_document,
-)
+from memrl.data.hotpotqa import HotpotExample, Paragraph, derived_seed, format_documents, paragraph_document
 from memrl.data.records import (
     DataError,
     QuestionRecord,
     check_unique_ids,
+    read_json_list,
     require_module,
     verify_if_manifest,
 )
@@ -86,14 +80,14 @@ def load_pool(pool: str | Path | Sequence[Any]) -> list[str]:
     return documents
 
 
-def _materialize(indices: list[Any], pool: list[str] | None, source: Any, index: int, record_id: Any) -> str:
+def _materialize(indices: list[Any], pool: list[str] | None, error: Callable[..., DataError]) -> str:
     if pool is None:
-        raise DataError(source, "context is a list of document indices; pass the document pool it indexes "
-                                "(--pool FILE, a JSON list of documents)", index, record_id, "context")
+        raise error("context is a list of document indices; pass the document pool it indexes "
+                    "(--pool FILE, a JSON list of documents)", field="context")
     for pos, i in enumerate(indices):
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(pool):
-            raise DataError(source, f"item {pos} = {i!r} is not an index into the pool of {len(pool)} documents",
-                            index, record_id, "context")
+            raise error(f"item {pos} = {i!r} is not an index into the pool of {len(pool)} documents",
+                        field="context")
     return format_documents([pool[i] for i in indices])
 
 
@@ -101,27 +95,24 @@ def normalize_ruler_record(raw: Any, source: Any, index: int, pool: list[str] | 
     """Validate one record; an index-list context is replaced by its text. Extra fields are kept."""
     if not isinstance(raw, dict):
         raise DataError(source, f"expected a JSON object, got {type(raw).__name__}", index)
-    record_id = raw.get("id", raw.get("index"))
-    out = dict(raw)
+    error = partial(DataError, source, index=index, record_id=raw.get("id", raw.get("index")))
     for name in ("num_docs", "index"):
         if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
-            raise DataError(source, f"must be an integer, got {raw.get(name)!r}", index, record_id, name)
+            raise error(f"must be an integer, got {raw.get(name)!r}", field=name)
     if not isinstance(raw.get("input"), str) or not raw["input"].strip():
-        raise DataError(source, f"must be a non-empty question string, got {raw.get('input')!r}"[:200],
-                        index, record_id, "input")
+        raise error(f"must be a non-empty question string, got {raw.get('input')!r}"[:200], field="input")
     answers = raw.get("answers")
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
-        raise DataError(source, f"must be a non-empty list of strings, got {answers!r}"[:200], index, record_id, "answers")
+        raise error(f"must be a non-empty list of strings, got {answers!r}"[:200], field="answers")
     context = raw.get("context")
-    if isinstance(context, list):
-        if len(context) != raw["num_docs"]:
-            raise DataError(source, f"lists {len(context)} documents but num_docs is {raw['num_docs']}",
-                            index, record_id, "context")
-        out["context"] = _materialize(context, pool, source, index, record_id)
-    elif not isinstance(context, str):
-        raise DataError(source, f"must be a string or a list of document indices, got {type(context).__name__}",
-                        index, record_id, "context")
-    return out
+    if isinstance(context, str):
+        return dict(raw)
+    if not isinstance(context, list):
+        raise error(f"must be a string or a list of document indices, got {type(context).__name__}",
+                    field="context")
+    if len(context) != raw["num_docs"]:
+        raise error(f"lists {len(context)} documents but num_docs is {raw['num_docs']}", field="context")
+    return {**raw, "context": _materialize(context, pool, error)}
 
 
 def read_ruler_file(path: str | Path, pool: str | Path | Sequence[Any] | None = None,
@@ -132,12 +123,7 @@ def read_ruler_file(path: str | Path, pool: str | Path | Sequence[Any] | None = 
         raise DataError(path, "file does not exist")
     if verify:
         verify_if_manifest(path)
-    try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataError(path, f"not valid JSON: {e}") from e
-    if not isinstance(rows, list):
-        raise DataError(path, f"expected a JSON list of records, got {type(rows).__name__}")
+    rows = read_json_list(path, "records")
     documents = load_pool(pool) if pool is not None else None
     return [normalize_ruler_record(raw, path, i, documents) for i, raw in enumerate(rows)]
 
@@ -164,9 +150,6 @@ def write_ruler_file(path: str | Path, records: Sequence[dict[str, Any]]) -> int
 
 # ---------------------------------------------------------------------------------------------- building
 
-Paragraph = tuple[str, tuple[str, ...]]  # (title, sentences)
-
-
 def _distinct_paragraphs(examples: Sequence[HotpotExample]) -> list[Paragraph]:
     """Every paragraph of the pool once, by title, in first-seen order (one Wikipedia article = one title)."""
     seen: dict[str, tuple[str, ...]] = {}
@@ -186,38 +169,34 @@ def _distinct_texts(examples: Sequence[HotpotExample]) -> list[Paragraph]:
     return [seen[text] for text in sorted(seen)]
 
 
-def _kept_own(own: list[Paragraph], gold: list[Paragraph], num_docs: int, example: HotpotExample) -> list[Paragraph]:
-    """The question's own paragraphs that go in: all, or gold first when `num_docs` is below their count."""
+def _own_and_fillers(example: HotpotExample, own: list[Paragraph], paragraphs: list[Paragraph], num_docs: int,
+                     key: Callable[[Paragraph], str], rng: random.Random) -> list[Paragraph]:
+    """`num_docs` documents: the question's own paragraphs (gold first when `num_docs` is below their count),
+    then distinct paragraphs of the pool in draw order, none whose `key` is an own paragraph's (all of them
+    are in the pool)."""
+    gold = [p for p in own if p[0] in example.gold_titles]
     if num_docs < len(gold):
         raise RulerBuildError(f"num_docs = {num_docs} is below the {len(gold)} gold paragraphs of question "
                               f"{example.id!r}; ask for more documents")
-    return own if len(own) <= num_docs else gold + [p for p in own if p not in gold][:num_docs - len(gold)]
-
-
-def _draw_fillers(paragraphs: list[Paragraph], excluded: set[str], key: Callable[[Paragraph], str], need: int,
-                  rng: random.Random, example: HotpotExample, num_docs: int) -> list[Paragraph]:
-    """`need` distinct paragraphs of the pool, in draw order, none whose `key` is in `excluded` (the keys of
-    the question's own paragraphs, all of them in the pool)."""
-    available = len(paragraphs) - len(excluded)
+    kept = own if len(own) <= num_docs else gold + [p for p in own if p not in gold][:num_docs - len(gold)]
+    excluded = {key(p) for p in own}
+    need, available = num_docs - len(kept), len(paragraphs) - len(excluded)
     if need > available:
         raise RulerBuildError(f"the pool has only {available} distinct paragraphs outside question "
                               f"{example.id!r}'s own, {need} are needed for num_docs = {num_docs}; "
                               f"build from a larger pool (more questions) or ask for fewer documents")
     # Draw a few extra indices so that, after dropping the question's own paragraphs, `need` remain.
     drawn = rng.sample(range(len(paragraphs)), min(len(paragraphs), need + len(excluded)))
-    return [paragraphs[i] for i in drawn if key(paragraphs[i]) not in excluded][:need]
+    return kept + [paragraphs[i] for i in drawn if key(paragraphs[i]) not in excluded][:need]
 
 
 def _memrl_documents(example: HotpotExample, paragraphs: list[Paragraph], num_docs: int,
                      seed: int) -> tuple[list[Paragraph], list[int], int]:
     """memrl's layout: (documents, gold positions, shuffle seed); one seeded draw and shuffle per question."""
-    own = _distinct_paragraphs([example])
-    own_titles = {t for t, _ in own}
-    kept = _kept_own(own, [p for p in own if p[0] in example.gold_titles], num_docs, example)
     shuffle_seed = derived_seed(seed, example.id)
     rng = random.Random(shuffle_seed)
-    documents = kept + _draw_fillers(paragraphs, own_titles, lambda p: p[0], num_docs - len(kept), rng,
-                                     example, num_docs)
+    documents = _own_and_fillers(example, _distinct_paragraphs([example]), paragraphs, num_docs,
+                                 lambda p: p[0], rng)
     rng.shuffle(documents)
     positions = [pos for pos, (title, _) in enumerate(documents, start=1) if title in example.gold_titles]
     return documents, positions, shuffle_seed
@@ -230,17 +209,14 @@ def _official_documents(example: HotpotExample, paragraphs: list[Paragraph], num
     pool of exactly `num_docs` documents is used whole. The official fillers come from a process pool's
     global RNG (not reproducible); here from `random.Random(derived_seed(seed, id))`."""
     own = list(example.paragraphs)
-    gold = [p for p in own if p[0] in example.gold_titles]
     if num_docs == len(paragraphs):
         documents = list(paragraphs)
     else:
-        kept = _kept_own(own, gold, num_docs, example)
-        own_texts = {paragraph_document(*p) for p in own}
         rng = random.Random(derived_seed(seed, example.id))
-        documents = kept + _draw_fillers(paragraphs, own_texts, lambda p: paragraph_document(*p),
-                                         num_docs - len(kept), rng, example, num_docs)
+        documents = _own_and_fillers(example, own, paragraphs, num_docs, lambda p: paragraph_document(*p), rng)
     random.Random(OFFICIAL_SHUFFLE_SEED).shuffle(documents)
     # Gold by paragraph, not title: a filler may be another version of a gold title's article.
+    gold = [p for p in own if p[0] in example.gold_titles]
     positions = [pos for pos, p in enumerate(documents, start=1) if p in gold]
     return documents, positions, OFFICIAL_SHUFFLE_SEED
 

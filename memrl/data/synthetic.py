@@ -1,18 +1,9 @@
-"""A synthetic long-document memory task that a tiny model can learn on CPU (the `memrl demo` task).
+"""The synthetic long-document memory task of `memrl demo` / `demo-long` (the rules: docs/demo.md).
 
-A document is 1..`max_chunks` chunks of `facts_per_chunk` facts, each the same 7 words:
-
-    "the color of bram is teal ."          question: "what is the color of bram ?"   answer: "teal"
-
-Exactly one fact answers the question; every other fact shares the entity or the attribute with it, so
-matching one of the two is never enough; no (attribute, entity) pair occurs twice in a document. The
-answer sits in a random chunk, so a reader must carry it through its memory to the final turn, which sees
-only question + memory. With `task_tokenizer` every word is one token: a fact is `FACT_TOKENS` tokens and
-`chunk_tokens = FACT_TOKENS * facts_per_chunk` puts whole facts in every chunk.
-
-Training and held-out sets come from disjoint seeded streams (`make_splits`) and never share a document.
-Long documents (`make_long_record`, `make_length_set`, `memrl demo-long`) use separate streams, so the
-short task's generation does not change with them (pinned by a test).
+A document is 1..`max_chunks` chunks of `facts_per_chunk` facts like "the color of bram is teal ."; no
+(attribute, entity) pair occurs twice in one. With `task_tokenizer` every word is one token, so
+`chunk_tokens = FACT_TOKENS * facts_per_chunk` puts whole facts in every chunk. Training, held-out and
+long-document sets come from separate seeded streams: adding one never changes another (pinned by a test).
 """
 
 from __future__ import annotations
@@ -22,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memrl.data.records import QuestionRecord
+from memrl.data.manifest import write_manifest
+from memrl.data.records import QuestionRecord, write_jsonl
 from memrl.errors import MemrlError
 
 ENTITIES = ["bram", "cora", "dax", "elin", "finn", "gale", "hugo", "ida", "jora", "kai", "lena", "milo"]
@@ -110,6 +102,13 @@ def _related_distractors(rng: random.Random, attribute: str, entity: str, value:
     return facts
 
 
+def _draw_key(rng: random.Random) -> tuple[str, str, str]:
+    """The question's (attribute, entity, value)."""
+    attribute = rng.choice(list(ATTRIBUTES))
+    entity = rng.choice(ENTITIES)
+    return attribute, entity, rng.choice(ATTRIBUTES[attribute])
+
+
 def _record(record_id: str, key: tuple[str, str, str], facts: list[tuple[str, str, str]], answer_index: int,
             facts_per_chunk: int, **extra: Any) -> QuestionRecord:
     attribute, entity, value = key
@@ -124,19 +123,17 @@ def _record(record_id: str, key: tuple[str, str, str], facts: list[tuple[str, st
 
 
 def make_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionRecord:
-    """One question and its document, drawn from `rng` (see the module docstring for the rules)."""
+    """One question and its document, drawn from `rng`."""
     spec.check()
     if spec.filler:
         return make_padded_record(rng, spec, record_id)
-    attribute = rng.choice(list(ATTRIBUTES))
-    entity = rng.choice(ENTITIES)
-    value = rng.choice(ATTRIBUTES[attribute])
+    attribute, entity, value = key = _draw_key(rng)
     num_chunks = rng.randint(1, spec.max_chunks)
     num_facts = num_chunks * spec.facts_per_chunk
     facts = _related_distractors(rng, attribute, entity, value, num_facts - 1)
     answer_index = rng.randrange(num_facts)
-    facts.insert(answer_index, (attribute, entity, value))
-    return _record(record_id, (attribute, entity, value), facts, answer_index, spec.facts_per_chunk)
+    facts.insert(answer_index, key)
+    return _record(record_id, key, facts, answer_index, spec.facts_per_chunk)
 
 
 # ---- long documents: the short task padded with unrelated facts (`memrl demo-long`) ---------------------------
@@ -157,9 +154,7 @@ def make_long_record(rng: random.Random, record_id: str, *, num_chunks: int, pos
     if not 0 <= related <= RELATED_CAPACITY:
         raise SyntheticTaskError(f"related must be in [0, {RELATED_CAPACITY}] (the distractors sharing the entity "
                                  f"or the attribute), got {related}")
-    attribute = rng.choice(list(ATTRIBUTES))
-    entity = rng.choice(ENTITIES)
-    value = rng.choice(ATTRIBUTES[attribute])
+    attribute, entity, value = key = _draw_key(rng)
     num_facts = num_chunks * facts_per_chunk
     num_related = min(related, num_facts - 1)
     others = _related_distractors(rng, attribute, entity, value, num_related)
@@ -172,24 +167,21 @@ def make_long_record(rng: random.Random, record_id: str, *, num_chunks: int, pos
         others.append((a, e, rng.choice(ATTRIBUTES[a])))
     rng.shuffle(others)
     answer_index = round(position * (num_facts - 1))
-    others.insert(answer_index, (attribute, entity, value))
-    return _record(record_id, (attribute, entity, value), others, answer_index, facts_per_chunk,
+    others.insert(answer_index, key)
+    return _record(record_id, key, others, answer_index, facts_per_chunk,
                    answer_position=position, related_distractors=num_related,
                    filler_facts=num_facts - 1 - num_related)
 
 
-# A padded document's related distractors, drawn uniformly. Few, and every document `max_chunks` long, so
-# that a document has 1.2 filler chunks before its first fact with the question's attribute on average (the
-# short task: 0.1; 1-4 chunks with 1-4 related distractors: 0.4, which left the reader guessing at 64
-# chunks, docs/demo.md). Measured on 3,000 documents.
+# A padded document's related distractors, drawn uniformly: few, so a document has 1.2 filler chunks before
+# its first fact with the question's attribute on average (1-4 related: 0.4, too few; measured on 3,000
+# documents, docs/demo.md).
 PADDED_RELATED = (0, 2)
 
 
 def make_padded_record(rng: random.Random, spec: TaskSpec, record_id: str) -> QuestionRecord:
     """A short document padded with filler: exactly `max_chunks` chunks, `PADDED_RELATED` related distractors,
-    the answering fact at any index. Why (docs/demo.md, "Train short, read long"): trained on the short
-    task, whose first chunk almost always matches the attribute, a reader commits at its first memory turn,
-    which at length is a guess; here committing early is punished and keeping "unknown" pays."""
+    the answering fact at any index, so that committing at the first memory turn is punished (docs/demo.md)."""
     num_facts = spec.max_chunks * spec.facts_per_chunk
     related = rng.randint(min(PADDED_RELATED[0], num_facts - 1), min(PADDED_RELATED[1], num_facts - 1))
     # make_long_record puts the answer at round(position * (num_facts - 1)): an index drawn uniformly.
@@ -238,18 +230,13 @@ def make_splits(num_train: int, num_heldout: int, spec: TaskSpec, seed: int = 0
 def prepare_synthetic(out: str | Path, *, num_train: int = 2000, num_heldout: int = 200, max_chunks: int = 3,
                       facts_per_chunk: int = 3, seed: int = 0, filler: bool = False) -> dict[str, Path]:
     """Write synthetic_train.jsonl / synthetic_heldout.jsonl and a SHA-256 manifest to `out`."""
-    from memrl.data.manifest import write_manifest
-    from memrl.data.records import write_jsonl
-
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     spec = TaskSpec(max_chunks=max_chunks, facts_per_chunk=facts_per_chunk, filler=filler)
     train, heldout = make_splits(num_train, num_heldout, spec, seed)
     paths = {"train": out / "synthetic_train.jsonl", "heldout": out / "synthetic_heldout.jsonl"}
-    write_jsonl(paths["train"], train)
-    write_jsonl(paths["heldout"], heldout)
-    write_manifest(out, {paths["train"].name: len(train), paths["heldout"].name: len(heldout)},
-                   "memrl prepare-data synthetic",
+    counts = {paths["train"].name: write_jsonl(paths["train"], train),
+              paths["heldout"].name: write_jsonl(paths["heldout"], heldout)}
+    write_manifest(out, counts, "memrl prepare-data synthetic",
                    {"task": "synthetic-memory", "num_train": num_train, "num_heldout": num_heldout,
                     "max_chunks": max_chunks, "facts_per_chunk": facts_per_chunk, "seed": seed,
                     "filler": filler, "chunk_tokens": spec.chunk_tokens})

@@ -1,10 +1,6 @@
-"""`memrl compare` (docs/design.md §7): `memrl eval` folders, checked to be comparable, then compared.
-
-Refused (`CompareError`, every problem named at once): a folder unfinished, empty, with failed requests or
-whose results disagree with its summary; a different data SHA-256, format key (a controlled variable;
-`allow_diff` accepts named keys) or id set. Then a metric table with 95% intervals, per-pair differences,
-EM flips with ids and their exact McNemar p, and `--max-abs-diff` thresholds on pairs (CLI exit 1 on a
-failure); `CompareReport.write` saves report.md, comparison.json and comparison.png.
+"""`memrl compare` (docs/design.md §7): `memrl eval` folders, checked to be comparable (a `CompareError`
+names every problem at once; `allow_diff` accepts named format keys), then compared: metrics with 95%
+intervals, EM flips with their exact McNemar p, `--max-abs-diff` thresholds on pairs.
 """
 
 from __future__ import annotations
@@ -19,11 +15,12 @@ from typing import Any
 
 from memrl.errors import MemrlError
 from memrl.eval.results import METRICS, RESULTS_FILE, SUMMARY_FILE, EvalError, read_results, summarize_lines
-from memrl.eval.stats import mcnemar_p
+from memrl.eval.stats import format_interval, mcnemar_p
 from memrl.io import atomic_save_figure, atomic_write_json, atomic_write_text
 
 METRIC_LABELS = {"em": "EM", "sub_em": "sub_EM", "f1": "F1"}
 _TOLERANCE = 1e-9  # percentage points; keeps 3.0000000001 (float noise) from failing a 3 pp threshold
+_COUNTS = ("total", "succeeded", "failed", "missing_boxes")
 
 
 class CompareError(ValueError, MemrlError):
@@ -76,16 +73,11 @@ class CompareReport:
         return all(c.passed for c in self.checks)
 
     def metrics_table(self) -> str:
-        head = "| result | total | succeeded | failed | missing boxes | " + " | ".join(
-            f"{METRIC_LABELS[m]} % [95% CI]" for m in METRICS) + " |"
-        rows = [head, "|" + "---|" * (5 + len(METRICS))]
-        for r in self.results:
-            s = r.stats
-            cells = [f"{s['metrics'][m]['value']:.1f} [{s['metrics'][m]['low']:.1f}, {s['metrics'][m]['high']:.1f}]"
-                     for m in METRICS]
-            rows.append(f"| {r.name} | {s['total']} | {s['succeeded']} | {s['failed']} | {s['missing_boxes']} | "
-                        + " | ".join(cells) + " |")
-        return "\n".join(rows)
+        head = ["result", "total", "succeeded", "failed", "missing boxes",
+                *(f"{METRIC_LABELS[m]} % [95% CI]" for m in METRICS)]
+        rows = [[r.name, *(r.stats[k] for k in _COUNTS),
+                 *(format_interval(r.stats["metrics"][m]) for m in METRICS)] for r in self.results]
+        return _table(head, rows)
 
     def pair_text(self, p: PairResult, max_ids: int | None) -> str:
         def ids(xs: list[str]) -> str:
@@ -93,13 +85,11 @@ class CompareReport:
             return ", ".join(shown) + (f", ... ({len(xs) - len(shown)} more)" if len(shown) < len(xs) else "")
 
         by_name = {r.name: r for r in self.results}
-        rows = [f"| metric | {p.a} | {p.b} | {p.b} - {p.a} (pp) |", "|---|---|---|---|"]
-        for m in METRICS:
-            va, vb = (by_name[n].stats["metrics"][m]["value"] for n in (p.a, p.b))
-            rows.append(f"| {METRIC_LABELS[m]} | {va:.2f} | {vb:.2f} | {p.diffs[m]:+.2f} |")
+        rows = [[METRIC_LABELS[m], *(f"{by_name[n].stats['metrics'][m]['value']:.2f}" for n in (p.a, p.b)),
+                 f"{p.diffs[m]:+.2f}"] for m in METRICS]
         flips = (f"EM flips: {len(p.wrong_to_right)} wrong->right, {len(p.right_to_wrong)} right->wrong, "
                  f"{p.both_right} both right, {p.both_wrong} both wrong; exact McNemar p = {p.mcnemar_p:.4g}")
-        lines = ["\n".join(rows), "", flips]
+        lines = [_table(["metric", p.a, p.b, f"{p.b} - {p.a} (pp)"], rows), "", flips]
         if p.wrong_to_right:
             lines.append(f"- wrong->right: {ids(p.wrong_to_right)}")
         if p.right_to_wrong:
@@ -107,10 +97,9 @@ class CompareReport:
         return "\n".join(lines)
 
     def checks_table(self) -> str:
-        rows = ["| pair | metric | abs diff (pp) | limit (pp) | result |", "|---|---|---|---|---|"]
-        rows += [f"| {c.a}, {c.b} | {METRIC_LABELS[c.metric]} | {c.diff:.2f} | {c.limit:g} | "
-                 f"{'pass' if c.passed else 'FAIL'} |" for c in self.checks]
-        return "\n".join(rows)
+        return _table(["pair", "metric", "abs diff (pp)", "limit (pp)", "result"],
+                      [[f"{c.a}, {c.b}", METRIC_LABELS[c.metric], f"{c.diff:.2f}", f"{c.limit:g}",
+                        "pass" if c.passed else "FAIL"] for c in self.checks])
 
     def to_text(self, max_ids: int | None = 10) -> str:
         first = self.results[0].summary
@@ -133,7 +122,7 @@ class CompareReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "results": [{"name": r.name, "path": str(r.path), "model": r.summary.get("model"),
-                         **{k: r.stats[k] for k in ("total", "succeeded", "failed", "missing_boxes", "metrics")}}
+                         **{k: r.stats[k] for k in (*_COUNTS, "metrics")}}
                         for r in self.results],
             "data_sha256": self.results[0].summary["data"]["sha256"],
             "format": self.results[0].summary["format"], "allowed_diffs": self.allowed_diffs,
@@ -144,11 +133,17 @@ class CompareReport:
     def write(self, out_dir: Path) -> list[Path]:
         """report.md (every flipped id listed), comparison.json and comparison.png in `out_dir`."""
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        paths = [atomic_write_text(out_dir / "report.md", self.to_text(max_ids=None)),
-                 atomic_write_json(out_dir / "comparison.json", self.to_json())]
-        paths.append(plot_comparison(self.results, out_dir / "comparison.png"))
-        return paths
+        return [atomic_write_text(out_dir / "report.md", self.to_text(max_ids=None)),
+                atomic_write_json(out_dir / "comparison.json", self.to_json()),
+                plot_comparison(self.results, out_dir / "comparison.png")]
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table, cells already formatted."""
+    def row(cells: list[Any]) -> str:
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    return "\n".join([row(head), "|" + "---|" * len(head), *map(row, rows)])
 
 
 def plot_comparison(results: list[ResultSet], path: Path) -> Path:

@@ -2,10 +2,7 @@
 `memrl pass-at-k` writes `{k, pass_counts: {id: passes}, ...}`, read by `memrl prepare-data hotpotqa
 --pass-counts FILE --pass-k K`. Samples use the training task itself (`Task.sample_group`, its reward),
 so "pass" means what the training reward means; a question with a failed request gets no count.
-
-`--no-context` asks each question without its document (the final turn on the question alone): the counts
-say what the model answers from what it knows, read by `--drop-answerable-without-context FILE` (the
-official pipeline's filter2.py step).
+`--no-context` counts what the model answers without the document, for `--drop-answerable-without-context`.
 """
 
 from __future__ import annotations
@@ -79,11 +76,6 @@ def check_read_overrides(sets: Sequence[str]) -> None:
                           f"(--limit N is eval.limit)")
 
 
-def without_context(records: Sequence[QuestionRecord]) -> list[QuestionRecord]:
-    """The questions with empty documents: no chunk is read, the first turn is the final one."""
-    return [dataclasses.replace(r, context="") for r in records]
-
-
 def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | None, data: Path, out: Path, k: int,
                       sets: list[str] | None = None, limit: int | None = None, tokenizer: str | None = None,
                       progress: bool = True, no_context: bool = False) -> dict[str, Any]:
@@ -96,8 +88,8 @@ def pass_at_k_command(model: str | None, server_url: str | None, recipe: Path | 
     cfg = load_config(recipe, list(sets or []) + ([f"eval.limit={limit}"] if limit is not None else []))
     model, server_url, tokenizer_path = resolve_model_source(cfg, model, server_url, tokenizer)
     records = load_eval_data(data, verify=cfg.data.verify_manifest)[:cfg.eval.limit]
-    if no_context:
-        records = without_context(records)
+    if no_context:  # empty documents: no chunk is read, the first turn is the final one
+        records = [dataclasses.replace(r, context="") for r in records]
     tok, engine, info = open_engine(cfg, model, server_url, tokenizer_path)
 
     async def run() -> tuple[dict[str, int], list[str]]:

@@ -28,9 +28,8 @@ RESULTS_FILE = "results.jsonl"
 SUMMARY_FILE = "summary.json"
 RUN_FILE = "eval_run.json"
 METRICS = ("em", "sub_em", "f1")
-SCORER = "memrl.scoring.score_answer (HotpotQA normalization, last \\boxed{})"
 # The scorer named per `task.answer_extractor`; `boxed` keeps the name earlier runs recorded, so they resume.
-SCORERS = {"boxed": SCORER,
+SCORERS = {"boxed": "memrl.scoring.score_answer (HotpotQA normalization, last \\boxed{})",
            "therefore": "memrl.scoring.score_answer (HotpotQA normalization, line after the last 'the answer is')"}
 
 
@@ -56,9 +55,8 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
         "chunk_tokens": task.chunk_tokens, "memory_tokens": task.memory_tokens, "final_tokens": task.final_tokens,
         "max_chunks": task.max_chunks, "truncation": task.truncation, "n_samples": 1,
         "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, "enable_thinking": task.enable_thinking,
-        "memory_template_sha256": _sha256_text(task.memory_template),
-        "final_template_sha256": _sha256_text(task.final_template),
-        "no_memory_text_sha256": _sha256_text(task.no_memory_text),
+        **{f"{name}_sha256": _sha256_text(getattr(task, name))
+           for name in ("memory_template", "final_template", "no_memory_text")},
         "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "stop_token_ids": sorted(int(t) for t in stop_token_ids),

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from memrl.config import Config, check_model_path, load_pretrained
 from memrl.data.manifest import sha256_file
-from memrl.data.records import QuestionRecord, check_unique_ids
+from memrl.data.records import QuestionRecord, check_unique_ids, write_jsonl
 from memrl.engines.base import Engine
 from memrl.eval.results import (
     METRICS,
@@ -35,7 +35,8 @@ from memrl.eval.results import (
     sample_line,
     summarize_lines,
 )
-from memrl.io import atomic_write_json, atomic_write_text
+from memrl.eval.stats import format_interval
+from memrl.io import atomic_write_json
 from memrl.rollout import RolloutContext
 from memrl.task import Task, eval_group, load_task
 
@@ -70,8 +71,7 @@ def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_
         done[line["id"]] = line
     if retry_failed and any(line.get("status") == "failed" for line in done.values()):
         done = {k: v for k, v in done.items() if v.get("status") != "failed"}
-        # Rewrite without the failed lines (atomically) so their retries never duplicate an id.
-        atomic_write_text(results_path, "".join(json.dumps(v, ensure_ascii=False) + "\n" for v in done.values()))
+        write_jsonl(results_path, list(done.values()))  # without the failed lines: retries never duplicate an id
     return done
 
 
@@ -186,28 +186,27 @@ def evaluate(engine: Engine, tokenizer: Any, cfg: Config, records: Sequence[Ques
 def load_eval_data(path: Path, verify: bool = True) -> list[QuestionRecord]:
     """Questions of a prepared JSONL file or a RULER-HQA `eval_N.json` list; none is an `EvalError` (its
     "0 questions" summary would read as a finished run)."""
-    records = _read_eval_file(Path(path), verify)
-    if not records:
-        raise EvalError(f"data file {path} holds no questions; pass a prepared file (`memrl prepare-data`)")
-    return records
-
-
-def _read_eval_file(path: Path, verify: bool) -> list[QuestionRecord]:
     from memrl.data.records import load_questions
     from memrl.data.ruler_hqa import load_ruler_file
 
+    path = Path(path)
     if not path.is_file():
         raise EvalError(f"data file {path} does not exist; prepare it with `memrl prepare-data`")
     if path.suffix == ".jsonl":
-        return load_questions(path, verify=verify)
-    with open(path, encoding="utf-8") as f:
-        head = f.read(4096).lstrip()
-    # A RULER file is one JSON list; our prepared format is one object per line.
-    if head.startswith("["):
-        return load_ruler_file(path, verify=verify)
-    if head.startswith("{"):
-        return load_questions(path, verify=verify)
-    raise EvalError(f"{path} is neither prepared JSONL (one object per line) nor a RULER-HQA JSON list")
+        records = load_questions(path, verify=verify)
+    else:
+        with open(path, encoding="utf-8") as f:
+            head = f.read(4096).lstrip()
+        # A RULER file is one JSON list; our prepared format is one object per line.
+        if head.startswith("["):
+            records = load_ruler_file(path, verify=verify)
+        elif head.startswith("{"):
+            records = load_questions(path, verify=verify)
+        else:
+            raise EvalError(f"{path} is neither prepared JSONL (one object per line) nor a RULER-HQA JSON list")
+    if not records:
+        raise EvalError(f"data file {path} holds no questions; pass a prepared file (`memrl prepare-data`)")
+    return records
 
 
 def resolve_model_source(cfg: Config, model: str | None, server_url: str | None,
@@ -260,9 +259,7 @@ def eval_command(model: str | None, server_url: str | None, recipe: Path | None,
     cfg = load_config(recipe, overrides)
     model, server_url, tokenizer_path = resolve_model_source(cfg, model, server_url, tokenizer)
 
-    records = load_eval_data(data, verify=cfg.data.verify_manifest)
-    if cfg.eval.limit is not None:
-        records = records[: cfg.eval.limit]
+    records = load_eval_data(data, verify=cfg.data.verify_manifest)[:cfg.eval.limit]
     data_sha = sha256_file(data)
     tok, engine, info = open_engine(cfg, model, server_url, tokenizer_path)
 
@@ -300,7 +297,6 @@ def format_summary(summary: dict[str, Any]) -> str:
     """A few lines for the terminal: counts, then each metric with its interval."""
     head = (f"{summary['model']}: {summary['total']} questions, {summary['succeeded']} succeeded, "
             f"{summary['failed']} failed, {summary['missing_boxes']} missing boxes")
-    metrics = "  ".join(f"{m} {v['value']:.1f} [{v['low']:.1f}, {v['high']:.1f}]"
-                        for m, v in summary["metrics"].items())
+    metrics = "  ".join(f"{m} {format_interval(v)}" for m, v in summary["metrics"].items())
     return f"{head}\n{metrics}"
 

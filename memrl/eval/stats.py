@@ -60,6 +60,11 @@ def metric_summary(values: Sequence[float], binary: bool) -> dict[str, float]:
     return {"value": 100 * mean, "low": 100 * low, "high": 100 * high, "n": n}
 
 
+def format_interval(summary: dict[str, float]) -> str:
+    """A `metric_summary` as "value [low, high]", one decimal."""
+    return f"{summary['value']:.1f} [{summary['low']:.1f}, {summary['high']:.1f}]"
+
+
 def mcnemar_p(wins_a: int, wins_b: int) -> float:
     """Exact two-sided McNemar p-value from the discordant counts (a right & b wrong, b right & a wrong)."""
     n = wins_a + wins_b

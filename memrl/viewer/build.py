@@ -6,8 +6,7 @@ What it shows of a trajectory beyond answer, scores and turn texts is the run's 
 from its `plugins.task`). Gold ranges and scores are computed here (`memrl.scoring`), so the page's script
 stays small and cannot disagree with memrl. The page builds every element with textContent, never
 innerHTML, and the data's `<`, `>`, `&` are escaped, so no model output can run or close the element.
-Every record is checked as it is read: a bad file, record or field is a one-line `ViewerError` naming the
-file, line and field, never a traceback or a broken page; fields a record lacks are None.
+Every record is checked as it is read (a bad one is a one-line `ViewerError` naming file, line and field).
 """
 
 from __future__ import annotations
@@ -28,6 +27,8 @@ TEMPLATE = Path(__file__).with_name("template.html")
 DATA_MARKER = "__MEMRL_VIEW_DATA__"
 ROLLOUT_GLOB = "rollout_*.jsonl"
 VIEW_FILE = "viewer.html"
+_SCRIPT_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026",  # see embed_json
+                                 "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 class ViewerError(ValueError, MemrlError):
@@ -117,8 +118,7 @@ def _golds(line: dict[str, Any]) -> list[str]:
 
 
 def _read_jsonl(path: Path, kind: tuple[dict[str, str], str, str], task: Task) -> list[Checked]:
-    """The checked records of a JSON-lines file memrl wrote (`_check_record`). Split at "\n" only, and
-    what follows the last "\n" is a torn write (a run killed mid-line) and is left out (`memrl.io`)."""
+    """The checked records (`_check_record`) of a JSON-lines file memrl wrote; a torn last line is left out."""
 
     def bad_line(number: int, e: Exception) -> ViewerError:
         return ViewerError(f"{path} line {number} is not a JSON record memrl wrote ({type(e).__name__}: {e}); "
@@ -212,8 +212,7 @@ def _rollout_files(path: Path) -> list[Path]:
 
 
 def _run_config(run_root: Path | None) -> tuple[str, Task]:
-    """The run's `task.answer_extractor` (the logs score with it, else `boxed`) and its Task, from its
-    config.yaml."""
+    """The run's `task.answer_extractor` (the logs score with it; default `boxed`) and Task, from config.yaml."""
     import yaml
 
     config = run_root / "config.yaml" if run_root is not None else None
@@ -276,13 +275,10 @@ def view_data(path: Path, compare: Path | None = None) -> dict[str, Any]:
     if not path.exists():
         raise ViewerError(f"{path} does not exist; pass an eval folder, a rollout log or a training run root")
     is_eval = path.is_dir() and (path / RESULTS_FILE).is_file()
-    if compare is not None:
-        compare = Path(compare)
-        if not is_eval or not (compare / RESULTS_FILE).is_file():
-            raise ViewerError(f"--compare needs two eval folders (each with {RESULTS_FILE}); got {path} and {compare}")
-        data = _eval_data(path, compare)
-    else:
-        data = _eval_data(path, None) if is_eval else _rollout_data(path)
+    compare = Path(compare) if compare is not None else None
+    if compare is not None and not (is_eval and (compare / RESULTS_FILE).is_file()):
+        raise ViewerError(f"--compare needs two eval folders (each with {RESULTS_FILE}); got {path} and {compare}")
+    data = _eval_data(path, compare) if is_eval else _rollout_data(path)
     data["title"] = " vs ".join(data["runs"])
     return data
 
@@ -292,11 +288,7 @@ def view_data(path: Path, compare: Path | None = None) -> dict[str, Any]:
 def embed_json(data: Any) -> str:
     """JSON that is safe inside a <script> element: no `<`, `>` or `&` (so no `</script>` or `<!--`) and no
     U+2028/U+2029; JSON.parse reads the escapes back as the same characters."""
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    for char, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
-                         ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
-        text = text.replace(char, escape)
-    return text
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False).translate(_SCRIPT_ESCAPES)
 
 
 def render_html(data: dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from memrl.data.records import DataError, load_questions, read_jsonl
+from memrl.data.records import DataError, load_questions
 
 
 def record(qid: str, **fields) -> str:
@@ -27,8 +27,3 @@ def test_a_duplicate_id_names_both_lines(tmp_path):
     with pytest.raises(DataError, match=r"line 4 \(id 'a'\): field 'id': duplicate id, first seen at line 1"):
         load_questions(path)
 
-
-def test_read_jsonl_still_gives_plain_values(tmp_path):
-    path = tmp_path / "q.jsonl"
-    path.write_text(record("a") + "\n" + record("b"))
-    assert [row["id"] for row in read_jsonl(path)] == ["a", "b"]
