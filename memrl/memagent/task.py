@@ -1,6 +1,6 @@
 """MemAgent as a Task (memrl/task.py; the default `plugins.task`): the memory loop of
-memrl.memagent.rollout, its converter (one row per turn, memrl.memagent.convert), the framework's answer
-reward, the gold-recall curve of its memory turns, and its chunk and memory fields in the logs and in `memrl view`."""
+memrl.memagent.rollout, its converter (one row per turn, docs/design.md §3), the framework's answer reward,
+the gold-recall curve of its memory turns, and its chunk and memory fields in the logs and in `memrl view`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from memrl.memagent.convert import convert_trajectories
+from memrl.config import AlgorithmConfig
 from memrl.memagent.prompts import PromptBuilder
 from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import generate_group, rollout_metrics
+from memrl.rl.shaping import advantage_rows
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
 from memrl.task import Phase, Task
 from memrl.types import RolloutOutput, TrainRow, Trajectory
@@ -32,6 +33,12 @@ def _is_hit(hit: Any, num_golds: int) -> bool:
         return False
     g, count, excerpt, start, end = hit
     return 0 <= g < num_golds and count >= 1 and 0 <= start <= end <= len(excerpt)
+
+
+def convert_trajectories(trajectories: Sequence[Trajectory], algorithm_cfg: AlgorithmConfig,
+                         rollout_id: int) -> list[TrainRow]:
+    """One row per turn with its `algorithm.credit` share of the trajectory's advantage."""
+    return advantage_rows(trajectories, algorithm_cfg, rollout_id, algorithm_cfg.credit)
 
 
 class MemAgentTask(Task):

@@ -1,13 +1,8 @@
-"""What the converter makes of rewards and turns before rows exist (docs/algorithms.md); every option is off
-by default, and off the rows are exactly what they were without it.
-
-- `mask_truncated_completions`: a trajectory whose final turn hit its limit trains nothing (all-zero loss
-  masks) but still counts in its group's advantage.
-- `overlong_buffer_len` B, `overlong_penalty_factor` c (DAPO): min(0, -(n - (L - B)) / B * c) is added to
-  the reward *for the advantage only*; `Trajectory.reward` (what filtering and the logs read) is untouched.
-- `turn_reward_function` (`metadata["turn_rewards"]`, memrl.rl.turn_rewards): each turn's advantage is
-  alpha * credit_j(A_i) + (1 - alpha) * GRPO_j(r_ij), the turn rewards normalised within the group among
-  the turns of the same index j.
+"""Validated trajectories -> rows (`advantage_rows`, the converters' one path), with what the converter makes
+of rewards and turns first (formulas in docs/algorithms.md): truncated completions masked, DAPO's overlong
+penalty (on the advantage's reward only: `Trajectory.reward`, read by filtering and the logs, is untouched),
+turn rewards mixed into each turn's advantage. Every option is off by default, and off the rows are exactly
+what they were without it.
 """
 
 from __future__ import annotations
@@ -23,12 +18,16 @@ from memrl.rl.advantages import (
     grpo_advantages,
     trajectory_advantages,
 )
+from memrl.rl.validate import validate_groups
 from memrl.types import TrainRow, Trajectory
 
 
 def advantage_rows(trajectories: Sequence[Trajectory], a: Any, rollout_id: int, credit: str) -> list[TrainRow]:
-    """Validated trajectories -> rows: (shaped) rewards -> GRPO per trajectory -> per-turn advantages -> rows.
-    The converters' one path (MemAgentTask.convert, memrl.rl.plain); `a` is the AlgorithmConfig."""
+    """Validate every trajectory and group first (nothing is returned on a violation, so no step trains on part
+    of its rows), then (shaped) rewards -> GRPO per trajectory -> per-turn advantages -> rows, in
+    `row_order_key` order; the inputs are not modified. `a` is the AlgorithmConfig."""
+    trajectories = list(trajectories)
+    validate_groups(trajectories)
     advantages = trajectory_advantages(trajectories, std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof,
                                        rewards=shaped_rewards(trajectories, a))
     return expand_rows(trajectories, advantages, credit, rollout_id,

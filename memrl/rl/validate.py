@@ -1,17 +1,7 @@
-"""Checks that trajectories (and the rows made from them) are fit for training (docs/design.md §3).
+"""Checks that trajectories (and the rows made from them) are fit for training (the rules: docs/design.md §3).
 
 A converter calls `validate_groups` before it computes anything, so a bad trajectory stops the step with a
-`TrajectoryError` and no row. Each rule has a stable id (`TrajectoryError.rule`), checked in this order:
-- per trajectory: status_trainable, reward_present, reward_finite (a real number, not a bool),
-  group_id_present, single_final_turn, final_turn_last, turn_kind (memory or final);
-- per turn: turn_index_sequence (0..T-1), response_length_positive, response_length_limit (the kind's
-  max_tokens), response_length_tokens (< len(tokens): token j is scored from position j-1, so one prompt
-  token is needed), loss_mask_length, log_probs_length, loss_mask_binary (integer 0 or 1),
-  log_probs_finite, log_probs_nonpositive;
-- across trajectories: trajectory_id_unique, group_turn_count (a group's samples read the same chunks);
-- per training row (`validate_train_rows`): the same as `row_*`, row_advantage_finite, padding_mask_zero,
-  row_token_id_type, row_token_id_range ([0, vocab_size): only the trainer knows the embedding's rows).
-
+`TrajectoryError` and no row; each rule has a stable id (`TrajectoryError.rule`; a row's rules are `row_*`).
 Values are checked, not only lengths: a NaN log-prob or a mask of 0.5 trains silently on NaN or a
 half-weighted token, `reward=True` would count as 1, a token id of 7.5 trains as 7 and -1 ends the step in
 a bare IndexError.
@@ -45,8 +35,13 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _value_problem(loss_mask: Sequence[object], log_probs: Sequence[object]) -> tuple[str, str] | None:
-    """(rule, what was found) for the first bad loss-mask or log-prob value, else None."""
+def _response_problem(length: int, loss_mask: Sequence[object],
+                      log_probs: Sequence[object]) -> tuple[str, str] | None:
+    """(rule, what was found) for the first loss mask or log-probs not one valid value per response token."""
+    if len(loss_mask) != length:
+        return "loss_mask_length", f"len(loss_mask) = {len(loss_mask)} but response_length = {length}"
+    if len(log_probs) != length:
+        return "log_probs_length", f"len(rollout_log_probs) = {len(log_probs)} but response_length = {length}"
     for k, value in enumerate(loss_mask):
         if not (isinstance(value, numbers.Integral) and value in (0, 1)):
             return "loss_mask_binary", f"loss_mask[{k}] = {value!r}; every value must be the integer 0 or 1"
@@ -74,11 +69,7 @@ def _check_turn(trajectory_id: str, position: int, turn: Turn) -> None:
     if length >= len(turn.tokens):
         fail("response_length_tokens",
              f"response_length {length} is not below len(tokens) {len(turn.tokens)}; the prompt must not be empty")
-    if len(turn.loss_mask) != length:
-        fail("loss_mask_length", f"len(loss_mask) = {len(turn.loss_mask)} but response_length = {length}")
-    if len(turn.rollout_log_probs) != length:
-        fail("log_probs_length", f"len(rollout_log_probs) = {len(turn.rollout_log_probs)} but response_length = {length}")
-    if (problem := _value_problem(turn.loss_mask, turn.rollout_log_probs)) is not None:
+    if (problem := _response_problem(length, turn.loss_mask, turn.rollout_log_probs)) is not None:
         fail(*problem)
 
 
@@ -163,11 +154,7 @@ def validate_train_rows(rows: Iterable[TrainRow], vocab_size: int | None = None)
         length = row.response_length
         if not 0 < length < len(row.tokens):
             fail("row_response_length", f"response_length {length} must be > 0 and < len(tokens) {len(row.tokens)}")
-        if len(row.loss_mask) != length:
-            fail("row_loss_mask_length", f"len(loss_mask) = {len(row.loss_mask)} but response_length = {length}")
-        if len(row.rollout_log_probs) != length:
-            fail("row_log_probs_length", f"len(rollout_log_probs) = {len(row.rollout_log_probs)} but response_length = {length}")
-        if (problem := _value_problem(row.loss_mask, row.rollout_log_probs)) is not None:
+        if (problem := _response_problem(length, row.loss_mask, row.rollout_log_probs)) is not None:
             fail(f"row_{problem[0]}", problem[1])
         if not _is_real(row.advantage) or not math.isfinite(row.advantage):
             fail("row_advantage_finite", f"advantage is {row.advantage!r}; it must be a finite real number")
