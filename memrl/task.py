@@ -26,14 +26,6 @@ DEFAULT_EXTRACTOR = "boxed"
 EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
-def trajectory_extractor(traj: Trajectory, extractor: str | None = None) -> str:
-    """`extractor`, else the one its rollout recorded (`metadata["answer_extractor"]`: the final prompt asked
-    for that format), else `boxed`."""
-    if extractor is not None:
-        return extractor
-    return str((traj.metadata or {}).get("answer_extractor", DEFAULT_EXTRACTOR))
-
-
 def trajectory_reward(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> float:
     """1.0 if the finished final answer matches a gold (HotpotQA EM); an unfinished one scores 0."""
     return score_trajectory(traj, golds, extractor).em
@@ -41,9 +33,12 @@ def trajectory_reward(traj: Trajectory, golds: Iterable[str], extractor: str | N
 
 def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> AnswerScore:
     """EM, sub_EM, F1 and missing-box of the final answer; a truncated one keeps what it boxed but scores 0,
-    matching its reward."""
+    matching its reward. `extractor` unset: the one the rollout recorded (its final prompt asked for that
+    format), else `boxed`."""
+    if extractor is None:
+        extractor = str(traj.metadata.get("answer_extractor", DEFAULT_EXTRACTOR))
     text = traj.answer if traj.status != "failed" else ""
-    score = score_answer(text, golds, trajectory_extractor(traj, extractor))
+    score = score_answer(text, golds, extractor)
     if traj.status == "complete":
         return score
     return AnswerScore(boxed=score.boxed, em=0.0, sub_em=0.0, f1=0.0, missing_box=score.missing_box)
@@ -51,15 +46,9 @@ def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | No
 
 def chat_stop_token_ids(tokenizer: Any) -> list[int]:
     """The tokenizer's eos (and pad), plus <|im_end|> / <|endoftext|> where they are real entries."""
-    found: list[int] = []
-    for token_id in (getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)):
-        if isinstance(token_id, int) and token_id not in found:
-            found.append(token_id)
-    for name in EXTRA_STOP_TOKENS:
-        token_id = vocab_id(tokenizer, name)
-        if token_id is not None and token_id not in found:
-            found.append(token_id)
-    return found
+    ids = [getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)]
+    ids += [vocab_id(tokenizer, name) for name in EXTRA_STOP_TOKENS]
+    return list(dict.fromkeys(i for i in ids if isinstance(i, int)))  # in order, each once
 
 
 def vocab_id(tokenizer: Any, token: str) -> int | None:

@@ -8,9 +8,8 @@ sentinels, each static piece tokenized on its own (special-token strings still b
 Invariant (tested): decoding a prompt gives the rendered text with the decoded chunk and memory in place.
 Questions are trusted data (a question holding a special-token string becomes that token).
 
-`task.prompt_layout: chunk_first` (`chunk_first_template`) moves the memory's block after the chunk's,
-so a group's prompts share instruction, question and chunk, and the engine computes that prefix once per
-wave (memrl/engines/prefix.py). `input_text` is where question and document text enter the prompt path.
+`chunk_first_template` is `task.prompt_layout: chunk_first` (docs/design.md §1.5); `input_text` is where
+question and document text enter the prompt path.
 """
 
 from __future__ import annotations
@@ -78,6 +77,12 @@ def layout_memory_template(cfg: TaskConfig) -> str:
     return chunk_first_template(cfg.memory_template) if cfg.prompt_layout == "chunk_first" else cfg.memory_template
 
 
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Ids of a static prompt piece or memory text: no special tokens added, and split_special_tokens=False
+    explicitly, so template markers like <|im_start|> stay single ids even on a tokenizer set to split them."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]) if text else []
+
+
 def input_text(cfg: TaskConfig, text: str) -> str:
     """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on (the
     official evaluation strips both; off by default, as memrl's own runs trained on unstripped text)."""
@@ -98,8 +103,11 @@ class PromptBuilder:
         self.cfg = task_cfg
         self.memory_template = layout_memory_template(task_cfg)
         self._segments = functools.lru_cache(maxsize=256)(self._build_segments)
-        self._no_memory_ids = self._encode_text(task_cfg.no_memory_text)
-        self._stop_token_ids = self._find_stop_token_ids()
+        self._no_memory_ids = encode_text(tokenizer, task_cfg.no_memory_text)
+        self._stop_token_ids = chat_stop_token_ids(tokenizer)
+        if not self._stop_token_ids:
+            raise PromptError("the tokenizer has no eos token and no <|im_end|> / <|endoftext|>; "
+                              "set tokenizer.eos_token")
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -127,20 +135,6 @@ class PromptBuilder:
         limit = self.cfg.memory_tokens
         return ids[: min(end, limit)], end > limit
 
-    def _encode_text(self, text: str) -> list[int]:
-        # split_special_tokens=False explicitly: template markers like <|im_start|> must stay single ids
-        # even on a tokenizer configured to split them by default.
-        if not text:
-            return []
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
-
-    def _find_stop_token_ids(self) -> list[int]:
-        found = chat_stop_token_ids(self.tokenizer)
-        if not found:
-            raise PromptError("the tokenizer has no eos token and no <|im_end|> / <|endoftext|>; "
-                              "set tokenizer.eos_token")
-        return found
-
     def _build_segments(self, template: str, question: str) -> tuple[Segment, ...]:
         for sentinel in _SLOT_OF:
             if sentinel in question or sentinel in template:
@@ -164,7 +158,7 @@ class PromptBuilder:
             if part in _SLOT_OF:
                 segments.append(_SLOT_OF[part])
             elif part:
-                segments.append(tuple(self._encode_text(part)))
+                segments.append(tuple(encode_text(self.tokenizer, part)))
         return tuple(segments)
 
     def _assemble(self, template: str, question: str, memory_ids: Sequence[int] | None,
