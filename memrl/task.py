@@ -14,11 +14,12 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
-from memrl.config import import_object
-from memrl.rl.plain import convert_one_row_per_trajectory
+from memrl.config import AlgorithmConfig, import_object
+from memrl.rl.shaping import advantage_rows
+from memrl.rl.validate import TrajectoryError
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
 from memrl.scoring import AnswerScore, score_answer
-from memrl.types import RolloutOutput, Trajectory
+from memrl.types import RolloutOutput, TrainRow, Trajectory
 
 Phase = Literal["train", "eval"]
 DEFAULT_EXTRACTOR = "boxed"
@@ -42,6 +43,18 @@ def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | No
     if traj.status == "complete":
         return score
     return AnswerScore(boxed=score.boxed, em=0.0, sub_em=0.0, f1=0.0, missing_box=score.missing_box)
+
+
+def convert_one_row_per_trajectory(trajectories: Sequence[Trajectory], algorithm_cfg: AlgorithmConfig,
+                                   rollout_id: int) -> list[TrainRow]:
+    """The plain 1:1 converter (`Task.convert`'s default): one row per single-turn trajectory, with the full
+    advantage; raises `TrajectoryError` before producing anything on a bad input."""
+    for traj in trajectories:
+        if traj.num_turns != 1:
+            raise TrajectoryError(traj.trajectory_id, None, "single_turn",
+                                  f"{traj.num_turns} turns; the plain converter takes single-turn trajectories "
+                                  "(a multi-turn task converts its own rows, as MemAgentTask does)")
+    return advantage_rows(trajectories, algorithm_cfg, rollout_id, "share")
 
 
 def chat_stop_token_ids(tokenizer: Any) -> list[int]:
@@ -87,7 +100,7 @@ class Task:
     def score(self, traj: Trajectory, golds: Sequence[str]) -> AnswerScore:
         return score_trajectory(traj, golds)
 
-    def convert(self, trajectories: Sequence[Trajectory], algorithm: Any, rollout_id: int) -> list[Any]:
+    def convert(self, trajectories: Sequence[Trajectory], algorithm: Any, rollout_id: int) -> list[TrainRow]:
         """`TrainRow`s, each carrying its trajectory's advantage for the logs; never writes to `trajectories`."""
         return convert_one_row_per_trajectory(trajectories, algorithm, rollout_id)
 

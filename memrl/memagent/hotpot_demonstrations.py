@@ -1,15 +1,8 @@
-"""HotpotQA questions a short MemAgent reading can answer, and demonstrations of that reading for `memrl sft`.
-
-A pretrained 135M model (docs/real-model.md) rarely writes a `\\boxed{}` answer, and at CPU sizes (2 chunks of
-128 tokens of a ~1,000-token HotpotQA document) the answer is often cut away by the truncation, so every
-sample of a GRPO group scores 0 and nothing is learned. Two tools, both decided by the gold answer only:
-- `answerable`: the gold answer occurs in a sentence of the chunks the rollout actually reads (so EM > 0 is
-  possible without guessing; yes/no answers never count);
-- `demonstration`: the trajectory a reader that keeps the answer would write: each memory turn keeps the
-  sentence of the chunk that holds the answer (or the memory so far), the final turn boxes the gold answer.
-Demonstrations are text (`{"turns": [{"prompt", "response"}]}`, what `memrl sft --data` reads), with the
-prompts filled from the rollout's own templates and chunks. Commands: `memrl prepare-data answerable` and
-`memrl prepare-data demonstrations`.
+"""HotpotQA questions a short MemAgent reading can answer, and demonstrations of that reading for `memrl sft`
+(why a small model needs both: docs/real-model.md). Both are decided by the gold answer only:
+- `answerable`: the gold answer occurs in a sentence of the chunks the rollout actually reads;
+- `demonstration`: the trajectory a reader that keeps the answer would write, as text (`{"turns": [{"prompt",
+  "response"}]}`, what `memrl sft --data` reads), the prompts filled from the rollout's own templates and chunks.
 """
 
 from __future__ import annotations
