@@ -9,8 +9,6 @@ row count to announce) and `ctx.scratch`, a per-context cache for the task.
 from __future__ import annotations
 
 import hashlib
-import math
-import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +16,7 @@ from typing import Any
 
 from memrl.engines.base import Engine
 from memrl.errors import MemrlError
+from memrl.rl.validate import is_finite_real
 from memrl.types import RolloutOutput, Trajectory
 
 
@@ -40,7 +39,7 @@ def reward_name(fn: Callable[..., Any]) -> str:
 def checked_reward(value: Any, name: str, trajectory_id: str) -> float:
     """`value` as a float when it is a finite real number. `float()` alone would take a bool or a string
     (True -> 1.0, "1.0" -> 1.0) and train on it silently: a reward function returning one has a bug."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if not is_finite_real(value):
         raise RewardError(f"reward function {name} returned {value!r} ({type(value).__name__}) for trajectory "
                           f"{trajectory_id}; a reward must be a finite real number (an int or a float, not a bool "
                           f"or a string): fix the function")

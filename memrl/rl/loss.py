@@ -92,11 +92,10 @@ def compute_token_weights(response_lengths_masked: Sequence[float], trajectory_i
     if mode == "token_mean":
         total = sum(n)
         return [1.0 / total if x > 0 else 0.0 for x in n]
+    rows = sum(1 for x in n if x > 0)
     if mode == "seq_mean_token_mean":
-        rows = sum(1 for x in n if x > 0)
         return [1.0 / (x * rows) if x > 0 else 0.0 for x in n]
     if mode in ("seq_mean_token_sum", "seq_mean_token_sum_norm"):
-        rows = sum(1 for x in n if x > 0)
         return [1.0 / (rows * scale) if x > 0 else 0.0 for x in n]
     if trajectory_ids is None or len(trajectory_ids) != len(n):
         raise LossError("trajectory_mean needs one trajectory id per row (trajectory_ids)")
@@ -188,13 +187,9 @@ def _ppo_metrics(mask: Tensor, log_ratio: Tensor, ratio: Tensor, clip_active: Te
 
 
 def gspo_log_ratio(log_probs: Tensor, sequence_log_ratio: Tensor) -> Tensor:
-    """GSPO's per-token log-ratio over the whole trajectory (all turns' rows): sg[log s_i] + logp_t - sg[logp_t].
-
-    A trajectory's rows may sit in different micro-batches, so log s_i (its mean token log-ratio) comes in
-    as a number (`sequence_log_ratio`, [batch] or [batch, seq], from a no-grad pass over the step); the
-    term then has the value log s_i and the gradient of logp_t, so the gradient is GSPO's whatever the
-    micro-batching (docs/algorithms.md). Clamped above only, as verl.
-    """
+    """GSPO's per-token log-ratio over the whole trajectory: sg[log s_i] + logp_t - sg[logp_t], the value of
+    log s_i (`sequence_log_ratio`, [batch] or [batch, seq], from a no-grad pass over the step) with the gradient
+    of logp_t, so exact whatever the micro-batching (docs/algorithms.md). Clamped above only, as verl."""
     seq = sequence_log_ratio.detach().to(log_probs.dtype)
     if seq.dim() == 1:
         seq = seq.unsqueeze(-1).expand_as(log_probs)

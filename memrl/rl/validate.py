@@ -30,9 +30,9 @@ class TrajectoryError(ValueError, MemrlError):
         super().__init__(f"{where} breaks rule '{rule}': {found}")
 
 
-def _is_real(value: object) -> bool:
-    """A real number that is not a bool: Python counts True as 1, but a flag is never a score."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def is_finite_real(value: object) -> bool:
+    """A finite real number that is not a bool: Python counts True as 1, but a flag is never a score."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _response_problem(length: int, loss_mask: Sequence[object],
@@ -46,7 +46,7 @@ def _response_problem(length: int, loss_mask: Sequence[object],
         if not (isinstance(value, numbers.Integral) and value in (0, 1)):
             return "loss_mask_binary", f"loss_mask[{k}] = {value!r}; every value must be the integer 0 or 1"
     for k, value in enumerate(log_probs):
-        if not (_is_real(value) and math.isfinite(value)):
+        if not is_finite_real(value):
             return "log_probs_finite", (f"rollout_log_probs[{k}] = {value!r}; every value must be a finite number "
                                         "(the engine returned no usable log-prob for this token)")
         if value > 0:
@@ -86,7 +86,7 @@ def validate_trajectory(traj: Trajectory) -> None:
              "(drop failed trajectories before converting)")
     if traj.reward is None:
         fail("reward_present", "reward is None; run the reward function before converting")
-    if not _is_real(traj.reward) or not math.isfinite(traj.reward):
+    if not is_finite_real(traj.reward):
         fail("reward_finite", f"reward is {traj.reward!r}; it must be a finite real number (not a bool or text)")
     if not isinstance(traj.group_id, str) or not traj.group_id:
         fail("group_id_present", f"group_id is {traj.group_id!r}; it must name the trajectory's prompt group")
@@ -156,7 +156,7 @@ def validate_train_rows(rows: Iterable[TrainRow], vocab_size: int | None = None)
             fail("row_response_length", f"response_length {length} must be > 0 and < len(tokens) {len(row.tokens)}")
         if (problem := _response_problem(length, row.loss_mask, row.rollout_log_probs)) is not None:
             fail(f"row_{problem[0]}", problem[1])
-        if not _is_real(row.advantage) or not math.isfinite(row.advantage):
+        if not is_finite_real(row.advantage):
             fail("row_advantage_finite", f"advantage is {row.advantage!r}; it must be a finite real number")
         if row.is_padding and any(row.loss_mask):
             fail("padding_mask_zero", "a padding row has non-zero loss_mask entries; padding must never train")
