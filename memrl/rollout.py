@@ -150,10 +150,11 @@ def finish_rollout(groups: Sequence[Sequence[Trajectory]], metrics: dict[str, fl
     """The step's output: whole groups kept, groups with a failure dropped (and counted), the common
     metrics plus the task's `metrics`, and the exact row count of the kept trajectories, one row per turn
     (`one_row_per_turn=False`: a 1:1 task, no count announced)."""
-    kept = [t for g in groups if all(t.status != "failed" for t in g) for t in g]
-    dropped = [t for g in groups if any(t.status == "failed" for t in g) for t in g]
+    failed = [any(t.status == "failed" for t in g) for g in groups]
+    kept = [t for g, bad in zip(groups, failed, strict=True) if not bad for t in g]
+    dropped = [t for g, bad in zip(groups, failed, strict=True) if bad for t in g]
     out = common_metrics([t for g in groups for t in g])
-    out["groups/dropped"] = float(sum(any(t.status == "failed" for t in g) for g in groups))
+    out["groups/dropped"] = float(sum(failed))
     out.update(metrics or {})
     row_count = sum(len(t.turns) for t in kept) if one_row_per_turn else None
     return RolloutOutput(trajectories=kept, metrics=out, train_row_count=row_count, dropped=dropped)

@@ -2,9 +2,9 @@
 `memory_template` ({question}, {memory}, {chunk}) or `final_template` ({question}, {memory}; no chunk).
 
 Chunk and memory are token ids spliced in as ids, never decoded and re-encoded (pitfall "Text round
-trips"): {chunk} and {memory} become sentinel strings, {question} is str.replace-d in (templates hold
-literal braces such as \\boxed{}), the chat template is rendered to text, and the text is split at the
-sentinels, each static piece tokenized on its own (special-token strings still become their one id).
+trips"): the template is filled (`fill_template`) with the question and a sentinel string for each of
+{chunk} and {memory}, rendered by the chat template to text, and the text is split at the sentinels,
+each static piece tokenized on its own (special-token strings still become their one id).
 Invariant (tested): decoding a prompt gives the rendered text with the decoded chunk and memory in place.
 Questions are trusted data (a question holding a special-token string becomes that token).
 
@@ -37,7 +37,7 @@ class PromptError(ValueError, MemrlError):
     """A prompt that cannot be built as configured; the message says what to change."""
 
 
-_PLACEHOLDER = re.compile(r"\{(?:question|memory|chunk)\}")
+_PLACEHOLDER = re.compile(r"\{(question|memory|chunk)\}")
 _BLANK_LINE = "\n\n"
 
 
@@ -70,6 +70,12 @@ def chunk_first_template(template: str) -> str:
         return template
     return (template[:memory[0]] + template[chunk[0]:chunk[1]] + template[memory[1]:chunk[0]]
             + template[memory[0]:memory[1]] + template[chunk[1]:])
+
+
+def fill_template(template: str, **parts: str) -> str:
+    """`template` with the placeholders named in `parts` filled in one pass: not str.format (templates hold
+    literal braces such as \\boxed{}), nor chained replaces (an inserted "{memory}" stays literal text)."""
+    return _PLACEHOLDER.sub(lambda m: parts.get(m.group(1), m.group(0)), template)
 
 
 def layout_memory_template(cfg: TaskConfig) -> str:
@@ -140,8 +146,7 @@ class PromptBuilder:
             if sentinel in question or sentinel in template:
                 raise PromptError(f"the question or template contains the reserved string {sentinel!r}; "
                                   "remove it")
-        user = template.replace("{chunk}", CHUNK_SENTINEL).replace("{memory}", MEMORY_SENTINEL)
-        user = user.replace("{question}", question)
+        user = fill_template(template, question=question, chunk=CHUNK_SENTINEL, memory=MEMORY_SENTINEL)
         rendered = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True,
             enable_thinking=self.cfg.enable_thinking,
