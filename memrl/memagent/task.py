@@ -66,13 +66,10 @@ class MemAgentTask(Task):
         number of rows the kept trajectories expand to (one per turn)."""
         start = time.perf_counter()
         n = ctx.config.sampling.n_samples
-        bar = tqdm(total=len(records) * n, desc=f"rollout {ctx.rollout_id}", unit="traj",
-                   disable=not ctx.progress, leave=False)
-        try:
+        with tqdm(total=len(records) * n, desc=f"rollout {ctx.rollout_id}", unit="traj",
+                  disable=not ctx.progress, leave=False) as bar:
             groups = await asyncio.gather(*(self.sample_group(ctx, g, n, on_done=lambda _t: bar.update())
                                             for g in ctx.groups(records)))
-        finally:
-            bar.close()
         metrics = rollout_metrics([t for g in groups for t in g])
         metrics["time/generate_s"] = time.perf_counter() - start
         return finish_rollout(groups, metrics)
