@@ -101,10 +101,8 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: Any, task_cfg: TaskConfig) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise PromptError(
-                "the tokenizer has no chat template; MemAgent prompts go through one "
-                "(set tokenizer.chat_template, or use a chat/instruct model's tokenizer)"
-            )
+            raise PromptError("the tokenizer has no chat template; MemAgent prompts go through one "
+                              "(set tokenizer.chat_template, or use a chat/instruct model's tokenizer)")
         self.tokenizer = tokenizer
         self.cfg = task_cfg
         self.memory_template = layout_memory_template(task_cfg)
@@ -147,17 +145,14 @@ class PromptBuilder:
                 raise PromptError(f"the question or template contains the reserved string {sentinel!r}; "
                                   "remove it")
         user = fill_template(template, question=question, chunk=CHUNK_SENTINEL, memory=MEMORY_SENTINEL)
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True,
-            enable_thinking=self.cfg.enable_thinking,
-        )
+        message = [{"role": "user", "content": user}]
+        rendered = self.tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True,
+                                                      enable_thinking=self.cfg.enable_thinking)
         for sentinel, slot in _SLOT_OF.items():
             if rendered.count(sentinel) != user.count(sentinel):
-                raise PromptError(
-                    f"the chat template did not keep the {{{slot}}} placeholder of the user message intact "
-                    f"({user.count(sentinel)} in the message, {rendered.count(sentinel)} rendered); "
-                    "use a chat template that passes the user content through unchanged"
-                )
+                raise PromptError(f"the chat template did not keep the {{{slot}}} placeholder of the user message "
+                                  f"intact ({user.count(sentinel)} in the message, {rendered.count(sentinel)} "
+                                  "rendered); use a chat template that passes the user content through unchanged")
         segments: list[Segment] = []
         for part in _SPLIT.split(rendered):
             if part in _SLOT_OF:

@@ -120,11 +120,10 @@ def validate_groups(trajectories: Sequence[Trajectory]) -> None:
         seen_ids.add(traj.trajectory_id)
         first = turns_by_group.setdefault(traj.group_id, (traj.trajectory_id, traj.num_turns))
         if first[1] != traj.num_turns:
-            raise TrajectoryError(
-                traj.trajectory_id, None, "group_turn_count",
-                f"{traj.num_turns} turns, but trajectory '{first[0]}' of the same group '{traj.group_id}' has "
-                f"{first[1]}; samples of one question read the same chunks and must have equal turn counts",
-            )
+            raise TrajectoryError(traj.trajectory_id, None, "group_turn_count",
+                                  f"{traj.num_turns} turns, but trajectory '{first[0]}' of the same group "
+                                  f"'{traj.group_id}' has {first[1]}; samples of one question read the same "
+                                  "chunks and must have equal turn counts")
 
 
 def _token_id_problem(ids: Sequence[object], vocab_size: int | None) -> tuple[str, str] | None:
