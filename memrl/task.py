@@ -37,7 +37,7 @@ def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | No
     matching its reward. `extractor` unset: the one the rollout recorded (its final prompt asked for that
     format), else `boxed`."""
     if extractor is None:
-        extractor = str(traj.metadata.get("answer_extractor", DEFAULT_EXTRACTOR))
+        extractor = str((traj.metadata or {}).get("answer_extractor", DEFAULT_EXTRACTOR))
     text = traj.answer if traj.status != "failed" else ""
     score = score_answer(text, golds, extractor)
     if traj.status == "complete":

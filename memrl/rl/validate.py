@@ -66,7 +66,7 @@ def _check_turn(trajectory_id: str, position: int, turn: Turn) -> None:
         fail("response_length_positive", "response is empty; every turn must have at least one response token")
     if length > turn.max_tokens:
         fail("response_length_limit", f"response_length {length} exceeds this {turn.kind} turn's max_tokens {turn.max_tokens}")
-    if length >= len(turn.tokens):
+    if length >= len(turn.tokens):  # token j is scored from position j-1, so one prompt token is needed
         fail("response_length_tokens",
              f"response_length {length} is not below len(tokens) {len(turn.tokens)}; the prompt must not be empty")
     if (problem := _response_problem(length, turn.loss_mask, turn.rollout_log_probs)) is not None:
