@@ -9,8 +9,6 @@ row count to announce) and `ctx.scratch`, a per-context cache for the task.
 from __future__ import annotations
 
 import hashlib
-import math
-import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +16,7 @@ from typing import Any
 
 from memrl.engines.base import Engine
 from memrl.errors import MemrlError
+from memrl.rl.validate import is_finite_real
 from memrl.types import RolloutOutput, Trajectory
 
 
@@ -40,7 +39,7 @@ def reward_name(fn: Callable[..., Any]) -> str:
 def checked_reward(value: Any, name: str, trajectory_id: str) -> float:
     """`value` as a float when it is a finite real number. `float()` alone would take a bool or a string
     (True -> 1.0, "1.0" -> 1.0) and train on it silently: a reward function returning one has a bug."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if not is_finite_real(value):
         raise RewardError(f"reward function {name} returned {value!r} ({type(value).__name__}) for trajectory "
                           f"{trajectory_id}; a reward must be a finite real number (an int or a float, not a bool "
                           f"or a string): fix the function")
@@ -151,10 +150,11 @@ def finish_rollout(groups: Sequence[Sequence[Trajectory]], metrics: dict[str, fl
     """The step's output: whole groups kept, groups with a failure dropped (and counted), the common
     metrics plus the task's `metrics`, and the exact row count of the kept trajectories, one row per turn
     (`one_row_per_turn=False`: a 1:1 task, no count announced)."""
-    kept = [t for g in groups if all(t.status != "failed" for t in g) for t in g]
-    dropped = [t for g in groups if any(t.status == "failed" for t in g) for t in g]
+    failed = [any(t.status == "failed" for t in g) for g in groups]
+    kept = [t for g, bad in zip(groups, failed, strict=True) if not bad for t in g]
+    dropped = [t for g, bad in zip(groups, failed, strict=True) if bad for t in g]
     out = common_metrics([t for g in groups for t in g])
-    out["groups/dropped"] = float(sum(any(t.status == "failed" for t in g) for g in groups))
+    out["groups/dropped"] = float(sum(failed))
     out.update(metrics or {})
     row_count = sum(len(t.turns) for t in kept) if one_row_per_turn else None
     return RolloutOutput(trajectories=kept, metrics=out, train_row_count=row_count, dropped=dropped)

@@ -14,24 +14,17 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
-from memrl.config import import_object
-from memrl.rl.plain import convert_one_row_per_trajectory
+from memrl.config import AlgorithmConfig, import_object
+from memrl.rl.shaping import advantage_rows
+from memrl.rl.validate import TrajectoryError
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
 from memrl.scoring import AnswerScore, score_answer
-from memrl.types import RolloutOutput, Trajectory
+from memrl.types import RolloutOutput, TrainRow, Trajectory
 
 Phase = Literal["train", "eval"]
 DEFAULT_EXTRACTOR = "boxed"
 # Ids that end a turn besides eos / pad, where the tokenizer has them as one vocabulary entry.
 EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
-
-
-def trajectory_extractor(traj: Trajectory, extractor: str | None = None) -> str:
-    """`extractor`, else the one its rollout recorded (`metadata["answer_extractor"]`: the final prompt asked
-    for that format), else `boxed`."""
-    if extractor is not None:
-        return extractor
-    return str((traj.metadata or {}).get("answer_extractor", DEFAULT_EXTRACTOR))
 
 
 def trajectory_reward(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> float:
@@ -41,25 +34,34 @@ def trajectory_reward(traj: Trajectory, golds: Iterable[str], extractor: str | N
 
 def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> AnswerScore:
     """EM, sub_EM, F1 and missing-box of the final answer; a truncated one keeps what it boxed but scores 0,
-    matching its reward."""
+    matching its reward. `extractor` unset: the one the rollout recorded (its final prompt asked for that
+    format), else `boxed`."""
+    if extractor is None:
+        extractor = str((traj.metadata or {}).get("answer_extractor", DEFAULT_EXTRACTOR))
     text = traj.answer if traj.status != "failed" else ""
-    score = score_answer(text, golds, trajectory_extractor(traj, extractor))
+    score = score_answer(text, golds, extractor)
     if traj.status == "complete":
         return score
     return AnswerScore(boxed=score.boxed, em=0.0, sub_em=0.0, f1=0.0, missing_box=score.missing_box)
 
 
+def convert_one_row_per_trajectory(trajectories: Sequence[Trajectory], algorithm_cfg: AlgorithmConfig,
+                                   rollout_id: int) -> list[TrainRow]:
+    """The plain 1:1 converter (`Task.convert`'s default): one row per single-turn trajectory, with the full
+    advantage; raises `TrajectoryError` before producing anything on a bad input."""
+    for traj in trajectories:
+        if traj.num_turns != 1:
+            raise TrajectoryError(traj.trajectory_id, None, "single_turn",
+                                  f"{traj.num_turns} turns; the plain converter takes single-turn trajectories "
+                                  "(a multi-turn task converts its own rows, as MemAgentTask does)")
+    return advantage_rows(trajectories, algorithm_cfg, rollout_id, "share")
+
+
 def chat_stop_token_ids(tokenizer: Any) -> list[int]:
     """The tokenizer's eos (and pad), plus <|im_end|> / <|endoftext|> where they are real entries."""
-    found: list[int] = []
-    for token_id in (getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)):
-        if isinstance(token_id, int) and token_id not in found:
-            found.append(token_id)
-    for name in EXTRA_STOP_TOKENS:
-        token_id = vocab_id(tokenizer, name)
-        if token_id is not None and token_id not in found:
-            found.append(token_id)
-    return found
+    ids = [getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)]
+    ids += [vocab_id(tokenizer, name) for name in EXTRA_STOP_TOKENS]
+    return list(dict.fromkeys(i for i in ids if isinstance(i, int)))  # in order, each once
 
 
 def vocab_id(tokenizer: Any, token: str) -> int | None:
@@ -98,7 +100,7 @@ class Task:
     def score(self, traj: Trajectory, golds: Sequence[str]) -> AnswerScore:
         return score_trajectory(traj, golds)
 
-    def convert(self, trajectories: Sequence[Trajectory], algorithm: Any, rollout_id: int) -> list[Any]:
+    def convert(self, trajectories: Sequence[Trajectory], algorithm: Any, rollout_id: int) -> list[TrainRow]:
         """`TrainRow`s, each carrying its trajectory's advantage for the logs; never writes to `trajectories`."""
         return convert_one_row_per_trajectory(trajectories, algorithm, rollout_id)
 

@@ -4,12 +4,9 @@ The document is tokenized once (`tokenize_document`) and chunked on ids, never r
 Within the budget L = `max_chunks * chunk_tokens`, truncation first picks the document token ranges read
 (`kept_token_spans`), which are then cut into consecutive chunks. Invariants (tested): spans are disjoint,
 increasing, non-empty; every chunk is full but the last; `truncated == (dropped_tokens > 0)`; an empty
-document has no chunks. Policies when N > L (M = max_chunks, C = chunk_tokens):
-- `head` [0, L); `tail` the last M chunks of the document's chunking (the last may be short);
-- `center` (MemAgent's verl fork, `postprocess_data`): the first and last floor(L/2) tokens, cut across the
-  join (range(10), C=4, M=2: [[0,1,2,3],[6,7,8,9]]);
-- `center_chunks` (memrl's first policy, to reproduce old runs): the first ceil(M/2) and last floor(M/2)
-  whole chunks.
+document has no chunks. `center` is MemAgent's (its verl fork's `postprocess_data`): range(10), C=4, M=2
+reads [[0,1,2,3],[6,7,8,9]], cut across the join; `center_chunks` (whole chunks from both ends) is memrl's
+first policy, kept to reproduce old runs.
 """
 
 from __future__ import annotations
@@ -97,7 +94,7 @@ def _check_positive_int(name: str, value: Any) -> None:
 
 
 def kept_token_spans(total_tokens: int, chunk_tokens: int, max_chunks: int, truncation: str) -> list[tuple[int, int]]:
-    """The document token ranges a policy reads, in order (see the module docstring)."""
+    """The document token ranges a policy reads, in order (policies: docs/design.md §1.1)."""
     budget = max_chunks * chunk_tokens
     if total_tokens <= budget:
         return [(0, total_tokens)] if total_tokens else []

@@ -9,11 +9,8 @@ from typing import Any
 
 from memrl.data.records import QuestionRecord
 from memrl.data.synthetic import ATTRIBUTES, FACT_TOKENS, UNKNOWN, SyntheticTaskError, answer_text, fact_text
+from memrl.memagent.prompts import encode_text
 from memrl.memagent.rollout import document_chunks
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, task_cfg: Any,
@@ -40,7 +37,7 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ta
     memory_ids: list[int] | None = None
     for i, chunk_ids in enumerate(chunks.chunks):
         chunk_facts = facts[i * per_chunk:(i + 1) * per_chunk]
-        if _encode(tokenizer, " ".join(fact_text(*f) for f in chunk_facts)) != chunk_ids:
+        if encode_text(tokenizer, " ".join(fact_text(*f) for f in chunk_facts)) != chunk_ids:
             raise SyntheticTaskError(f"record {record.id}: chunk {i} does not tokenize to whole facts; "
                                      "use task_tokenizer()")
         if i == meta["answer_chunk"] and rng.random() < keep_prob:
@@ -51,14 +48,14 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ta
         fact = memory_fact or (meta["attribute"], meta["entity"], UNKNOWN)
         text = fact_text(*fact)
         prompt = builder.memory_prompt_ids(record.question, memory_ids, chunk_ids)
-        response = _encode(tokenizer, text)[: task_cfg.memory_tokens - 1] + [eos]
+        response = encode_text(tokenizer, text)[: task_cfg.memory_tokens - 1] + [eos]
         turns.append((prompt, response))
         memory_ids, _ = builder.cap_memory(response)
     if memory_fact:
         value = memory_fact[2]
     else:
         value = rng.choice(ATTRIBUTES[meta["attribute"]]) if unknown_answer == "guess" else UNKNOWN
-    final = _encode(tokenizer, answer_text(value))
+    final = encode_text(tokenizer, answer_text(value))
     final_prompt = builder.final_prompt_ids(record.question, memory_ids)
     turns.append((final_prompt, final[: task_cfg.final_tokens - 1] + [eos]))
     return turns

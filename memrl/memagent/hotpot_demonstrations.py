@@ -1,15 +1,8 @@
-"""HotpotQA questions a short MemAgent reading can answer, and demonstrations of that reading for `memrl sft`.
-
-A pretrained 135M model (docs/real-model.md) rarely writes a `\\boxed{}` answer, and at CPU sizes (2 chunks of
-128 tokens of a ~1,000-token HotpotQA document) the answer is often cut away by the truncation, so every
-sample of a GRPO group scores 0 and nothing is learned. Two tools, both decided by the gold answer only:
-- `answerable`: the gold answer occurs in a sentence of the chunks the rollout actually reads (so EM > 0 is
-  possible without guessing; yes/no answers never count);
-- `demonstration`: the trajectory a reader that keeps the answer would write: each memory turn keeps the
-  sentence of the chunk that holds the answer (or the memory so far), the final turn boxes the gold answer.
-Demonstrations are text (`{"turns": [{"prompt", "response"}]}`, what `memrl sft --data` reads), with the
-prompts filled from the rollout's own templates and chunks. Commands: `memrl prepare-data answerable` and
-`memrl prepare-data demonstrations`.
+"""HotpotQA questions a short MemAgent reading can answer, and demonstrations of that reading for `memrl sft`
+(why a small model needs both: docs/real-model.md). Both are decided by the gold answer only:
+- `answerable`: the gold answer occurs in a sentence of the chunks the rollout actually reads;
+- `demonstration`: the trajectory a reader that keeps the answer would write, as text (`{"turns": [{"prompt",
+  "response"}]}`, what `memrl sft --data` reads), the prompts filled from the rollout's own templates and chunks.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ from typing import Any
 
 from memrl.config import TaskConfig
 from memrl.data.records import QuestionRecord
-from memrl.memagent.prompts import input_text, layout_memory_template
+from memrl.memagent.prompts import fill_template, input_text, layout_memory_template
 from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import document_chunks
 from memrl.scoring import gold_list, normalize_answer
@@ -58,12 +51,6 @@ def _cap(text: str, tokenizer: Any, limit: int, gold: str) -> str:
     return head if gold_in_text(head, [gold]) else tokenizer.decode(ids[-limit:]).strip()
 
 
-def _fill(template: str, **parts: str) -> str:
-    # One pass, not str.format (templates hold literal braces such as \\boxed{}) nor chained replaces: an
-    # inserted question or chunk that contains "{memory}" stays literal text, as in PromptBuilder.
-    return re.sub(r"\{(question|memory|chunk)\}", lambda m: parts.get(m.group(1), m.group(0)), template)
-
-
 def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> dict[str, list[dict[str, str]]]:
     """One demonstrated trajectory of `record`: memory turns over the rollout's chunks, then the final turn.
 
@@ -73,7 +60,7 @@ def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> di
     question = input_text(cfg, record.question)
     memory, turns = None, []
     for text in chunk_texts(record, tokenizer, cfg):
-        prompt = _fill(layout_memory_template(cfg), question=question, chunk=text,
+        prompt = fill_template(layout_memory_template(cfg), question=question, chunk=text,
                        memory=memory if memory is not None else cfg.no_memory_text)
         sentence = _gold_sentence(text, golds)
         if sentence is not None:
@@ -81,6 +68,6 @@ def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> di
         elif memory is None:
             memory = NOTHING_YET
         turns.append({"prompt": prompt, "response": memory})
-    final = _fill(cfg.final_template, question=question, memory=memory or cfg.no_memory_text)
+    final = fill_template(cfg.final_template, question=question, memory=memory or cfg.no_memory_text)
     turns.append({"prompt": final, "response": "\\boxed{" + golds[0] + "}"})
     return {"turns": turns}

@@ -2,15 +2,14 @@
 `memory_template` ({question}, {memory}, {chunk}) or `final_template` ({question}, {memory}; no chunk).
 
 Chunk and memory are token ids spliced in as ids, never decoded and re-encoded (pitfall "Text round
-trips"): {chunk} and {memory} become sentinel strings, {question} is str.replace-d in (templates hold
-literal braces such as \\boxed{}), the chat template is rendered to text, and the text is split at the
-sentinels, each static piece tokenized on its own (special-token strings still become their one id).
+trips"): the template is filled (`fill_template`) with the question and a sentinel string for each of
+{chunk} and {memory}, rendered by the chat template to text, and the text is split at the sentinels,
+each static piece tokenized on its own (special-token strings still become their one id).
 Invariant (tested): decoding a prompt gives the rendered text with the decoded chunk and memory in place.
 Questions are trusted data (a question holding a special-token string becomes that token).
 
-`task.prompt_layout: chunk_first` (`chunk_first_template`) moves the memory's block after the chunk's,
-so a group's prompts share instruction, question and chunk, and the engine computes that prefix once per
-wave (memrl/engines/prefix.py). `input_text` is where question and document text enter the prompt path.
+`chunk_first_template` is `task.prompt_layout: chunk_first` (docs/design.md §1.5); `input_text` is where
+question and document text enter the prompt path.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ class PromptError(ValueError, MemrlError):
     """A prompt that cannot be built as configured; the message says what to change."""
 
 
-_PLACEHOLDER = re.compile(r"\{(?:question|memory|chunk)\}")
+_PLACEHOLDER = re.compile(r"\{(question|memory|chunk)\}")
 _BLANK_LINE = "\n\n"
 
 
@@ -73,9 +72,21 @@ def chunk_first_template(template: str) -> str:
             + template[memory[0]:memory[1]] + template[chunk[1]:])
 
 
+def fill_template(template: str, **parts: str) -> str:
+    """`template` with the placeholders named in `parts` filled in one pass: not str.format (templates hold
+    literal braces such as \\boxed{}), nor chained replaces (an inserted "{memory}" stays literal text)."""
+    return _PLACEHOLDER.sub(lambda m: parts.get(m.group(1), m.group(0)), template)
+
+
 def layout_memory_template(cfg: TaskConfig) -> str:
     """The memory-turn template in the order `task.prompt_layout` asks for (every prompt path reads it here)."""
     return chunk_first_template(cfg.memory_template) if cfg.prompt_layout == "chunk_first" else cfg.memory_template
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Ids of a static prompt piece or memory text: no special tokens added, and split_special_tokens=False
+    explicitly, so template markers like <|im_start|> stay single ids even on a tokenizer set to split them."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]) if text else []
 
 
 def input_text(cfg: TaskConfig, text: str) -> str:
@@ -90,16 +101,17 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: Any, task_cfg: TaskConfig) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise PromptError(
-                "the tokenizer has no chat template; MemAgent prompts go through one "
-                "(set tokenizer.chat_template, or use a chat/instruct model's tokenizer)"
-            )
+            raise PromptError("the tokenizer has no chat template; MemAgent prompts go through one "
+                              "(set tokenizer.chat_template, or use a chat/instruct model's tokenizer)")
         self.tokenizer = tokenizer
         self.cfg = task_cfg
         self.memory_template = layout_memory_template(task_cfg)
         self._segments = functools.lru_cache(maxsize=256)(self._build_segments)
-        self._no_memory_ids = self._encode_text(task_cfg.no_memory_text)
-        self._stop_token_ids = self._find_stop_token_ids()
+        self._no_memory_ids = encode_text(tokenizer, task_cfg.no_memory_text)
+        self._stop_token_ids = chat_stop_token_ids(tokenizer)
+        if not self._stop_token_ids:
+            raise PromptError("the tokenizer has no eos token and no <|im_end|> / <|endoftext|>; "
+                              "set tokenizer.eos_token")
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -127,44 +139,26 @@ class PromptBuilder:
         limit = self.cfg.memory_tokens
         return ids[: min(end, limit)], end > limit
 
-    def _encode_text(self, text: str) -> list[int]:
-        # split_special_tokens=False explicitly: template markers like <|im_start|> must stay single ids
-        # even on a tokenizer configured to split them by default.
-        if not text:
-            return []
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
-
-    def _find_stop_token_ids(self) -> list[int]:
-        found = chat_stop_token_ids(self.tokenizer)
-        if not found:
-            raise PromptError("the tokenizer has no eos token and no <|im_end|> / <|endoftext|>; "
-                              "set tokenizer.eos_token")
-        return found
-
     def _build_segments(self, template: str, question: str) -> tuple[Segment, ...]:
         for sentinel in _SLOT_OF:
             if sentinel in question or sentinel in template:
                 raise PromptError(f"the question or template contains the reserved string {sentinel!r}; "
                                   "remove it")
-        user = template.replace("{chunk}", CHUNK_SENTINEL).replace("{memory}", MEMORY_SENTINEL)
-        user = user.replace("{question}", question)
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True,
-            enable_thinking=self.cfg.enable_thinking,
-        )
+        user = fill_template(template, question=question, chunk=CHUNK_SENTINEL, memory=MEMORY_SENTINEL)
+        message = [{"role": "user", "content": user}]
+        rendered = self.tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True,
+                                                      enable_thinking=self.cfg.enable_thinking)
         for sentinel, slot in _SLOT_OF.items():
             if rendered.count(sentinel) != user.count(sentinel):
-                raise PromptError(
-                    f"the chat template did not keep the {{{slot}}} placeholder of the user message intact "
-                    f"({user.count(sentinel)} in the message, {rendered.count(sentinel)} rendered); "
-                    "use a chat template that passes the user content through unchanged"
-                )
+                raise PromptError(f"the chat template did not keep the {{{slot}}} placeholder of the user message "
+                                  f"intact ({user.count(sentinel)} in the message, {rendered.count(sentinel)} "
+                                  "rendered); use a chat template that passes the user content through unchanged")
         segments: list[Segment] = []
         for part in _SPLIT.split(rendered):
             if part in _SLOT_OF:
                 segments.append(_SLOT_OF[part])
             elif part:
-                segments.append(tuple(self._encode_text(part)))
+                segments.append(tuple(encode_text(self.tokenizer, part)))
         return tuple(segments)
 
     def _assemble(self, template: str, question: str, memory_ids: Sequence[int] | None,

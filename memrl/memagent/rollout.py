@@ -18,7 +18,7 @@ from typing import Any
 from memrl.config import SamplingConfig, TaskConfig
 from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
-from memrl.memagent.prompts import PromptBuilder, input_text
+from memrl.memagent.prompts import PromptBuilder, encode_text, input_text
 from memrl.rollout import GroupSlot, RolloutContext, request_seed
 from memrl.scoring import gold_spans
 from memrl.task import vocab_id
@@ -45,7 +45,7 @@ def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
         text = tokenizer.decode(memory_ids)
         if THINK_END not in text:
             return memory_ids
-        return _encode(tokenizer, text.split(THINK_END)[-1].strip())
+        return encode_text(tokenizer, text.split(THINK_END)[-1].strip())
     if think_end not in memory_ids:
         return memory_ids
     tail = memory_ids[len(memory_ids) - memory_ids[::-1].index(think_end):]
@@ -55,12 +55,7 @@ def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
         lo += 1
     while hi > lo and not tokenizer.decode(tail[hi - 1:hi]).strip():
         hi -= 1
-    return tail[lo:hi] if tokenizer.decode(tail[lo:hi]) == stripped else _encode(tokenizer, stripped)
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    # As the prompt builder encodes text: no special tokens added, special-token strings kept as one id.
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]) if text else []
+    return tail[lo:hi] if tokenizer.decode(tail[lo:hi]) == stripped else encode_text(tokenizer, stripped)
 
 
 def _turn(index: int, kind: str, prompt_ids: list[int], result: GenerationResult, max_tokens: int) -> Turn:
@@ -69,19 +64,9 @@ def _turn(index: int, kind: str, prompt_ids: list[int], result: GenerationResult
                 finish_reason=result.finish_reason, max_tokens=max_tokens)
 
 
-async def run_trajectory(
-    engine: Engine,
-    builder: PromptBuilder,
-    task: TaskConfig,
-    sampling: SamplingConfig,
-    question: str,
-    chunks: Chunks,
-    *,
-    trajectory_id: str,
-    group_id: str,
-    sample_index: int,
-    seed_key: str,
-) -> Trajectory:
+async def run_trajectory(engine: Engine, builder: PromptBuilder, task: TaskConfig, sampling: SamplingConfig,
+                         question: str, chunks: Chunks, *, trajectory_id: str, group_id: str, sample_index: int,
+                         seed_key: str) -> Trajectory:
     """Read `chunks` turn by turn into a bounded memory, then answer from question + memory alone."""
     stop_ids = builder.stop_token_ids
     turns: list[Turn] = []
@@ -187,8 +172,8 @@ async def generate_group(ctx: RolloutContext, group: GroupSlot, n: int,
 
     async def one(k: int) -> Trajectory:
         traj = await run_trajectory(ctx.engine, builder_of(ctx), ctx.config.task, ctx.config.sampling,
-                                    record.question, chunks, trajectory_id=group.trajectory_id(k), group_id=group.group_id, sample_index=k,
-                                    seed_key=group.key)
+                                    record.question, chunks, trajectory_id=group.trajectory_id(k),
+                                    group_id=group.group_id, sample_index=k, seed_key=group.key)
         traj.metadata.update(question_id=record.id, question=record.question, golds=list(record.answers),
                              chunk_golds=await gold_hits)
         traj.reward = ctx.reward(traj, record.answers)

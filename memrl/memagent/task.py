@@ -1,6 +1,6 @@
 """MemAgent as a Task (memrl/task.py; the default `plugins.task`): the memory loop of
-memrl.memagent.rollout, its converter (one row per turn, memrl.memagent.convert), the framework's answer
-reward, the gold-recall curve of its memory turns, and its chunk and memory fields in the logs and in `memrl view`."""
+memrl.memagent.rollout, its converter (one row per turn, docs/design.md §3), the framework's answer reward,
+the gold-recall curve of its memory turns, and its chunk and memory fields in the logs and in `memrl view`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from memrl.memagent.convert import convert_trajectories
+from memrl.config import AlgorithmConfig
 from memrl.memagent.prompts import PromptBuilder
 from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import generate_group, rollout_metrics
+from memrl.rl.shaping import advantage_rows
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
 from memrl.task import Phase, Task
 from memrl.types import RolloutOutput, TrainRow, Trajectory
@@ -32,6 +33,12 @@ def _is_hit(hit: Any, num_golds: int) -> bool:
         return False
     g, count, excerpt, start, end = hit
     return 0 <= g < num_golds and count >= 1 and 0 <= start <= end <= len(excerpt)
+
+
+def convert_trajectories(trajectories: Sequence[Trajectory], algorithm_cfg: AlgorithmConfig,
+                         rollout_id: int) -> list[TrainRow]:
+    """One row per turn with its `algorithm.credit` share of the trajectory's advantage."""
+    return advantage_rows(trajectories, algorithm_cfg, rollout_id, algorithm_cfg.credit)
 
 
 class MemAgentTask(Task):
@@ -59,13 +66,10 @@ class MemAgentTask(Task):
         number of rows the kept trajectories expand to (one per turn)."""
         start = time.perf_counter()
         n = ctx.config.sampling.n_samples
-        bar = tqdm(total=len(records) * n, desc=f"rollout {ctx.rollout_id}", unit="traj",
-                   disable=not ctx.progress, leave=False)
-        try:
+        with tqdm(total=len(records) * n, desc=f"rollout {ctx.rollout_id}", unit="traj",
+                  disable=not ctx.progress, leave=False) as bar:
             groups = await asyncio.gather(*(self.sample_group(ctx, g, n, on_done=lambda _t: bar.update())
                                             for g in ctx.groups(records)))
-        finally:
-            bar.close()
         metrics = rollout_metrics([t for g in groups for t in g])
         metrics["time/generate_s"] = time.perf_counter() - start
         return finish_rollout(groups, metrics)

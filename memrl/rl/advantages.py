@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -61,13 +61,20 @@ def assign_credit(advantage: float, num_turns: int, mode: CreditMode) -> list[fl
     raise AdvantageError(f"credit mode {mode!r} is unknown; use 'split' or 'share' (algorithm.credit)")
 
 
+def by_group(items: Iterable[Any]) -> dict[str, list[Any]]:
+    """Trajectories (or rows) by `group_id`, groups in order of first appearance."""
+    groups: dict[str, list[Any]] = {}
+    for item in items:
+        groups.setdefault(item.group_id, []).append(item)
+    return groups
+
+
 def trajectory_advantages(trajectories: Iterable[Trajectory], std_normalize: bool = True,
                           eps: float = 1e-6, std_ddof: int = 0,
                           rewards: Mapping[str, float] | None = None) -> dict[str, float]:
     """GRPO advantage of each trajectory, grouped by `group_id`, each counted once whatever its turns.
     `rewards` (by trajectory id) replaces the raw rewards, e.g. shaped ones (`memrl.rl.shaping`)."""
-    ids_by_group: dict[str, list[str]] = {}
-    rewards_by_group: dict[str, list[float]] = {}
+    trajectories = list(trajectories)
     seen: set[str] = set()
     for traj in trajectories:
         if traj.reward is None:
@@ -77,11 +84,12 @@ def trajectory_advantages(trajectories: Iterable[Trajectory], std_normalize: boo
             raise TrajectoryError(traj.trajectory_id, None, "trajectory_id_unique",
                                   "another trajectory has the same trajectory_id")
         seen.add(traj.trajectory_id)
-        ids_by_group.setdefault(traj.group_id, []).append(traj.trajectory_id)
-        reward = traj.reward if rewards is None else rewards[traj.trajectory_id]
-        rewards_by_group.setdefault(traj.group_id, []).append(float(reward))
-    by_group = grpo_advantages(rewards_by_group, std_normalize=std_normalize, eps=eps, std_ddof=std_ddof)
-    return {tid: adv for group_id, ids in ids_by_group.items() for tid, adv in zip(ids, by_group[group_id], strict=True)}
+    groups = by_group(trajectories)
+    rewards_by_group = {group_id: [float(t.reward if rewards is None else rewards[t.trajectory_id]) for t in group]
+                        for group_id, group in groups.items()}
+    by_group_id = grpo_advantages(rewards_by_group, std_normalize=std_normalize, eps=eps, std_ddof=std_ddof)
+    return {t.trajectory_id: adv for group_id, group in groups.items()
+            for t, adv in zip(group, by_group_id[group_id], strict=True)}
 
 
 def row_order_key(traj: Trajectory) -> tuple[str, int, str]:

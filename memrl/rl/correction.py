@@ -1,12 +1,9 @@
-"""Rollout correction (verl's `algorithm.rollout_correction`; the table is in docs/algorithms.md): the
-engine sampled with log-probs `rollout_logp`, the trainer scores the same tokens `old_logp`, and rho =
-exp(old_logp - rollout_logp) is 1 only when both agree (bf16 engine, stale rollout, top_p < 1 move it).
-`rollout_is` weights (token, or one per trajectory) multiply the policy-gradient term only; `rollout_rs`
-drops tokens (token, sequence, geometric) from every term, keeping their place in the normaliser (the
-step's row weights are fixed before any log-prob is known), like a zero weight.
-
-A "sequence" is the whole trajectory, whose rows may sit in different micro-batches: the trainer sums
-log rho per trajectory over the step first (`trajectory_totals`) and hands each row its total (`per_row`).
+"""Rollout correction (verl's `algorithm.rollout_correction`; levels and formulas in docs/algorithms.md):
+rho = exp(old_logp - rollout_logp), the trainer's over the engine's log-prob of each sampled token.
+`rollout_is` weights multiply the policy-gradient term only; `rollout_rs` drops tokens from every term but
+keeps their place in the normaliser. A "sequence" is the whole trajectory, whose rows may sit in different
+micro-batches: the trainer sums log rho per trajectory first (`trajectory_totals`), then hands each row its
+total (`per_row`).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-_LOG_BOUND = 20.0  # as memrl.rl.loss: exp() past it overflows float32
+from memrl.rl.loss import LOG_RATIO_BOUND
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,7 @@ class RolloutCorrection:
         weights, clipped = None, torch.zeros_like(valid)
         if self.is_level is not None:
             log_w = log_rho if self.is_level == "token" else seq(trajectory_log_ratio)
-            log_w = log_w.clamp(max=_LOG_BOUND)
+            log_w = log_w.clamp(max=LOG_RATIO_BOUND)
             clipped = log_w > math.log(self.is_threshold)
             weights = torch.exp(log_w).clamp(max=self.is_threshold)
         keep = torch.ones_like(log_rho)
@@ -77,7 +74,7 @@ class RolloutCorrection:
         with torch.no_grad():
             m = mask.to(log_rho.dtype)
             n = m.sum().clamp(min=1)
-            rho = torch.exp(log_rho.clamp(max=_LOG_BOUND))
+            rho = torch.exp(log_rho.clamp(max=LOG_RATIO_BOUND))
             metrics = {
                 "rollout_corr/ratio_mean": (rho * m).where(valid, 0.0).sum() / n,
                 "rollout_corr/ratio_max": rho.where(valid, 0.0).max() if rho.numel() else rho.new_zeros(()),

@@ -1,12 +1,6 @@
-"""Dynamic sampling (DAPO; verl `algorithm.filter_groups`; docs/algorithms.md): train only on prompt groups
-whose *raw* rewards differ (a shaped reward would make an all-wrong group look informative, NeMo-RL #2431),
-generating further chunks of `over_sampling_batch_size` questions until the step has `rollout_batch_size`
-groups or `max_num_gen_batches` batches ran. Short of the cap, the step trains on what there is, topped up
-with equal-reward groups to one per optimizer step (advantage 0: only KL and entropy move).
-
-Chunk k's questions are `DataSource.extra_batch(rollout_id, k, size)`, a pure function of the rollout id
-(the data cursor does not move), so a resumed run regenerates the same chunks; its groups take the slots
-after the batches before it (`slot_offset`), so group ids and seeds stay distinct. Every batch arrives
+"""Dynamic sampling (DAPO; verl `algorithm.filter_groups`; the rules are in docs/algorithms.md): train only on
+groups whose *raw* rewards differ (a shaped reward would make an all-wrong group look informative, NeMo-RL
+#2431), generating further batches until the step has its groups or the cap is reached. Every batch arrives
 converted, so the step keeps its kept groups' rows by `group_id` and announces their number.
 """
 
@@ -15,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from memrl.rl.advantages import by_group
 from memrl.types import RolloutOutput, Trajectory
 
 # Metrics of one generation batch that add up over the batches; every other metric of the step (reward
@@ -32,14 +27,6 @@ class GroupFilter:
     min_groups: int = 1       # train.num_optimizer_steps: every optimizer step needs a group
 
 
-def groups_of(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
-    """Trajectories by group_id, groups in order of first appearance."""
-    by_id: dict[str, list[Trajectory]] = {}
-    for traj in trajectories:
-        by_id.setdefault(traj.group_id, []).append(traj)
-    return list(by_id.values())
-
-
 def is_informative(group: Sequence[Trajectory]) -> bool:
     """True when the group's raw rewards are not all equal (GRPO gives an equal group advantage 0)."""
     rewards = [t.reward for t in group]
@@ -55,7 +42,7 @@ def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int
     equal: list[list[Trajectory]] = []
 
     def sort(out: RolloutOutput) -> None:
-        for group in groups_of(out.trajectories):
+        for group in by_group(out.trajectories).values():
             (informative if is_informative(group) else equal).append(group)
 
     sort(first)
@@ -86,7 +73,8 @@ def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int
         "dynamic_sampling/groups_topped_up": float(len(topped_up)),
         "dynamic_sampling/reached_cap": float(len(informative) < settings.target_groups),
     })
-    rows = _rows_of_groups(outs, [g[0].group_id for g in kept])
+    rows_by_group = by_group(row for o in outs for row in o.rows)
+    rows = [row for g in kept for row in rows_by_group.get(g[0].group_id, [])]
     dropped = [t for o in outs for t in o.dropped] + left_out
     kept_trajectories = {t.trajectory_id for t in trajectories}
     return RolloutOutput(
@@ -95,11 +83,3 @@ def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int
         advantages={k: v for o in outs for k, v in o.advantages.items() if k in kept_trajectories},
         turn_advantages={k: v for o in outs for k, v in o.turn_advantages.items() if k[0] in kept_trajectories})
 
-
-def _rows_of_groups(outs: Sequence[RolloutOutput], group_ids: Sequence[str]) -> list:
-    """The converted rows of `group_ids`, group by group in that order (within a group, the converter's)."""
-    by_group: dict[str, list] = {}
-    for out in outs:
-        for row in out.rows:
-            by_group.setdefault(row.group_id, []).append(row)
-    return [row for g in group_ids for row in by_group.get(g, [])]

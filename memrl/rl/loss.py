@@ -27,7 +27,7 @@ AGG_MODES: tuple[str, ...] = get_args(AggMode)
 # exp() of an unbounded log-ratio lets one bad token reach inf and turn the whole step into NaN; verl
 # clamps the token log-ratio at the same bound. Gradients are zero past it, which only touches tokens
 # whose ratio is e^20 -- tokens the PPO clip has already cut off anyway.
-_LOG_RATIO_BOUND = 20.0
+LOG_RATIO_BOUND = 20.0
 # GSPO's trajectory log-ratio is clamped above only, at verl's bound (compute_policy_loss_gspo): past it
 # the ratio stays e^10 and the token gets no gradient, so one runaway trajectory cannot outweigh the step.
 _GSPO_LOG_RATIO_MAX = 10.0
@@ -57,11 +57,11 @@ def _check_shapes(mask: Tensor, **tensors: Tensor) -> None:
             raise LossError(f"{name} has shape {tuple(t.shape)} but mask has {tuple(mask.shape)}; they must match")
 
 
-def _masked(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(values * mask, masked-out positions exactly 0, mask as a float tensor): `where`, since padding may
-    hold inf or NaN (log-probs of pad tokens) and NaN * 0 is NaN."""
+def _masked(values: Tensor, mask: Tensor) -> Tensor:
+    """values * mask, masked-out positions exactly 0: `where`, since padding may hold inf or NaN (log-probs
+    of pad tokens) and NaN * 0 is NaN."""
     m = mask.to(values.dtype)
-    return torch.where(m != 0, values * m, torch.zeros_like(values)), m
+    return torch.where(m != 0, values * m, torch.zeros_like(values))
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: AggMode = "token_mean", group_index: Tensor | None = None,
@@ -92,11 +92,10 @@ def compute_token_weights(response_lengths_masked: Sequence[float], trajectory_i
     if mode == "token_mean":
         total = sum(n)
         return [1.0 / total if x > 0 else 0.0 for x in n]
+    rows = sum(1 for x in n if x > 0)
     if mode == "seq_mean_token_mean":
-        rows = sum(1 for x in n if x > 0)
         return [1.0 / (x * rows) if x > 0 else 0.0 for x in n]
     if mode in ("seq_mean_token_sum", "seq_mean_token_sum_norm"):
-        rows = sum(1 for x in n if x > 0)
         return [1.0 / (rows * scale) if x > 0 else 0.0 for x in n]
     if trajectory_ids is None or len(trajectory_ids) != len(n):
         raise LossError("trajectory_mean needs one trajectory id per row (trajectory_ids)")
@@ -112,7 +111,7 @@ def weighted_token_sum(values: Tensor, mask: Tensor, row_weights: Tensor) -> Ten
     _check_shapes(mask, values=values)
     if row_weights.shape != (mask.shape[0],):
         raise LossError(f"row_weights must have shape ({mask.shape[0]},), got {tuple(row_weights.shape)}")
-    masked, _ = _masked(values, mask)
+    masked = _masked(values, mask)
     return (masked.sum(-1) * row_weights.to(masked)).sum()
 
 
@@ -142,7 +141,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, ma
     if sequence_log_ratio is not None:
         log_ratio = gspo_log_ratio(log_probs, sequence_log_ratio)
     else:
-        log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+        log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -173,7 +172,7 @@ def _ppo_metrics(mask: Tensor, log_ratio: Tensor, ratio: Tensor, clip_active: Te
 
     def token_mean(x: Tensor) -> Tensor:
         # 0 / 1 for an all-zero mask (its masked sum is 0); a float mask may weigh less than 1 in all
-        return _masked(x.to(ratio.dtype), mask)[0].sum() / torch.where(tokens > 0, tokens, torch.ones_like(tokens))
+        return _masked(x.to(ratio.dtype), mask).sum() / torch.where(tokens > 0, tokens, torch.ones_like(tokens))
 
     valid = mask != 0
     top = torch.where(valid, ratio, torch.zeros_like(ratio)).max() if ratio.numel() else ratio.new_zeros(())
@@ -188,13 +187,9 @@ def _ppo_metrics(mask: Tensor, log_ratio: Tensor, ratio: Tensor, clip_active: Te
 
 
 def gspo_log_ratio(log_probs: Tensor, sequence_log_ratio: Tensor) -> Tensor:
-    """GSPO's per-token log-ratio over the whole trajectory (all turns' rows): sg[log s_i] + logp_t - sg[logp_t].
-
-    A trajectory's rows may sit in different micro-batches, so log s_i (its mean token log-ratio) comes in
-    as a number (`sequence_log_ratio`, [batch] or [batch, seq], from a no-grad pass over the step); the
-    term then has the value log s_i and the gradient of logp_t, so the gradient is GSPO's whatever the
-    micro-batching (docs/algorithms.md). Clamped above only, as verl.
-    """
+    """GSPO's per-token log-ratio over the whole trajectory: sg[log s_i] + logp_t - sg[logp_t], the value of
+    log s_i (`sequence_log_ratio`, [batch] or [batch, seq], from a no-grad pass over the step) with the gradient
+    of logp_t, so exact whatever the micro-batching (docs/algorithms.md). Clamped above only, as verl."""
     seq = sequence_log_ratio.detach().to(log_probs.dtype)
     if seq.dim() == 1:
         seq = seq.unsqueeze(-1).expand_as(log_probs)
@@ -209,17 +204,9 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: Literal["k1"
     if estimator == "k1":
         return log_probs - ref_log_probs
     if estimator == "k3":
-        diff = (ref_log_probs - log_probs).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+        diff = (ref_log_probs - log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         return torch.expm1(diff) - diff  # expm1: exact near 0, where exp(d) - 1 loses digits
     raise LossError(f"unknown KL estimator '{estimator}'; use 'k1' or 'k3' (algorithm.kl_estimator)")
-
-
-def truncated_importance_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, cap: float) -> Tensor:
-    """min(exp(old_logp - rollout_logp), cap), detached: corrects the trainer/engine log-prob gap (TIS)."""
-    if cap <= 0:
-        raise LossError(f"the importance weight cap must be > 0 (algorithm.rollout_is_threshold), got {cap}")
-    log_w = (old_log_probs - rollout_log_probs).detach().clamp(max=_LOG_RATIO_BOUND)
-    return torch.exp(log_w).clamp(max=cap)
 
 
 def entropy_from_log_probs(log_p: Tensor, inplace: bool = False) -> Tensor:

@@ -1,13 +1,8 @@
-"""What the converter makes of rewards and turns before rows exist (docs/algorithms.md); every option is off
-by default, and off the rows are exactly what they were without it.
-
-- `mask_truncated_completions`: a trajectory whose final turn hit its limit trains nothing (all-zero loss
-  masks) but still counts in its group's advantage.
-- `overlong_buffer_len` B, `overlong_penalty_factor` c (DAPO): min(0, -(n - (L - B)) / B * c) is added to
-  the reward *for the advantage only*; `Trajectory.reward` (what filtering and the logs read) is untouched.
-- `turn_reward_function` (`metadata["turn_rewards"]`, memrl.rl.turn_rewards): each turn's advantage is
-  alpha * credit_j(A_i) + (1 - alpha) * GRPO_j(r_ij), the turn rewards normalised within the group among
-  the turns of the same index j.
+"""Validated trajectories -> rows (`advantage_rows`, the converters' one path), with what the converter makes
+of rewards and turns first (formulas in docs/algorithms.md): truncated completions masked, DAPO's overlong
+penalty (on the advantage's reward only: `Trajectory.reward`, read by filtering and the logs, is untouched),
+turn rewards mixed into each turn's advantage. Every option is off by default, and off the rows are exactly
+what they were without it.
 """
 
 from __future__ import annotations
@@ -19,16 +14,21 @@ from memrl.config import ConfigError
 from memrl.rl.advantages import (
     AdvantageError,
     assign_credit,
+    by_group,
     expand_rows,
     grpo_advantages,
     trajectory_advantages,
 )
+from memrl.rl.validate import validate_groups
 from memrl.types import TrainRow, Trajectory
 
 
 def advantage_rows(trajectories: Sequence[Trajectory], a: Any, rollout_id: int, credit: str) -> list[TrainRow]:
-    """Validated trajectories -> rows: (shaped) rewards -> GRPO per trajectory -> per-turn advantages -> rows.
-    The converters' one path (MemAgentTask.convert, memrl.rl.plain); `a` is the AlgorithmConfig."""
+    """Validate every trajectory and group first (nothing is returned on a violation, so no step trains on part
+    of its rows), then (shaped) rewards -> GRPO per trajectory -> per-turn advantages -> rows, in
+    `row_order_key` order; the inputs are not modified. `a` is the AlgorithmConfig."""
+    trajectories = list(trajectories)
+    validate_groups(trajectories)
     advantages = trajectory_advantages(trajectories, std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof,
                                        rewards=shaped_rewards(trajectories, a))
     return expand_rows(trajectories, advantages, credit, rollout_id,
@@ -68,25 +68,24 @@ def shaped_rewards(trajectories: Sequence[Trajectory], a: Any) -> dict[str, floa
 
 def turn_advantages(trajectories: Sequence[Trajectory], advantages: Mapping[str, float],
                     a: Any) -> dict[str, list[float]] | None:
-    """Each trajectory's per-turn advantages mixing in its turn rewards (module docstring); None when
-    `a.turn_reward_function` is unset (the plain credit then)."""
+    """Each trajectory's per-turn advantages mixing in its turn rewards (docs/algorithms.md); None when
+    `a.turn_reward_function` is unset (the plain credit then). A group's samples have equal turn counts
+    (`validate_groups`), so turn j's rewards form one GRPO group per prompt group."""
     if a.turn_reward_function is None:
         return None
-    by_key: dict[str, list[float]] = {}
-    ids: dict[str, list[str]] = {}
     for traj in trajectories:
         rewards = traj.metadata.get("turn_rewards")
         if rewards is None or len(rewards) != traj.num_turns:
             raise AdvantageError(f"trajectory '{traj.trajectory_id}' has no turn_rewards for its {traj.num_turns} turns; "
                                  f"algorithm.turn_reward_function is set, so the trainer scores every turn before "
                                  f"converting (memrl.rl.turn_rewards.score_turns)")
-        for j, r in enumerate(rewards):
-            key = f"{traj.group_id}\x00{j}"
-            by_key.setdefault(key, []).append(float(r))
-            ids.setdefault(key, []).append(traj.trajectory_id)
-    normalised = grpo_advantages(by_key, std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof)
-    turn_norm = {(tid, int(key.rsplit("\x00", 1)[1])): v
-                 for key, values in normalised.items() for tid, v in zip(ids[key], values, strict=True)}
+    turn_norm: dict[tuple[str, int], float] = {}
+    for group_id, group in by_group(trajectories).items():
+        for j in range(group[0].num_turns):
+            key = f"{group_id}\x00{j}"
+            column = grpo_advantages({key: [float(t.metadata["turn_rewards"][j]) for t in group]},
+                                     std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof)[key]
+            turn_norm.update(((t.trajectory_id, j), v) for t, v in zip(group, column, strict=True))
     alpha = a.turn_reward_alpha
     return {traj.trajectory_id: [alpha * c + (1 - alpha) * turn_norm[(traj.trajectory_id, j)]
                                  for j, c in enumerate(assign_credit(advantages[traj.trajectory_id], traj.num_turns,

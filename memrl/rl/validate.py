@@ -1,17 +1,7 @@
-"""Checks that trajectories (and the rows made from them) are fit for training (docs/design.md §3).
+"""Checks that trajectories (and the rows made from them) are fit for training (the rules: docs/design.md §3).
 
 A converter calls `validate_groups` before it computes anything, so a bad trajectory stops the step with a
-`TrajectoryError` and no row. Each rule has a stable id (`TrajectoryError.rule`), checked in this order:
-- per trajectory: status_trainable, reward_present, reward_finite (a real number, not a bool),
-  group_id_present, single_final_turn, final_turn_last, turn_kind (memory or final);
-- per turn: turn_index_sequence (0..T-1), response_length_positive, response_length_limit (the kind's
-  max_tokens), response_length_tokens (< len(tokens): token j is scored from position j-1, so one prompt
-  token is needed), loss_mask_length, log_probs_length, loss_mask_binary (integer 0 or 1),
-  log_probs_finite, log_probs_nonpositive;
-- across trajectories: trajectory_id_unique, group_turn_count (a group's samples read the same chunks);
-- per training row (`validate_train_rows`): the same as `row_*`, row_advantage_finite, padding_mask_zero,
-  row_token_id_type, row_token_id_range ([0, vocab_size): only the trainer knows the embedding's rows).
-
+`TrajectoryError` and no row; each rule has a stable id (`TrajectoryError.rule`; a row's rules are `row_*`).
 Values are checked, not only lengths: a NaN log-prob or a mask of 0.5 trains silently on NaN or a
 half-weighted token, `reward=True` would count as 1, a token id of 7.5 trains as 7 and -1 ends the step in
 a bare IndexError.
@@ -40,18 +30,23 @@ class TrajectoryError(ValueError, MemrlError):
         super().__init__(f"{where} breaks rule '{rule}': {found}")
 
 
-def _is_real(value: object) -> bool:
-    """A real number that is not a bool: Python counts True as 1, but a flag is never a score."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def is_finite_real(value: object) -> bool:
+    """A finite real number that is not a bool: Python counts True as 1, but a flag is never a score."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _value_problem(loss_mask: Sequence[object], log_probs: Sequence[object]) -> tuple[str, str] | None:
-    """(rule, what was found) for the first bad loss-mask or log-prob value, else None."""
+def _response_problem(length: int, loss_mask: Sequence[object],
+                      log_probs: Sequence[object]) -> tuple[str, str] | None:
+    """(rule, what was found) for the first loss mask or log-probs not one valid value per response token."""
+    if len(loss_mask) != length:
+        return "loss_mask_length", f"len(loss_mask) = {len(loss_mask)} but response_length = {length}"
+    if len(log_probs) != length:
+        return "log_probs_length", f"len(rollout_log_probs) = {len(log_probs)} but response_length = {length}"
     for k, value in enumerate(loss_mask):
         if not (isinstance(value, numbers.Integral) and value in (0, 1)):
             return "loss_mask_binary", f"loss_mask[{k}] = {value!r}; every value must be the integer 0 or 1"
     for k, value in enumerate(log_probs):
-        if not (_is_real(value) and math.isfinite(value)):
+        if not is_finite_real(value):
             return "log_probs_finite", (f"rollout_log_probs[{k}] = {value!r}; every value must be a finite number "
                                         "(the engine returned no usable log-prob for this token)")
         if value > 0:
@@ -71,14 +66,10 @@ def _check_turn(trajectory_id: str, position: int, turn: Turn) -> None:
         fail("response_length_positive", "response is empty; every turn must have at least one response token")
     if length > turn.max_tokens:
         fail("response_length_limit", f"response_length {length} exceeds this {turn.kind} turn's max_tokens {turn.max_tokens}")
-    if length >= len(turn.tokens):
+    if length >= len(turn.tokens):  # token j is scored from position j-1, so one prompt token is needed
         fail("response_length_tokens",
              f"response_length {length} is not below len(tokens) {len(turn.tokens)}; the prompt must not be empty")
-    if len(turn.loss_mask) != length:
-        fail("loss_mask_length", f"len(loss_mask) = {len(turn.loss_mask)} but response_length = {length}")
-    if len(turn.rollout_log_probs) != length:
-        fail("log_probs_length", f"len(rollout_log_probs) = {len(turn.rollout_log_probs)} but response_length = {length}")
-    if (problem := _value_problem(turn.loss_mask, turn.rollout_log_probs)) is not None:
+    if (problem := _response_problem(length, turn.loss_mask, turn.rollout_log_probs)) is not None:
         fail(*problem)
 
 
@@ -95,7 +86,7 @@ def validate_trajectory(traj: Trajectory) -> None:
              "(drop failed trajectories before converting)")
     if traj.reward is None:
         fail("reward_present", "reward is None; run the reward function before converting")
-    if not _is_real(traj.reward) or not math.isfinite(traj.reward):
+    if not is_finite_real(traj.reward):
         fail("reward_finite", f"reward is {traj.reward!r}; it must be a finite real number (not a bool or text)")
     if not isinstance(traj.group_id, str) or not traj.group_id:
         fail("group_id_present", f"group_id is {traj.group_id!r}; it must name the trajectory's prompt group")
@@ -129,11 +120,10 @@ def validate_groups(trajectories: Sequence[Trajectory]) -> None:
         seen_ids.add(traj.trajectory_id)
         first = turns_by_group.setdefault(traj.group_id, (traj.trajectory_id, traj.num_turns))
         if first[1] != traj.num_turns:
-            raise TrajectoryError(
-                traj.trajectory_id, None, "group_turn_count",
-                f"{traj.num_turns} turns, but trajectory '{first[0]}' of the same group '{traj.group_id}' has "
-                f"{first[1]}; samples of one question read the same chunks and must have equal turn counts",
-            )
+            raise TrajectoryError(traj.trajectory_id, None, "group_turn_count",
+                                  f"{traj.num_turns} turns, but trajectory '{first[0]}' of the same group "
+                                  f"'{traj.group_id}' has {first[1]}; samples of one question read the same "
+                                  "chunks and must have equal turn counts")
 
 
 def _token_id_problem(ids: Sequence[object], vocab_size: int | None) -> tuple[str, str] | None:
@@ -163,13 +153,9 @@ def validate_train_rows(rows: Iterable[TrainRow], vocab_size: int | None = None)
         length = row.response_length
         if not 0 < length < len(row.tokens):
             fail("row_response_length", f"response_length {length} must be > 0 and < len(tokens) {len(row.tokens)}")
-        if len(row.loss_mask) != length:
-            fail("row_loss_mask_length", f"len(loss_mask) = {len(row.loss_mask)} but response_length = {length}")
-        if len(row.rollout_log_probs) != length:
-            fail("row_log_probs_length", f"len(rollout_log_probs) = {len(row.rollout_log_probs)} but response_length = {length}")
-        if (problem := _value_problem(row.loss_mask, row.rollout_log_probs)) is not None:
+        if (problem := _response_problem(length, row.loss_mask, row.rollout_log_probs)) is not None:
             fail(f"row_{problem[0]}", problem[1])
-        if not _is_real(row.advantage) or not math.isfinite(row.advantage):
+        if not is_finite_real(row.advantage):
             fail("row_advantage_finite", f"advantage is {row.advantage!r}; it must be a finite real number")
         if row.is_padding and any(row.loss_mask):
             fail("padding_mask_zero", "a padding row has non-zero loss_mask entries; padding must never train")

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memrl.config import AlgorithmConfig, Config, load_config
-from memrl.memagent.convert import convert_trajectories
+from memrl.memagent.task import convert_trajectories
 from memrl.rl.advantages import grpo_advantages, trajectory_advantages
 from memrl.rl.validate import TrajectoryError, validate_train_rows
 from memrl.task import load_task

@@ -10,7 +10,7 @@ import torch
 from traj_factory import make_trajectory
 
 from memrl.config import AlgorithmConfig, ConfigError, config_from_dict
-from memrl.memagent.convert import convert_trajectories
+from memrl.memagent.task import convert_trajectories
 from memrl.rl.advantages import trajectory_advantages
 from memrl.rl.correction import RolloutCorrection, per_row, trajectory_totals
 from memrl.rl.loss import compute_token_weights, policy_loss

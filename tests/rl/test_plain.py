@@ -9,8 +9,8 @@ import pytest
 
 from memrl.config import AlgorithmConfig
 from memrl.rl.advantages import grpo_advantages
-from memrl.rl.plain import convert_one_row_per_trajectory
 from memrl.rl.validate import TrajectoryError
+from memrl.task import convert_one_row_per_trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traj_factory import make_group  # noqa: E402

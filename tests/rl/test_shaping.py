@@ -6,9 +6,8 @@ import pytest
 from traj_factory import make_group, make_trajectory, make_turn
 
 from memrl.config import AlgorithmConfig, ConfigError
-from memrl.memagent.convert import convert_trajectories
 from memrl.memagent.reward import gold_in_text, memory_recall
-from memrl.memagent.task import MemAgentTask
+from memrl.memagent.task import MemAgentTask, convert_trajectories
 from memrl.rl.advantages import AdvantageError
 from memrl.rl.shaping import overlong_penalty
 from memrl.rl.turn_rewards import score_turns

@@ -210,7 +210,7 @@ def test_the_trainer_refuses_bad_token_ids_before_any_update(tiny_tokenizer, whe
     """Converted rows reach the actor, which checks their ids against its embedding's rows before the
     step (before: -1 and the vocabulary size ended it in a bare IndexError, 7.5 trained as token 7)."""
     from memrl.config import Config
-    from memrl.memagent.convert import convert_trajectories
+    from memrl.memagent.task import convert_trajectories
     from memrl.tiny import build_tiny_model
     from memrl.train.actor import Actor
 

@@ -11,8 +11,7 @@ import torch
 from memrl.config import Config
 from memrl.data.records import QuestionRecord
 from memrl.engines.base import GenerationRequest
-from memrl.memagent.convert import convert_trajectories
-from memrl.memagent.task import MemAgentTask
+from memrl.memagent.task import MemAgentTask, convert_trajectories
 from memrl.rollout import RewardError
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer
 from memrl.train.checkpoint import list_checkpoints
