@@ -42,8 +42,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_yaml(text: str) -> Any:
-    """Parse YAML config text (a recipe, an override's value) as yaml.safe_load does, refusing duplicate
-    keys; raises yaml.YAMLError."""
+    """yaml.safe_load for config text (a recipe, an override's value), refusing duplicate keys."""
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
