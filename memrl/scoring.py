@@ -192,12 +192,12 @@ def score_answer(text: str, golds: Iterable[str] | str, extractor: str = "boxed"
         boxed = extract(text)
         if boxed is None:
             return _NO_ANSWER
-        gold_list = _golds_or_empty(golds)
+        answers = _golds_or_empty(golds)
         return AnswerScore(
             boxed=boxed,
-            em=max((exact_match(boxed, g) for g in gold_list), default=0.0),
-            sub_em=max((sub_exact_match(boxed, g) for g in gold_list), default=0.0),
-            f1=max((f1_score(boxed, g)[0] for g in gold_list), default=0.0),
+            em=max((exact_match(boxed, g) for g in answers), default=0.0),
+            sub_em=max((sub_exact_match(boxed, g) for g in answers), default=0.0),
+            f1=max((f1_score(boxed, g)[0] for g in answers), default=0.0),
             missing_box=False,
         )
     except Exception:  # last resort: one odd answer must not stop a training or evaluation run
