@@ -1,9 +1,6 @@
-"""`MemrlError`: the base of every error a user fixes by changing an argument, a file or a setting.
-
-Each module keeps its own named class (`ConfigError`, `DataError`, ...) derived from it and from its
-built-in (`ValueError`, ...); the CLI reports any `MemrlError` as one line with exit code 2. One base
-instead of a list of names, so no new class can be forgotten; this module imports nothing.
-"""
+"""`MemrlError`: the base of every error a user fixes by changing an argument, a file or a setting (each
+module derives its own class from it and its built-in; docs/design.md). One base instead of a list of names
+for the CLI to catch, so no new class can be forgotten; this module imports nothing."""
 
 from __future__ import annotations
 

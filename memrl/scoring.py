@@ -1,11 +1,8 @@
 """One scorer for the training reward and for evaluation; its rules are docs/design.md §2.
 
-Extractors (`task.answer_extractor`): `boxed`, the last *closed* `\\boxed{...}` / `\\fbox{...}` (in
-`\\boxed{a \\boxed{b}}` it is `b`; `\\{`, `\\}` are literal); `therefore`, the rest of the line after
-the last "the answer is", any case (the official evaluator keeps everything after the case-sensitive
-phrase, so a correct answer with an explanation scored 0). `\\text{...}`-like wrappers are unwrapped.
-`normalize_answer`, `exact_match`, `f1_score` are the official HotpotQA evaluator's.
-
+`normalize_answer`, `exact_match`, `f1_score` are the official HotpotQA evaluator's. `therefore` reads to the
+end of the line after the last "the answer is", any case (the official evaluator keeps everything after the
+case-sensitive phrase, so a correct answer with an explanation scored 0).
 Invariant: `score_answer` and `reward_from_text` never raise, whatever text and golds they get (only an
 unknown extractor name, a configuration error, is a `ScoringError`).
 """
@@ -52,24 +49,20 @@ def _matching_braces(text: str) -> dict[int, int]:
 
 
 def _strip_wrappers(content: str) -> str:
-    """Unwrap every balanced `\\text{...}`-like wrapper (nested ones too), then strip whitespace; one
-    brace matching and one cut list keep it linear. A wrapper whose brace never closes stays."""
+    """Unwrap every balanced `\\text{...}`-like wrapper (nested ones too), then strip whitespace; a wrapper
+    whose brace never closes stays."""
     matches = _matching_braces(content)
-    cuts: list[tuple[int, int]] = []  # [start, end) ranges to drop: each `\\name{` and its closing `}`
+    drop: set[int] = set()  # the indices of each `\\name{` and of its closing `}`
     for wrapper in _WRAPPER_OPEN.finditer(content):
         close = matches.get(wrapper.end() - 1)
         if close is not None:
-            cuts += [(wrapper.start(), wrapper.end()), (close, close + 1)]
-    pieces, pos = [], 0
-    for start, end in sorted(cuts):
-        pieces.append(content[pos:start])
-        pos = end
-    pieces.append(content[pos:])
-    return "".join(pieces).strip()
+            drop.update(range(wrapper.start(), wrapper.end()), (close,))
+    return "".join(ch for i, ch in enumerate(content) if i not in drop).strip()
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last closed `\\boxed{...}` (or `\\fbox{...}`), wrappers stripped; None if none."""
+    """Content of the last closed `\\boxed{...}` or `\\fbox{...}` (`\\boxed{a \\boxed{b}}`: `b`), wrappers
+    stripped; None if none."""
     opens = [m.end() - 1 for m in _BOX_OPEN.finditer(text)]
     if not opens:
         return None
@@ -108,14 +101,6 @@ class ScoringError(ValueError, MemrlError):
 
 class GoldAnswerError(ScoringError, TypeError):
     """Gold answers of a type the scorer cannot read; the message says what to pass instead."""
-
-
-def _extractor(name: str) -> Callable[[str], str | None]:
-    try:
-        return ANSWER_EXTRACTORS[name]
-    except (KeyError, TypeError):
-        raise ScoringError(f"unknown answer extractor {name!r}; use one of {', '.join(ANSWER_EXTRACTORS)} "
-                           "(task.answer_extractor)") from None
 
 
 def normalize_answer(s: str) -> str:
@@ -173,17 +158,13 @@ def gold_list(golds: object) -> list[str]:
     otherwise score every answer 0 without a word."""
     if isinstance(golds, str):
         return [golds]
-    if isinstance(golds, bytes | bytearray | Mapping) or not isinstance(golds, Iterable):
-        raise GoldAnswerError(_gold_type_message(golds))
-    try:
-        return [g for g in golds if isinstance(g, str)]
-    except TypeError:  # iterable in name only, e.g. a 0-d numpy array
-        raise GoldAnswerError(_gold_type_message(golds)) from None
-
-
-def _gold_type_message(golds: object) -> str:
-    return (f"gold answers must be a str or a sequence of str (list, tuple, numpy array), got "
-            f"{type(golds).__name__}; pass the record's answers as a list of strings")
+    if isinstance(golds, Iterable) and not isinstance(golds, bytes | bytearray | Mapping):
+        try:
+            return [g for g in golds if isinstance(g, str)]
+        except TypeError:  # iterable in name only, e.g. a 0-d numpy array
+            pass
+    raise GoldAnswerError(f"gold answers must be a str or a sequence of str (list, tuple, numpy array), got "
+                          f"{type(golds).__name__}; pass the record's answers as a list of strings")
 
 
 def _golds_or_empty(golds: object) -> list[str]:
@@ -200,19 +181,23 @@ def _golds_or_empty(golds: object) -> list[str]:
 def score_answer(text: str, golds: Iterable[str] | str, extractor: str = "boxed") -> AnswerScore:
     """Score a final answer read by `extractor` (`ANSWER_EXTRACTORS`). Never raises: bad input scores as
     a missing box or a wrong answer; no usable gold leaves the metrics at 0 but keeps what was extracted."""
-    extract = _extractor(extractor)
+    try:
+        extract = ANSWER_EXTRACTORS[extractor]
+    except (KeyError, TypeError):
+        raise ScoringError(f"unknown answer extractor {extractor!r}; use one of {', '.join(ANSWER_EXTRACTORS)} "
+                           "(task.answer_extractor)") from None
     if not isinstance(text, str):
         return _NO_ANSWER
     try:
         boxed = extract(text)
         if boxed is None:
             return _NO_ANSWER
-        gold_list = _golds_or_empty(golds)
+        answers = _golds_or_empty(golds)
         return AnswerScore(
             boxed=boxed,
-            em=max((exact_match(boxed, g) for g in gold_list), default=0.0),
-            sub_em=max((sub_exact_match(boxed, g) for g in gold_list), default=0.0),
-            f1=max((f1_score(boxed, g)[0] for g in gold_list), default=0.0),
+            em=max((exact_match(boxed, g) for g in answers), default=0.0),
+            sub_em=max((sub_exact_match(boxed, g) for g in answers), default=0.0),
+            f1=max((f1_score(boxed, g)[0] for g in answers), default=0.0),
             missing_box=False,
         )
     except Exception:  # last resort: one odd answer must not stop a training or evaluation run
@@ -227,8 +212,7 @@ _DROP_PUNCTUATION = str.maketrans("", "", string.punctuation)
 def gold_spans(text: str, golds: Iterable[str] | str) -> list[tuple[int, int, int]]:
     """Where each gold occurs in `text`: sorted `(gold index, start, end)` character ranges of the gold's
     normalized words as consecutive whole normalized words ("1" is not in "1990", "the U.S." is in "US").
-    Each word is normalized on its own, keeping its range; a cheap substring pre-check skips chunks that
-    cannot hold a gold."""
+    Each word is normalized on its own, keeping its range."""
     if not isinstance(text, str):
         return []
     targets = [(g, normalize_answer(gold).split()) for g, gold in enumerate(_golds_or_empty(golds))]

@@ -1,17 +1,12 @@
-"""Record types, one per stage of a rollout step.
+"""Record types, one per stage of a rollout step (contracts: docs/design.md, "Record contracts").
 
     Turn        one generation request and exactly what was sampled (token ids in and out)
     Trajectory  one sample for one question: memory turns, then one final turn
     TrainRow    one training row: a turn expanded with its share of the trajectory's advantage
     RolloutOutput  what a rollout source hands to training: the trajectories, scored and converted to rows
 
-Invariants (checked by `memrl.rl.validate`, relied on everywhere else):
-- `Turn.tokens == prompt_ids + response_ids`; `rollout_log_probs` and `loss_mask` hold one value per
-  response token; `response_length <= max_tokens` (the turn kind's own limit).
-- Values: every `loss_mask` entry is 0 or 1, every rollout log-prob a finite number <= 0, a reward or an
-  advantage a finite real number (never a bool).
-- A trajectory's turns are indexed 0..T-1: zero or more `memory` turns, then exactly one `final` turn.
-- `TrainRow.loss_mask` and `rollout_log_probs` align with the response, i.e. `tokens[-response_length:]`.
+`memrl.rl.validate` checks, and everything else relies on: the lengths and turn order of docs/design.md §3,
+masks of 0 or 1, rollout log-probs finite and <= 0, rewards and advantages finite reals (never a bool).
 """
 
 from __future__ import annotations
@@ -78,9 +73,7 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
-        d = dict(d)
-        d["turns"] = [Turn.from_dict(t) for t in d.get("turns", [])]
-        return cls(**d)
+        return cls(**{**d, "turns": [Turn.from_dict(t) for t in d.get("turns", [])]})
 
 
 @dataclass

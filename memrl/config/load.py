@@ -42,8 +42,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_yaml(text: str) -> Any:
-    """Parse YAML config text (a recipe, an override's value) as yaml.safe_load does, refusing duplicate
-    keys; raises yaml.YAMLError."""
+    """yaml.safe_load for config text (a recipe, an override's value), refusing duplicate keys."""
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
@@ -87,13 +86,10 @@ def _describe_error(cls: type[BaseModel], err: dict[str, Any]) -> str:
 
 
 def _allowed_keys(cls: type[BaseModel], loc: list[str]) -> list[str]:
-    model: Any = cls
-    for part in loc:
-        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
-        if field is None:
-            return []
-        model = field.annotation
-    return sorted(model.model_fields) if hasattr(model, "model_fields") else []
+    fields: dict[str, Any] = cls.model_fields
+    for part in loc:  # a part that is no section (a list index, an optional section) ends with no keys
+        fields = getattr(fields[part].annotation, "model_fields", {}) if part in fields else {}
+    return sorted(fields)
 
 
 def config_from_dict(raw: dict[str, Any], config_class: type[Config] | None = None) -> Config:

@@ -34,14 +34,6 @@ ROLLOUT_MOVED: dict[str, str] = {
 }
 
 
-def rollout_moved_message(old: Any) -> str:
-    """What a config with a `rollout` section must write instead, one clause per old key (a retired section is
-    refused whole, so an old recipe never half-loads with some keys at their defaults)."""
-    if not isinstance(old, dict) or not old:
-        return "the rollout section is split into sampling, engine and task (see memrl config); move its keys there"
-    return "; ".join(_moved(str(key)) for key in old)
-
-
 def _moved(key: str) -> str:
     if key in ROLLOUT_MOVED:
         return f"rollout.{key} moved to {ROLLOUT_MOVED[key]}"
@@ -66,9 +58,13 @@ class Config(Section):
     @model_validator(mode="before")
     @classmethod
     def _refuse_the_rollout_section(cls, raw: Any) -> Any:
-        if isinstance(raw, dict) and "rollout" in raw:
-            raise ValueError(rollout_moved_message(raw["rollout"]))
-        return raw
+        # Refused whole, one clause per old key, so an old recipe never half-loads with some keys at defaults.
+        if not isinstance(raw, dict) or "rollout" not in raw:
+            return raw
+        if isinstance(old := raw["rollout"], dict) and old:
+            raise ValueError("; ".join(_moved(str(key)) for key in old))
+        raise ValueError("the rollout section is split into sampling, engine and task (see memrl config); "
+                         "move its keys there")
 
     @model_validator(mode="after")
     def _task_accepts_the_config(self) -> Config:

@@ -94,8 +94,7 @@ class EngineConfig(Section):
     max_concurrency: int = Field(64, gt=0, description="Requests in flight at once (client engine).")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one request, queueing included.")
     max_batch_size: int = Field(32, gt=0, description="Local engine: most requests decoded together.")
-    max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in a "
-                                  "batch.")
+    max_batch_tokens: int = Field(65536, gt=0, description="Local engine: most prompt+response tokens in a batch.")
     # Both off by default until a GPU run measures them (bench/README.md, "GPU figures owed"): the static path
     # has passed its CPU tests only, so a first GPU run takes the measured dynamic path.
     static_kv: Literal["auto", "on", "off"] = Field(
@@ -121,8 +120,7 @@ class TaskConfig(Section):
     """What the reading task sees: chunking and token limits, prompts, answer extraction, the reward's time."""
 
     chunk_tokens: int = Field(512, gt=0, description="Tokens per document chunk.")
-    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn (and of the memory "
-                               "passed on).")
+    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn (and the memory passed on).")
     final_tokens: int = Field(64, gt=0, description="Token limit of the final answer turn.")
     max_chunks: int = Field(4, gt=0, description="Most chunks read; longer documents are truncated.")
     truncation: Literal["head", "tail", "center", "center_chunks"] = Field(
@@ -146,8 +144,7 @@ class TaskConfig(Section):
         "boxed", description="How the final answer is read: `boxed` the last \\boxed{}; `therefore` the "
         "line after the last \"the answer is\" (official MemAgent non-boxed prompt).")
     reward_timeout_s: float = Field(60.0, gt=0, description="Longest one reward-function call may take; "
-                                    "past it the step fails with RewardError (the call's thread is left "
-                                    "running).")
+                                    "past it the step fails with RewardError (the call's thread is left running).")
 
     @model_validator(mode="after")
     def _templates_have_placeholders(self) -> TaskConfig:
@@ -249,6 +246,5 @@ class PluginConfig(Section):
                       "(memrl/task.py) that samples, scores and converts in training, validation, eval and "
                       "pass-at-k.")
     reward_function: str | None = Field(None, description="`module:function` (trajectory, golds) -> float "
-                                        "replacing the task's reward in training and pass@k; unset: the "
-                                        "task's.")
+                                        "replacing the task's reward in training and pass@k; unset: the task's.")
     config_class: str | None = Field(None, description="A Config subclass (`module:Class`) adding sections.")

@@ -49,10 +49,8 @@ class AlgorithmConfig(Section):
         None, description="Masked importance sampling (verl rollout_rs): drop tokens or trajectories "
         "(`sequence`: prod rho_t, `geometric`: its geometric mean) whose ratio leaves [lower, upper]; "
         "unset: off.")
-    rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound of rollout_rs; unset: "
-                                               "rollout_is_threshold.")
-    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound of rollout_rs; "
-                                                     "unset: 1 / upper.")
+    rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound; unset: rollout_is_threshold.")
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound; unset: 1 / upper.")
     mask_truncated_completions: bool = Field(False, description="Zero the loss of a trajectory whose final "
                                              "turn hit its token limit (TRL mask_truncated_completions); it "
                                              "still counts in its group's advantage.")
@@ -67,10 +65,9 @@ class AlgorithmConfig(Section):
     turn_reward_alpha: float = Field(0.5, ge=0, le=1, description="alpha of turn_reward_function: alpha x "
                                      "trajectory credit + (1 - alpha) x the normalised turn reward (1 = "
                                      "trajectory credit only).")
-    filter_groups: bool = Field(False, description="Dynamic sampling (DAPO; verl "
-                                "algorithm.filter_groups.enable): drop groups whose raw rewards are all "
-                                "equal, generate more until train.rollout_batch_size groups or "
-                                "max_num_gen_batches.")
+    filter_groups: bool = Field(False, description="Dynamic sampling (DAPO; verl algorithm.filter_groups.enable): "
+                                "drop groups whose raw rewards are all equal, generate more until "
+                                "train.rollout_batch_size groups or max_num_gen_batches.")
     over_sampling_batch_size: int | None = Field(None, gt=0, description="Questions per further batch of "
                                                  "filter_groups (slime --over-sampling-batch-size); unset: "
                                                  "train.rollout_batch_size.")
@@ -122,8 +119,7 @@ class TrainConfig(Section):
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="LR after warmup: `constant`, or `linear` / `cosine` decay to min_lr_ratio "
         "x lr over the run (HF get_scheduler names; verl warmup_style).")
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, as a fraction of lr "
-                                "(verl min_lr_ratio).")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
