@@ -96,10 +96,16 @@ class AlgorithmConfig(Section):
                              "trajectory's advantage; set algorithm.credit = 'share' (split gives each of T turns A/T)")
         return self
 
-    @model_validator(mode="after")
-    def _a_nonempty_rejection_range(self) -> AlgorithmConfig:
+    @property
+    def rollout_rs_range(self) -> tuple[float, float]:
+        """(low, high) of rollout rejection sampling, the unset bounds filled in (the one place of that rule)."""
         high = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
         low = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / high
+        return low, high
+
+    @model_validator(mode="after")
+    def _a_nonempty_rejection_range(self) -> AlgorithmConfig:
+        low, high = self.rollout_rs_range
         if self.rollout_rs is not None and not low < high:
             raise ValueError(f"algorithm.rollout_rs keeps ratios in [{low:g}, {high:g}], an empty range; set "
                              f"rollout_rs_threshold_lower below rollout_rs_threshold")

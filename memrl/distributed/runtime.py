@@ -27,11 +27,9 @@ from memrl.distributed.workers import (
 )
 from memrl.engines.base import ScoreResult, SyncProbe, WeightsInMemory, WeightsOnDisk, WeightSource
 from memrl.engines.factory import served_engine
-from memrl.task import rows_per_trajectory
 from memrl.train.checkpoint import resolve_checkpoint
 from memrl.train.controller import Trainer, TrainingParts, TrainOptions
-from memrl.train.queue import TransferQueue
-from memrl.train.setup import pad_token_id, run_start, start_rollout_id
+from memrl.train.setup import pad_token_id, run_start
 from memrl.train.sources import ReplayRollout
 from memrl.types import RolloutOutput
 
@@ -229,13 +227,9 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
     policy weights (unless `model` is given, to be shipped to the workers): workers load `model.path`."""
     if model is None and not cfg.model.path:
         raise ConfigError("model.path is not set; pass --set model.path=DIR")
-    first = start_rollout_id(cfg, options.load, options.start_rollout_id)  # before any worker starts
-    start = run_start(cfg, tokenizer, records)
+    start = run_start(cfg, options.load, options.start_rollout_id, tokenizer, records)  # before any worker starts
     tokenizer = start.tokenizer
     load = resolve_checkpoint(options.load) if options.load is not None else None
-    # The driver's queue holds row references (memrl/distributed/rows.py), the rows stay in the object store.
-    queue = TransferQueue.from_config(cfg.queue, cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1),
-                                      cfg.sampling.n_samples, rows_per_trajectory(cfg))
     model_ref = ray.put(model) if model is not None else None
     trainer_opts, rollout_opts = _scheduling(ray, cfg.ray, cfg.train.dp_size, handles)
     group = TrainerGroup(ray, cfg, trainer_opts, pad_token_id(tokenizer), model_ref, load, handles)
@@ -245,8 +239,9 @@ def ray_parts(ray: Any, cfg: Config, options: TrainOptions, handles: list[Any],
         rollout = RolloutPool(ray, cfg, rollout_opts, tokenizer, model_ref, handles)
         # Start from the trainer's weights (a loaded checkpoint's), as the one-process engine does.
         rollout.sync_from(group.weight_source(options.run_root / "weights_sync", tokenizer))
-    return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=group,
-                         task=start.task, start_rollout_id=first)
+    # The driver's queue holds row references (memrl/distributed/rows.py), the rows stay in the object store.
+    return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=start.queue, policy=group,
+                         task=start.task, start_rollout_id=start.first_rollout_id)
 
 
 def start_ray(ray_address: str | None, settings: RayConfig, dp_size: int) -> bool:

@@ -32,9 +32,7 @@ class RolloutCorrection:
         """The correction `a` (memrl.config.AlgorithmConfig) asks for; None when none is on."""
         if a.rollout_is is None and a.rollout_rs is None:
             return None
-        high = a.rollout_rs_threshold if a.rollout_rs_threshold is not None else a.rollout_is_threshold
-        low = a.rollout_rs_threshold_lower if a.rollout_rs_threshold_lower is not None else 1.0 / high
-        return cls(a.rollout_is, a.rollout_is_threshold, a.rollout_rs, low, high)
+        return cls(a.rollout_is, a.rollout_is_threshold, a.rollout_rs, *a.rollout_rs_range)
 
     @property
     def needs_trajectory_totals(self) -> bool:

@@ -24,7 +24,7 @@ from memrl.engines.base import SyncProbe, WeightsInMemory, WeightsOnDisk, Weight
 from memrl.engines.factory import training_engine
 from memrl.rl.dynamic_sampling import GroupFilter, sample_informative_groups
 from memrl.rollout import turn_log_records
-from memrl.task import Task, rows_per_trajectory
+from memrl.task import Task
 from memrl.train.actor import Actor, NonFiniteUpdateError
 from memrl.train.checkpoint import prune_checkpoints, read_best, write_best
 from memrl.train.pipeline import Producer, WeightBoard, sampling_version
@@ -37,7 +37,6 @@ from memrl.train.setup import (
     load_policy,
     pad_token_id,
     run_start,
-    start_rollout_id,
 )
 from memrl.train.sources import LocalRollout, ReplayRollout, RolloutSource, save_raw_rollout
 from memrl.train.sync_check import check_sync, probe_ids
@@ -141,16 +140,12 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
     """The parts of a one-process run; `model`, `tokenizer`, `records` replace what the config names."""
     from memrl.engines.hf import resolve_device_dtype
 
-    first = start_rollout_id(cfg, options.load, options.start_rollout_id)  # before anything loads
-    start = run_start(cfg, tokenizer, records)
+    start = run_start(cfg, options.load, options.start_rollout_id, tokenizer, records)
     tokenizer = start.tokenizer
     model = model if model is not None else load_policy(cfg)
     device, _ = resolve_device_dtype(cfg.model.device, None)  # `auto` resolved as the engines resolve it
     # The reference model is the starting policy, also on resume: the actor copies it before any load.
     actor = Actor(model, cfg, pad_token_id=pad_token_id(tokenizer), device=device, load=options.load)
-    # Room for the rollouts in flight at once: this step's and the k the pipeline may generate ahead.
-    in_flight = cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1)
-    queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.sampling.n_samples, rows_per_trajectory(cfg))
     # An in-process engine copies the actor's weights (after any load), so it starts in sync; a served
     # engine serves whatever its server loaded, so a resumed run syncs it to the checkpoint first.
     rollout: RolloutSource = (ReplayRollout(options.replay_rollouts, cfg, tokenizer, start.task)
@@ -159,8 +154,8 @@ def local_parts(cfg: Config, options: TrainOptions, model: torch.nn.Module | Non
                                            start.task, options.progress))
     if options.load is not None and rollout.takes_folders:
         rollout.sync_from(actor.weight_source(options.run_root / "weights_sync", tokenizer))
-    return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=queue, policy=actor,
-                         task=start.task, start_rollout_id=first)
+    return TrainingParts(tokenizer=tokenizer, data=start.data, rollout=rollout, rows=start.queue, policy=actor,
+                         task=start.task, start_rollout_id=start.first_rollout_id)
 
 
 class Trainer:

@@ -19,8 +19,9 @@ import torch
 
 from memrl.config import Config, ConfigError, load_pretrained
 from memrl.errors import MemrlError
-from memrl.task import Task, load_task
+from memrl.task import Task, load_task, rows_per_trajectory
 from memrl.train.checkpoint import read_state_file, resolve_checkpoint
+from memrl.train.queue import TransferQueue
 from memrl.types import RolloutOutput
 
 log = logging.getLogger("memrl.train")
@@ -155,17 +156,25 @@ def warn_about_top_p(cfg: Config) -> None:
 
 @dataclass(frozen=True)
 class RunStart:
+    first_rollout_id: int
     tokenizer: Any
     data: DataSource
     task: Task
+    queue: TransferQueue
 
 
-def run_start(cfg: Config, tokenizer: Any = None, records: Sequence[Any] | None = None) -> RunStart:
-    """Seed every generator, then the tokenizer, the data order and the task (`tokenizer` and `records`
-    replace what the config names)."""
+def run_start(cfg: Config, load: Path | None, requested_start: int | None, tokenizer: Any = None,
+              records: Sequence[Any] | None = None) -> RunStart:
+    """The first rollout step (read before any model loads), then every generator seeded, the tokenizer, the
+    data order, the task and the transfer queue (`tokenizer` and `records` replace what the config names)."""
+    first = start_rollout_id(cfg, load, requested_start)
     seed_everything(cfg.train.seed)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     records = records if records is not None else load_train_records(cfg)
-    start = RunStart(tokenizer, DataSource(records, cfg.train.rollout_batch_size, cfg.train.seed), load_task(cfg))
+    # Room for the rollouts in flight at once: this step's and the k the pipeline may generate ahead.
+    in_flight = cfg.train.rollout_batch_size * (cfg.train.max_staleness + 1)
+    queue = TransferQueue.from_config(cfg.queue, in_flight, cfg.sampling.n_samples, rows_per_trajectory(cfg))
+    start = RunStart(first, tokenizer, DataSource(records, cfg.train.rollout_batch_size, cfg.train.seed),
+                     load_task(cfg), queue)
     warn_about_top_p(cfg)
     return start
