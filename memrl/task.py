@@ -49,6 +49,7 @@ def convert_one_row_per_trajectory(trajectories: Sequence[Trajectory], algorithm
                                    rollout_id: int) -> list[TrainRow]:
     """The plain 1:1 converter (`Task.convert`'s default): one row per single-turn trajectory, with the full
     advantage; raises `TrajectoryError` before producing anything on a bad input."""
+    trajectories = list(trajectories)
     for traj in trajectories:
         if traj.num_turns != 1:
             raise TrajectoryError(traj.trajectory_id, None, "single_turn",

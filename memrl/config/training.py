@@ -49,8 +49,10 @@ class AlgorithmConfig(Section):
         None, description="Masked importance sampling (verl rollout_rs): drop tokens or trajectories "
         "(`sequence`: prod rho_t, `geometric`: its geometric mean) whose ratio leaves [lower, upper]; "
         "unset: off.")
-    rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound; unset: rollout_is_threshold.")
-    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound; unset: 1 / upper.")
+    rollout_rs_threshold: float | None = Field(None, gt=0, description="Upper bound of rollout_rs; unset: "
+                                               "rollout_is_threshold.")
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="Lower bound of rollout_rs; "
+                                                     "unset: 1 / upper.")
     mask_truncated_completions: bool = Field(False, description="Zero the loss of a trajectory whose final "
                                              "turn hit its token limit (TRL mask_truncated_completions); it "
                                              "still counts in its group's advantage.")

@@ -1,7 +1,7 @@
 """An Engine over a served model: `memrl serve`, vLLM's OpenAI server, or SGLang's native API.
 
 Protocols, retries and `server_kind='auto'`: docs/servers.md. Invariants: `generate` never raises and
-never hangs (each attempt bounded by `timeout_s`; any failure but a retried one is a
+never hangs (each attempt bounded by `timeout_s`; every failure, once its retries are spent, is a
 `GenerationResult.failed` saying what to change); a result has one log-prob per output token, and a
 response without token ids or log-probs is a failure (never re-tokenized from text).
 """

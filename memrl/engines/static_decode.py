@@ -251,20 +251,25 @@ class StaticBatch:
 
     def _relayout(self, slots: int, capacity: int) -> None:
         """Copy the live rows into the first slots of a (slots, capacity) bucket."""
-        storage, n, live = self.decoder.storage, len(self.rows), self.width
-        index = torch.tensor(self.slots, device=storage.device)
+        storage, n = self.decoder.storage, len(self.rows)
+        live = self.width
+        moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        in_place = storage.tokens >= slots * capacity
         old_views = storage.views(*self.bucket) if n else []
-        # The indexed reads are copies, each taken before its layer is written (in place, the old and new
-        # views share memory); when the allocation is replaced, all of them first, so the old one can go.
-        live_rows = ((k[index, :, :live], v[index, :, :live]) for k, v in old_views)
-        if storage.tokens < slots * capacity:
-            live_rows, old_views = list(live_rows), []
+        index = torch.tensor(self.slots, device=storage.device) if n else None
+        if n and not in_place:  # the allocation is replaced: copy everything out first
+            moved = [(k[index, :, :live], v[index, :, :live]) for k, v in old_views]
+            old_views = []  # let the old allocation go before the new one exists
         if storage.ensure(slots, capacity):
             self.decoder.storage_moved()
         self.decoder.ensure_inputs(slots)
-        for (keys, values), (old_keys, old_values) in zip(storage.views(slots, capacity), live_rows, strict=False):
-            keys[:n, :, :live] = old_keys
-            values[:n, :, :live] = old_values
+        for i, (keys, values) in enumerate(storage.views(slots, capacity)):
+            if not n:
+                break
+            # In place, the old and new views share memory: the indexed read is a copy, taken first.
+            k_old, v_old = moved[i] if moved else (old_views[i][0][index, :, :live], old_views[i][1][index, :, :live])
+            keys[:n, :, :live] = k_old
+            values[:n, :, :live] = v_old
         positions = self.decoder.positions_in
         positions[:slots] = 0
         if n:

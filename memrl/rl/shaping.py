@@ -1,4 +1,4 @@
-"""Validated trajectories -> rows (`advantage_rows`, the converters' one path), with what the converter makes
+"""Trajectories -> rows, validated first (`advantage_rows`, the converters' one path), with what the converter makes
 of rewards and turns first (formulas in docs/algorithms.md): truncated completions masked, DAPO's overlong
 penalty (on the advantage's reward only: `Trajectory.reward`, read by filtering and the logs, is untouched),
 turn rewards mixed into each turn's advantage. Every option is off by default, and off the rows are exactly

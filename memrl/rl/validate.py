@@ -1,7 +1,17 @@
 """Checks that trajectories (and the rows made from them) are fit for training (the rules: docs/design.md §3).
 
 A converter calls `validate_groups` before it computes anything, so a bad trajectory stops the step with a
-`TrajectoryError` and no row; each rule has a stable id (`TrajectoryError.rule`; a row's rules are `row_*`).
+`TrajectoryError` and no row. Each rule has a stable id (`TrajectoryError.rule`), checked in this order:
+- per trajectory: status_trainable, reward_present, reward_finite (a real number, not a bool),
+  group_id_present, single_final_turn, final_turn_last, turn_kind (memory or final);
+- per turn: turn_index_sequence (0..T-1), response_length_positive, response_length_limit (the kind's
+  max_tokens), response_length_tokens (< len(tokens): token j is scored from position j-1, so one prompt
+  token is needed), loss_mask_length, log_probs_length, loss_mask_binary (integer 0 or 1),
+  log_probs_finite, log_probs_nonpositive;
+- across trajectories: trajectory_id_unique, group_turn_count (a group's samples read the same chunks);
+- per training row (`validate_train_rows`): row_response_length, the turn's mask and log-prob rules
+  prefixed `row_`, row_advantage_finite, padding_mask_zero, row_token_id_type, row_token_id_range ([0, vocab_size): only the
+  trainer knows the embedding's rows).
 Values are checked, not only lengths: a NaN log-prob or a mask of 0.5 trains silently on NaN or a
 half-weighted token, `reward=True` would count as 1, a token id of 7.5 trains as 7 and -1 ends the step in
 a bare IndexError.
@@ -144,7 +154,7 @@ def _token_id_problem(ids: Sequence[object], vocab_size: int | None) -> tuple[st
 
 
 def validate_train_rows(rows: Iterable[TrainRow], vocab_size: int | None = None) -> None:
-    """Check rows just before training (rules `row_*` of the module docstring); padding rows obey the same
+    """Check rows just before training (the per-row rules of the module docstring); padding rows obey the same
     shape rules and must have an all-zero loss mask, so they never contribute a gradient."""
     for row in rows:
         def fail(rule: str, found: str, row: TrainRow = row) -> None:

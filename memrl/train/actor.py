@@ -432,9 +432,9 @@ class Actor:
         """The weight-sync canary's reference (memrl/train/sync_check.py): the policy's log-probs of the
         continuation, computed as old log-probs are, with weight version `version` (a collective under FSDP)."""
         n = len(continuation_ids)
-        row = TrainRow(tokens=[*prompt_ids, *continuation_ids], response_length=n, loss_mask=[1] * n, rollout_log_probs=[0.0] * n,
-                       advantage=0.0, group_id="sync-probe", trajectory_id="sync-probe", turn_index=0,
-                       rollout_id=version)
+        row = TrainRow(tokens=[*prompt_ids, *continuation_ids], response_length=n, loss_mask=[1] * n,
+                       rollout_log_probs=[0.0] * n, advantage=0.0, group_id="sync-probe", trajectory_id="sync-probe",
+                       turn_index=0, rollout_id=version)
         (log_probs,) = self.log_probs([row])
         config = self.model.config
         dtype = "bfloat16" if self.autocast is not None else str(next(self.model.parameters()).dtype)

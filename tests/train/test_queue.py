@@ -262,3 +262,15 @@ def test_rollout_finished_empty_before_any_consumer_still_rejects_puts_as_finish
         q.put(0, ["a"])
     q.fail(1, RuntimeError("boom"))  # a rollout nobody consumed still fails as before
     assert q.stats(1)["status"] == "failed"
+
+
+def test_an_empty_rollout_is_complete_until_taken_and_taken_once():
+    # A 1:1 rollout whose every group was dropped finishes with no rows: nobody has trained on it yet,
+    # so it reads "complete" (not "consumed") until the loop takes it, and a second take is refused.
+    q = TransferQueue(capacity_rows=8, timeout_s=5)
+    q.put(0, [], final=True)
+    assert q.stats(0)["status"] == "complete"
+    assert q.get_rollout(0) == []
+    assert q.stats(0)["status"] == "consumed"
+    with pytest.raises(QueueError, match="already consumed"):
+        q.get_rollout(0)
