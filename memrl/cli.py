@@ -64,7 +64,8 @@ def demo_long(
     questions: Annotated[int | None, typer.Option(help="Held-out questions per length (default 400).")] = None,
     set_: DemoSetOption = None,
     filler: Annotated[bool, typer.Option(
-        help="Train on short documents padded with filler to 4 chunks (--no-filler: the demo's own 1-3-chunk task).")] = True,
+        help="Train on short documents padded with filler to 4 chunks "
+             "(--no-filler: the demo's own 1-3-chunk task).")] = True,
 ) -> None:
     """Train short, read long: `memrl demo`'s training, then base vs trained EM at each document length."""
     from memrl.apps.demo_long import demo_long_command
@@ -153,11 +154,14 @@ def train(
     run_root: Annotated[Path, typer.Option(help="Folder for logs, checkpoints, TensorBoard.")] = Path("runs/train"),
     set_: SetOption = None,
     load: Annotated[Path | None, typer.Option(help="Checkpoint (iter_XXXXXXX, or a run root) to resume from.")] = None,
-    start_rollout_id: Annotated[int | None, typer.Option(help="First rollout id (default: after the checkpoint).")] = None,
-    save_rollouts: Annotated[bool, typer.Option(help="Keep raw trajectories per rollout (debug replay input).")] = False,
+    start_rollout_id: Annotated[int | None, typer.Option(
+        help="First rollout id (default: after the checkpoint).")] = None,
+    save_rollouts: Annotated[bool, typer.Option(
+        help="Keep raw trajectories per rollout (debug replay input).")] = False,
     replay_rollouts: Annotated[Path | None, typer.Option(help="Train from saved raw rollouts, no generation.")] = None,
     runtime: Annotated[str | None, typer.Option(help="local (default: one process) or ray.")] = None,
-    ray_address: Annotated[str | None, typer.Option(help="Ray cluster to join (HOST:PORT); default: a local one.")] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        help="Ray cluster to join (HOST:PORT); default: a local one.")] = None,
     progress: Annotated[bool, typer.Option(help="Progress bars.")] = True,
 ) -> None:
     """Train a policy with GRPO through the configured task (`plugins.task`; default: MemAgent)."""
@@ -272,7 +276,8 @@ def pass_at_k(
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N candidates (eval.limit).")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (required with --server-url).")] = None,
     no_context: Annotated[bool, typer.Option(
-        help="Ask each question without its document (input of prepare-data --drop-answerable-without-context).")] = False,
+        help="Ask each question without its document "
+             "(input of prepare-data --drop-answerable-without-context).")] = False,
 ) -> None:
     """Count how often a model solves each candidate in k samples (for Pass@k training-set selection)."""
     from memrl.eval.pass_at_k import pass_at_k_command
@@ -314,7 +319,8 @@ def eval_cmd(
     data: Annotated[Path, typer.Option(help="Prepared JSONL or RULER-HQA eval_N.json.")],
     out: Annotated[Path, typer.Option(help="Results folder (results.jsonl, summary.json); reruns resume.")],
     model: Annotated[str | None, typer.Option(help="Model folder, run by the local engine.")] = None,
-    server_url: Annotated[str | None, typer.Option(help="OpenAI-compatible server (vLLM, SGLang, memrl serve).")] = None,
+    server_url: Annotated[str | None, typer.Option(
+        help="OpenAI-compatible server (vLLM, SGLang, memrl serve).")] = None,
     recipe: Annotated[Path | None, typer.Option(help="Evaluation recipe, e.g. recipes/ruler-hqa-eval.yaml.")] = None,
     set_: SetOption = None,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N questions.")] = None,
@@ -343,12 +349,14 @@ def eval_cmd(
 @app.command("compare")
 def compare_cmd(
     result_dirs: Annotated[list[Path], typer.Argument(help="Result folders of `memrl eval`.")],
-    name: Annotated[list[str] | None, typer.Option(help="Name of each folder, in order (default: folder names).")] = None,
+    name: Annotated[list[str] | None, typer.Option(
+        help="Name of each folder, in order (default: folder names).")] = None,
     max_abs_diff: Annotated[list[str] | None, typer.Option(help="METRIC=POINTS, e.g. sub_em=3: fail (exit 1) when "
                                                           "abs(a - b) exceeds it for a pair.")] = None,
     pair: Annotated[list[str] | None, typer.Option(help="NAME_A,NAME_B: a pair the thresholds apply to "
                                                    "(default: every pair).")] = None,
-    allow_diff: Annotated[list[str] | None, typer.Option(help="A format key allowed to differ (named in the report).")] = None,
+    allow_diff: Annotated[list[str] | None, typer.Option(
+        help="A format key allowed to differ (named in the report).")] = None,
     out: Annotated[Path | None, typer.Option(help="Folder for report.md, comparison.png, comparison.json "
                                                   "(default: <common parent>/comparison).")] = None,
 ) -> None:
@@ -369,8 +377,10 @@ def compare_cmd(
 
 @app.command("view")
 def view_cmd(
-    path: Annotated[Path, typer.Argument(help="An eval folder, a rollout log (rollout_XXXXXXX.jsonl) or a training run root.")],
-    compare: Annotated[Path | None, typer.Option(help="A second eval folder: both side by side, with EM flips.")] = None,
+    path: Annotated[Path, typer.Argument(
+        help="An eval folder, a rollout log (rollout_XXXXXXX.jsonl) or a training run root.")],
+    compare: Annotated[Path | None, typer.Option(
+        help="A second eval folder: both side by side, with EM flips.")] = None,
     out: Annotated[Path | None, typer.Option(help="HTML file to write (default: PATH/viewer.html; with --compare, "
                                                   "viewer_A_vs_B.html beside the folders).")] = None,
 ) -> None:

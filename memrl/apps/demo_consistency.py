@@ -243,7 +243,8 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
                      f"{c['abs_diff_pp']:.1f} pp (limit {c['limit_pp']:g} pp)")
     seed_pair = next((p for p in summary["pairs"] if {p["a"], p["b"]} == {"local", "local-seed2"}), None)
     if seed_pair:
-        lines.append(f"yardstick: two seeds of the local path differ by {abs(seed_pair['sub_em_diff_pp']):.1f} pp sub_EM, "
+        lines.append(f"yardstick: two seeds of the local path differ by "
+                     f"{abs(seed_pair['sub_em_diff_pp']):.1f} pp sub_EM, "
                      f"{abs(seed_pair['em_diff_pp']):.1f} pp EM")
     ts = summary["times_s"]
     stages = ", ".join(f"{k.removesuffix('_s')} {v / 60:.1f}" for k, v in ts.items() if k != "total_s")

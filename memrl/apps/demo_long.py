@@ -154,7 +154,8 @@ def plot_lengths(rows: Sequence[dict[str, Any]], names: Sequence[str], path: Pat
     lengths = [r["length"] for r in rows]
     for name in names:
         em = [r[name]["em"] for r in rows]
-        err = [[r[name]["em"] - r[name]["em_ci95"][0] for r in rows], [r[name]["em_ci95"][1] - r[name]["em"] for r in rows]]
+        err = [[r[name]["em"] - r[name]["em_ci95"][0] for r in rows],
+               [r[name]["em_ci95"][1] - r[name]["em"] for r in rows]]
         ax.errorbar(lengths, em, yerr=err, marker="o", capsize=3, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(n) for n in lengths])
@@ -214,7 +215,8 @@ def run_long_demo(run_root: Path, settings: LongDemoSettings = LONG_FULL, progre
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """MemAgent's table: length -> EM base / trained / difference, 95% intervals, flips, McNemar p."""
-    lines = ["| chunks | doc tokens | base EM % [95% CI] | trained EM % [95% CI] | diff pp | flips w->r / r->w | McNemar p |",
+    lines = ["| chunks | doc tokens | base EM % [95% CI] | trained EM % [95% CI] | diff pp "
+             "| flips w->r / r->w | McNemar p |",
              "|---:|---:|---|---|---:|---|---:|"]
     for r in rows:
         b, t = r["base"], r["trained"]
@@ -232,7 +234,8 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
                  for n in ("base", "trained")]
         fm = r["first_match"]
         third.append(f"  {r['length']:>2} chunks: {';  '.join(parts)};  answer = first attribute-matching fact: "
-                     f"base {fm['base']['answers_first_match_pct']:.0f}%, trained {fm['trained']['answers_first_match_pct']:.0f}% "
+                     f"base {fm['base']['answers_first_match_pct']:.0f}%, "
+                     f"trained {fm['trained']['answers_first_match_pct']:.0f}% "
                      f"(that fact is the answer in {fm['base']['first_match_is_answer_pct']:.0f}%)")
     met = "yes" if summary["target"]["met"] else "NO"
     return "\n".join([
@@ -253,7 +256,8 @@ def long_settings(quick: bool = False, overrides: Sequence[str] = (), questions_
     base = LONG_QUICK if quick else LONG_FULL
     train = base.train if filler else (QUICK if quick else FULL)
     return replace(base, train=replace(train, overrides=tuple(overrides)),
-                   questions_per_length=base.questions_per_length if questions_per_length is None else questions_per_length,
+                   questions_per_length=(base.questions_per_length if questions_per_length is None
+                                         else questions_per_length),
                    lengths=tuple(lengths) if lengths else base.lengths)
 
 

@@ -238,7 +238,8 @@ def _torch_lines(t: dict[str, Any], env: dict[str, Any]) -> list[str]:
                   for d in t["devices"]]
         lines.append(f"gpu support   bf16 {'yes' if t.get('bf16') else 'no'}; driver {driver or 'unknown'}")
     elif t["cuda_build"]:
-        lines.append(f"gpu           none visible to this CUDA build of torch (driver: {driver or 'nvidia-smi not found'}; "
+        lines.append(f"gpu           none visible to this CUDA build of torch "
+                     f"(driver: {driver or 'nvidia-smi not found'}; "
                      f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
     else:
         lines.append("gpu           none: torch is a CPU build" + (
@@ -265,9 +266,11 @@ def format_env(report: dict[str, Any]) -> str:
     d = paths["data_dir"]
     data = ", ".join(d["prepared"]) if d["prepared"] else ("no prepared files" if d["exists"] else "does not exist")
     cached = ", ".join(paths["seed_repos_cached"]) or "none of the seed's repos"
-    lines += [f"hub cache     {paths['hub_cache']} ({'cached: ' + cached if paths['hub_cache_exists'] else 'does not exist yet'})",
+    lines += [f"hub cache     {paths['hub_cache']} "
+              f"({'cached: ' + cached if paths['hub_cache_exists'] else 'does not exist yet'})",
               f"datasets      {paths['datasets_cache']}",
-              f"data dir      {d['resolved']} ({'$DATA_DIR' if d['from_env'] else '$DATA_DIR unset, default data'}): {data}"]
+              f"data dir      {d['resolved']} "
+              f"({'$DATA_DIR' if d['from_env'] else '$DATA_DIR unset, default data'}): {data}"]
     if report["env"]:
         lines.append("environment   " + " ".join(f"{k}={v}" for k, v in report["env"].items()))
     lines.append("secrets set   " + (", ".join(report["secrets_set"]) or "none") + " (values not shown)")

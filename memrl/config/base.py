@@ -43,7 +43,8 @@ def _lax_coercion(value: Any, accepted: set[type]) -> str | None:
         return next(filter(None, (_lax_coercion(item, accepted) for item in value)), None)
     numeric = accepted & {int, float}
     if isinstance(value, bool):
-        return None if bool in accepted or not numeric else f"{value!r} is a bool where a number belongs; write the number"
+        return (None if bool in accepted or not numeric
+                else f"{value!r} is a bool where a number belongs; write the number")
     if type(value) in accepted or value is None:
         return None
     if bool in accepted and not numeric:

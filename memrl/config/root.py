@@ -83,7 +83,8 @@ class Config(Section):
         if (t.eval_interval > 0 or t.eval_before_train) and (t.runtime != "local" or t.max_staleness > 0):
             raise ValueError("validation during training (train.eval_interval, train.eval_before_train) uses the "
                              "in-process rollout engine: it needs train.runtime = 'local' and train.max_staleness = 0 "
-                             "(the pipeline's producer holds the engine); otherwise evaluate checkpoints with memrl eval")
+                             "(the pipeline's producer holds the engine); otherwise evaluate checkpoints with "
+                             "memrl eval")
         if t.keep_best is not None:
             names = [s.name for s in self.eval.sets] if self.eval.sets else None
             kind, _, rest = t.keep_best.partition("/")

@@ -46,7 +46,8 @@ class LoraConfig(Section):
         # An empty list (or name) adapts nothing: peft refuses it only when the model is built. Whether the
         # names exist in the model is checked there too (memrl.train.lora), before peft.
         if not targets or (isinstance(targets, list) and not all(targets)):
-            raise ValueError("an empty list or name adapts no layer; list layer names such as [q_proj, v_proj], or all-linear")
+            raise ValueError("an empty list or name adapts no layer; list layer names such as [q_proj, v_proj], "
+                             "or all-linear")
         return targets
 
 

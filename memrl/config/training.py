@@ -116,7 +116,8 @@ class AlgorithmConfig(Section):
 
 class TrainConfig(Section):
     retired_keys = {"lr_warmup_steps_ratio": "train.lr_warmup_steps_ratio is replaced by train.warmup_steps, a count "
-                                              "of optimizer steps (a ratio r was floor(r x num_rollout x num_optimizer_steps) steps)"}
+                                              "of optimizer steps (a ratio r was floor(r x num_rollout x "
+                                              "num_optimizer_steps) steps)"}
 
     num_rollout: int = Field(100, gt=0, description="Rollout steps to run.")
     rollout_batch_size: int = Field(16, gt=0, description="Questions per rollout step.")

@@ -151,7 +151,8 @@ def read_no_context_counts(path: str | Path) -> tuple[dict[str, int], int | None
     counts = read_pass_counts(path)  # unreadable or malformed files fail here, with its message
     raw = json.loads(Path(path).read_text(encoding="utf-8"))
     if not (isinstance(raw, dict) and raw.get("no_context") is True):
-        raise SelectionError(f"{path} was not written by `memrl pass-at-k --no-context` (it has no \"no_context\": true); "
+        raise SelectionError(f"{path} was not written by `memrl pass-at-k --no-context` "
+                             f"(it has no \"no_context\": true); "
                              f"pass-counts with the documents cannot tell which questions need them")
     return counts
 
@@ -193,7 +194,8 @@ def ruler_hqa_command(out: str | Path, lengths: Sequence[int], *, from_dir: str 
     written: dict[str, int | None] = {}
     sources: dict[str, str] = {}
     for n in tqdm(lengths, desc="ruler-hqa files", unit="file", leave=False):
-        src = Path(from_dir) / ruler_filename(n) if from_dir is not None else download_ruler_file(n, revision, cache_dir)
+        src = (Path(from_dir) / ruler_filename(n) if from_dir is not None
+               else download_ruler_file(n, revision, cache_dir))
         records = read_ruler_file(src, pool=pool)
         written[ruler_filename(n)] = write_ruler_file(folder / ruler_filename(n), records)
         sources[ruler_filename(n)] = sha256_file(src)

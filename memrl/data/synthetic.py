@@ -98,7 +98,8 @@ def _related_distractors(rng: random.Random, attribute: str, entity: str, value:
             a = same_entity.pop()
             facts.append((a, entity, rng.choice(ATTRIBUTES[a])))
         else:
-            facts.append((attribute, same_attribute.pop(), rng.choice([v for v in ATTRIBUTES[attribute] if v != value])))
+            facts.append((attribute, same_attribute.pop(),
+                          rng.choice([v for v in ATTRIBUTES[attribute] if v != value])))
     return facts
 
 

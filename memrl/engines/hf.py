@@ -32,7 +32,8 @@ from memrl.engines.static_decode import StaticBatch, StaticDecoder
 from memrl.engines.static_kv import supports_static_decode
 
 
-def resolve_device_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+def resolve_device_dtype(device: str | torch.device | None,
+                         dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
     """`auto`/None: CUDA when available else CPU; bfloat16 on CUDA, float32 on CPU."""
     if device is None or device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,7 +98,8 @@ class HFEngine:
                  continuous_batching: bool = True, static_kv: str = "auto", cuda_graphs: str = "auto",
                  share_prefixes: bool = False, min_shared_prefix: int = MIN_SHARED_PREFIX) -> None:
         if max_batch_size <= 0 or max_batch_tokens <= 0:
-            raise EngineError(f"max_batch_size ({max_batch_size}) and max_batch_tokens ({max_batch_tokens}) must be > 0")
+            raise EngineError(f"max_batch_size ({max_batch_size}) and max_batch_tokens ({max_batch_tokens}) "
+                              "must be > 0")
         for name, value in (("static_kv", static_kv), ("cuda_graphs", cuda_graphs)):
             if value not in ("auto", "on", "off"):
                 raise EngineError(f"{name} must be auto, on or off, got {value!r}")
@@ -136,7 +138,8 @@ class HFEngine:
             raise EngineError("cuda_graphs = 'on' captures the static-shape decode step; it needs static_kv auto or on")
         unsupported = supports_static_decode(self.model)
         if static_kv == "on" and unsupported:
-            raise EngineError(f"static_kv = 'on' cannot serve this model: {unsupported}; set engine.static_kv to auto or off")
+            raise EngineError(f"static_kv = 'on' cannot serve this model: {unsupported}; "
+                              "set engine.static_kv to auto or off")
         if static_kv == "off" or unsupported or (static_kv == "auto" and not on_cuda):
             return None
         graphs = on_cuda and cuda_graphs != "off"
@@ -413,7 +416,8 @@ class HFEngine:
             try:
                 self.model.load_state_dict(dict(state_dict), strict=True)
             except RuntimeError as error:
-                raise EngineError(f"weights do not fit the engine's model ({type(self.model).__name__}): {error}") from error
+                raise EngineError(f"weights do not fit the engine's model ({type(self.model).__name__}): "
+                                  f"{error}") from error
 
     async def sync_from(self, source: WeightSource) -> None:
         self.load_weights(source.whole_weights())

@@ -91,7 +91,8 @@ class SpareLayer(DynamicLayer):
         width = self.keys.shape[2]
         # From `_start` on: the trimmed columns before it are dead, and copying them would only waste.
         self._key_buffer = self._key_buffer[:, :, self._start:].index_select(0, indices.to(self._key_buffer.device))
-        self._value_buffer = self._value_buffer[:, :, self._start:].index_select(0, indices.to(self._value_buffer.device))
+        self._value_buffer = self._value_buffer[:, :, self._start:].index_select(
+            0, indices.to(self._value_buffer.device))
         self._set_views(0, width)
 
     def trim_left(self, columns: int) -> None:

@@ -196,7 +196,8 @@ class ReloadPolicy:
         if digest in self._matching_tokenizers:
             return
         try:
-            vocab = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False).get_vocab()
+            vocab = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                  trust_remote_code=False).get_vocab()
         except Exception as exc:
             raise APIError(409, f"the tokenizer files in {given!r} do not load ({type(exc).__name__}: {exc}); the "
                                 "served tokenizer decodes every reply, so a reload folder may only carry that same "

@@ -190,7 +190,8 @@ class StaticBatch:
         self.decoder.bind(layers[0].keys, len(layers))
         device = mask.device
         prompt_lengths = [len(r.request.prompt_ids) for r in rows]
-        need = max(self._columns_needed(), *(p + r.request.max_tokens for p, r in zip(prompt_lengths, rows, strict=True)))
+        need = max(self._columns_needed(),
+                   *(p + r.request.max_tokens for p, r in zip(prompt_lengths, rows, strict=True)))
         self._fit(len(self.rows) + len(rows), need, shrink=False)
         slots = [self._free.pop(0) for _ in rows]
         self._copy_prefill(layers, prompt_lengths, mask.shape[1], slots)
@@ -206,7 +207,8 @@ class StaticBatch:
         if self.rows:
             uniforms = pad_sequence([*self.uniforms, *uniforms], batch_first=True)
             steps = torch.cat([self.steps, steps])
-            temperatures, top_ps = torch.cat([self.host_temperatures, temperatures]), torch.cat([self.host_top_ps, top_ps])
+            temperatures, top_ps = (torch.cat([self.host_temperatures, temperatures]),
+                                    torch.cat([self.host_top_ps, top_ps]))
             logits = torch.cat([self.logits, logits])
         self.uniforms, self.steps, self.logits = uniforms, steps, logits
         self._set_sampling(temperatures, top_ps, device)

@@ -228,7 +228,8 @@ def _cross_problems(sets: list[ResultSet], allow_diff: set[str]) -> tuple[list[s
         sha_a, sha_b = ref.summary["data"].get("sha256"), other.summary["data"].get("sha256")
         if sha_a != sha_b:
             problems.append(f"data SHA-256 differs: {ref.name}={sha_a} ({ref.summary['data'].get('path')}) vs "
-                            f"{other.name}={sha_b} ({other.summary['data'].get('path')}); evaluate both on the same file")
+                            f"{other.name}={sha_b} ({other.summary['data'].get('path')}); "
+                            "evaluate both on the same file")
     allowed: dict[str, dict[str, Any]] = {}
     keys = sorted(set().union(*(s.summary["format"] for s in sets)))
     for key in keys:
@@ -272,7 +273,8 @@ def compare_results(dirs: list[Path], names: list[str] | None = None, max_abs_di
     for p in pairs or []:
         missing = [n for n in p if n not in names]
         if missing:
-            raise CompareError(f"--pair {','.join(p)}: no result named {', '.join(missing)}; names are {', '.join(names)}")
+            raise CompareError(f"--pair {','.join(p)}: no result named {', '.join(missing)}; "
+                               f"names are {', '.join(names)}")
     loaded = [load_result_set(d, n) for d, n in zip(dirs, names, strict=True)]
     problems = [p for _, ps in loaded for p in ps]
     if problems:

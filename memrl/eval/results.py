@@ -54,7 +54,8 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
     fmt = {
         "chunk_tokens": task.chunk_tokens, "memory_tokens": task.memory_tokens, "final_tokens": task.final_tokens,
         "max_chunks": task.max_chunks, "truncation": task.truncation, "n_samples": 1,
-        "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, "enable_thinking": task.enable_thinking,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
+        "enable_thinking": task.enable_thinking,
         **{f"{name}_sha256": _sha256_text(getattr(task, name))
            for name in ("memory_template", "final_template", "no_memory_text")},
         "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),

@@ -53,7 +53,8 @@ def _resume_state(out_dir: Path, identity: dict[str, Any], ids: set[str], retry_
         fmt_prev, fmt_now = previous.get("format", {}), identity["format"]
         differ = [f"{k}: {previous.get(k)!r} -> {identity[k]!r}" for k in identity
                   if k != "format" and previous.get(k) != identity[k]]
-        differ += [f"format.{k}: {fmt_prev.get(k)!r} -> {fmt_now.get(k)!r}" for k in sorted(set(fmt_prev) | set(fmt_now))
+        differ += [f"format.{k}: {fmt_prev.get(k)!r} -> {fmt_now.get(k)!r}"
+                   for k in sorted(set(fmt_prev) | set(fmt_now))
                    if fmt_prev.get(k) != fmt_now.get(k)]
         if differ:
             raise EvalError(f"{out_dir} holds results of another evaluation ({'; '.join(differ)}); "
@@ -81,7 +82,8 @@ def _config_record(cfg: Config) -> dict[str, Any]:
     engine = cfg.engine.model_dump(mode="json")
     engine.pop("api_key", None)  # never write a credential into results
     # `plugins.task` tells `memrl view` what to show of each line (`Task.view_fields`).
-    return {"sampling": cfg.sampling.model_dump(mode="json"), "engine": engine, "task": cfg.task.model_dump(mode="json"),
+    return {"sampling": cfg.sampling.model_dump(mode="json"),
+            "engine": engine, "task": cfg.task.model_dump(mode="json"),
             "eval": cfg.eval.model_dump(mode="json"), "plugins": {"task": cfg.plugins.task}}
 
 
@@ -269,7 +271,8 @@ def eval_command(model: str | None, server_url: str | None, recipe: Path | None,
     async def run() -> dict[str, Any]:
         try:
             summary = await evaluate_records(engine, tok, cfg, records, Path(out), model_name=model_name,
-                                             data_sha256=data_sha, data_path=str(data), tokenizer_name=str(tokenizer_path),
+                                             data_sha256=data_sha, data_path=str(data),
+                                             tokenizer_name=str(tokenizer_path),
                                              engine_info=info, retry_failed=retry_failed, progress=progress)
             if server_url is not None:
                 summary["engine"]["served_model"] = getattr(engine, "model", None)

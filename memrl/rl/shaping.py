@@ -76,7 +76,8 @@ def turn_advantages(trajectories: Sequence[Trajectory], advantages: Mapping[str,
     for traj in trajectories:
         rewards = traj.metadata.get("turn_rewards")
         if rewards is None or len(rewards) != traj.num_turns:
-            raise AdvantageError(f"trajectory '{traj.trajectory_id}' has no turn_rewards for its {traj.num_turns} turns; "
+            raise AdvantageError(f"trajectory '{traj.trajectory_id}' has no turn_rewards "
+                                 f"for its {traj.num_turns} turns; "
                                  f"algorithm.turn_reward_function is set, so the trainer scores every turn before "
                                  f"converting (memrl.rl.turn_rewards.score_turns)")
     turn_norm: dict[tuple[str, int], float] = {}

@@ -10,8 +10,8 @@ A converter calls `validate_groups` before it computes anything, so a bad trajec
   log_probs_finite, log_probs_nonpositive;
 - across trajectories: trajectory_id_unique, group_turn_count (a group's samples read the same chunks);
 - per training row (`validate_train_rows`): row_response_length, the turn's mask and log-prob rules
-  prefixed `row_`, row_advantage_finite, padding_mask_zero, row_token_id_type, row_token_id_range ([0, vocab_size): only the
-  trainer knows the embedding's rows).
+  prefixed `row_`, row_advantage_finite, padding_mask_zero, row_token_id_type, row_token_id_range
+  ([0, vocab_size): only the trainer knows the embedding's rows).
 Values are checked, not only lengths: a NaN log-prob or a mask of 0.5 trains silently on NaN or a
 half-weighted token, `reward=True` would count as 1, a token id of 7.5 trains as 7 and -1 ends the step in
 a bare IndexError.
@@ -70,12 +70,14 @@ def _check_turn(trajectory_id: str, position: int, turn: Turn) -> None:
         raise TrajectoryError(trajectory_id, position, rule, found)
 
     if turn.index != position:
-        fail("turn_index_sequence", f"turn at position {position} has index {turn.index}; indices must be 0..T-1 in order")
+        fail("turn_index_sequence",
+             f"turn at position {position} has index {turn.index}; indices must be 0..T-1 in order")
     length = turn.response_length
     if length <= 0:
         fail("response_length_positive", "response is empty; every turn must have at least one response token")
     if length > turn.max_tokens:
-        fail("response_length_limit", f"response_length {length} exceeds this {turn.kind} turn's max_tokens {turn.max_tokens}")
+        fail("response_length_limit",
+             f"response_length {length} exceeds this {turn.kind} turn's max_tokens {turn.max_tokens}")
     if length >= len(turn.tokens):  # token j is scored from position j-1, so one prompt token is needed
         fail("response_length_tokens",
              f"response_length {length} is not below len(tokens) {len(turn.tokens)}; the prompt must not be empty")

@@ -138,7 +138,8 @@ class Actor:
                 if self.device.type == "cuda" else None
             # Buffers (rotary tables) are identical on every rank: no per-forward sync. torch >= 2.13 renamed it.
             params = inspect.signature(DistributedDataParallel).parameters
-            no_sync_buffers = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+            no_sync_buffers = {("forward_sync_buffers" if "forward_sync_buffers" in params
+                                else "broadcast_buffers"): False}
             self.policy = DistributedDataParallel(self.policy, device_ids=ids, **no_sync_buffers)
         elif self.strategy == "fsdp":
             # Every rank starts from the same weights (the same model path or checkpoint), as DDP would
@@ -150,7 +151,8 @@ class Actor:
     def _build_optimizer(self) -> None:
         t = self.cfg.train
         # After sharding: FSDP replaces the parameters by sharded ones, which the optimizer must hold.
-        trained = self.model.parameters() if self.peft is None else [p for p in self.model.parameters() if p.requires_grad]
+        trained = (self.model.parameters() if self.peft is None
+                   else [p for p in self.model.parameters() if p.requires_grad])
         # One fused AdamW kernel per step on CUDA (torch's default is `foreach`); not yet run under FSDP.
         fused = {"fused": True} if self.device.type == "cuda" and self.strategy != "fsdp" else {}
         self.optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,

@@ -90,7 +90,8 @@ def _merge_adapters(ckpt: Path, state: Mapping[str, Any], tmp: Path, base_model:
                                             load_pretrained(AutoConfig, path, "base model", revision=revision))
             if other:
                 raise CheckpointError(f"base model {path} is another architecture than the one the adapters of {ckpt} "
-                                      f"were trained on ({lora.describe_base(recorded)}): {'; '.join(other)} (checkpoint vs "
+                                      f"were trained on ({lora.describe_base(recorded)}): "
+                                      f"{'; '.join(other)} (checkpoint vs "
                                       f"{path}); pass that model as --base-model")
         base = load_pretrained(AutoModelForCausalLM, path, "base model", revision=revision, dtype=torch.float32)
     except ConfigError as error:
@@ -107,7 +108,8 @@ def _merge_adapters(ckpt: Path, state: Mapping[str, Any], tmp: Path, base_model:
                       f"trained on ({lora.describe_base(recorded)}): --allow-other-base", stacklevel=3)
     else:
         raise CheckpointError(f"base model {path} has the architecture but not the weights of the one the adapters "
-                              f"of {ckpt} were trained on ({lora.describe_base(recorded)}; fingerprint of sampled weights "
+                              f"of {ckpt} were trained on ({lora.describe_base(recorded)}; "
+                              f"fingerprint of sampled weights "
                               f"{fingerprint} vs {recorded['fingerprint']}); pass that model as --base-model, or "
                               f"--allow-other-base to merge anyway")
     lora.export_merged(ckpt / MODEL_DIR, base, tmp)

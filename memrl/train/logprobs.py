@@ -41,7 +41,8 @@ def _log_softmax(head: torch.nn.Module, hidden: Tensor, temperature: float, dtyp
 class _ChunkedHeadStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                head: torch.nn.Linear, temperature: float, chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
+                head: torch.nn.Linear, temperature: float, chunk_tokens: int,
+                with_entropy: bool) -> tuple[Tensor, Tensor]:
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         log_probs, entropy = [], []

@@ -110,7 +110,8 @@ def convert_rollout(out: RolloutOutput, tokenizer: Any, algorithm: Any, task: Ta
     if len(rows) != expected:
         announced = "announced" if out.train_row_count is not None else "announced no train_row_count, so 1:1:"
         raise TrainingError(f"rollout {rollout_id}: the converter produced {len(rows)} rows, the rollout "
-                            f"{announced} {expected}; a 1:N generate function returns RolloutOutput(train_row_count=...)")
+                            f"{announced} {expected}; a 1:N generate function returns "
+                            "RolloutOutput(train_row_count=...)")
     out.rows = rows
     out.advantages = {r.trajectory_id: r.trajectory_advantage for r in rows if r.trajectory_advantage is not None}
     out.turn_advantages = {(r.trajectory_id, r.turn_index): r.advantage for r in rows}

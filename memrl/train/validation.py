@@ -73,7 +73,8 @@ class Validator:
     """Loads the eval sets once (a missing file fails the run before its first step) and validates."""
 
     def __init__(self, cfg: Config, run_root: Path, tokenizer: Any, task: Task, progress: bool = False) -> None:
-        self.cfg, self.run_root, self.tokenizer, self.task, self.progress = cfg, Path(run_root), tokenizer, task, progress
+        self.cfg, self.run_root, self.tokenizer = cfg, Path(run_root), tokenizer
+        self.task, self.progress = task, progress
         self.sets = [self._load(spec) for spec in eval_set_configs(cfg)]
 
     def _load(self, spec: EvalSetConfig) -> EvalSet:
