@@ -88,7 +88,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="chunks per document")
     parser.add_argument("--questions", type=int, default=2, help="questions per length")
     parser.add_argument("--concurrency", type=int, default=1, help="questions in flight (eval.concurrency)")
-    parser.add_argument("--facts", type=int, default=32, help="facts per chunk (7 tokens each): chunk_tokens = 7 x facts")
+    parser.add_argument("--facts", type=int, default=32,
+                        help="facts per chunk (7 tokens each): chunk_tokens = 7 x facts")
     parser.add_argument("--memory-tokens", type=int, default=64)
     parser.add_argument("--final-tokens", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)

@@ -106,7 +106,8 @@ def bench_generation(model: torch.nn.Module, path: str, concurrency: int, rng: r
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"path": path, "concurrency": concurrency, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "decode_ms_per_step": 1000 * (seconds - prefill_s) / max(max_tokens - 1, 1),
+            "tokens_per_s": tokens / seconds,
+            "decode_ms_per_step": 1000 * (seconds - prefill_s) / max(max_tokens - 1, 1),
             "prefill_s": prefill_s, "decode_steps": stats.decode_steps, "rows_per_step": stats.mean_decode_batch,
             "graph_captures": decoder.captures if decoder is not None else 0,
             "graphs_used": bool(decoder is not None and decoder.graphs)}
@@ -159,7 +160,8 @@ def generation_section(args: argparse.Namespace, results: dict, rng: random.Rand
             try:
                 r = bench_generation(model, path, conc, rng, max_tokens, lengths, max_batch_size=max(concurrencies))
             except Exception as error:  # noqa: BLE001 - one failed row must not cost the run's other rows
-                results["generation"].append({"path": path, "concurrency": conc, "error": f"{type(error).__name__}: {error}"})
+                results["generation"].append({"path": path, "concurrency": conc,
+                                              "error": f"{type(error).__name__}: {error}"})
                 print(f"generate {path:<8} concurrency {conc:4d}: FAILED ({type(error).__name__}: {error})", flush=True)
                 continue
             results["generation"].append(r)
@@ -189,10 +191,12 @@ def generation_section(args: argparse.Namespace, results: dict, rng: random.Rand
                    GOALS["speedup_at_64"]),
                   ("tokens/s at 256 >= 10,000", g256 and g256["tokens_per_s"], GOALS["tokens_per_s_at_256"])]
         for name, value, goal in checks:
-            print(f"goal {name}: " + ("not measured" if not value else f"{value:.2f} -> {'met' if value >= goal else 'NOT met'}"))
+            print(f"goal {name}: "
+                  + ("not measured" if not value else f"{value:.2f} -> {'met' if value >= goal else 'NOT met'}"))
         if g64:
             ms = g64["decode_ms_per_step"]
-            print(f"goal decode step at 64 rows <= 5 ms: {ms:.2f} ms -> {'met' if ms <= GOALS['decode_ms_at_64'] else 'NOT met'}")
+            print(f"goal decode step at 64 rows <= 5 ms: {ms:.2f} ms -> "
+                  f"{'met' if ms <= GOALS['decode_ms_at_64'] else 'NOT met'}")
     del model
     if on_cuda:
         torch.cuda.empty_cache()
@@ -206,7 +210,8 @@ def bench_plain_generate(model: Qwen3ForCausalLM, batch: int, rng: random.Random
     sync()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens,
                              do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
     sync()
     elapsed = time.perf_counter() - start

@@ -168,7 +168,8 @@ async def run_step(engine: MeteredEngine, tokenizer, shape: Shape, layout: str, 
 def line(run: Run, same: float) -> str:
     return (f"{run.shape:<9} {run.layout:<12} {'on' if run.shared else 'off':<7} {run.wall_s:>7.1f} {run.cpu_s:>7.1f} "
             f"{run.prefill_s:>9.1f} {run.prefill_cpu_s:>6.1f} {run.decode_steps:>6d} "
-            f"{run.requested:>10d} {run.computed:>10d} {run.ratio:>6.3f} {run.turn0_ratio:>6.3f} {run.turn0_cover:>6.0%} "
+            f"{run.requested:>10d} {run.computed:>10d} {run.ratio:>6.3f} {run.turn0_ratio:>6.3f} "
+            f"{run.turn0_cover:>6.0%} "
             f"{run.requested / run.prefill_s:>10.0f} {run.generated / run.wall_s:>7.0f} {same:>8.0%}")
 
 
@@ -203,9 +204,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="the seed's shape only, one repeat")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="a real tokenizer folder (default: --model's, else ../shared/assets/qwen3-tokenizer)")
-    parser.add_argument("--model", type=Path, default=None, help="a Hugging Face model folder instead of the random one")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a Hugging Face model folder instead of the random one")
     parser.add_argument("--questions", type=int, default=None, help="questions per shape (default: the shape's)")
-    parser.add_argument("--layouts", nargs="+", choices=["memagent", "chunk_first"], default=["memagent", "chunk_first"])
+    parser.add_argument("--layouts", nargs="+", choices=["memagent", "chunk_first"],
+                        default=["memagent", "chunk_first"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
@@ -246,7 +249,8 @@ async def main_async(args: argparse.Namespace) -> None:
           f"{args.max_batch_size}, max_batch_tokens {args.max_batch_tokens}; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     stops = builder_of(RolloutContext(engine=engine, tokenizer=tokenizer, config=Config())).stop_token_ids
-    print(f"\n{'shape':<9} {'layout':<12} {'sharing':<7} {'wall_s':>7} {'cpu_s':>7} {'prefill_s':>9} {'pf_cpu':>6} {'steps':>6} "
+    print(f"\n{'shape':<9} {'layout':<12} {'sharing':<7} {'wall_s':>7} {'cpu_s':>7} "
+          f"{'prefill_s':>9} {'pf_cpu':>6} {'steps':>6} "
           f"{'requested':>10} "
           f"{'computed':>10} {'ratio':>6} {'turn0':>6} {'cover':>6} {'prompt/s':>10} {'gen/s':>7} {'same_len':>8}")
     summary = []

@@ -259,7 +259,8 @@ async def main_async(args: argparse.Namespace) -> None:
           f"{dtype}, torch threads {torch.get_num_threads()}; stop-logit bias {bias:+.2f} "
           f"(mean response ~{args.mean_response:g} tokens)")
     decoder = engine.static_decoder
-    print(f"decode path: {'dynamic cache' if decoder is None else 'static slots, ' + ('CUDA graphs' if decoder.graphs else 'eager')}"
+    print(f"decode path: "
+          f"{'dynamic cache' if decoder is None else 'static slots, ' + ('CUDA graphs' if decoder.graphs else 'eager')}"
           f" (--static-kv {args.static_kv}, --cuda-graphs {args.cuda_graphs})")
     print(f"workload: {len(records)} questions x {args.samples} samples = {len(records) * args.samples} "
           f"trajectories; chunks per document {sorted(chunk_counts)}; chunk {args.chunk_tokens} / memory "
@@ -302,7 +303,8 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"  {label:<32} batch 1 {seq:>7.0f} tok/s, {args.concurrency} concurrent {conc:>7.0f} tok/s: "
               f"{conc / seq:.1f}x")
     if decoder is not None:
-        print(f"\nstatic decode: {decoder.captures} CUDA graphs captured, graphs {'on' if decoder.graphs else 'off'} at the end")
+        print(f"\nstatic decode: {decoder.captures} CUDA graphs captured, "
+              f"graphs {'on' if decoder.graphs else 'off'} at the end")
     await engine.close()
 
 

@@ -1,10 +1,12 @@
 """Actor training throughput side by side in one run: token-budget micro-batches vs naive padded batches;
 and (`--logprob-memory`) the peak memory of one micro-batch's log-prob and loss computation, before vs after.
 
-    python bench/train.py                 # 0.85M-parameter random Qwen3 on CPU, about 2 minutes on a shared 2-core machine
+    python bench/train.py                 # 0.85M-parameter random Qwen3 on CPU, about 2 minutes
+                                          # on a shared 2-core machine
     python bench/train.py --quick
     python bench/train.py --device cuda --model-shape qwen3-0.6b     # random-init Qwen3-0.6B shape, bf16 autocast
-    python bench/train.py --lora-vs-full 16   # instead: the actor with LoRA rank 16 vs full fine-tuning (`lora_vs_full`)
+    python bench/train.py --lora-vs-full 16   # instead: the actor with LoRA rank 16 vs full fine-tuning
+                                              # (`lora_vs_full`)
     python bench/train.py --logprob-memory [--profile]               # real 151,936-token vocabulary, ~4 GB of RAM
 
 `--logprob-memory`: one micro-batch (`--logprob-rows` 4 memory-turn rows, ~800 response tokens) through

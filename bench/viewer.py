@@ -56,7 +56,8 @@ def trajectory(tokenizer, rng: random.Random, record: QuestionRecord, chunks, go
     ids = tokenizer.encode(answer, add_special_tokens=False)
     turns.append(Turn(len(turns), "final", [0] * 300, ids, [-0.1] * len(ids), [1] * len(ids), "stop", 64))
     traj = Trajectory(f"eval:{record.id}:s0", f"eval:{record.id}", 0, turns, answer=answer,
-                      metadata={"chunks": chunks.to_metadata(), "memory_lengths": [t.response_length for t in turns[:-1]]})
+                      metadata={"chunks": chunks.to_metadata(),
+                                "memory_lengths": [t.response_length for t in turns[:-1]]})
     traj.metadata["chunk_golds"] = gold_hits
     return traj
 
@@ -79,14 +80,16 @@ def write_evals(tokenizer, root: Path, args) -> tuple[list[Path], float]:
         for k, f in enumerate(files):
             traj = trajectory(tokenizer, rng, record, chunks, gold_hits, gold_chunk, args.memory_words,
                               rng.random() < 0.3 + 0.3 * k)
-            f.write(json.dumps(sample_line(record, traj, 0.0, task=MemAgentTask(), tokenizer=tokenizer), ensure_ascii=False) + "\n")
+            f.write(json.dumps(sample_line(record, traj, 0.0, task=MemAgentTask(), tokenizer=tokenizer),
+                               ensure_ascii=False) + "\n")
     for f in files:
         f.close()
     return folders, sorted(gold_ms)[len(gold_ms) // 2]
 
 
 def browser_times(browser: str, page: Path, question: str, profile: Path) -> tuple[float, float]:
-    command = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
+    command = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+               f"--user-data-dir={profile}",
                "--dump-dom", f"{page.resolve().as_uri()}#q={question}"]
     dom = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True).stdout
     body = dom[dom.index("<body"):dom.index(">", dom.index("<body"))]
@@ -124,7 +127,8 @@ def main() -> None:
         build_s = time.perf_counter() - t
         page = root / "viewer.html"
         page.write_text(html, encoding="utf-8")
-        print(f"{args.questions} questions x {args.turns} turns, 2 evals: results.jsonl {(base / RESULTS_FILE).stat().st_size / 1e6:.1f} MB "
+        print(f"{args.questions} questions x {args.turns} turns, 2 evals: "
+              f"results.jsonl {(base / RESULTS_FILE).stat().st_size / 1e6:.1f} MB "
               f"each (written in {write_s:.0f} s)")
         print(f"build_s {build_s:.1f}  html_mb {len(html.encode()) / 1e6:.1f}  chunk_golds_ms {gold_ms:.1f} "
               f"(median per document of {args.turns} chunks)")

@@ -18,7 +18,8 @@ def test_training_recipe_has_the_seed_values():
     assert cfg.model.path == "Qwen/Qwen3-0.6B"
     assert cfg.model.revision == "c1899de289a04d12100db370d81485cdf75e47ca"
     t, s = cfg.task, cfg.sampling
-    assert (t.chunk_tokens, t.memory_tokens, t.final_tokens, t.max_chunks, t.enable_thinking) == (512, 128, 64, 4, False)
+    assert ((t.chunk_tokens, t.memory_tokens, t.final_tokens, t.max_chunks, t.enable_thinking)
+            == (512, 128, 64, 4, False))
     assert (s.n_samples, s.temperature, s.top_p, s.seed) == (8, 1.0, 1.0, 4242)
     assert cfg.algorithm.credit == "split"
     assert (cfg.train.lr, cfg.algorithm.kl_coef) == (1e-6, 0.001)
@@ -27,7 +28,8 @@ def test_training_recipe_has_the_seed_values():
 def test_eval_recipe_has_the_seed_values():
     cfg = load_config(EVAL_RECIPE)
     t, s = cfg.task, cfg.sampling
-    assert (t.chunk_tokens, t.memory_tokens, t.final_tokens, t.max_chunks, t.enable_thinking) == (2048, 1024, 256, 64, False)
+    assert ((t.chunk_tokens, t.memory_tokens, t.final_tokens, t.max_chunks, t.enable_thinking)
+            == (2048, 1024, 256, 64, False))
     assert (s.temperature, s.top_p, s.seed) == (1.0, 1.0, 4242)
     assert cfg.eval.concurrency == 64
 
@@ -135,13 +137,14 @@ def test_lora_with_fsdp_names_the_runtime_first_then_the_missing_support():
 
 
 def test_training_and_eval_recipes_prompt_alike():
-    # One final prompt for training and evaluation (docs/design.md, pitfall "Different scorer in evaluation"): a policy trained on one wording and
-    # evaluated on another measures the wording, not the policy.
+    # One final prompt for training and evaluation (docs/design.md, pitfall "Different scorer in evaluation"): a policy
+    # trained on one wording and evaluated on another measures the wording, not the policy.
     train = load_config(TRAIN_RECIPE)
     evaluation = load_config(EVAL_RECIPE)
     for key in ("memory_template", "final_template", "no_memory_text", "enable_thinking"):
         assert getattr(train.task, key) == getattr(evaluation.task, key), key
-    assert (train.sampling.temperature, train.sampling.top_p) == (evaluation.sampling.temperature, evaluation.sampling.top_p)
+    assert ((train.sampling.temperature, train.sampling.top_p)
+            == (evaluation.sampling.temperature, evaluation.sampling.top_p))
 
 
 def _fields_accepting(kind):
@@ -247,7 +250,8 @@ def test_an_overlong_buffer_longer_than_the_answer_limit_is_refused():
     # reward to 1 - 32/64 = 0.5. verl refuses it too; B equal to the limit is allowed (penalty from 0 tokens).
     with pytest.raises(ConfigError, match=r"overlong_buffer_len = 100 .*task\.final_tokens = 64"):
         load_config(None, ["algorithm.overlong_buffer_len=100", "task.final_tokens=64"])
-    assert load_config(None, ["algorithm.overlong_buffer_len=64", "task.final_tokens=64"]).algorithm.overlong_buffer_len == 64
+    assert load_config(None, ["algorithm.overlong_buffer_len=64",
+                              "task.final_tokens=64"]).algorithm.overlong_buffer_len == 64
 
 
 def test_max_num_gen_batches_has_no_unlimited_setting():
@@ -262,7 +266,8 @@ def test_max_num_gen_batches_has_no_unlimited_setting():
 # which rewrites `rollout.<key>` text, leaves this test as it is.
 OLD = "rollout"
 SPLIT_BY_HAND = {"temperature": "sampling.temperature", "engine": "engine.kind", "chunk_tokens": "task.chunk_tokens",
-                 "server_url": "engine.server_url", "reward_timeout_s": "task.reward_timeout_s", "seed": "sampling.seed"}
+                 "server_url": "engine.server_url", "reward_timeout_s": "task.reward_timeout_s",
+                 "seed": "sampling.seed"}
 
 
 def test_the_rollout_table_names_every_field_of_the_three_sections():

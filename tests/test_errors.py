@@ -73,4 +73,5 @@ def test_a_damaged_metrics_line_is_one_line_exit_2(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert result.output.strip().splitlines() == [f"error: {tmp_path / 'logs' / 'metrics.jsonl'}:1 is not valid JSON "
-                                                  f"(Expecting value: line 1 column 1 (char 0)); fix or delete that line"]
+                                                  f"(Expecting value: line 1 column 1 (char 0)); "
+                                                  f"fix or delete that line"]

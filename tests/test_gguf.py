@@ -166,8 +166,10 @@ def test_the_real_model_trains_converts_and_evaluates_on_real_hotpotqa(smollm2_f
     _answerable_data(prepared / "hotpotqa_train.jsonl", data, smollm2_folder, sizes, num_train=2)
     sets = [*sizes, "sampling.n_samples=4", "train.rollout_batch_size=2", "train.num_rollout=1",
             "algorithm.turn_reward_function=memrl.memagent.reward:memory_recall",
-            "train.micro_batch_tokens=4096", "train.save_interval=1", f"model.path={smollm2_folder}", f"data.dir={data}"]
-    result = _run("train", "--run-root", str(tmp_path / "run"), "--no-progress", *[x for s in sets for x in ("--set", s)])
+            "train.micro_batch_tokens=4096", "train.save_interval=1", f"model.path={smollm2_folder}",
+            f"data.dir={data}"]
+    result = _run("train", "--run-root", str(tmp_path / "run"), "--no-progress",
+                  *[x for s in sets for x in ("--set", s)])
     assert result.exit_code == 0, (result.output, result.exception)
     assert "rows saved/transferred/consumed 24/24/24" in result.output  # 8 samples x (2 memory turns + final)
     step = [json.loads(line) for line in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()][-1]

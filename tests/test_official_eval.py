@@ -83,7 +83,8 @@ def test_recipe_holds_the_official_prompts_and_settings():
     assert r.task.no_memory_text == OFFICIAL_NO_MEMORY_TEXT
     settings = {**r.task.model_dump(), **r.sampling.model_dump()}
     assert {k: settings[k] for k in OFFICIAL_SETTINGS} == OFFICIAL_SETTINGS
-    assert (r.task.strip_inputs, r.task.answer_extractor, r.task.enable_thinking, r.sampling.n_samples) == (True, "boxed", False, 1)
+    assert ((r.task.strip_inputs, r.task.answer_extractor, r.task.enable_thinking, r.sampling.n_samples)
+            == (True, "boxed", False, 1))
     # The official evaluation never truncates: the budget covers eval_25600 (~3.5M tokens).
     assert r.task.max_chunks * r.task.chunk_tokens >= 5_000_000
 

@@ -113,7 +113,8 @@ def test_turn_logs_reuse_the_texts_training_decoded_once():
 # ------------------------------------------------------------------------------------------ ctx.reward
 
 def reward_ctx(fn, timeout_s=60.0):
-    return RolloutContext(engine=None, tokenizer=None, config=Config.model_validate({"task": {"reward_timeout_s": timeout_s}}), reward_function=fn)
+    return RolloutContext(engine=None, tokenizer=None,
+                          config=Config.model_validate({"task": {"reward_timeout_s": timeout_s}}), reward_function=fn)
 
 
 @pytest.mark.parametrize("value", [True, np.bool_(False), "1.0", float("nan"), float("-inf"), None, [1.0]])

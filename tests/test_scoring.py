@@ -278,8 +278,9 @@ def _filler(n_chars: int) -> str:
     ],
 )
 def test_whole_answer_is_read_not_only_its_tail(text):
-    # Pitfall "Math normalizer for QA" (docs/design.md): "only the last 300 characters read" (MemAgent, VIME): a model that boxes its answer and
-    # then keeps explaining would score 0. The scorer reads the whole text, wherever the box sits.
+    # Pitfall "Math normalizer for QA" (docs/design.md): "only the last 300 characters read" (MemAgent, VIME): a model
+    # that boxes its answer and then keeps explaining would score 0. The scorer reads the whole text, wherever the
+    # box sits.
     assert len(text) >= 1_000 and r"\boxed" not in text[-300:]
     assert extract_boxed(text) == "Paris"
     assert score_answer(text, ["Paris"]) == AnswerScore(boxed="Paris", em=1.0, sub_em=1.0, f1=1.0, missing_box=False)

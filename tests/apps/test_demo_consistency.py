@@ -70,7 +70,8 @@ def test_three_paths_train_from_one_base_and_every_pair_is_compared(tmp_path, mo
     (check,) = summary["thresholds"]
     assert (check["pair"], check["metric"], check["limit_pp"]) == (["local", "ray"], "sub_em", 3.0)
     assert check["abs_diff_pp"] == pytest.approx(abs(runs["ray"]["sub_em"]["value"] - runs["local"]["sub_em"]["value"]))
-    assert summary["passed"] == check["passed"] == json.loads((root / "compare" / "comparison.json").read_text())["passed"]
+    assert (summary["passed"] == check["passed"]
+            == json.loads((root / "compare" / "comparison.json").read_text())["passed"])
     assert json.loads((root / "consistency_summary.json").read_text()) == json.loads(json.dumps(summary))
     # one base, shared: the data and warm start exist once
     assert (root / "data" / "synthetic_heldout.jsonl").is_file() and (root / "sft" / "clean" / "model").is_dir()
@@ -112,5 +113,6 @@ def test_bad_input_is_one_line_before_any_work(tmp_path):
                         (["--max-abs-diff", "sub_em"], "METRIC=POINTS"),
                         (["--max-abs-diff", "bleu=3"], "bleu")):
         result = runner.invoke(app, ["demo-consistency", "--quick", "--run-root", str(new), *args])
-        assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output, (args, result.output)
+        assert (result.exit_code == 2 and named in result.output
+                and "Traceback" not in result.output), (args, result.output)
         assert not new.exists()

@@ -29,7 +29,8 @@ def test_every_length_is_evaluated_for_both_models_on_documents_of_that_length(t
         assert row["document_tokens"] == 21 * length
         for name in ("base", "trained"):
             summary = json.loads((tmp_path / f"len{length}" / name / "summary.json").read_text())
-            lines = [json.loads(x) for x in (tmp_path / f"len{length}" / name / "results.jsonl").read_text().splitlines()]
+            lines = [json.loads(x)
+                     for x in (tmp_path / f"len{length}" / name / "results.jsonl").read_text().splitlines()]
             assert summary["total"] == 5 and row[name]["em"] == summary["metrics"]["em"]["value"]
             # Every document read whole (max_chunks = the longest length): L memory turns + the final one.
             assert all(x["num_chunks"] == length and not x["document_truncated"] and x["turns"] == length + 1

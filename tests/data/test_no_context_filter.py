@@ -62,7 +62,8 @@ def test_pass_at_k_no_context_asks_the_question_alone(tiny_tokenizer, tmp_path, 
     class Recorder:
         async def generate(self, requests):
             prompts.extend(tiny_tokenizer.decode(r.prompt_ids) for r in requests)
-            ids = tiny_tokenizer(r"\boxed{Paris}", add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+            ids = (tiny_tokenizer(r"\boxed{Paris}", add_special_tokens=False)["input_ids"]
+                   + [tiny_tokenizer.eos_token_id])
             return [GenerationResult(ids, [-0.1] * len(ids), "stop") for _ in requests]
 
         async def close(self):

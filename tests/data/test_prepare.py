@@ -29,7 +29,8 @@ def prepare(app, train_file, out, *extra):
 def test_hotpotqa_writes_questions_id_lists_and_manifest(app, train_file, tmp_path):
     prepare(app, train_file, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(FILES)
-    train, heldout = load_questions(tmp_path / "hotpotqa_train.jsonl"), load_questions(tmp_path / "hotpotqa_heldout.jsonl")
+    train, heldout = (load_questions(tmp_path / "hotpotqa_train.jsonl"),
+                      load_questions(tmp_path / "hotpotqa_heldout.jsonl"))
     assert len(train) == 60 and len(heldout) == 40
     assert [q.id for q in train] == read_id_list(tmp_path / "train_ids.txt")
     assert [q.id for q in heldout] == read_id_list(tmp_path / "heldout_ids.txt")

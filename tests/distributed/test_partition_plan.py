@@ -123,7 +123,8 @@ def test_the_plan_does_not_depend_on_how_the_batch_was_cut_across_rollout_worker
 
     def plan(ordered):
         return [[([[(r.trajectory_id, r.turn_index) for r in mb] for mb in share.micro_batches], share.weights)
-                 for share in step] for step in plan_rollout(ordered, cfg(dp_size=2, num_optimizer_steps=2, pad_to_dp=True,
-                                                                          micro_batch_tokens=60), 0, 0)]
+                 for share in step]
+                for step in plan_rollout(ordered, cfg(dp_size=2, num_optimizer_steps=2, pad_to_dp=True,
+                                                      micro_batch_tokens=60), 0, 0)]
 
     assert plan(cut) == plan(whole)

@@ -69,7 +69,8 @@ def records(n=6):
     out = []
     for k in range(n):
         text = " ".join(f"Document {j}: fact{k}{j} is the capital of France." for j in range(4))
-        out.append(QuestionRecord(id=f"q{k}", question=f"What is fact{k}?", answers=["Paris"], context=text, metadata={}))
+        out.append(QuestionRecord(id=f"q{k}", question=f"What is fact{k}?", answers=["Paris"], context=text,
+                                  metadata={}))
     return out
 
 
@@ -309,7 +310,8 @@ def test_fsdp_trainers_feed_a_served_engine_through_a_weights_folder(cluster, tm
     tok = AutoTokenizer.from_pretrained(model_dir)
     served = HFEngine.from_pretrained(model_dir, device="cpu", dtype="float32")
     with serve_in_thread(create_app(served, "tiny", tokenizer=tok, reload_roots=[tmp_path / "run"])) as url:
-        cfg = config(dp_size=2, runtime="ray", strategy="fsdp", num_rollout=1, ray_section={"rollout_server_urls": [url]})
+        cfg = config(dp_size=2, runtime="ray", strategy="fsdp", num_rollout=1,
+                     ray_section={"rollout_server_urls": [url]})
         cfg.model.path = str(model_dir)
         cfg.engine.kind = "openai"
         history = run_ray_training(cfg, TrainOptions(run_root=tmp_path / "run", progress=False), tokenizer=tok,
@@ -426,7 +428,8 @@ def test_dynamic_sampling_on_two_rollout_workers_matches_one_process(cluster, to
 
     def credit(root):  # each logged trajectory's advantage and its turns' credit (None: not trained on)
         lines = (root / "logs" / "rollouts" / "rollout_0000001.jsonl").read_text().splitlines()
-        return {r["trajectory_id"]: (r["advantage"], [t["advantage"] for t in r["turns"]]) for r in map(json.loads, lines)}
+        return {r["trajectory_id"]: (r["advantage"], [t["advantage"] for t in r["turns"]])
+                for r in map(json.loads, lines)}
 
     # The rows' own advantages travel with them from the rollout workers: Ray logs what one process logs.
     ray_credit, local_credit = credit(tmp_path / "ray"), credit(tmp_path / "local")

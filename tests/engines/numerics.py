@@ -1,5 +1,5 @@
-"""The engine tests' sharp tiny model and the token ids they prompt it with, and tolerances for float32 results computed under different batch
-shapes, derived from the arithmetic.
+"""The engine tests' sharp tiny model and the token ids they prompt it with, and tolerances for float32 results
+computed under different batch shapes, derived from the arithmetic.
 
 The same tokens decoded alone, with batch mates, after a mid-batch admission or in a full teacher-forced
 pass reduce in different orders: the CPU/GPU kernels block matrix products by shape, and padding changes

@@ -75,7 +75,8 @@ def count_prefills(engine, monkeypatch) -> list[int]:
 
 def test_concurrent_calls_are_batched_and_results_stay_in_order(engine, monkeypatch):
     batch_sizes = count_prefills(engine, monkeypatch)
-    calls = [[GenerationRequest(prompt(2 * c + j), max_tokens=4 + c, temperature=1.0, seed=100 * c + j) for j in range(2)]
+    calls = [[GenerationRequest(prompt(2 * c + j), max_tokens=4 + c, temperature=1.0, seed=100 * c + j)
+              for j in range(2)]
              for c in range(8)]
 
     async def main():
@@ -246,7 +247,8 @@ def test_event_loop_stays_responsive_during_a_batch(engine, monkeypatch):
 
 
 def test_out_of_vocabulary_request_fails_alone(engine):
-    results = run(engine.generate([GenerationRequest([5, 10**6], max_tokens=2), GenerationRequest(prompt(0), max_tokens=2)]))
+    results = run(engine.generate([GenerationRequest([5, 10**6], max_tokens=2),
+                                   GenerationRequest(prompt(0), max_tokens=2)]))
     assert results[0].finish_reason == "error" and "vocabulary" in results[0].error
     assert results[1].finish_reason == "length"
 

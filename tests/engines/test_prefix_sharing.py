@@ -107,7 +107,8 @@ def test_plan_is_none_when_nothing_is_worth_sharing():
     assert plan_prefill([token_ids(i, 50) for i in range(4)]) is None  # distinct from the first token
     short = token_ids(0, MIN_SHARED_PREFIX - 1)
     assert plan_prefill([short + [1, 2], short + [3, 4]]) is None  # common prefix below the minimum
-    assert levels(plan_prefill([short + [1, 2], short + [3, 4]], min_prefix=4, max_share=1))[0] == [(0, len(short), False)]
+    assert (levels(plan_prefill([short + [1, 2], short + [3, 4]], min_prefix=4, max_share=1))[0]
+            == [(0, len(short), False)])
     assert plan_prefill([token_ids(0, 5)]) is None
 
 
@@ -157,7 +158,8 @@ def test_shared_prefill_has_the_plain_prefills_layout_and_values(model):
 def test_groups_get_the_unshared_tokens_and_log_probs(model, path, continuous):
     requests = mixed_wave()
     kwargs = dict(max_batch_size=32, continuous_batching=continuous, **path)  # one wave
-    unshared_engine, shared_engine = HFEngine(model, share_prefixes=False, **kwargs), HFEngine(model, share_prefixes=True, **kwargs)
+    unshared_engine, shared_engine = (HFEngine(model, share_prefixes=False, **kwargs),
+                                      HFEngine(model, share_prefixes=True, **kwargs))
     unshared, shared = generate(unshared_engine, requests), generate(shared_engine, requests)
     assert_same(unshared, shared, logprob_atol(model, [r.prompt_ids for r in requests]))
     assert shared_engine.stats.prompt_tokens == unshared_engine.stats.prompt_tokens
@@ -193,7 +195,8 @@ def test_prompts_that_share_nothing_behave_bit_for_bit_as_before(model, path, co
                 for i in range(6)]
     assert plan_prefill([r.prompt_ids for r in requests]) is None
     kwargs = dict(continuous_batching=continuous, **path)
-    unshared_engine, shared_engine = HFEngine(model, share_prefixes=False, **kwargs), HFEngine(model, share_prefixes=True, **kwargs)
+    unshared_engine, shared_engine = (HFEngine(model, share_prefixes=False, **kwargs),
+                                      HFEngine(model, share_prefixes=True, **kwargs))
     unshared, shared = generate(unshared_engine, requests), generate(shared_engine, requests)
     assert [(r.output_ids, r.log_probs, r.finish_reason) for r in shared] == \
         [(r.output_ids, r.log_probs, r.finish_reason) for r in unshared]

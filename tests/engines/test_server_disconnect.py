@@ -93,7 +93,8 @@ def test_a_cancelled_generate_call_drops_its_row_from_the_batch(request_timeout_
 def post_then_hang_up(port: int, body: dict, until) -> None:
     """Send a completions request on a raw socket, wait for `until()`, then close the socket unanswered."""
     data = json.dumps(body).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n")
     with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
         sock.sendall(head.encode() + data)
         wait_until(until, timeout_s=15)

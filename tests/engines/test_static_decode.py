@@ -126,12 +126,14 @@ def test_rows_join_and_leave_mid_generation_with_the_same_results(model):
     first = [GenerationRequest(token_ids(0, 5), max_tokens=40, temperature=1.0, seed=1),
              GenerationRequest(token_ids(1, 12), max_tokens=6, temperature=0.7, top_p=0.9, seed=2)]  # leaves early
     later = [GenerationRequest(token_ids(2, 3), max_tokens=12, temperature=1.0, seed=3),
-             GenerationRequest(token_ids(3, 60), max_tokens=30, temperature=0.7, top_p=0.9, seed=4),  # widens the bucket
+             GenerationRequest(token_ids(3, 60), max_tokens=30, temperature=0.7, top_p=0.9,
+                               seed=4),  # widens the bucket
              GenerationRequest(token_ids(4, 9), max_tokens=5, temperature=0.0),
              GenerationRequest(token_ids(5, 7), max_tokens=3, temperature=1.0, seed=6)]
     engine = HFEngine(model, max_batch_size=8, static_kv="on")
     buckets = recorded_buckets(engine)
-    first_results, later_results, _ = asyncio.run(staggered(engine, first, later, hold=(engine.static_decoder, "forward")))
+    first_results, later_results, _ = asyncio.run(staggered(engine, first, later,
+                                                            hold=(engine.static_decoder, "forward")))
     asyncio.run(engine.close())
     assert engine.stats.prefills == 2 and engine.stats.prefill_requests == 6  # the later ones joined mid-batch
     # Each request alone on the dynamic path: the same tokens whatever batch it decoded in (its prefill
@@ -192,7 +194,8 @@ def test_the_factory_passes_the_rollout_settings(model):
                                             "engine": {"static_kv": "auto", "cuda_graphs": "on"}}), model=model)
 
 
-@pytest.mark.parametrize("recipe", [None, *sorted(RECIPE.parent.glob("*.yaml"))], ids=lambda r: getattr(r, "name", "defaults"))
+@pytest.mark.parametrize("recipe", [None, *sorted(RECIPE.parent.glob("*.yaml"))],
+                         ids=lambda r: getattr(r, "name", "defaults"))
 def test_static_decode_and_cuda_graphs_are_off_unless_asked_for(recipe):
     """The static path has never run on a GPU (bench/README.md): neither the defaults nor a shipped recipe
     may send a user's first GPU run down it; `auto` (on with CUDA) is opt-in until GPU figures decide."""

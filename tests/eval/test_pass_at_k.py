@@ -89,7 +89,8 @@ def test_pass_at_k_reads_the_question_limit(tiny_tokenizer, tmp_path, monkeypatc
     result = pass_at_k_command("fake-model", None, None, _candidates(tmp_path, 5), out, k=2, sets=SMALL + sets,
                                limit=limit, progress=False)
     assert list(result["pass_counts"]) == [f"q{i}" for i in range(expected)]
-    assert result["questions"] == expected and json.loads(out.read_text())["limit"] == (expected if expected < 5 else None)
+    assert (result["questions"] == expected
+            and json.loads(out.read_text())["limit"] == (expected if expected < 5 else None))
 
 
 @pytest.mark.parametrize(("key", "words"), [

@@ -45,7 +45,8 @@ def test_ruler_eval_runs_end_to_end_on_real_text(tmp_path):
     assert summary["total"] == 2 and summary["failed"] == 0
     tok = AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER_DIR))
     records = load_eval_data(data)[:2]
-    lines = {line["id"]: line for line in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    lines = {line["id"]: line
+             for line in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
     assert set(lines) == {record.id for record in records}
     r = recipe.task
     for record in records:

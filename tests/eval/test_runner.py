@@ -76,7 +76,8 @@ class AnswerEngine(FakeEngine):
                 self.interrupt()
                 self.interrupt = None
             self.finals += 1
-            reply = "no idea" if i in self.unboxed else f"\\boxed{{{'alpha' + str(i) if i in self.correct else 'wrong'}}}"
+            reply = ("no idea" if i in self.unboxed
+                     else f"\\boxed{{{'alpha' + str(i) if i in self.correct else 'wrong'}}}")
         ids = self.tok.encode(reply, add_special_tokens=False)[: request.max_tokens - 1] + [self.tok.eos_token_id]
         return GenerationResult(ids, [-0.5] * len(ids), "stop")
 
@@ -144,7 +145,8 @@ def test_seeds_are_the_model_independent_eval_seeds_and_concurrency_is_bounded(t
     run_eval(tiny_tokenizer, engine, tmp_path, cfg=cfg)
     expected = set()
     for r in make_records():
-        traj_requests = [q for q in engine.requests if f"What is item {r.id[1:]}?" in tiny_tokenizer.decode(q.prompt_ids)]
+        traj_requests = [q for q in engine.requests
+                         if f"What is item {r.id[1:]}?" in tiny_tokenizer.decode(q.prompt_ids)]
         expected |= {request_seed(77, f"0:{r.id}", 0, t) for t in range(len(traj_requests))}
     assert {q.seed for q in engine.requests} == expected
     assert 1 < engine.max_in_flight <= cfg.eval.concurrency
@@ -391,8 +393,8 @@ def test_served_model_gives_the_same_greedy_results_as_the_local_engine(tiny_set
 @pytest.mark.parametrize("status", ["complete", "truncated", "failed"])
 @pytest.mark.parametrize("answer", ["\\boxed{Paris}", "\\boxed{Paris} and then", "Paris", "\\boxed{Lyon}"])
 def test_a_results_line_scores_as_the_training_reward(status, answer):
-    # One scorer for training and evaluation (docs/design.md, pitfall "Different scorer in evaluation"): a truncated answer that boxed the right thing is
-    # worth 0 as a reward, so it is worth 0 in evaluation too.
+    # One scorer for training and evaluation (docs/design.md, pitfall "Different scorer in evaluation"): a truncated
+    # answer that boxed the right thing is worth 0 as a reward, so it is worth 0 in evaluation too.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rl"))
     from traj_factory import make_trajectory
 

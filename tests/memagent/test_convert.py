@@ -225,7 +225,8 @@ def test_rows_equal_total_turns_and_credit_adds_up(spec, credit, std_normalize):
 def test_adding_turns_to_a_group_does_not_change_its_advantages(spec, extra, std_normalize):
     # The group's baseline and spread come from trajectories, not rows: more turns change only how
     # each trajectory's advantage is divided among its rows.
-    longer = [(rewards, memory_turns + extra if g == 0 else memory_turns) for g, (rewards, memory_turns) in enumerate(spec)]
+    longer = [(rewards, memory_turns + extra if g == 0 else memory_turns)
+              for g, (rewards, memory_turns) in enumerate(spec)]
     cfg = AlgorithmConfig(credit="split", std_normalize=std_normalize)
     short = _advantage_per_trajectory(convert_trajectories(_build(spec), cfg, rollout_id=0))
     long_ = _advantage_per_trajectory(convert_trajectories(_build(longer), cfg, rollout_id=0))

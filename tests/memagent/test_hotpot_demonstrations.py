@@ -78,7 +78,8 @@ def test_the_command_writes_answerable_records_and_final_only_demos(tmp_path, ti
                        QuestionRecord(id="r", question="Q?", answers=["Oslo"], context=FILLER * 8)])
     sets = ["--set", "task.chunk_tokens=64", "--set", "task.max_chunks=2", "--set", "task.memory_tokens=24"]
     run = CliRunner().invoke
-    assert run(app, ["prepare-data", "answerable", str(data), str(model), str(tmp_path / "a.jsonl"), *sets]).exit_code == 0
+    assert run(app, ["prepare-data", "answerable", str(data), str(model), str(tmp_path / "a.jsonl"),
+                     *sets]).exit_code == 0
     assert [json.loads(line)["id"] for line in (tmp_path / "a.jsonl").read_text().splitlines()] == ["q"]
     result = run(app, ["prepare-data", "demonstrations", str(data), str(model), str(tmp_path / "d.jsonl"),
                        "--final-only", *sets])

@@ -115,7 +115,8 @@ def test_rollout_reward_reads_the_configured_extractor(tiny_tokenizer, extractor
     from memrl.memagent.rollout import generate_group
     from memrl.rollout import GroupSlot, RolloutContext
 
-    cfg = Config.model_validate({"task": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 32, "max_chunks": 2, "answer_extractor": extractor},
+    cfg = Config.model_validate({"task": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 32, "max_chunks": 2,
+                                          "answer_extractor": extractor},
                                  "sampling": {"n_samples": 2}})
     engine = ScriptedEngine(tiny_tokenizer, lambda prompt: final if "\\boxed{}" in prompt else "fact3 alpha3")
     ctx = RolloutContext(engine=engine, tokenizer=tiny_tokenizer, config=cfg, reward_function=trajectory_reward,

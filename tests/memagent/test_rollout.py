@@ -185,7 +185,8 @@ def contains_run(seq, run):
 
 
 def test_empty_memory_update_replaces_the_old_memory(tiny_tokenizer):
-    """Pitfall "Inconsistent memory updates" (docs/design.md): "an empty update that silently keeps the old memory (VIME)": the new memory always wins."""
+    """Pitfall "Inconsistent memory updates" (docs/design.md): "an empty update that silently keeps the old memory
+    (VIME)": the new memory always wins."""
     ctx = make_ctx(tiny_tokenizer, None, n_samples=1)
     rec = record()
     chunks = document_chunks(tiny_tokenizer, ctx.config.task, rec.context).chunks
@@ -222,7 +223,8 @@ def test_empty_memory_update_replaces_the_old_memory(tiny_tokenizer):
 
 
 def test_memory_truncations_are_counted(tiny_tokenizer):
-    """Pitfall "Inconsistent memory updates" (docs/design.md): "truncations counted": a memory turn that ends by `length` is one truncation."""
+    """Pitfall "Inconsistent memory updates" (docs/design.md): "truncations counted": a memory turn that ends by
+    `length` is one truncation."""
     ctx = make_ctx(tiny_tokenizer, None, n_samples=2)  # memory_tokens = 8
     words, eos = word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id
 

@@ -109,8 +109,10 @@ def test_gspo_with_share_credit_is_verls_sequence_level_gspo():
     logp = [(-0.1 - 3 * torch.rand(1, r.response_length, generator=gen, dtype=torch.float64)).requires_grad_()
             for r in rows]
     # per-token log-ratios around a trajectory's own level: some trajectories inside the clip range, some out
-    level = {t: x for t, x in zip(sorted({r.trajectory_id for r in rows}), [-0.1, -0.02, 0.01, 0.03, 0.09], strict=True)}
-    old = [lp.detach() - level[r.trajectory_id] - (0.1 * torch.rand(lp.shape, generator=gen, dtype=torch.float64) - 0.05)
+    level = {t: x for t, x in zip(sorted({r.trajectory_id for r in rows}), [-0.1, -0.02, 0.01, 0.03, 0.09],
+                                  strict=True)}
+    old = [lp.detach() - level[r.trajectory_id]
+           - (0.1 * torch.rand(lp.shape, generator=gen, dtype=torch.float64) - 0.05)
            for lp, r in zip(logp, rows, strict=True)]
 
     ours = memrl_gspo(rows, logp, old, 0.05, 0.05)
@@ -192,7 +194,8 @@ def test_rollout_correction_by_hand():
     assert m["rollout_corr/ratio_mean"].item() == pytest.approx((e + half + 1) / 3)
     assert m["rollout_corr/ratio_max"].item() == pytest.approx(e)
 
-    w, keep, m = rc(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5).apply(old, rollout, mask)
+    w, keep, m = rc(rollout_rs="token", rollout_rs_threshold=2.0,
+                    rollout_rs_threshold_lower=0.5).apply(old, rollout, mask)
     assert w is None and keep.tolist() == [[0, 1, 1]]  # e > 2 is dropped, exp(-0.5) = 0.61 >= 0.5 kept
     assert m["rollout_corr/rs_masked_fraction"].item() == pytest.approx(1 / 3)
 

@@ -108,7 +108,8 @@ def test_the_kept_groups_keep_their_rows_and_logged_advantages():
     # Every source converts where it generates: the rows (references on Ray) arrive with the batches, and the
     # step keeps exactly the rows of the groups it keeps, group by group in the kept order.
     more, _ = scripted([rollout("b", [[1, 0], [1, 1]])])
-    out = sample_informative_groups(rollout("a", [[0, 0], [0, 1]]), more, GroupFilter(target_groups=2, max_gen_batches=3))
+    out = sample_informative_groups(rollout("a", [[0, 0], [0, 1]]), more,
+                                    GroupFilter(target_groups=2, max_gen_batches=3))
     assert [r.group_id for r in out.rows] == ["ag1"] * 4 + ["bg0"] * 4
     assert len(out.rows) == out.train_row_count
     # the logs' advantages travel with the kept trajectories only (the left-out ones are logged as untrained)

@@ -60,7 +60,8 @@ def test_an_overlong_buffer_longer_than_the_final_turns_limit_is_refused_not_cla
 def test_turn_rewards_reach_every_turn_by_hand():
     group = make_group("g", [1.0, 0.0], num_memory_turns=1)  # a memory turn and the final turn each
     group[0].metadata["turn_rewards"], group[1].metadata["turn_rewards"] = [0.0, 1.0], [1.0, 1.0]
-    cfg = AlgorithmConfig(std_normalize=False, credit="split", turn_reward_function="memrl.memagent.reward:memory_recall",
+    cfg = AlgorithmConfig(std_normalize=False, credit="split",
+                          turn_reward_function="memrl.memagent.reward:memory_recall",
                           turn_reward_alpha=0.5)
     rows = by_key(convert_trajectories(group, cfg, 0))
     # A = +-0.5, split over 2 turns: +-0.25. Turn 0 rewards (0, 1) -> -0.5, +0.5; turn 1 (1, 1) -> 0.

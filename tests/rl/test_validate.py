@@ -219,7 +219,8 @@ def test_the_trainer_refuses_bad_token_ids_before_any_update(tiny_tokenizer, whe
     group = make_group("g", [1.0, 0.0])
     for traj in group:  # the factory's ids start at 1000: bring them into the tiny vocabulary
         for turn in traj.turns:
-            turn.prompt_ids, turn.response_ids = [k % 100 for k in turn.prompt_ids], [k % 100 for k in turn.response_ids]
+            turn.prompt_ids, turn.response_ids = ([k % 100 for k in turn.prompt_ids],
+                                                  [k % 100 for k in turn.response_ids])
     ids = group[1].turns[1].response_ids if where == "response" else group[1].turns[1].prompt_ids
     ids[1] = len(tiny_tokenizer) if bad == "vocab" else bad
     rows = convert_trajectories(group, cfg.algorithm, rollout_id=0)

@@ -29,7 +29,8 @@ def make_turn(index: int, kind: str, prompt_len: int = 4, response_len: int = 3,
         rollout_log_probs=[-(tok % 997) / 100.0 for tok in response_ids],
         loss_mask=[0 if k % 3 == 2 else 1 for k in range(response_len)],
         finish_reason="stop",
-        max_tokens=max_tokens if max_tokens is not None else (FINAL_MAX_TOKENS if kind == "final" else MEMORY_MAX_TOKENS),
+        max_tokens=(max_tokens if max_tokens is not None
+                    else (FINAL_MAX_TOKENS if kind == "final" else MEMORY_MAX_TOKENS)),
     )
 
 

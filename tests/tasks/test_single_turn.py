@@ -23,7 +23,8 @@ def test_single_turn_task_trains_one_row_per_trajectory(tmp_path):
     cfg = Config.model_validate({
         "task": {"final_tokens": 4}, "sampling": {"n_samples": 4}, "engine": {"max_batch_size": 8},
         "train": {"num_rollout": 2, "rollout_batch_size": 2, "lr": 1e-3, "save_interval": 10},
-        "plugins": {"task": "memrl.tasks.single_turn:SingleTurnTask", "reward_function": f"{__name__}:first_token_even"},
+        "plugins": {"task": "memrl.tasks.single_turn:SingleTurnTask",
+                    "reward_function": f"{__name__}:first_token_even"},
     })
     records = [QuestionRecord(id=f"q{k}", question="Which city?", answers=["Paris"], context=f"Text {k}: Paris.",
                               metadata={}) for k in range(3)]

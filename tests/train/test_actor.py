@@ -142,7 +142,8 @@ def test_later_optimizer_steps_use_the_pre_update_policy_as_old():
 
 def with_rollout_log_probs(rows, log_probs):
     """The same rows with other rollout (engine) log-probs."""
-    return [dataclasses.replace(r, rollout_log_probs=[float(x) for x in lp]) for r, lp in zip(rows, log_probs, strict=True)]
+    return [dataclasses.replace(r, rollout_log_probs=[float(x) for x in lp])
+            for r, lp in zip(rows, log_probs, strict=True)]
 
 
 @pytest.mark.parametrize("budget", [10_000, 40])
@@ -174,8 +175,9 @@ def flat(grads):
 
 
 def test_truncated_importance_weights_reach_the_gradient():
-    """Pitfall "Silent log-prob drift" (docs/design.md: "offer truncated importance weights"): with rollout log-probs off the trainer's, the
-    gradient with `algorithm.rollout_is: token` is the PPO gradient with each token weighted by the detached
+    """Pitfall "Silent log-prob drift" (docs/design.md: "offer truncated importance weights"): with rollout
+    log-probs off the trainer's, the gradient with `algorithm.rollout_is: token` is the PPO gradient with each
+    token weighted by the detached
     w = min(exp(old_logp - rollout_logp), rollout_is_threshold) (token_mean), unlike the gradient without it."""
     rows = make_rows()
     own = Actor(tiny_model(), make_cfg(), pad_token_id=0).log_probs(rows)
@@ -208,8 +210,8 @@ PADDING_DEPENDENT = {"padding_fraction", "micro_batches", "time/train_s", "perf/
 
 
 def test_padding_rows_change_no_metric():
-    """Pitfall "Padding by copying" (docs/design.md: padding to a DP multiple pollutes metrics): dp_size=2 with pad_to_dp on an odd number of
-    rows reports the same metrics as dp_size=1 without padding, from the same weights."""
+    """Pitfall "Padding by copying" (docs/design.md: padding to a DP multiple pollutes metrics): dp_size=2 with
+    pad_to_dp on an odd number of rows reports the same metrics as dp_size=1 without padding, from the same weights."""
     rows = make_rows(n_groups=2, per_group=3, seed=2)
     cfgs = {dp: Config.model_validate({
         "train": {"lr": 0.05, "grad_clip": 1e9, "num_optimizer_steps": 2, "dp_size": dp, "pad_to_dp": dp > 1},
@@ -250,7 +252,8 @@ def assert_unchanged(actor, before):
 
 def unvalidated_plan(rows, cfg, rollout_id):
     """plan_rollout without its validation: how bad rows could reach train_planned past a broken check."""
-    return [plan_optimizer_step(step, cfg, 0, rollout_id) for step in split_optimizer_steps(rows, cfg.train.num_optimizer_steps)]
+    return [plan_optimizer_step(step, cfg, 0, rollout_id)
+            for step in split_optimizer_steps(rows, cfg.train.num_optimizer_steps)]
 
 
 def test_non_finite_advantage_past_validation_stops_the_step_unapplied():
@@ -358,7 +361,8 @@ def test_rollout_correction_reaches_the_gradient_whatever_the_micro_batching(opt
     own = Actor(tiny_model(), make_cfg(), pad_token_id=0).log_probs(rows)
     rng = random.Random(7)
     off = with_rollout_log_probs(rows, [[x + rng.uniform(-0.4, 0.4) for x in lp] for lp in own])
-    log_rho = [[o - r for o, r in zip(lp, row.rollout_log_probs, strict=True)] for lp, row in zip(own, off, strict=True)]
+    log_rho = [[o - r for o, r in zip(lp, row.rollout_log_probs, strict=True)]
+               for lp, row in zip(own, off, strict=True)]
     per_traj = {}
     for row, lr in zip(off, log_rho, strict=True):
         s, n = per_traj.get(row.trajectory_id, (0.0, 0))

@@ -32,7 +32,8 @@ def records(n=6):
     out = []
     for k in range(n):
         text = " ".join(f"Document {j}: fact{k}{j} is the capital of France." for j in range(4))
-        out.append(QuestionRecord(id=f"q{k}", question=f"What is fact{k}?", answers=["Paris"], context=text, metadata={}))
+        out.append(QuestionRecord(id=f"q{k}", question=f"What is fact{k}?", answers=["Paris"], context=text,
+                                  metadata={}))
     return out
 
 
@@ -69,7 +70,8 @@ STAGE_TIMES = ("time/rollout_s", "time/convert_s", "time/train_s", "time/sync_s"
 
 
 def assert_stage_times(metrics):
-    """Pitfall "Prompt-heavy actor update" (docs/design.md: "measure where step time goes"): every step says how long each of its stages took."""
+    """Pitfall "Prompt-heavy actor update" (docs/design.md: "measure where step time goes"): every step says how
+    long each of its stages took."""
     for key in STAGE_TIMES:
         assert isinstance(metrics.get(key), float) and metrics[key] >= 0, (key, metrics.get(key))
     assert metrics["time/rollout_s"] > 0  # generating 32 turns with a model takes measurable time
@@ -110,7 +112,8 @@ def test_resume_is_exact(tokenizer, tmp_path):
                           load=tmp_path / "b" / "checkpoints" / "iter_0000001")
     assert second.parts.start_rollout_id == 2
     second.run()
-    assert [straight.parts.data.batch(k)[0].id for k in range(4)] == [second.parts.data.batch(k)[0].id for k in range(4)]
+    assert ([straight.parts.data.batch(k)[0].id for k in range(4)]
+            == [second.parts.data.batch(k)[0].id for k in range(4)])
     a = read_metrics(tmp_path / "a")
     b = read_metrics(tmp_path / "b")
     assert [m["reward/mean"] for m in a] == [m["reward/mean"] for m in b]
@@ -159,7 +162,8 @@ def test_engine_uses_actor_weights_after_sync(tokenizer, tmp_path, temperature):
     assert max(abs(a - b) for a, b in zip(trainer_lp, result.log_probs, strict=True)) <= 1e-4
     # and the synced weights are not the initial ones: the step changed the policy the engine samples from
     initial = build_tiny_model(len(tokenizer), layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=0)
-    assert any(not torch.equal(a, b) for a, b in zip(initial.parameters(), rollout.engine.model.parameters(), strict=True))
+    assert any(not torch.equal(a, b)
+               for a, b in zip(initial.parameters(), rollout.engine.model.parameters(), strict=True))
 
 
 def test_expanded_rollout_without_row_count_is_an_error(tokenizer, tmp_path, monkeypatch):
@@ -228,7 +232,8 @@ def test_dynamic_sampling_trains_on_informative_groups_only(tokenizer, tmp_path,
 
     scored, real_convert = [], sources.convert_rollout
     monkeypatch.setattr(sources, "convert_rollout",
-                        lambda out, *a: (scored.append({t.group_id for t in out.trajectories}), real_convert(out, *a))[1])
+                        lambda out, *a: (scored.append({t.group_id for t in out.trajectories}),
+                                         real_convert(out, *a))[1])
     cfg = config(rollout_batch_size=2, max_staleness=max_staleness)
     cfg.plugins.reward_function = f"{__name__}:even_question_reward"
     cfg.algorithm.filter_groups, cfg.algorithm.over_sampling_batch_size, cfg.algorithm.max_num_gen_batches = True, 2, 8
@@ -272,7 +277,8 @@ def test_turn_rewards_give_every_turn_its_own_advantage(tokenizer, tmp_path):
     # split credit alone gives a trajectory's turns one value; the turn rewards make them differ
     assert any(len(set(adv)) > 1 for adv in per_traj.values())
     saved = load_raw_rollout(tmp_path / "run" / "rollouts_raw", 0)
-    assert [r.to_dict() for r in captured[0]] == [r.to_dict() for r in convert_trajectories(saved.trajectories, cfg.algorithm, 0)]
+    assert ([r.to_dict() for r in captured[0]]
+            == [r.to_dict() for r in convert_trajectories(saved.trajectories, cfg.algorithm, 0)])
 
 
 class RewardAsAdvantageTask(MemAgentTask):

@@ -30,7 +30,8 @@ def test_tensorboard_only_writes_no_metrics_file(tmp_path):
     assert any((tmp_path / "tensorboard").iterdir())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed (pip install 'memrl[wandb]')")
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                    reason="wandb not installed (pip install 'memrl[wandb]')")
 def test_wandb_offline_run_gets_metrics_and_resumes_the_same_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # W&B files under the test folder, whatever the machine has

@@ -244,7 +244,8 @@ def test_convert_to_hf_finds_a_relative_model_path_from_another_folder_or_says_t
     torch.testing.assert_close(logits_of(exported, IDS), logits_of(actor.model, IDS), atol=1e-5, rtol=1e-5)
     (tmp_path / "work" / "models").rename(tmp_path / "work" / "moved")
     one_line_error(CheckpointError, lambda: export_to_hf(ckpt, tmp_path / "m2"),
-                   rf"the base model models/base of .*relative to {tmp_path / 'work'}.* is not found; pass --base-model")
+                   rf"the base model models/base of .*relative to {tmp_path / 'work'}.* "
+                   r"is not found; pass --base-model")
 
 
 @pytest.fixture

@@ -62,7 +62,8 @@ def test_a_resumed_run_first_syncs_the_served_engine_to_its_checkpoint(tmp_path)
     records = [QuestionRecord(id="q0", question="Which city?", answers=["Paris"],
                               context="Document 1: Paris is the capital of France. " * 3, metadata={})]
     first = Trainer(Config.model_validate({
-        "task": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2}, "sampling": {"n_samples": 4},
+        "task": {"chunk_tokens": 48, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 2},
+        "sampling": {"n_samples": 4},
         "train": {"num_rollout": 1, "rollout_batch_size": 1, "lr": 1e-2, "save_interval": 10},
         "plugins": {"reward_function": f"{__name__}:parity_reward"}}),
         TrainOptions(run_root=tmp_path / "run", progress=False),

@@ -32,7 +32,8 @@ def test_malformed_line_is_named(tmp_path):
 
 def test_sft_command_lowers_the_nll(tmp_path):
     runner = CliRunner()
-    assert runner.invoke(app, ["make-tiny-model", str(tmp_path / "m"), "--layers", "1", "--hidden", "32"]).exit_code == 0
+    assert runner.invoke(app, ["make-tiny-model", str(tmp_path / "m"), "--layers", "1",
+                               "--hidden", "32"]).exit_code == 0
     data = write(tmp_path / "d.jsonl", [{"turns": [{"prompt": f"Q{k}", "response": "Paris"}]} for k in range(16)])
     result = runner.invoke(app, ["sft", "--model", str(tmp_path / "m"), "--data", str(data), "--out",
                                  str(tmp_path / "out"), "--epochs", "8", "--batch-size", "8", "--lr", "1e-2"])

@@ -25,7 +25,8 @@ N_QUESTIONS = 16
 BASE_RIGHT = {0, 1, 2, 3}
 TRAINED_RIGHT = {2, 3, 4, 5, 6, 7}  # q4..q7 wrong->right, q0, q1 right->wrong
 # Would set the title / a body attribute if the page ever parsed model text as HTML.
-INJECTED = ("<script>document.title='PWNED'</script><img src=x onerror=\"document.body.setAttribute('data-pwned','1')\">"
+INJECTED = ("<script>document.title='PWNED'</script>"
+            "<img src=x onerror=\"document.body.setAttribute('data-pwned','1')\">"
             "</script><script>document.title='PWNED2'</script>")
 _QUESTION = re.compile(r"What is item (\d+)\?")
 
@@ -36,7 +37,8 @@ def make_records(n: int = N_QUESTIONS) -> list[QuestionRecord]:
 
 
 def eval_config() -> Config:
-    return Config.model_validate({"task": {"chunk_tokens": 32, "memory_tokens": 96, "final_tokens": 96, "max_chunks": 3},
+    return Config.model_validate({"task": {"chunk_tokens": 32, "memory_tokens": 96, "final_tokens": 96,
+                                           "max_chunks": 3},
                                   "sampling": {"temperature": 0.0}, "eval": {"concurrency": 4}})
 
 
@@ -96,5 +98,6 @@ def train_run(tokenizer, root: Path, question: str = "What is fact0?") -> Path:
     records = [QuestionRecord("t0", question, ["Paris"],
                               " ".join(f"Document {j}: fact0{j} is the capital of France, Paris." for j in range(4)))]
     run_root = root / "run"
-    Trainer(cfg, TrainOptions(run_root=run_root, progress=False), model=model, tokenizer=tokenizer, records=records).run()
+    Trainer(cfg, TrainOptions(run_root=run_root, progress=False), model=model, tokenizer=tokenizer,
+            records=records).run()
     return run_root
