@@ -41,8 +41,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 @contextmanager
 def atomic_folder(out: str | Path) -> Iterator[Path]:
     """A temporary sibling of the folder `out` (not created yet) for the caller to fill; when the block
-    ends it replaces `out` (which must be absent or empty), and on any failure it is removed and `out` is
-    left as it was, so an interrupted write never looks finished."""
+    ends it replaces `out`, and on any failure it is removed and `out` is left as it was, so an interrupted
+    write never looks finished."""
     out = Path(out)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -52,8 +52,15 @@ def atomic_folder(out: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.exists():
-        out.rmdir()  # empty: the caller checked
-    os.replace(tmp, out)
+        # No moment without a complete folder under `out`'s name: the old one is moved aside first and
+        # deleted only after the new one is in place (a rerun of `memrl sft --out DIR` replaces DIR/model).
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

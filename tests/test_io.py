@@ -7,7 +7,14 @@ import pytest
 
 from memrl.data.records import DataError, read_jsonl_lines
 from memrl.eval.results import EvalError, read_results
-from memrl.io import atomic_save_figure, atomic_write_bytes, atomic_write_json, cut_torn_tail, jsonl_lines
+from memrl.io import (
+    atomic_folder,
+    atomic_save_figure,
+    atomic_write_bytes,
+    atomic_write_json,
+    cut_torn_tail,
+    jsonl_lines,
+)
 from memrl.train.checkpoint import COMPLETE_MARKER, write_best
 from memrl.train.run_log import RunLogger, read_metrics
 from memrl.train.sources import save_raw_rollout
@@ -51,6 +58,20 @@ def test_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         atomic_write_bytes(tmp_path / "x.json", b"new")
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"] and (tmp_path / "x.json").read_bytes() == b"old"
+
+
+def test_an_atomic_folder_replaces_a_folder_that_holds_files_and_a_failure_keeps_it(tmp_path):
+    # `memrl sft --out DIR` run twice writes DIR/model twice: the second must replace the first.
+    out = tmp_path / "model"
+    for weights in (b"first", b"second"):
+        with atomic_folder(out) as tmp:
+            tmp.mkdir()
+            (tmp / "weights.bin").write_bytes(weights)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (out / "weights.bin").read_bytes() == b"second"
+    with pytest.raises(RuntimeError, match="killed"), atomic_folder(out) as tmp:
+        tmp.mkdir()
+        raise RuntimeError("killed while writing")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (out / "weights.bin").read_bytes() == b"second"
 
 
 def best_json(root):
