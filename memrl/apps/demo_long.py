@@ -97,7 +97,6 @@ def evaluate_lengths(models: dict[str, tuple[Any, Any]], settings: LongDemoSetti
                                   facts_per_chunk=settings.train.facts_per_chunk, related=settings.related,
                                   exclude=exclude)
         data = out_root / "data" / f"length_{length}.jsonl"
-        data.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(data, records)
         sha = sha256_file(data)
         summaries, times = {}, {}

@@ -170,12 +170,9 @@ class TrainerWorker:
         """One rollout step from `RowRef`s: this rank fetches the rows, plans the step (a pure function of the
         rows, so every rank plans alike) and trains its share of every optimizer step."""
         from memrl.distributed.rows import fetch_rows
-        from memrl.train.partition import plan_rollout
 
         rows = fetch_rows(refs, timeout_s)
-        plan = plan_rollout(rows, self.cfg, self.actor.pad_token_id, rollout_id, self.actor.vocab_size)
-        metrics = self.actor.train_planned([[shares[self.rank]] for shares in plan], rollout_id, len(rows),
-                                           sum(len(r.tokens) for r in rows))
+        metrics = self.actor.train_rollout(rows, rollout_id)
         metrics["global_step"] = float(self.actor.global_step)
         metrics["rows/fetched"] = float(len(rows))
         return metrics

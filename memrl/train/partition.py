@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from memrl.config import Config
 from memrl.errors import MemrlError
+from memrl.rl.advantages import by_group
 from memrl.rl.loss import compute_token_weights
 from memrl.rl.validate import validate_train_rows
 from memrl.types import TrainRow
@@ -37,9 +38,7 @@ def padding_row(pad_token_id: int, rollout_id: int) -> TrainRow:
 def split_optimizer_steps(rows: Sequence[TrainRow], num_steps: int) -> list[list[TrainRow]]:
     """Cut rows into `num_steps` optimizer steps of whole prompt groups, balanced by group count: counted in
     groups, never rows, so longer documents never speed up the LR schedule (docs/design.md pitfalls)."""
-    groups: dict[str, list[TrainRow]] = {}
-    for row in rows:
-        groups.setdefault(row.group_id, []).append(row)
+    groups = by_group(rows)
     if num_steps > len(groups):
         raise PartitionError(
             f"train.num_optimizer_steps = {num_steps} is more than the {len(groups)} prompt groups of this step; "
@@ -100,13 +99,6 @@ def equalize_micro_batch_counts(per_rank: list[list[list[TrainRow]]], pad_token_
     """Give every rank the same number of micro-batches (collectives must match), padding with empty work."""
     most = max((len(b) for b in per_rank), default=0)
     return [b + [[padding_row(pad_token_id, rollout_id)] for _ in range(most - len(b))] for b in per_rank]
-
-
-def padding_fraction(batches: Sequence[Sequence[TrainRow]]) -> float:
-    """Share of processed (padded) tokens that are padding."""
-    real = sum(len(r.tokens) for b in batches for r in b if not r.is_padding)
-    padded = sum(max(len(r.tokens) for r in b) * len(b) for b in batches if b)
-    return 1.0 - real / padded if padded else 0.0
 
 
 @dataclass
