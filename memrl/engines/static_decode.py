@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from memrl.engines.base import EngineError
@@ -202,10 +203,13 @@ class StaticBatch:
         # Each request's uniforms for all its steps, drawn up front from its own generator: the same
         # numbers, in the same order, as one draw per step (torch's CPU generator fills serially).
         draws = [torch.rand(r.request.max_tokens, generator=r.generator) for r in rows]
-        uniforms = pad_sequence(draws, batch_first=True).to(device)
+        # One width for old and new rows, padded on the host and joined in one copy (this runs per admission).
+        width = max([d.numel() for d in draws] + ([self.uniforms.shape[1]] if self.rows else []))
+        uniforms = F.pad(pad_sequence(draws, batch_first=True), (0, width - max(d.numel() for d in draws)))
+        uniforms = uniforms.to(device)
         steps = torch.zeros(len(rows), dtype=torch.long, device=device)
         if self.rows:
-            uniforms = pad_sequence([*self.uniforms, *uniforms], batch_first=True)
+            uniforms = torch.cat([F.pad(self.uniforms, (0, width - self.uniforms.shape[1])), uniforms])
             steps = torch.cat([self.steps, steps])
             temperatures, top_ps = (torch.cat([self.host_temperatures, temperatures]),
                                     torch.cat([self.host_top_ps, top_ps]))
