@@ -59,7 +59,7 @@ def _cache_kwarg(model: PreTrainedModel) -> str:
 def _load_model(path: str | Path, dtype: torch.dtype, revision: str | None = None) -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, revision=revision)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: transformers' word for a folder of no model it knows
         raise EngineError(f"cannot load a model from {path}: {error}") from error
 
 

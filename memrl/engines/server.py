@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from memrl.config import ConfigError, import_object
-from memrl.engines.base import Engine, EngineError, GenerationRequest, GenerationResult
+from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.engines.reload_policy import ReloadPolicy, check_reload_roots, read_model_config
 from memrl.engines.server_requests import (
     MAX_SEED,
@@ -338,10 +338,7 @@ def _load_engine(model_path: str, engine_factory: str | None, device: str, dtype
         return import_object(engine_factory)(model_path)
     from memrl.engines.hf import HFEngine
 
-    try:
-        return HFEngine.from_pretrained(model_path, device=device, dtype=dtype)
-    except ValueError as exc:  # transformers' word for a folder that holds no model it knows
-        raise EngineError(f"cannot load a model from {model_path}: {exc}") from exc
+    return HFEngine.from_pretrained(model_path, device=device, dtype=dtype)
 
 
 def _engine_config(engine: Any) -> dict[str, Any] | None:

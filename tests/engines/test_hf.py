@@ -348,3 +348,13 @@ def test_from_pretrained_pins_the_revision(monkeypatch, tmp_path):
     monkeypatch.setattr(hf.AutoTokenizer, "from_pretrained", fake_tok)
     hf.HFEngine.from_pretrained("Qwen/Qwen3-0.6B", device="cpu", revision="c1899de2")
     assert seen == {"model": ("Qwen/Qwen3-0.6B", "c1899de2"), "tokenizer": ("Qwen/Qwen3-0.6B", "c1899de2")}
+
+
+@pytest.mark.parametrize("config", [None, '{"model_type": "no-such-architecture"}'])
+def test_a_folder_without_a_loadable_model_is_an_engine_error_naming_it(tmp_path, config):
+    # transformers says OSError for a missing config and ValueError for an architecture it does not know;
+    # every caller (memrl serve, the factory, a reload) gets the same EngineError, which the CLI prints in one line.
+    if config is not None:
+        (tmp_path / "config.json").write_text(config)
+    with pytest.raises(EngineError, match=f"cannot load a model from {tmp_path}"):
+        HFEngine.from_pretrained(tmp_path, device="cpu", dtype="float32")
