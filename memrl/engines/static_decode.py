@@ -100,6 +100,8 @@ class StaticDecoder:
     def _eager(self, slots: int, capacity: int) -> torch.Tensor:
         positions = self.positions_in[:slots]
         if self._columns is None or self._columns.numel() < capacity:
+            # Graphs captured over the old tensor would replay with its freed (reused) memory as their mask.
+            self._graphs.clear()
             self._columns = torch.arange(max(capacity, MIN_CAPACITY), device=positions.device)
         # A slot attends to its columns up to and including the one its new token is written to.
         mask = (self._columns[None, :capacity] <= positions[:, None])[:, None, None, :]

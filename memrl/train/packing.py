@@ -10,6 +10,7 @@ the row boundaries (`cu_seq_lens`, FlashAttention's argument names) it runs torc
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -54,15 +55,29 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     gqa = key.shape[1] != query.shape[1]
     if varlen_attn is not None and query.is_cuda and dtype in _VARLEN_DTYPES:
         q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, heads, D]
-        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                          window_size=(-1, 0), enable_gqa=gqa)
-        return out.unsqueeze(0), None
+        return causal_varlen(varlen_attn, q, k, v, cu_seq_lens_q, max_length_q, scaling).unsqueeze(0), None
     # One causal sdpa call per row; the lengths come from the host (`packed_kwargs`), so no device sync.
     bounds = kwargs.get("packed_lengths") or torch.diff(cu_seq_lens_q).tolist()
     rows = zip(*(x.split(bounds, dim=2) for x in (query, key, value)), strict=True)
     outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
             for q, k, v in rows]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def causal_varlen(kernel, q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int,
+                  scale: float | None) -> Tensor:
+    """Causal attention within packed rows through torch's `varlen_attn` ([T, heads, D] in and out), with the
+    keywords the installed torch has: causality is `window_size=(-1, 0)` from torch 2.12 and `is_causal`
+    before; `enable_gqa` exists from 2.12 only, so older versions get the kv heads repeated instead."""
+    accepted = inspect.signature(kernel).parameters
+    kwargs: dict[str, Any] = {"scale": scale}
+    kwargs.update({"window_size": (-1, 0)} if "window_size" in accepted else {"is_causal": True})
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in accepted:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    return kernel(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **kwargs)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)

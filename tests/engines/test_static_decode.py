@@ -203,6 +203,49 @@ def test_static_decode_and_cuda_graphs_are_off_unless_asked_for(recipe):
     assert (engine.static_kv, engine.cuda_graphs) == ("off", "off")
 
 
+class ColumnsCheckingGraph:
+    """A CPU stand-in for a captured decode step: it holds the column-index tensor of its capture, as a
+    CUDA graph holds its pointer, and refuses to replay once the decoder has replaced that tensor."""
+
+    def __init__(self, decoder, slots: int, capacity: int) -> None:
+        self.decoder, self.slots, self.capacity = decoder, slots, capacity
+        self.logits = decoder._eager(slots, capacity).clone()  # as the real capture: warm-up first
+        self.columns = decoder._columns
+
+    def replay(self) -> None:
+        assert self.decoder._columns is self.columns, "a graph replayed over a reallocated column index"
+        self.logits.copy_(self.decoder._eager(self.slots, self.capacity))
+
+
+def test_a_longer_row_drops_the_graphs_that_hold_the_old_column_index(model):
+    """Short rows (a (slots, 32-column) bucket, captured), then one long row in fewer slots (64 columns: the
+    KV storage has room in place, but the column index is reallocated), then short rows again: the first
+    bucket's graph must not be replayed over the freed column index."""
+    engine = HFEngine(model, max_batch_size=8, static_kv="on")
+    decoder = engine.static_decoder
+    decoder.graphs = True
+
+    def capture(slots, capacity):
+        graph = ColumnsCheckingGraph(decoder, slots, capacity)
+        decoder._graphs[(slots, capacity)] = (graph, graph.logits)
+        decoder.captures += 1
+        return graph, graph.logits
+
+    decoder._capture = capture
+    short = [GenerationRequest(token_ids(i, 4 + i), max_tokens=6, temperature=0.0) for i in range(8)]
+    long = [GenerationRequest(token_ids(9, 50), max_tokens=6, temperature=0.0)]
+
+    async def main():
+        try:
+            return [await engine.generate(batch) for batch in (short, long, short)]
+        finally:
+            await engine.close()
+
+    first, _, again = asyncio.run(main())
+    assert [(r.finish_reason, r.output_ids) for r in again] == [(r.finish_reason, r.output_ids) for r in first]
+    assert decoder.captures >= 3  # (8, 32), (1, 64), then (8, 32) captured anew
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; this machine has none")
 def test_cuda_graphs_decode_with_the_weights_of_the_last_sync():
     """Graphs on: the captured step reads the parameters' storage, so an in-place weight sync must show

@@ -112,3 +112,29 @@ def test_packed_varlen_attention_on_cuda_matches_padded_sdpa():
         packed = response_log_probs(model, MicroBatch.build(rows, [0.0] * len(rows), 0, device, packed=True), 1.0, 8)
     bf16 = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(packed, padded, rtol=0, atol=16 * bf16 * max(float(padded.abs().max()), 1.0))
+
+
+def _per_row_causal_sdpa(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+    """torch 2.11's `varlen_attn` signature (no `enable_gqa`, no `window_size`), computed per row on CPU."""
+    assert is_causal and k.shape[1] == q.shape[1]  # that torch has no grouped-query attention here
+    bounds = torch.diff(cu_seq_q).tolist()
+    outs = [torch.nn.functional.scaled_dot_product_attention(a.transpose(0, 1), b.transpose(0, 1),
+                                                             c.transpose(0, 1), is_causal=True, scale=scale)
+            for a, b, c in zip(q.split(bounds), k.split(bounds), v.split(bounds), strict=True)]
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def test_varlen_call_fits_a_torch_without_enable_gqa():
+    """The device's torch (2.11) has `varlen_attn` without `enable_gqa` / `window_size`: the call must use
+    the keywords it has (repeating kv heads for grouped-query attention) and give the grouped result."""
+    torch.manual_seed(0)
+    lengths = [3, 5, 2]
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)  # 4 query heads, 2 kv heads
+    cu = torch.tensor([0, 3, 8, 10])
+    out = packing.causal_varlen(_per_row_causal_sdpa, q, k, v, cu, max(lengths), None)
+    expected = [torch.nn.functional.scaled_dot_product_attention(a.transpose(0, 1), b.transpose(0, 1),
+                                                                 c.transpose(0, 1), is_causal=True, enable_gqa=True)
+                for a, b, c in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)]
+    # the same float32 softmax-weighted sums of <= 5 values of order 1, another kernel: a few roundings
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(out, torch.cat(expected, dim=1).transpose(0, 1), rtol=0, atol=16 * eps)
