@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
-from memrl.config import AlgorithmConfig, import_object
+from memrl.config import AlgorithmConfig, import_object, task_instance
 from memrl.rl.shaping import advantage_rows
 from memrl.rl.validate import TrajectoryError
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
@@ -119,8 +119,8 @@ class Task:
 
 
 def load_task(cfg: Any) -> Task:
-    """The configured task (`plugins.task`), a new instance."""
-    return import_object(cfg.plugins.task)()
+    """The configured task (`plugins.task`): the process's one instance of its class (`task_instance`)."""
+    return task_instance(cfg.plugins.task)
 
 
 def task_reward(cfg: Any, task: Task) -> Callable[[Trajectory, list[str]], float]:
