@@ -2,8 +2,11 @@
 remembered, question by question, from an eval folder (results.jsonl; `--compare` a second one), a rollout
 log (RUN_ROOT/logs/rollouts/rollout_*.jsonl) or a run root (every rollout log, grouped by step).
 
-What it shows of a trajectory beyond answer, scores and turn texts is the run's Task's (`Task.view_fields`,
-from its `plugins.task`). Gold ranges and scores are computed here (`memrl.scoring`), so the page's script
+What it shows of a trajectory beyond answer, scores and turn texts is a Task's (`Task.view_fields`): the one
+the user names (`--task`), else the run's `plugins.task` when memrl ships it (`SHIPPED_TASKS`), else the
+base Task's (text only, with a note on the page). A viewed folder names its task as data: it is compared
+with memrl's own, never imported, so a folder someone sent cannot run code (`os:abort`, `pdb:set_trace`).
+Gold ranges and scores are computed here (`memrl.scoring`), so the page's script
 stays small and cannot disagree with memrl. The page builds every element with textContent, never
 innerHTML, and the data's `<`, `>`, `&` are escaped, so no model output can run or close the element.
 Every record is checked as it is read (a bad one is a one-line `ViewerError` naming file, line and field).
@@ -15,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from memrl.config import ConfigError, PluginConfig, import_object
+from memrl.config import PluginConfig, task_instance
 from memrl.errors import MemrlError
 from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE
 from memrl.io import atomic_write_text, jsonl_lines
@@ -27,6 +30,8 @@ TEMPLATE = Path(__file__).with_name("template.html")
 DATA_MARKER = "__MEMRL_VIEW_DATA__"
 ROLLOUT_GLOB = "rollout_*.jsonl"
 VIEW_FILE = "viewer.html"
+# The tasks memrl ships: a viewed folder may name one of these, and only these, to have its fields shown.
+SHIPPED_TASKS = ("memrl.memagent.task:MemAgentTask", "memrl.tasks.single_turn:SingleTurnTask")
 _SCRIPT_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026",  # see embed_json
                                  "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
@@ -131,14 +136,26 @@ def _read_jsonl(path: Path, kind: tuple[dict[str, str], str, str], task: Task) -
     return [_check_record(record, kind, f"{path} line {number}", task) for number, record in lines]
 
 
-def _task(name: Any, where: Path) -> Task:
-    """The run's Task (`plugins.task`, recorded by the run), which says what the page shows of each
-    trajectory; the configured default for files that do not name one."""
-    try:
-        return import_object(name if isinstance(name, str) else PluginConfig().task)()
-    except ConfigError as e:
-        raise ViewerError(f"{where} names a task that cannot be loaded ({e}); view it where that task "
-                          f"is importable") from e
+class TaskChoice:
+    """Which Task shows each viewed file's own fields (module docstring): `spec`, the class the user named
+    (`--task`, checked as `plugins.task` is), else the file's task if memrl ships it, else the base Task
+    with a note (`notes`, shown on the page)."""
+
+    def __init__(self, spec: str | None = None) -> None:
+        self.chosen = task_instance(spec, "--task") if spec else None
+        self.notes: list[str] = []
+
+    def __call__(self, name: Any, where: Path) -> Task:
+        if self.chosen is not None:
+            return self.chosen
+        name = PluginConfig().task if name is None else name  # files from before tasks were recorded
+        dotted = {shipped.replace(":", "."): shipped for shipped in SHIPPED_TASKS}
+        if isinstance(name, str) and name.replace(":", ".") in dotted:
+            return task_instance(dotted[name.replace(":", ".")])
+        self.notes.append(f"{where} names the task {short_value(name)}, which memrl does not ship: shown without "
+                          f"its own fields (memrl view imports no code a folder names); pass --task "
+                          f"{name if isinstance(name, str) else 'module:Class'} to show them with that class")
+        return Task()
 
 
 # ------------------------------------------------------------------------------------------ sources
@@ -153,20 +170,20 @@ def _summary(folder: Path) -> dict[str, Any]:
     return summary if isinstance(summary, dict) else {}
 
 
-def _eval_lines(folder: Path) -> list[Checked]:
+def _eval_lines(folder: Path, pick: TaskChoice) -> list[Checked]:
     config = _summary(folder).get("config")
     plugins = config.get("plugins") if isinstance(config, dict) else None
-    task = _task(plugins.get("task") if isinstance(plugins, dict) else None, folder / SUMMARY_FILE)
+    task = pick(plugins.get("task") if isinstance(plugins, dict) else None, folder / SUMMARY_FILE)
     lines = _read_jsonl(folder / RESULTS_FILE, EVAL_LINE, task)
     if not lines:
         raise ViewerError(f"{folder / RESULTS_FILE} holds no results; run `memrl eval --out {folder}` first")
     return lines
 
 
-def _eval_data(folder: Path, other: Path | None) -> dict[str, Any]:
+def _eval_data(folder: Path, other: Path | None, pick: TaskChoice) -> dict[str, Any]:
     """Questions of one eval folder, or of two (same questions, in the first folder's order)."""
     runs = [folder] if other is None else [folder, other]
-    by_run = [{line.record["id"]: line for line in _eval_lines(f)} for f in runs]
+    by_run = [{line.record["id"]: line for line in _eval_lines(f, pick)} for f in runs]
     if other is not None and set(by_run[0]) != set(by_run[1]):
         only_a, only_b = sorted(set(by_run[0]) - set(by_run[1])), sorted(set(by_run[1]) - set(by_run[0]))
         raise ViewerError(f"{folder} and {other} hold different questions ({len(only_a)} only in the first, e.g. "
@@ -211,13 +228,13 @@ def _rollout_files(path: Path) -> list[Path]:
     return files
 
 
-def _run_config(run_root: Path | None) -> tuple[str, Task]:
+def _run_config(run_root: Path | None, pick: TaskChoice) -> tuple[str, Task]:
     """The run's `task.answer_extractor` (the logs score with it; default `boxed`) and Task, from config.yaml."""
     import yaml
 
     config = run_root / "config.yaml" if run_root is not None else None
     if config is None or not config.is_file():
-        return "boxed", _task(None, Path("config.yaml"))
+        return "boxed", pick(None, Path("config.yaml"))
     try:
         values = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
     except (OSError, ValueError, yaml.YAMLError) as e:
@@ -228,7 +245,7 @@ def _run_config(run_root: Path | None) -> tuple[str, Task]:
     if extractor not in ANSWER_EXTRACTORS:
         raise ViewerError(f"{config}: task.answer_extractor is {short_value(extractor)}, expected one of "
                           f"{', '.join(ANSWER_EXTRACTORS)}; pass a run root memrl wrote")
-    return extractor, _task(section["plugins"].get("task"), config)
+    return extractor, pick(section["plugins"].get("task"), config)
 
 
 def _step_rewards(run_root: Path | None) -> dict[int, float | None]:
@@ -245,11 +262,11 @@ def _step_rewards(run_root: Path | None) -> dict[int, float | None]:
     return {k: v if KINDS["number"][0](v) else None for k, v in metrics.items()}
 
 
-def _rollout_data(path: Path) -> dict[str, Any]:
+def _rollout_data(path: Path, pick: TaskChoice) -> dict[str, Any]:
     """Every trajectory of the rollout logs, one item each, and per step its GRPO groups."""
     files = _rollout_files(path)
     run_root = path if path.is_dir() and (path / "logs").is_dir() else None
-    extractor, task = _run_config(run_root)
+    extractor, task = _run_config(run_root, pick)
     rewards = _step_rewards(run_root)
     items: list[dict[str, Any]] = []
     steps = []
@@ -269,8 +286,9 @@ def _rollout_data(path: Path) -> dict[str, Any]:
     return {"kind": "train", "runs": [path.resolve().name], "items": items, "steps": steps, "warning": None}
 
 
-def view_data(path: Path, compare: Path | None = None) -> dict[str, Any]:
-    """The page's data for `path` (an eval folder, a rollout log or a run root), `compare` a second eval folder."""
+def view_data(path: Path, compare: Path | None = None, task: str | None = None) -> dict[str, Any]:
+    """The page's data for `path` (an eval folder, a rollout log or a run root), `compare` a second eval folder;
+    `task` the user's `module:Class` whose `view_fields` show each record (`TaskChoice`)."""
     path = Path(path)
     if not path.exists():
         raise ViewerError(f"{path} does not exist; pass an eval folder, a rollout log or a training run root")
@@ -278,7 +296,9 @@ def view_data(path: Path, compare: Path | None = None) -> dict[str, Any]:
     compare = Path(compare) if compare is not None else None
     if compare is not None and not (is_eval and (compare / RESULTS_FILE).is_file()):
         raise ViewerError(f"--compare needs two eval folders (each with {RESULTS_FILE}); got {path} and {compare}")
-    data = _eval_data(path, compare) if is_eval else _rollout_data(path)
+    pick = TaskChoice(task)
+    data = _eval_data(path, compare, pick) if is_eval else _rollout_data(path, pick)
+    data["warning"] = "; ".join(filter(None, [data["warning"], *pick.notes])) or None
     data["title"] = " vs ".join(data["runs"])
     return data
 
@@ -307,9 +327,10 @@ def default_out(path: Path, compare: Path | None = None) -> Path:
     return (path.parent if path.is_file() else path) / (f"viewer_{path.stem}.html" if path.is_file() else VIEW_FILE)
 
 
-def write_viewer(path: Path, compare: Path | None = None, out: Path | None = None) -> tuple[Path, dict[str, Any]]:
-    """Build the page for `path` (and `compare`) and write it atomically; returns (file, data)."""
-    data = view_data(path, compare)
+def write_viewer(path: Path, compare: Path | None = None, out: Path | None = None,
+                 task: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Build the page for `path` (and `compare`, `task`: `view_data`) and write it atomically; returns (file, data)."""
+    data = view_data(path, compare, task)
     target = Path(out) if out is not None else default_out(path, compare)
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(target, render_html(data))
