@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from memrl.cli import app
@@ -95,3 +96,22 @@ def test_a_missing_data_file_is_one_line(tmp_path, tiny_tokenizer):
                                       str(tmp_path / "a.jsonl")])
     assert result.exit_code == 2 and "none.jsonl" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "a.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["answerable", "demonstrations"])
+def test_out_may_be_neither_a_folder_nor_the_data_file(tmp_path, tiny_tokenizer, monkeypatch, command):
+    """OUT the same file as DATA (another spelling, a symlink) would silently replace the questions with
+    their answerable subset; OUT a folder was a traceback. Both are one line, exit 2, nothing written."""
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    data = tmp_path / "q.jsonl"
+    write_jsonl(data, [_record("Lisbon", "The author was born in Lisbon. " + FILLER),
+                       QuestionRecord(id="r", question="Q?", answers=["Oslo"], context=FILLER * 8)])
+    (tmp_path / "link.jsonl").symlink_to(data)
+    monkeypatch.chdir(tmp_path)
+    before = data.read_bytes()
+    for source, out, says in ((data, tmp_path, "is a folder"), (data, data, "would be overwritten"),
+                              (data, "./sub/../q.jsonl", "would be overwritten"),  # the writer makes sub/
+                              ("link.jsonl", data, "would be overwritten")):
+        result = CliRunner().invoke(app, ["prepare-data", command, str(source), str(tmp_path / "tok"), str(out)])
+        assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1 and data.read_bytes() == before
