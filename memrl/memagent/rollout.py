@@ -20,7 +20,7 @@ from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, encode_text, input_text
 from memrl.rollout import GroupSlot, RolloutContext, request_seed
-from memrl.scoring import gold_spans
+from memrl.scoring import THINK_END, gold_spans
 from memrl.types import Trajectory, Turn
 
 
@@ -30,9 +30,6 @@ async def _generate_one(engine: Engine, request: GenerationRequest) -> Generatio
     except Exception as e:  # an engine should report errors as results; never let one kill the batch
         return GenerationResult.failed(f"{type(e).__name__}: {e}")
     return result
-
-
-THINK_END = "</think>"
 
 
 def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
@@ -76,7 +73,8 @@ async def run_trajectory(engine: Engine, builder: PromptBuilder, task: TaskConfi
     memory_lengths: list[int] = []
     memory_truncations = 0
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, sample_index=sample_index, turns=turns,
-                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": task.answer_extractor})
+                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": task.answer_extractor,
+                                "answer_after_think": task.answer_after_think})
 
     def fail(message: str) -> Trajectory:
         traj.status, traj.error = "failed", message

@@ -100,16 +100,17 @@ def _turns(turns: list[dict[str, Any]], golds: list[str]) -> list[list[Any]]:
             for t in turns]
 
 
-def _result(checked: Checked, golds: list[str], extractor: str) -> dict[str, Any]:
-    """One run's answer to one question, from an eval line (`trace`) or a rollout log record (`turns`), with
-    the task's display fields."""
+def _result(checked: Checked, golds: list[str], scoring: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run's answer to one question, from an eval line (`trace`, its own scores) or a rollout log record
+    (`turns`, scored with the run's `scoring`: `score_answer`'s extractor and after_think), with the task's
+    display fields."""
     line = checked.record
     answer = line.get("answer") or ""
     if "em" in line:  # an eval line: its own scores
         boxed, em, f1, sub_em = line.get("boxed"), line.get("em"), line.get("f1"), line.get("sub_em")
         reward = line.get("reward", em)  # the training reward is the EM (memrl.task.trajectory_reward)
     else:  # a rollout record: scored here as eval scores it; a truncated answer scores 0 (docs/design.md §2)
-        score = score_answer(answer, golds, extractor)
+        score = score_answer(answer, golds, **(scoring or {}))
         done = line.get("status") == "complete"
         boxed, em, f1, sub_em = score.boxed, score.em * done, score.f1 * done, score.sub_em * done
         reward = line.get("reward")
@@ -193,7 +194,7 @@ def _eval_data(folder: Path, other: Path | None, pick: TaskChoice) -> dict[str, 
     for qid, first in by_run[0].items():
         golds = _golds(first.record)
         items.append({"id": qid, "q": first.record.get("question") or "", "g": golds,
-                      "r": [_result(lines[qid], golds, "boxed") for lines in by_run]})
+                      "r": [_result(lines[qid], golds) for lines in by_run]})
     return {"kind": "eval", "runs": [_run_name(f) for f in runs], "items": items, "steps": [],
             "warning": _compare_warning(folder, other)}
 
@@ -228,13 +229,14 @@ def _rollout_files(path: Path) -> list[Path]:
     return files
 
 
-def _run_config(run_root: Path | None, pick: TaskChoice) -> tuple[str, Task]:
-    """The run's `task.answer_extractor` (the logs score with it; default `boxed`) and Task, from config.yaml."""
+def _run_config(run_root: Path | None, pick: TaskChoice) -> tuple[dict[str, Any], Task]:
+    """How the run's logs are scored (`score_answer`'s extractor and after_think: `task.answer_extractor`,
+    default `boxed`, and `task.answer_after_think`) and its Task, from config.yaml."""
     import yaml
 
     config = run_root / "config.yaml" if run_root is not None else None
     if config is None or not config.is_file():
-        return "boxed", pick(None, Path("config.yaml"))
+        return {}, pick(None, Path("config.yaml"))
     try:
         values = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
     except (OSError, ValueError, yaml.YAMLError) as e:
@@ -245,7 +247,11 @@ def _run_config(run_root: Path | None, pick: TaskChoice) -> tuple[str, Task]:
     if extractor not in ANSWER_EXTRACTORS:
         raise ViewerError(f"{config}: task.answer_extractor is {short_value(extractor)}, expected one of "
                           f"{', '.join(ANSWER_EXTRACTORS)}; pass a run root memrl wrote")
-    return extractor, pick(section["plugins"].get("task"), config)
+    after_think = section["task"].get("answer_after_think", False)
+    if not isinstance(after_think, bool):
+        raise ViewerError(f"{config}: task.answer_after_think is {short_value(after_think)}, expected true or false; "
+                          f"pass a run root memrl wrote")
+    return {"extractor": extractor, "after_think": after_think}, pick(section["plugins"].get("task"), config)
 
 
 def _step_rewards(run_root: Path | None) -> dict[int, float | None]:
@@ -266,7 +272,7 @@ def _rollout_data(path: Path, pick: TaskChoice) -> dict[str, Any]:
     """Every trajectory of the rollout logs, one item each, and per step its GRPO groups."""
     files = _rollout_files(path)
     run_root = path if path.is_dir() and (path / "logs").is_dir() else None
-    extractor, task = _run_config(run_root, pick)
+    scoring, task = _run_config(run_root, pick)
     rewards = _step_rewards(run_root)
     items: list[dict[str, Any]] = []
     steps = []
@@ -281,7 +287,7 @@ def _rollout_data(path: Path, pick: TaskChoice) -> dict[str, Any]:
             group["items"].append(len(items))
             items.append({"id": str(record.get("trajectory_id")), "qid": record.get("question_id"),
                           "q": record.get("question") or "", "g": golds, "step": rollout_id,
-                          "r": [_result(checked, golds, extractor)]})
+                          "r": [_result(checked, golds, scoring)]})
         steps.append({"id": rollout_id, "reward": rewards.get(rollout_id), "groups": list(groups.values())})
     return {"kind": "train", "runs": [path.resolve().name], "items": items, "steps": steps, "warning": None}
 

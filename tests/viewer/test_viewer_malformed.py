@@ -178,3 +178,21 @@ def test_a_task_the_user_names_or_memrl_ships_shows_its_fields(evals, tmp_path):
     assert view_data(shipped)["warning"] is None
     result = CliRunner().invoke(app, ["view", str(folder), "--task", "os:abort"])
     assert result.exit_code == 2 and "--task = 'os:abort' is a builtin_function_or_method" in result.output
+
+
+def test_rollout_records_are_scored_as_the_run_reads_answers(run_root, tmp_path):
+    """The page scores rollout records with the run's task.answer_after_think, as its reward did."""
+    def boxed_in_think(record):
+        record.update(answer=f"<think>\\boxed{{{record['golds'][0]}}}</think>\nI am not sure.", status="complete")
+
+    root = broken_copy(run_root, "train", edit_line(boxed_in_think), tmp_path)
+    config = root / "config.yaml"
+    scores = []
+    for on in (False, True):
+        config.write_text(f"task:\n  answer_after_think: {str(on).lower()}\n", encoding="utf-8")
+        (item,) = [it for it in view_data(root)["items"] if "</think>" in it["r"][0]["a"]]
+        scores.append(item["r"][0]["em"])
+    assert scores == [1.0, 0.0]
+    config.write_text("task:\n  answer_after_think: 2\n", encoding="utf-8")
+    with pytest.raises(ViewerError, match="task.answer_after_think is 2, expected true or false"):
+        view_data(root)
