@@ -383,11 +383,16 @@ def view_cmd(
         help="A second eval folder: both side by side, with EM flips.")] = None,
     out: Annotated[Path | None, typer.Option(help="HTML file to write (default: PATH/viewer.html; with --compare, "
                                                   "viewer_A_vs_B.html beside the folders).")] = None,
+    task: Annotated[str | None, typer.Option(
+        help="module:Class of the Task whose view_fields show each record (imported and run). Unset: the "
+             "folder's own task if memrl ships it, else prompt / response text only.")] = None,
 ) -> None:
     """Write one self-contained HTML page of questions, memories turn by turn, answers and GRPO groups."""
     from memrl.viewer.build import write_viewer
 
-    target, data = write_viewer(path, compare, out)
+    target, data = write_viewer(path, compare, out, task)
+    if data["warning"]:
+        typer.secho(f"note: {data['warning']}", err=True)
     typer.echo(f"wrote {target}: {len(data['items'])} {'trajectories' if data['kind'] == 'train' else 'questions'}")
 
 

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from memrl.data.hotpotqa import HOTPOTQA_REVISION
-from memrl.data.manifest import output_folder
+from memrl.data.manifest import output_file, output_folder
 from memrl.data.prepare import DEFAULT_SEED
 from memrl.data.ruler_hqa import RULER_LENGTHS, RULER_REPO, RULER_REVISION
 
@@ -167,6 +167,7 @@ def prepare_answerable_cmd(data: Path = _DataArg, model: str = _ModelArg,
     """HotpotQA questions whose gold answer lies in a sentence of the chunks the rollout reads (yes/no never)."""
     from memrl.data.records import write_jsonl
 
+    output_file(out, "OUT", [("DATA", data), ("--recipe", recipe)])
     _, _, kept = _answerable_records(data, model, recipe, set_)
     write_jsonl(out, kept)
     typer.echo(f"wrote {out}")
@@ -183,6 +184,7 @@ def prepare_demonstrations_cmd(
     from memrl.data.records import write_jsonl
     from memrl.memagent.hotpot_demonstrations import demonstration
 
+    output_file(out, "OUT", [("DATA", data), ("--recipe", recipe)])
     cfg, tokenizer, kept = _answerable_records(data, model, recipe, set_)
     demos = [demonstration(r, tokenizer, cfg) for r in kept]
     write_jsonl(out, [{"turns": d["turns"][-1:]} for d in demos] if final_only else demos)

@@ -2,7 +2,8 @@
 
 `normalize_answer`, `exact_match`, `f1_score` are the official HotpotQA evaluator's. `therefore` reads to the
 end of the line after the last "the answer is", any case (the official evaluator keeps everything after the
-case-sensitive phrase, so a correct answer with an explanation scored 0).
+case-sensitive phrase, so a correct answer with an explanation scored 0). With `after_think`
+(`task.answer_after_think`) the answer is read after its last `</think>` (`answer_after_think`).
 Invariant: `score_answer` and `reward_from_text` never raise, whatever text and golds they get (only an
 unknown extractor name, a configuration error, is a `ScoringError`).
 """
@@ -33,6 +34,7 @@ _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _YES_NO = ("yes", "no", "noanswer")
+THINK_END = "</think>"
 
 
 def _matching_braces(text: str) -> dict[int, int]:
@@ -86,6 +88,13 @@ def extract_therefore(text: str) -> str | None:
     line = rest.split("\n", 1)[0]
     boxed = extract_boxed(line)
     return (boxed if boxed is not None else _strip_wrappers(line)).strip(" \t.")
+
+
+def answer_after_think(text: str) -> str:
+    """What the official MemAgent evaluation reads of an answer (ruler_hqa.py: `extract_answer(pred) if pred
+    else extract_answer(response)`, `pred` = utils' `extract_solution`): the text after the last `</think>`,
+    stripped; the whole text when it has no `</think>` or nothing follows it."""
+    return (text.rpartition(THINK_END)[2].strip() if THINK_END in text else "") or text
 
 
 # The `task.answer_extractor` choices: name -> function(text) -> answer or None (no answer).
@@ -178,9 +187,11 @@ def _golds_or_empty(golds: object) -> list[str]:
         return []
 
 
-def score_answer(text: str, golds: Iterable[str] | str, extractor: str = "boxed") -> AnswerScore:
-    """Score a final answer read by `extractor` (`ANSWER_EXTRACTORS`). Never raises: bad input scores as
-    a missing box or a wrong answer; no usable gold leaves the metrics at 0 but keeps what was extracted."""
+def score_answer(text: str, golds: Iterable[str] | str, extractor: str = "boxed",
+                 after_think: bool = False) -> AnswerScore:
+    """Score a final answer read by `extractor` (`ANSWER_EXTRACTORS`), only after its last `</think>` with
+    `after_think` (`answer_after_think`). Never raises: bad input scores as a missing box or a wrong answer;
+    no usable gold leaves the metrics at 0 but keeps what was extracted."""
     try:
         extract = ANSWER_EXTRACTORS[extractor]
     except (KeyError, TypeError):
@@ -189,7 +200,7 @@ def score_answer(text: str, golds: Iterable[str] | str, extractor: str = "boxed"
     if not isinstance(text, str):
         return _NO_ANSWER
     try:
-        boxed = extract(text)
+        boxed = extract(answer_after_think(text) if after_think else text)
         if boxed is None:
             return _NO_ANSWER
         answers = _golds_or_empty(golds)
@@ -230,6 +241,7 @@ def gold_spans(text: str, golds: Iterable[str] | str) -> list[tuple[int, int, in
     return sorted(spans)
 
 
-def reward_from_text(text: str, golds: Iterable[str] | str, extractor: str = "boxed") -> float:
+def reward_from_text(text: str, golds: Iterable[str] | str, extractor: str = "boxed",
+                     after_think: bool = False) -> float:
     """The training reward: 1.0 if the extracted answer exactly matches a gold answer, else 0.0."""
-    return 1.0 if score_answer(text, golds, extractor).em == 1.0 else 0.0
+    return 1.0 if score_answer(text, golds, extractor, after_think).em == 1.0 else 0.0

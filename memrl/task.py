@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
-from memrl.config import AlgorithmConfig, import_object
+from memrl.config import AlgorithmConfig, import_object, task_instance
 from memrl.rl.shaping import advantage_rows
 from memrl.rl.validate import TrajectoryError
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
@@ -35,11 +35,13 @@ def trajectory_reward(traj: Trajectory, golds: Iterable[str], extractor: str | N
 def score_trajectory(traj: Trajectory, golds: Iterable[str], extractor: str | None = None) -> AnswerScore:
     """EM, sub_EM, F1 and missing-box of the final answer; a truncated one keeps what it boxed but scores 0,
     matching its reward. `extractor` unset: the one the rollout recorded (its final prompt asked for that
-    format), else `boxed`."""
+    format), else `boxed`; read after the answer's last </think> when the rollout recorded
+    `answer_after_think` (`task.answer_after_think`)."""
+    meta = traj.metadata or {}
     if extractor is None:
-        extractor = str((traj.metadata or {}).get("answer_extractor", DEFAULT_EXTRACTOR))
+        extractor = str(meta.get("answer_extractor", DEFAULT_EXTRACTOR))
     text = traj.answer if traj.status != "failed" else ""
-    score = score_answer(text, golds, extractor)
+    score = score_answer(text, golds, extractor, after_think=bool(meta.get("answer_after_think")))
     if traj.status == "complete":
         return score
     return AnswerScore(boxed=score.boxed, em=0.0, sub_em=0.0, f1=0.0, missing_box=score.missing_box)
@@ -119,8 +121,8 @@ class Task:
 
 
 def load_task(cfg: Any) -> Task:
-    """The configured task (`plugins.task`), a new instance."""
-    return import_object(cfg.plugins.task)()
+    """The configured task (`plugins.task`): the process's one instance of its class (`task_instance`)."""
+    return task_instance(cfg.plugins.task)
 
 
 def task_reward(cfg: Any, task: Task) -> Callable[[Trajectory, list[str]], float]:

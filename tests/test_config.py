@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from memrl.cli import app
 from memrl.config import Config, ConfigError, import_object, load_config
+from memrl.task import Task
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_RECIPE = ROOT / "recipes" / "qwen3-0.6b-hotpotqa.yaml"
@@ -311,3 +312,46 @@ def test_an_old_rollout_section_is_refused_in_one_line_naming_each_key(tmp_path)
            "task.chunk_tokens?)" in result.output
     with pytest.raises(ConfigError, match="the rollout section is split into sampling, engine and task"):
         load_config(None, [f"{OLD}={{}}"])
+
+
+class _NeedsArguments(Task):
+    def __init__(self, hops: int) -> None:
+        self.hops = hops
+
+
+class _NoTask:
+    pass
+
+
+@pytest.mark.parametrize("spec, found", [
+    ("os:getcwd", "is a builtin_function_or_method ('getcwd'), not a class"),
+    ("builtins:object", "is the class builtins.object, which does not derive from memrl.task.Task"),
+    ("memrl.task:DEFAULT_EXTRACTOR", "is a str value ('boxed'), not a class"),
+    (f"{__name__}:_NoTask", f"is the class {__name__}._NoTask, which does not derive from memrl.task.Task"),
+    (f"{__name__}:_NeedsArguments", "_NeedsArguments() needs arguments (missing a required argument: 'hops')"),
+])
+def test_a_task_path_naming_no_task_class_is_one_line_naming_what_it_found(spec, found):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"plugins.task={spec}"])
+    assert f"plugins.task = '{spec}'" in str(info.value) and found in str(info.value)
+    result = CliRunner().invoke(app, ["config", "--set", f"plugins.task={spec}"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and found in result.output
+
+
+class _CountedTask(Task):
+    built = 0
+
+    def __init__(self) -> None:
+        type(self).built += 1
+
+
+def test_the_task_is_built_once_per_process_whatever_asks_for_it():
+    """Loading a config (validate_config), sizing the queue and a command's own task share one instance."""
+    from memrl.task import load_task, rows_per_trajectory
+
+    cfg = load_config(None, [f"plugins.task={__name__}:_CountedTask"])
+    assert _CountedTask.built == 1
+    assert rows_per_trajectory(cfg) == 1 and load_task(cfg) is load_task(cfg)
+    load_config(None, [f"plugins.task={__name__}:_CountedTask", "sampling.n_samples=2"])
+    assert _CountedTask.built == 1

@@ -190,3 +190,12 @@ def test_eval_format_records_the_extractor_and_stripping(tiny_tokenizer):
     recurrent = eval_format(load_config(RECIPE, recurrent_variant_overrides()), tiny_tokenizer, [0])
     assert recurrent["strip_inputs"] is True and "the answer is" in recurrent["scorer"]
     assert eval_format(load_config(RECIPE), tiny_tokenizer, [0])["scorer"] == default["scorer"]
+
+
+def test_the_recipe_reads_the_answer_after_think_and_the_eval_format_records_it(tiny_tokenizer):
+    from memrl.config import Config
+    from memrl.eval.results import eval_format
+
+    assert load_config(RECIPE).task.answer_after_think is True and Config().task.answer_after_think is False
+    assert eval_format(load_config(RECIPE), tiny_tokenizer, [0])["answer_after_think"] is True
+    assert "answer_after_think" not in eval_format(Config(), tiny_tokenizer, [0])  # old runs still resume

@@ -455,3 +455,24 @@ def test_unknown_extractor_is_a_named_error():
 def test_therefore_scoring_never_raises(text, golds):
     score = score_answer(text, golds, "therefore")
     assert score.missing_box == (score.boxed is None) and score.sub_em >= score.em
+
+
+def official_read(response: str) -> str:
+    """The text the official evaluation extracts from (ruler_hqa.py get_pred with utils' extract_solution)."""
+    response = response.strip()
+    pred = response.split("</think>")[-1].strip() if "</think>" in response else None
+    return pred if pred else response
+
+
+@pytest.mark.parametrize("answer, whole, after", [
+    ("<think>\\boxed{Paris}</think>\nI am not sure.", 1.0, 0.0),  # the box sits in the think block only
+    ("<think>maybe \\boxed{Rome}</think>\n\\boxed{Paris}", 1.0, 1.0),
+    ("<think>\\boxed{Rome}</think>\\boxed{Paris}</think>\n\\boxed{Rome}", 0.0, 0.0),  # the last </think> counts
+    ("<think>\\boxed{Paris}</think>\n \n", 1.0, 1.0),  # nothing after it: the whole answer, as the official
+    ("\\boxed{Paris}", 1.0, 1.0),  # no think block
+])
+def test_answer_after_think_reads_what_the_official_evaluation_reads(answer, whole, after):
+    assert score_answer(answer, ["Paris"]).em == reward_from_text(answer, ["Paris"]) == whole
+    assert score_answer(answer, ["Paris"], after_think=True).em == after
+    assert reward_from_text(answer, ["Paris"], "boxed", after_think=True) == after
+    assert score_answer(official_read(answer), ["Paris"]).em == after  # the official rule, ported

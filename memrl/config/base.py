@@ -1,9 +1,11 @@
 """What every config section shares: `Section` (unknown keys refused, strict ints and bools, retired keys
-named with their replacement), `ConfigError`, and `import_object` for the config's `module:name` paths."""
+named with their replacement), `ConfigError`, `import_object` for the config's `module:name` paths, and
+`task_instance`, the one loader of the Task a config names."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
 import types
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
@@ -12,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, mod
 
 from memrl.errors import MemrlError
 
-__all__ = ["ConfigError", "Section", "import_object"]
+__all__ = ["ConfigError", "Section", "import_object", "task_instance"]
 
 
 class ConfigError(ValueError, MemrlError):
@@ -94,3 +96,39 @@ def import_object(spec: str) -> Any:
     except AttributeError as e:
         raise ConfigError(f"module '{module_name}' has no '{attr}' (from '{spec}')") from e
 
+
+
+# The base every task derives from, named rather than imported: memrl.task imports this package.
+TASK_BASE = ("memrl.task", "Task")
+_TASKS: dict[type, Any] = {}
+
+
+def _not_a_task(found: Any) -> str:
+    if isinstance(found, type):
+        return f"the class {found.__module__}.{found.__qualname__}, which does not derive from memrl.task.Task"
+    if callable(found):
+        return f"a {type(found).__name__} ({getattr(found, '__qualname__', found)!r}), not a class"
+    text = repr(found)
+    return f"a {type(found).__name__} value ({text if len(text) <= 40 else text[:37] + '...'}), not a class"
+
+
+def task_instance(spec: str, what: str = "plugins.task") -> Any:
+    """The Task `spec` (`module:Class`) names, built once per process: loading a config (which asks it to
+    `validate_config`), sizing the queue and running a command share it, as every config naming the class
+    does (a task keeps per-run state in `ctx.scratch`, docs/custom-tasks.md). Anything but a Task subclass
+    that takes no arguments is a one-line ConfigError saying what was found."""
+    try:
+        found = import_object(spec)
+    except ConfigError as e:
+        raise ConfigError(f"{what} = '{spec}': {e}; install what it needs or fix the path") from e
+    if not (isinstance(found, type) and any((c.__module__, c.__qualname__) == TASK_BASE for c in found.__mro__)):
+        raise ConfigError(f"{what} = '{spec}' is {_not_a_task(found)}; expected a Task class (a subclass of "
+                          f"memrl.task.Task, e.g. memrl.tasks.single_turn:SingleTurnTask)")
+    if found not in _TASKS:
+        try:
+            inspect.signature(found).bind()
+        except TypeError as e:
+            raise ConfigError(f"{what} = '{spec}': {found.__qualname__}() needs arguments ({e}); a Task is built "
+                              f"with none (its settings come from the config): give them defaults") from None
+        _TASKS[found] = found()
+    return _TASKS[found]

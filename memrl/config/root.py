@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 from pydantic import Field, model_validator
 
-from memrl.config.base import ConfigError, Section, import_object
+from memrl.config.base import ConfigError, Section, task_instance
 from memrl.config.sections import (
     DataConfig,
     EngineConfig,
@@ -70,10 +70,9 @@ class Config(Section):
     def _task_accepts_the_config(self) -> Config:
         # The task checks its own settings (`Task.validate_config`; MemAgent: max_chunks + 1 queue rows).
         try:
-            task = import_object(self.plugins.task)()
+            task = task_instance(self.plugins.task)
         except ConfigError as error:
-            raise ValueError(f"plugins.task = '{self.plugins.task}': {error}; install what it needs or fix "
-                             f"the path") from error
+            raise ValueError(str(error)) from error
         task.validate_config(self)
         return self
 

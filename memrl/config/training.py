@@ -96,6 +96,11 @@ class AlgorithmConfig(Section):
         if self.loss_mode == "gspo" and self.credit != "share":
             raise ValueError("algorithm.loss_mode = 'gspo' takes one ratio per trajectory and gives every token the "
                              "trajectory's advantage; set algorithm.credit = 'share' (split gives each of T turns A/T)")
+        # verl's GSPO has no dual clip: with one, a runaway trajectory's loss would be capped at -A c (3.0 where
+        # verl's is 7.389 per token in one case), a loss no anchor defines.
+        if self.loss_mode == "gspo" and self.dual_clip is not None:
+            raise ValueError(f"algorithm.dual_clip = {self.dual_clip} with algorithm.loss_mode = 'gspo': GSPO (verl's "
+                             f"policy_loss.loss_mode=gspo) has no dual clip; unset algorithm.dual_clip")
         return self
 
     @property

@@ -5,13 +5,16 @@ Every folder `memrl prepare-data` writes holds a `manifest.json`:
     {"files": {"<relative POSIX path>": {"sha256": "...", "bytes": 123, "records": 60}, ...},
      "created_by": "memrl prepare-data hotpotqa", "args": {...}, "history": [...]}
 
-written atomically and last, after every file it lists.
+written atomically and last, after every file it lists. The checks of a command's outputs are here too:
+`output_folder`, `output_file`, and `refuse_inputs_as_outputs` (no command writes over a file it reads).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,8 @@ class ManifestError(ValueError, MemrlError):
 
 
 class OutputFolderError(ValueError, MemrlError):
-    """An output folder (a command's --out, --run-root) that names an existing file, or a path under one."""
+    """An output (a command's --out, --run-root, OUT) that cannot be written as asked: a folder where a file
+    goes or the reverse, or a file the command also reads."""
 
 
 def output_folder(path: str | Path, option: str) -> Path:
@@ -39,6 +43,34 @@ def output_folder(path: str | Path, option: str) -> Path:
         where = "is a file" if existing == path else f"is under {existing}, which is a file"
         raise OutputFolderError(f"{option} {path} {where}; pass a new or existing folder")
     return path
+
+
+def output_file(path: str | Path, option: str, inputs: Iterable[tuple[str, str | Path | None]] = ()) -> Path:
+    """`path` as a Path if a file can be written there (not a folder, under no file) that is none of
+    `inputs` (`refuse_inputs_as_outputs`); checked before any input is read."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputFolderError(f"{option} {path} is a folder; pass a file path, e.g. {path / 'out.jsonl'}")
+    output_folder(path.parent, f"the folder of {option}")
+    refuse_inputs_as_outputs([path], inputs)
+    return path
+
+
+def refuse_inputs_as_outputs(outputs: Iterable[str | Path], inputs: Iterable[tuple[str, str | Path | None]]) -> None:
+    """An `OutputFolderError` when a file the command will write is one it reads (`inputs`: (option, path)
+    pairs), whatever the spelling: another relative path, a symlink or a hard link to it (os.path.samefile).
+    Writing it would replace the input with what was made from it, silently. An output not there yet is
+    compared by where it would be (`sub/../data.jsonl`, whose missing `sub` the writer creates, is the input)."""
+    inputs = [(option, Path(p)) for option, p in inputs if p is not None and Path(p).exists()]
+
+    def same(out: Path, source: Path) -> bool:
+        return os.path.samefile(out, source) if out.exists() else os.path.realpath(out) == os.path.realpath(source)
+
+    for out in map(Path, outputs):
+        clash = next(((option, p) for option, p in inputs if same(out, p)), None)
+        if clash is not None:
+            raise OutputFolderError(f"{clash[0]} {clash[1]} would be overwritten: the command writes {out}, the same "
+                                    f"file; write the output elsewhere (or move the input)")
 
 
 def sha256_file(path: str | Path) -> str:

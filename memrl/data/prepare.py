@@ -36,7 +36,7 @@ from memrl.data.hotpotqa import (
     select_heldout,
     to_question_record,
 )
-from memrl.data.manifest import sha256_file, write_manifest
+from memrl.data.manifest import MANIFEST_NAME, refuse_inputs_as_outputs, sha256_file, write_manifest
 from memrl.data.records import write_jsonl
 from memrl.data.ruler_hqa import (
     RULER_REPO,
@@ -164,6 +164,10 @@ def hotpotqa_command(out: str | Path, *, from_file: str | Path | None = None, sp
                      drop_answerable_without_context: str | Path | None = None) -> dict[str, Path]:
     """`prepare-data hotpotqa`: HotpotQA distractor (a local official JSON, else the hub) through
     `prepare_hotpotqa`; the manifest records the source (its SHA-256 or hub revision) and the arguments."""
+    refuse_inputs_as_outputs([Path(out) / name for name in (TRAIN_FILE, HELDOUT_FILE, TRAIN_IDS, HELDOUT_IDS,
+                                                            PASS_COUNTS_FILE, ANSWERABLE_IDS, MANIFEST_NAME)],
+                             [("--from-file", from_file), ("--pass-counts", pass_counts),
+                              ("--drop-answerable-without-context", drop_answerable_without_context)])
     if from_file is not None:
         examples = load_hotpotqa_file(from_file)
         source: dict[str, Any] = {"file": str(from_file), "sha256": sha256_file(from_file)}
@@ -191,6 +195,9 @@ def ruler_hqa_command(out: str | Path, lengths: Sequence[int], *, from_dir: str 
     """`prepare-data ruler-hqa`: `eval_{N}.json` from `from_dir` (or the hub), validated and normalized, into
     `out/ruler_hqa/`; the manifest records the source, its files' SHA-256 and the arguments."""
     folder = Path(out) / RULER_DIR
+    refuse_inputs_as_outputs([folder / name for name in (*map(ruler_filename, lengths), MANIFEST_NAME)],
+                             [("--pool", pool), *(("--from-dir", Path(from_dir) / ruler_filename(n)) for n in lengths
+                                                  if from_dir is not None)])
     written: dict[str, int | None] = {}
     sources: dict[str, str] = {}
     for n in tqdm(lengths, desc="ruler-hqa files", unit="file", leave=False):
@@ -208,6 +215,9 @@ def ruler_hqa_command(out: str | Path, lengths: Sequence[int], *, from_dir: str 
 def build_ruler_command(from_file: str | Path, out: str | Path, num_docs: Sequence[int], *, seed: int = DEFAULT_SEED,
                         limit: int | None = None, layout: str = "memrl") -> dict[str, Path]:
     """`prepare-data build-ruler`: `build_ruler_files` over a local HotpotQA pool, its SHA-256 recorded."""
+    refuse_inputs_as_outputs([Path(out) / BUILT_RULER_DIR / name for name in (*map(ruler_filename, num_docs),
+                                                                              MANIFEST_NAME)],
+                             [("--from-file", from_file)])
     examples = load_hotpotqa_file(from_file)
     args = {"source": {"file": str(from_file), "sha256": sha256_file(from_file)}, "num_docs": list(num_docs),
             "seed": seed, "limit": limit}

@@ -68,6 +68,8 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
         fmt["strip_inputs"] = True
     if task.memory_after_think:  # the memories passed on, and so every later prompt, differ
         fmt["memory_after_think"] = True
+    if task.answer_after_think:  # the scorer reads less of each answer
+        fmt["answer_after_think"] = True
     return fmt
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from memrl.data.records import QuestionRecord
 from memrl.data.synthetic import ATTRIBUTES, FACT_TOKENS, UNKNOWN, SyntheticTaskError, answer_text, fact_text
-from memrl.memagent.prompts import encode_text
+from memrl.memagent.prompts import encode_text, text_budget
 from memrl.memagent.rollout import document_chunks
 
 
@@ -48,7 +48,7 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ta
         fact = memory_fact or (meta["attribute"], meta["entity"], UNKNOWN)
         text = fact_text(*fact)
         prompt = builder.memory_prompt_ids(record.question, memory_ids, chunk_ids)
-        response = encode_text(tokenizer, text)[: task_cfg.memory_tokens - 1] + [eos]
+        response = encode_text(tokenizer, text)[: text_budget(task_cfg.memory_tokens)] + [eos]
         turns.append((prompt, response))
         memory_ids, _ = builder.cap_memory(response)
     if memory_fact:
@@ -57,5 +57,5 @@ def demonstration_turns(record: QuestionRecord, tokenizer: Any, builder: Any, ta
         value = rng.choice(ATTRIBUTES[meta["attribute"]]) if unknown_answer == "guess" else UNKNOWN
     final = encode_text(tokenizer, answer_text(value))
     final_prompt = builder.final_prompt_ids(record.question, memory_ids)
-    turns.append((final_prompt, final[: task_cfg.final_tokens - 1] + [eos]))
+    turns.append((final_prompt, final[: text_budget(task_cfg.final_tokens)] + [eos]))
     return turns

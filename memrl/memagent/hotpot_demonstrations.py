@@ -12,7 +12,7 @@ from typing import Any
 
 from memrl.config import TaskConfig
 from memrl.data.records import QuestionRecord
-from memrl.memagent.prompts import fill_template, input_text, layout_memory_template
+from memrl.memagent.prompts import encode_text, fill_template, input_text, layout_memory_template, text_budget
 from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import document_chunks
 from memrl.scoring import gold_list, normalize_answer
@@ -42,20 +42,26 @@ def answerable(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> bool:
     return any(_gold_sentence(text, golds) for text in chunk_texts(record, tokenizer, cfg))
 
 
-def _cap(text: str, tokenizer: Any, limit: int, gold: str) -> str:
-    """`text` cut to `limit` tokens, from the front when the gold answer would otherwise be cut off."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) <= limit:
+def _fit(text: str, tokenizer: Any, cfg: TaskConfig, gold: str) -> str:
+    """`text` as a memory turn's response the rollout would take whole: at most `text_budget(memory_tokens)`
+    ids as `memrl sft` encodes it (it appends the stop token), cut from the front when the gold answer
+    would otherwise be cut off. Decoded ids can encode to more ids: one fewer is kept until it fits."""
+    ids, budget = encode_text(tokenizer, text), text_budget(cfg.memory_tokens)
+    if len(ids) <= budget:
         return text
-    head = tokenizer.decode(ids[:limit])
-    return head if gold_in_text(head, [gold]) else tokenizer.decode(ids[-limit:]).strip()
+    for keep in range(budget, 0, -1):
+        head = tokenizer.decode(ids[:keep])
+        fitted = head if gold_in_text(head, [gold]) else tokenizer.decode(ids[-keep:]).strip()
+        if len(encode_text(tokenizer, fitted)) <= budget:
+            return fitted
+    return ""
 
 
 def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> dict[str, list[dict[str, str]]]:
     """One demonstrated trajectory of `record`: memory turns over the rollout's chunks, then the final turn.
 
-    A memory turn keeps the chunk's sentence with the answer (cut to `memory_tokens - 1`: the stop token is
-    appended by `memrl sft`), else repeats the memory so far; the final turn boxes the first gold answer."""
+    A memory turn keeps the chunk's sentence with the answer, else repeats the memory so far (the filler
+    before it), each cut to what the rollout passes on whole (`_fit`); the final turn boxes the first gold."""
     golds = gold_list(record.answers)
     question = input_text(cfg, record.question)
     memory, turns = None, []
@@ -64,10 +70,12 @@ def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> di
                        memory=memory if memory is not None else cfg.no_memory_text)
         sentence = _gold_sentence(text, golds)
         if sentence is not None:
-            memory = _cap(sentence, tokenizer, cfg.memory_tokens - 1, golds[0])
+            memory = _fit(sentence, tokenizer, cfg, golds[0])
         elif memory is None:
-            memory = NOTHING_YET
+            memory = _fit(NOTHING_YET, tokenizer, cfg, golds[0])
         turns.append({"prompt": prompt, "response": memory})
-    final = fill_template(cfg.final_template, question=question, memory=memory or cfg.no_memory_text)
+    # An empty memory is passed on as empty, as the rollout does; only a document of no chunks has none yet.
+    final = fill_template(cfg.final_template, question=question,
+                          memory=memory if memory is not None else cfg.no_memory_text)
     turns.append({"prompt": final, "response": "\\boxed{" + golds[0] + "}"})
     return {"turns": turns}

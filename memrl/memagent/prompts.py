@@ -89,6 +89,13 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]) if text else []
 
 
+def text_budget(max_tokens: int) -> int:
+    """How many text ids a demonstrated turn may write: its token limit (the rollout's generation limit)
+    less the stop token it ends on, which that limit counts. Such a turn stops within its limit, so the
+    rollout passes its memory on whole (`PromptBuilder.cap_memory` cuts nothing); 0 at a limit of 1."""
+    return max(max_tokens - 1, 0)
+
+
 def input_text(cfg: TaskConfig, text: str) -> str:
     """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on (the
     official evaluation strips both; off by default, as memrl's own runs trained on unstripped text)."""

@@ -20,8 +20,7 @@ from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, encode_text, input_text
 from memrl.rollout import GroupSlot, RolloutContext, request_seed
-from memrl.scoring import gold_spans
-from memrl.task import vocab_id
+from memrl.scoring import THINK_END, gold_spans
 from memrl.types import Trajectory, Turn
 
 
@@ -33,23 +32,23 @@ async def _generate_one(engine: Engine, request: GenerationRequest) -> Generatio
     return result
 
 
-THINK_END = "</think>"
-
-
 def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
-    """The official memory update (`extract_solution`): `response.split("</think>")[-1].strip()`. In ids
-    where `</think>` is one token (the ids after its last occurrence, whitespace tokens dropped at both
-    ends); as text only where it is not (Qwen2.5) or a token mixes whitespace and text at an end."""
-    think_end = vocab_id(tokenizer, THINK_END)  # one token in Qwen3
-    if think_end is None:
-        text = tokenizer.decode(memory_ids)
-        if THINK_END not in text:
-            return memory_ids
-        return encode_text(tokenizer, text.split(THINK_END)[-1].strip())
-    if think_end not in memory_ids:
+    """The official memory update (`extract_solution`): `response.split("</think>")[-1].strip()`, split on the
+    decoded text as the official code does, whether `</think>` was sampled as its one token (Qwen3) or as
+    pieces (`</`, `think`, `>`), yet kept in ids: the sampled ids after the token where the text's last
+    `</think>` ends, whitespace-only tokens dropped at both ends. Re-encoded text only where a token at
+    either end mixes text with whitespace or with the end of `</think>`."""
+    text = tokenizer.decode(memory_ids)
+    count = text.count(THINK_END)
+    if not count:
         return memory_ids
-    tail = memory_ids[len(memory_ids) - memory_ids[::-1].index(think_end):]
-    stripped = tokenizer.decode(tail).strip()
+    # The fewest leading ids whose text holds every `</think>`: a prefix decodes to a prefix of the text.
+    lo, hi = 1, len(memory_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if tokenizer.decode(memory_ids[:mid]).count(THINK_END) >= count else (mid + 1, hi)
+    tail = memory_ids[lo:]
+    stripped = text[text.rindex(THINK_END) + len(THINK_END):].strip()
     lo, hi = 0, len(tail)
     while lo < hi and not tokenizer.decode(tail[lo:lo + 1]).strip():
         lo += 1
@@ -74,7 +73,8 @@ async def run_trajectory(engine: Engine, builder: PromptBuilder, task: TaskConfi
     memory_lengths: list[int] = []
     memory_truncations = 0
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, sample_index=sample_index, turns=turns,
-                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": task.answer_extractor})
+                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": task.answer_extractor,
+                                "answer_after_think": task.answer_after_think})
 
     def fail(message: str) -> Trajectory:
         traj.status, traj.error = "failed", message

@@ -80,19 +80,26 @@ def aggregate(values: Tensor, mask: Tensor, mode: AggMode = "token_mean", group_
 
 
 def compute_token_weights(response_lengths_masked: Sequence[float], trajectory_ids: Sequence[Hashable] | None,
-                          mode: AggMode = "token_mean", loss_scale_factor: float | None = None) -> list[float]:
+                          mode: AggMode = "token_mean", loss_scale_factor: float | None = None,
+                          counted: Sequence[bool] | None = None) -> list[float]:
     """Per-row weights w_r of a whole optimizer step, from each row's masked token count n_r (0 for padding
     rows: w_r = 0), so that `sum_r w_r * sum_t mask * loss` is `aggregate` of the full step in `mode`:
     1/N (token_mean), 1/(n_r R) (seq_mean_token_mean), 1/(T_traj n_traj) (trajectory_mean), 1/R and
-    1/(R L) (the token-sum modes), N, R, T over the whole step; never over a micro-batch."""
+    1/(R L) (the token-sum modes), N, R, T over the whole step; never over a micro-batch. R and n_traj
+    count the rows `counted` marks and those with tokens: the trainer marks every real row, so a fully
+    masked one (mask_truncated_completions) still counts, as in verl's training path (its global batch
+    size); unset, only rows with tokens count (verl's `agg_loss` called alone; `aggregate`)."""
     scale = _check_mode(mode, loss_scale_factor)
     n = [float(x) for x in response_lengths_masked]
     if any(x < 0 for x in n):
         raise LossError("masked response lengths must be >= 0")
+    if counted is not None and len(counted) != len(n):
+        raise LossError(f"counted must have one entry per row ({len(n)}), got {len(counted)}")
+    counts = [x > 0 or (counted is not None and bool(counted[i])) for i, x in enumerate(n)]
     if mode == "token_mean":
         total = sum(n)
         return [1.0 / total if x > 0 else 0.0 for x in n]
-    rows = sum(1 for x in n if x > 0)
+    rows = sum(counts)
     if mode == "seq_mean_token_mean":
         return [1.0 / (x * rows) if x > 0 else 0.0 for x in n]
     if mode in ("seq_mean_token_sum", "seq_mean_token_sum_norm"):
@@ -102,7 +109,7 @@ def compute_token_weights(response_lengths_masked: Sequence[float], trajectory_i
     traj_tokens: dict[Hashable, float] = {}
     for x, t in zip(n, trajectory_ids, strict=True):
         traj_tokens[t] = traj_tokens.get(t, 0.0) + x
-    n_traj = sum(1 for v in traj_tokens.values() if v > 0)
+    n_traj = len({t for t, c in zip(trajectory_ids, counts, strict=True) if c})
     return [1.0 / (traj_tokens[t] * n_traj) if x > 0 else 0.0 for x, t in zip(n, trajectory_ids, strict=True)]
 
 

@@ -124,9 +124,11 @@ def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: 
     t, a = config.train, config.algorithm
     ranks = split_ranks(rows, t.dp_size, t.pad_to_dp, pad_token_id, rollout_id)
     all_rows = [r for rank in ranks for r in rank]
+    # Every real row counts in the step's row and trajectory counts, a fully masked one too (verl's training
+    # path divides by its global batch size); padding rows do not (docs/algorithms.md).
     weights = dict(zip(map(id, all_rows), compute_token_weights(
         [sum(r.loss_mask) for r in all_rows], [r.trajectory_id for r in all_rows], a.loss_agg,
-        loss_scale_factor(config)), strict=True))
+        loss_scale_factor(config), counted=[not r.is_padding for r in all_rows]), strict=True))
     batches = equalize_micro_batch_counts([micro_batches(rank, t.micro_batch_tokens, t.packing) for rank in ranks],
                                           pad_token_id, rollout_id)
     return [RankShare(rank, [[weights.get(id(r), 0.0) for r in mb] for mb in rank]) for rank in batches]

@@ -2,8 +2,11 @@
 remembered, question by question, from an eval folder (results.jsonl; `--compare` a second one), a rollout
 log (RUN_ROOT/logs/rollouts/rollout_*.jsonl) or a run root (every rollout log, grouped by step).
 
-What it shows of a trajectory beyond answer, scores and turn texts is the run's Task's (`Task.view_fields`,
-from its `plugins.task`). Gold ranges and scores are computed here (`memrl.scoring`), so the page's script
+What it shows of a trajectory beyond answer, scores and turn texts is a Task's (`Task.view_fields`): the one
+the user names (`--task`), else the run's `plugins.task` when memrl ships it (`SHIPPED_TASKS`), else the
+base Task's (text only, with a note on the page). A viewed folder names its task as data: it is compared
+with memrl's own, never imported, so a folder someone sent cannot run code (`os:abort`, `pdb:set_trace`).
+Gold ranges and scores are computed here (`memrl.scoring`), so the page's script
 stays small and cannot disagree with memrl. The page builds every element with textContent, never
 innerHTML, and the data's `<`, `>`, `&` are escaped, so no model output can run or close the element.
 Every record is checked as it is read (a bad one is a one-line `ViewerError` naming file, line and field).
@@ -15,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from memrl.config import ConfigError, PluginConfig, import_object
+from memrl.config import PluginConfig, task_instance
 from memrl.errors import MemrlError
 from memrl.eval.results import RESULTS_FILE, SUMMARY_FILE
 from memrl.io import atomic_write_text, jsonl_lines
@@ -27,6 +30,8 @@ TEMPLATE = Path(__file__).with_name("template.html")
 DATA_MARKER = "__MEMRL_VIEW_DATA__"
 ROLLOUT_GLOB = "rollout_*.jsonl"
 VIEW_FILE = "viewer.html"
+# The tasks memrl ships: a viewed folder may name one of these, and only these, to have its fields shown.
+SHIPPED_TASKS = ("memrl.memagent.task:MemAgentTask", "memrl.tasks.single_turn:SingleTurnTask")
 _SCRIPT_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026",  # see embed_json
                                  "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
@@ -95,16 +100,17 @@ def _turns(turns: list[dict[str, Any]], golds: list[str]) -> list[list[Any]]:
             for t in turns]
 
 
-def _result(checked: Checked, golds: list[str], extractor: str) -> dict[str, Any]:
-    """One run's answer to one question, from an eval line (`trace`) or a rollout log record (`turns`), with
-    the task's display fields."""
+def _result(checked: Checked, golds: list[str], scoring: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run's answer to one question, from an eval line (`trace`, its own scores) or a rollout log record
+    (`turns`, scored with the run's `scoring`: `score_answer`'s extractor and after_think), with the task's
+    display fields."""
     line = checked.record
     answer = line.get("answer") or ""
     if "em" in line:  # an eval line: its own scores
         boxed, em, f1, sub_em = line.get("boxed"), line.get("em"), line.get("f1"), line.get("sub_em")
         reward = line.get("reward", em)  # the training reward is the EM (memrl.task.trajectory_reward)
     else:  # a rollout record: scored here as eval scores it; a truncated answer scores 0 (docs/design.md §2)
-        score = score_answer(answer, golds, extractor)
+        score = score_answer(answer, golds, **(scoring or {}))
         done = line.get("status") == "complete"
         boxed, em, f1, sub_em = score.boxed, score.em * done, score.f1 * done, score.sub_em * done
         reward = line.get("reward")
@@ -131,14 +137,26 @@ def _read_jsonl(path: Path, kind: tuple[dict[str, str], str, str], task: Task) -
     return [_check_record(record, kind, f"{path} line {number}", task) for number, record in lines]
 
 
-def _task(name: Any, where: Path) -> Task:
-    """The run's Task (`plugins.task`, recorded by the run), which says what the page shows of each
-    trajectory; the configured default for files that do not name one."""
-    try:
-        return import_object(name if isinstance(name, str) else PluginConfig().task)()
-    except ConfigError as e:
-        raise ViewerError(f"{where} names a task that cannot be loaded ({e}); view it where that task "
-                          f"is importable") from e
+class TaskChoice:
+    """Which Task shows each viewed file's own fields (module docstring): `spec`, the class the user named
+    (`--task`, checked as `plugins.task` is), else the file's task if memrl ships it, else the base Task
+    with a note (`notes`, shown on the page)."""
+
+    def __init__(self, spec: str | None = None) -> None:
+        self.chosen = task_instance(spec, "--task") if spec else None
+        self.notes: list[str] = []
+
+    def __call__(self, name: Any, where: Path) -> Task:
+        if self.chosen is not None:
+            return self.chosen
+        name = PluginConfig().task if name is None else name  # files from before tasks were recorded
+        dotted = {shipped.replace(":", "."): shipped for shipped in SHIPPED_TASKS}
+        if isinstance(name, str) and name.replace(":", ".") in dotted:
+            return task_instance(dotted[name.replace(":", ".")])
+        self.notes.append(f"{where} names the task {short_value(name)}, which memrl does not ship: shown without "
+                          f"its own fields (memrl view imports no code a folder names); pass --task "
+                          f"{name if isinstance(name, str) else 'module:Class'} to show them with that class")
+        return Task()
 
 
 # ------------------------------------------------------------------------------------------ sources
@@ -153,20 +171,20 @@ def _summary(folder: Path) -> dict[str, Any]:
     return summary if isinstance(summary, dict) else {}
 
 
-def _eval_lines(folder: Path) -> list[Checked]:
+def _eval_lines(folder: Path, pick: TaskChoice) -> list[Checked]:
     config = _summary(folder).get("config")
     plugins = config.get("plugins") if isinstance(config, dict) else None
-    task = _task(plugins.get("task") if isinstance(plugins, dict) else None, folder / SUMMARY_FILE)
+    task = pick(plugins.get("task") if isinstance(plugins, dict) else None, folder / SUMMARY_FILE)
     lines = _read_jsonl(folder / RESULTS_FILE, EVAL_LINE, task)
     if not lines:
         raise ViewerError(f"{folder / RESULTS_FILE} holds no results; run `memrl eval --out {folder}` first")
     return lines
 
 
-def _eval_data(folder: Path, other: Path | None) -> dict[str, Any]:
+def _eval_data(folder: Path, other: Path | None, pick: TaskChoice) -> dict[str, Any]:
     """Questions of one eval folder, or of two (same questions, in the first folder's order)."""
     runs = [folder] if other is None else [folder, other]
-    by_run = [{line.record["id"]: line for line in _eval_lines(f)} for f in runs]
+    by_run = [{line.record["id"]: line for line in _eval_lines(f, pick)} for f in runs]
     if other is not None and set(by_run[0]) != set(by_run[1]):
         only_a, only_b = sorted(set(by_run[0]) - set(by_run[1])), sorted(set(by_run[1]) - set(by_run[0]))
         raise ViewerError(f"{folder} and {other} hold different questions ({len(only_a)} only in the first, e.g. "
@@ -176,7 +194,7 @@ def _eval_data(folder: Path, other: Path | None) -> dict[str, Any]:
     for qid, first in by_run[0].items():
         golds = _golds(first.record)
         items.append({"id": qid, "q": first.record.get("question") or "", "g": golds,
-                      "r": [_result(lines[qid], golds, "boxed") for lines in by_run]})
+                      "r": [_result(lines[qid], golds) for lines in by_run]})
     return {"kind": "eval", "runs": [_run_name(f) for f in runs], "items": items, "steps": [],
             "warning": _compare_warning(folder, other)}
 
@@ -211,13 +229,14 @@ def _rollout_files(path: Path) -> list[Path]:
     return files
 
 
-def _run_config(run_root: Path | None) -> tuple[str, Task]:
-    """The run's `task.answer_extractor` (the logs score with it; default `boxed`) and Task, from config.yaml."""
+def _run_config(run_root: Path | None, pick: TaskChoice) -> tuple[dict[str, Any], Task]:
+    """How the run's logs are scored (`score_answer`'s extractor and after_think: `task.answer_extractor`,
+    default `boxed`, and `task.answer_after_think`) and its Task, from config.yaml."""
     import yaml
 
     config = run_root / "config.yaml" if run_root is not None else None
     if config is None or not config.is_file():
-        return "boxed", _task(None, Path("config.yaml"))
+        return {}, pick(None, Path("config.yaml"))
     try:
         values = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
     except (OSError, ValueError, yaml.YAMLError) as e:
@@ -228,7 +247,11 @@ def _run_config(run_root: Path | None) -> tuple[str, Task]:
     if extractor not in ANSWER_EXTRACTORS:
         raise ViewerError(f"{config}: task.answer_extractor is {short_value(extractor)}, expected one of "
                           f"{', '.join(ANSWER_EXTRACTORS)}; pass a run root memrl wrote")
-    return extractor, _task(section["plugins"].get("task"), config)
+    after_think = section["task"].get("answer_after_think", False)
+    if not isinstance(after_think, bool):
+        raise ViewerError(f"{config}: task.answer_after_think is {short_value(after_think)}, expected true or false; "
+                          f"pass a run root memrl wrote")
+    return {"extractor": extractor, "after_think": after_think}, pick(section["plugins"].get("task"), config)
 
 
 def _step_rewards(run_root: Path | None) -> dict[int, float | None]:
@@ -245,11 +268,11 @@ def _step_rewards(run_root: Path | None) -> dict[int, float | None]:
     return {k: v if KINDS["number"][0](v) else None for k, v in metrics.items()}
 
 
-def _rollout_data(path: Path) -> dict[str, Any]:
+def _rollout_data(path: Path, pick: TaskChoice) -> dict[str, Any]:
     """Every trajectory of the rollout logs, one item each, and per step its GRPO groups."""
     files = _rollout_files(path)
     run_root = path if path.is_dir() and (path / "logs").is_dir() else None
-    extractor, task = _run_config(run_root)
+    scoring, task = _run_config(run_root, pick)
     rewards = _step_rewards(run_root)
     items: list[dict[str, Any]] = []
     steps = []
@@ -264,13 +287,14 @@ def _rollout_data(path: Path) -> dict[str, Any]:
             group["items"].append(len(items))
             items.append({"id": str(record.get("trajectory_id")), "qid": record.get("question_id"),
                           "q": record.get("question") or "", "g": golds, "step": rollout_id,
-                          "r": [_result(checked, golds, extractor)]})
+                          "r": [_result(checked, golds, scoring)]})
         steps.append({"id": rollout_id, "reward": rewards.get(rollout_id), "groups": list(groups.values())})
     return {"kind": "train", "runs": [path.resolve().name], "items": items, "steps": steps, "warning": None}
 
 
-def view_data(path: Path, compare: Path | None = None) -> dict[str, Any]:
-    """The page's data for `path` (an eval folder, a rollout log or a run root), `compare` a second eval folder."""
+def view_data(path: Path, compare: Path | None = None, task: str | None = None) -> dict[str, Any]:
+    """The page's data for `path` (an eval folder, a rollout log or a run root), `compare` a second eval folder;
+    `task` the user's `module:Class` whose `view_fields` show each record (`TaskChoice`)."""
     path = Path(path)
     if not path.exists():
         raise ViewerError(f"{path} does not exist; pass an eval folder, a rollout log or a training run root")
@@ -278,7 +302,9 @@ def view_data(path: Path, compare: Path | None = None) -> dict[str, Any]:
     compare = Path(compare) if compare is not None else None
     if compare is not None and not (is_eval and (compare / RESULTS_FILE).is_file()):
         raise ViewerError(f"--compare needs two eval folders (each with {RESULTS_FILE}); got {path} and {compare}")
-    data = _eval_data(path, compare) if is_eval else _rollout_data(path)
+    pick = TaskChoice(task)
+    data = _eval_data(path, compare, pick) if is_eval else _rollout_data(path, pick)
+    data["warning"] = "; ".join(filter(None, [data["warning"], *pick.notes])) or None
     data["title"] = " vs ".join(data["runs"])
     return data
 
@@ -307,9 +333,10 @@ def default_out(path: Path, compare: Path | None = None) -> Path:
     return (path.parent if path.is_file() else path) / (f"viewer_{path.stem}.html" if path.is_file() else VIEW_FILE)
 
 
-def write_viewer(path: Path, compare: Path | None = None, out: Path | None = None) -> tuple[Path, dict[str, Any]]:
-    """Build the page for `path` (and `compare`) and write it atomically; returns (file, data)."""
-    data = view_data(path, compare)
+def write_viewer(path: Path, compare: Path | None = None, out: Path | None = None,
+                 task: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Build the page for `path` (and `compare`, `task`: `view_data`) and write it atomically; returns (file, data)."""
+    data = view_data(path, compare, task)
     target = Path(out) if out is not None else default_out(path, compare)
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(target, render_html(data))

@@ -179,3 +179,26 @@ def test_build_ruler_files_records_the_layout_without_args(dev_file, tmp_path):
 
     build_ruler_files(load_hotpotqa_file(dev_file), tmp_path, [20], limit=3, layout="official")
     assert verify_manifest(tmp_path / "ruler_built")["args"] == {"layout": "official"}
+
+
+def test_no_command_writes_over_a_file_it_reads(app, dev_file, train_file, tmp_path):
+    """The folder commands refuse, before reading anything, an input that is one of the files they write,
+    whatever the spelling (`new/..`, whose `new` the writer would create; a symlink): the input would be
+    replaced by what was made from it."""
+    assert invoke(app, "build-ruler", "--from-file", dev_file, "--num-docs", 20, "--limit", 4,
+                  "--out", tmp_path).exit_code == 0
+    built = tmp_path / "ruler_built" / "eval_20.json"
+    assert invoke(app, "ruler-hqa", "--from-dir", built.parent, "--lengths", 20, "--out", tmp_path).exit_code == 0
+    normalized = tmp_path / "ruler_hqa" / "eval_20.json"
+    (tmp_path / "link.json").symlink_to(built)
+    before = built.read_bytes(), normalized.read_bytes()
+    for args in (("ruler-hqa", "--from-dir", normalized.parent, "--lengths", 20, "--out", tmp_path / "new" / ".."),
+                 ("build-ruler", "--from-file", tmp_path / "link.json", "--num-docs", 20, "--out", tmp_path)):
+        result = invoke(app, *args)
+        assert result.exit_code == 2 and "would be overwritten" in result.output and "eval_20.json" in result.output
+        assert len(result.output.strip().splitlines()) == 1 and (built.read_bytes(), normalized.read_bytes()) == before
+    prepare(app, train_file, tmp_path / "data")
+    counts = tmp_path / "data" / "train_pass_counts.json"
+    counts.write_text(json.dumps({"x": 1}))
+    result = invoke(app, "hotpotqa", "--from-file", train_file, "--pass-counts", counts, "--out", tmp_path / "data")
+    assert result.exit_code == 2 and "--pass-counts" in result.output and counts.read_text() == '{"x": 1}'

@@ -128,3 +128,23 @@ def test_the_plan_does_not_depend_on_how_the_batch_was_cut_across_rollout_worker
                                                       micro_batch_tokens=60), 0, 0)]
 
     assert plan(cut) == plan(whole)
+
+
+@pytest.mark.parametrize("agg, per_row", [("seq_mean_token_mean", lambda n: 1 / (n * 4)),
+                                          ("trajectory_mean", lambda n: 1 / (n * 4)),
+                                          ("seq_mean_token_sum", lambda n: 1 / 4), ("token_mean", lambda n: 1 / 10)])
+def test_a_fully_masked_row_still_counts_in_the_steps_rows_as_in_verls_training_path(agg, per_row):
+    """Four trajectories of one turn, one masked whole (mask_truncated_completions): the seq and trajectory
+    means divide by 4 rows, as verl >= 0.7.1's training path divides by its global batch size (3 would scale
+    the step by 4/3); token_mean divides by the 10 unmasked tokens either way; padding rows count nowhere."""
+    lengths = [2, 3, 5, 4]
+    rows = [TrainRow(tokens=[1] * (3 + n), response_length=n, loss_mask=[0 if k == 3 else 1] * n,
+                     rollout_log_probs=[-1.0] * n, advantage=1.0, group_id="g", trajectory_id=f"g/s{k}",
+                     turn_index=0, rollout_id=0) for k, n in enumerate(lengths)]
+    config = Config.model_validate({"train": {"dp_size": 3, "pad_to_dp": True}, "algorithm": {"loss_agg": agg}})
+    (shares,) = plan_rollout(rows, config, pad_token_id=0, rollout_id=0)
+    weights = {r.trajectory_id: w for s in shares for mb, ws in zip(s.micro_batches, s.weights, strict=True)
+               for r, w in zip(mb, ws, strict=True)}
+    assert sum(r.is_padding for s in shares for mb in s.micro_batches for r in mb) == 2
+    assert weights.pop("__padding__") == 0.0 and weights.pop("g/s3") == 0.0
+    assert weights == pytest.approx({f"g/s{k}": per_row(n) for k, n in enumerate(lengths[:3])})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from memrl.cli import app
@@ -95,3 +96,44 @@ def test_a_missing_data_file_is_one_line(tmp_path, tiny_tokenizer):
                                       str(tmp_path / "a.jsonl")])
     assert result.exit_code == 2 and "none.jsonl" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "a.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["answerable", "demonstrations"])
+def test_out_may_be_neither_a_folder_nor_the_data_file(tmp_path, tiny_tokenizer, monkeypatch, command):
+    """OUT the same file as DATA (another spelling, a symlink) would silently replace the questions with
+    their answerable subset; OUT a folder was a traceback. Both are one line, exit 2, nothing written."""
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    data = tmp_path / "q.jsonl"
+    write_jsonl(data, [_record("Lisbon", "The author was born in Lisbon. " + FILLER),
+                       QuestionRecord(id="r", question="Q?", answers=["Oslo"], context=FILLER * 8)])
+    (tmp_path / "link.jsonl").symlink_to(data)
+    monkeypatch.chdir(tmp_path)
+    before = data.read_bytes()
+    for source, out, says in ((data, tmp_path, "is a folder"), (data, data, "would be overwritten"),
+                              (data, "./sub/../q.jsonl", "would be overwritten"),  # the writer makes sub/
+                              ("link.jsonl", data, "would be overwritten")):
+        result = CliRunner().invoke(app, ["prepare-data", command, str(source), str(tmp_path / "tok"), str(out)])
+        assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1 and data.read_bytes() == before
+
+
+@pytest.mark.parametrize("memory_tokens", [1, 2, 3, 5, 8])
+def test_every_demonstrated_memory_is_one_the_rollout_takes_whole(tiny_tokenizer, memory_tokens):
+    """The filler and the answer sentence alike: as `memrl sft` trains it (its ids + the stop token) a
+    memory turn stops within task.memory_tokens, and the rollout passes it on uncut; at a limit of 1 every
+    memory is empty (a limit of 0 kept the whole text) and the final prompt shows it empty, as the rollout."""
+    from memrl.memagent.prompts import PromptBuilder, encode_text
+
+    cfg = _cfg(memory_tokens=memory_tokens, truncation="head")
+    record = _record("Lisbon", FILLER * 2 + "The author was born in Lisbon. " + FILLER)
+    turns = demonstration(record, tiny_tokenizer, cfg)["turns"]
+    builder, eos = PromptBuilder(tiny_tokenizer, cfg), tiny_tokenizer.eos_token_id
+    memories = [t["response"] for t in turns[:-1]]
+    assert len(memories) == 2
+    for memory in memories:
+        ids = encode_text(tiny_tokenizer, memory)
+        assert len(ids) + 1 <= memory_tokens and builder.cap_memory([*ids, eos]) == (ids, False)
+    assert f"Your memory so far:\n{memories[0]}\n" in turns[1]["prompt"]
+    assert f"Your memory:\n{memories[1]}\n" in turns[-1]["prompt"]
+    if memory_tokens == 1:
+        assert memories == ["", ""] and "Your memory:\n\n" in turns[-1]["prompt"]

@@ -98,3 +98,25 @@ def test_the_official_eval_recipe_sets_it_and_the_eval_format_records_it(tiny_to
     assert Config().task.memory_after_think is False  # the training default keeps the whole response
     assert eval_format(load_config(RECIPE), tiny_tokenizer, [0])["memory_after_think"] is True
     assert "memory_after_think" not in eval_format(Config(), tiny_tokenizer, [0])  # old runs still resume
+
+
+@pytest.mark.parametrize("tokenizer_name", ["tiny_tokenizer", "qwen3_tokenizer"])
+def test_a_think_end_written_as_pieces_splits_as_the_official_text(request, tokenizer_name):
+    """`</think>` is one token in both vocabularies, but a model may write it as ordinary pieces (`</`,
+    `think`, `>`): the official code splits the text, so the memory is the text after it, still the sampled
+    ids (never re-encoded)."""
+    tokenizer = request.getfixturevalue(tokenizer_name)
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    pieces = ids("</") + ids("think") + ids(">")
+    assert tokenizer.convert_tokens_to_ids("</think>") not in pieces and len(pieces) >= 3
+    for before, after in (("<think>The section names a capital.", "\n\nFacts: Paris."),
+                          ("<think>a</think>b", "\n\nlast words\n")):
+        sampled = ids(before) + pieces + ids(after)
+        content = tokenizer.decode(sampled)
+        memory = memory_after_think(tokenizer, sampled)
+        assert tokenizer.decode(memory) == official_memory(content) == after.strip()
+        tail = ids(after)  # the sampled ids after the pieces: the memory is a run of them, not re-encoded text
+        assert any(tail[k:k + len(memory)] == memory for k in range(len(tail) - len(memory) + 1))

@@ -126,3 +126,29 @@ def test_rollout_reward_reads_the_configured_extractor(tiny_tokenizer, extractor
     assert [t.status for t in group] == ["complete"] * 2
     assert [t.reward for t in group] == [expected] * 2
     assert all(t.metadata["answer_extractor"] == extractor for t in group)
+
+
+def test_answer_after_think_is_recorded_by_the_rollout_and_read_by_the_scorer(tiny_tokenizer):
+    """task.answer_after_think (the official evaluation's rule for thinking models): the rollout records it,
+    so the reward, `memrl eval`'s scores and pass@k read the answer after its last </think>."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from scripted_engine import ScriptedEngine
+
+    from memrl.memagent.rollout import generate_group
+    from memrl.rollout import GroupSlot, RolloutContext
+
+    for on in (True, False):
+        cfg = Config.model_validate({"task": {"chunk_tokens": 16, "memory_tokens": 8, "final_tokens": 32,
+                                              "max_chunks": 1, "answer_after_think": on}, "sampling": {"n_samples": 1}})
+        engine = ScriptedEngine(tiny_tokenizer, lambda prompt: "fact3 alpha3")
+        ctx = RolloutContext(engine=engine, tokenizer=tiny_tokenizer, config=cfg, reward_function=trajectory_reward,
+                             progress=False)
+        record = SimpleNamespace(id="q", question="What is fact3?", answers=["alpha3"], context="fact3 is alpha3.")
+        (traj,) = asyncio.run(generate_group(ctx, GroupSlot(0, record, "0:q"), 1))
+        assert traj.metadata["answer_after_think"] is on
+    traj = _traj("<think>\\boxed{Paris}</think>\nI am not sure.")
+    assert trajectory_reward(traj, ["Paris"]) == 1.0  # not recorded: the whole answer, as before
+    traj.metadata["answer_after_think"] = True
+    assert trajectory_reward(traj, ["Paris"]) == 0.0 and score_trajectory(traj, ["Paris"]).missing_box

@@ -159,6 +159,13 @@ def test_gspo_refuses_split_credit():
     assert config_from_dict({"algorithm": {"loss_mode": "gspo", "credit": "share"}}).algorithm.loss_mode == "gspo"
 
 
+def test_gspo_refuses_the_dual_clip_it_does_not_have():
+    """verl's GSPO has no dual clip; accepted, it capped a runaway trajectory's loss (3.0 per token, verl 7.389)."""
+    with pytest.raises(ConfigError, match=r"algorithm.dual_clip = 3.0 with algorithm.loss_mode = 'gspo'.*no dual clip"):
+        config_from_dict({"algorithm": {"loss_mode": "gspo", "credit": "share", "dual_clip": 3.0}})
+    assert config_from_dict({"algorithm": {"dual_clip": 3.0}}).algorithm.dual_clip == 3.0  # PPO keeps it
+
+
 @pytest.mark.parametrize("mean_log_ratio, ratio", [(12.0, math.exp(10.0)), (9.0, math.exp(9.0))])
 def test_gspo_trajectory_ratio_is_clamped_above_at_verls_bound(mean_log_ratio, ratio):
     """A = -1 and a trajectory whose mean log-ratio is +12: every token's loss is -A s = e^10 = 22,026.47 (verl's

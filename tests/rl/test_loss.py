@@ -332,8 +332,9 @@ def verl_agg_loss_token_sum_norm(loss_mat, loss_mask, dp_size=1, global_batch_si
 def test_seq_mean_token_sum_norm_is_verls_and_trls_dr_grpo_by_hand():
     """4 rows x 5 tokens of loss 1, L = 64: sum / (R L) = 20 / 256 = 0.078125, as verl >= 0.7.1 (agg_loss over
     the global batch, whatever the micro-batches) and TRL's dr_grpo (sum / (rows x max_completion_length)).
-    verl <= 0.7.0 divided one call's token sum by L only, 20 / 64 = 0.3125. A fifth, empty row (an all-zero
-    mask: padding, or a masked truncated answer) counts in neither R nor verl's global batch size."""
+    verl <= 0.7.0 divided one call's token sum by L only, 20 / 64 = 0.3125. A fifth, empty row that is padding
+    counts in neither R nor verl's global batch size (a masked truncated answer is a real row and counts in
+    both: test_a_fully_masked_row_still_counts_in_the_steps_rows_as_in_verls_training_path)."""
     values = torch.ones(5, 64)
     mask = torch.zeros(5, 64)
     mask[:4, :5] = 1.0

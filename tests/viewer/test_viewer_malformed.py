@@ -110,7 +110,6 @@ def test_malformed_records_are_one_line_errors_with_exit_2(evals, run_root, tmp_
 @pytest.mark.parametrize("file, text, message", [
     ("config.yaml", "rollout: [unclosed", "is not a YAML config memrl wrote"),
     ("config.yaml", "task:\n  answer_extractor: guess\n", "task.answer_extractor is 'guess'"),
-    ("config.yaml", "plugins:\n  task: no_such_package.task:Task\n", "names a task that cannot be loaded"),
     ("logs/metrics.jsonl", '{"rollout_id": 0}\nnot json\n{"rollout_id": 1}\n', "metrics.jsonl cannot be read"),
     ("logs/metrics.jsonl", '{"reward/mean": 0.5}\n\n', "metrics.jsonl cannot be read"),
 ])
@@ -131,3 +130,69 @@ def test_a_non_finite_step_reward_and_a_broken_summary_still_open(evals, run_roo
     shutil.copytree(evals[0], folder)
     (folder / "summary.json").write_text("[1, 2]", encoding="utf-8")  # only names the run in the title
     assert view_data(folder)["runs"] == ["eval"]
+
+
+CODE_A_FOLDER_NAMES = ["os:abort", "builtins:input", "pdb:set_trace", "no_such_package.task:Task"]
+
+
+def named_task(source, tmp_path, spec):
+    """A copy of an eval folder (summary.json) or a run root (config.yaml) naming `spec` as its task."""
+    folder = tmp_path / source.name
+    shutil.copytree(source, folder)
+    if (folder / "summary.json").is_file():
+        summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+        summary["config"]["plugins"]["task"] = spec
+        (folder / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    else:
+        (folder / "config.yaml").write_text(f"plugins:\n  task: '{spec}'\n", encoding="utf-8")
+    return folder
+
+
+@pytest.mark.parametrize("spec", CODE_A_FOLDER_NAMES)
+@pytest.mark.parametrize("kind", ["eval", "run"])
+def test_a_viewed_folder_never_chooses_code_to_run(evals, run_root, tmp_path, monkeypatch, kind, spec):
+    """What a folder names as its task is compared with memrl's own tasks, never imported or called: the page
+    shows the text only, with a note saying how to show the task's fields."""
+    import builtins
+    import os
+    import pdb
+
+    def called(*args, **kwargs):
+        raise AssertionError("memrl view called code a viewed folder named")
+
+    for module, name in ((os, "abort"), (builtins, "input"), (pdb, "set_trace")):
+        monkeypatch.setattr(module, name, called)
+    folder = named_task(evals[0] if kind == "eval" else run_root, tmp_path, spec)
+    data = view_data(folder)
+    assert not {"nc", "mt", "cg"} & {key for item in data["items"] for r in item["r"] for key in r}
+    assert f"names the task '{spec}', which memrl does not ship" in data["warning"]
+    result = CliRunner().invoke(app, ["view", str(folder)])
+    assert result.exit_code == 0 and f"pass --task {spec} to show them" in result.output
+
+
+def test_a_task_the_user_names_or_memrl_ships_shows_its_fields(evals, tmp_path):
+    folder = named_task(evals[0], tmp_path, "somebody.elses:Task")
+    shown = view_data(folder, task="memrl.memagent.task:MemAgentTask")
+    assert shown["warning"] is None and all("nc" in r for item in shown["items"] for r in item["r"])
+    shipped = named_task(evals[0], tmp_path / "shipped", "memrl.memagent.task.MemAgentTask")  # either spelling
+    assert view_data(shipped)["warning"] is None
+    result = CliRunner().invoke(app, ["view", str(folder), "--task", "os:abort"])
+    assert result.exit_code == 2 and "--task = 'os:abort' is a builtin_function_or_method" in result.output
+
+
+def test_rollout_records_are_scored_as_the_run_reads_answers(run_root, tmp_path):
+    """The page scores rollout records with the run's task.answer_after_think, as its reward did."""
+    def boxed_in_think(record):
+        record.update(answer=f"<think>\\boxed{{{record['golds'][0]}}}</think>\nI am not sure.", status="complete")
+
+    root = broken_copy(run_root, "train", edit_line(boxed_in_think), tmp_path)
+    config = root / "config.yaml"
+    scores = []
+    for on in (False, True):
+        config.write_text(f"task:\n  answer_after_think: {str(on).lower()}\n", encoding="utf-8")
+        (item,) = [it for it in view_data(root)["items"] if "</think>" in it["r"][0]["a"]]
+        scores.append(item["r"][0]["em"])
+    assert scores == [1.0, 0.0]
+    config.write_text("task:\n  answer_after_think: 2\n", encoding="utf-8")
+    with pytest.raises(ViewerError, match="task.answer_after_think is 2, expected true or false"):
+        view_data(root)
