@@ -1,0 +1,95 @@
+"""Reloads raced against file swaps: a writer inside a reload root flips a weights file (or the reload
+folder itself) between the real thing and a symlink to weights outside every root while reloads are sent.
+Whatever moment a reload's checks and its load fall on, the served weights must never become the outside
+ones (found by trying: 490 of 1,761 accepted reloads served them when the engine reopened checked paths).
+The race runs for a bounded few seconds; what is asserted is only that no reload let the outside weights in."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from memrl.engines.hf import HFEngine
+from memrl.engines.server import create_app
+from memrl.tiny import save_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_server import serve_in_thread  # noqa: E402
+
+RACE_S = 3.0  # how long the swaps run; reloads continue past it (up to RACE_CAP_S) until MIN_ACCEPTED got in
+RACE_CAP_S = 30.0
+MIN_ACCEPTED = 3
+WEIGHTS = "model.safetensors"
+FOLDER_PHASE_S = 0.02
+
+
+def tiny(folder: Path, seed: int) -> Path:
+    return save_tiny_model(folder, layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64, seed=seed)
+
+
+def flip_file(step: Path, inside_copy: Path, outside_weights: Path, stop: threading.Event) -> None:
+    """Swap `step/model.safetensors` between a link out of the roots and the real file, atomically (rename)."""
+    while not stop.is_set():
+        os.symlink(outside_weights, step / ".link")
+        os.replace(step / ".link", step / WEIGHTS)
+        os.link(inside_copy, step / ".file")
+        os.replace(step / ".file", step / WEIGHTS)
+
+
+def flip_folder(step: Path, outside: Path, stop: threading.Event) -> None:
+    """Swap the reload folder itself between the real folder and a link to a whole model outside the roots,
+    each for a few milliseconds: a reload's checks can fall on the one and the load on the other."""
+    real = step.with_name("step.real")
+    while not stop.is_set():
+        stop.wait(FOLDER_PHASE_S)
+        os.rename(step, real)
+        os.symlink(outside, step)
+        stop.wait(FOLDER_PHASE_S)
+        os.unlink(step)
+        os.rename(real, step)
+
+
+@pytest.mark.parametrize("swapped", ["weights file", "folder"])
+def test_no_reload_serves_weights_from_outside_the_roots_while_files_are_swapped(tmp_path, one_torch_thread,
+                                                                                  swapped):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    step = tiny(root / "step", seed=1)
+    tiny(outside, seed=2)
+    inside_copy = shutil.copy(step / WEIGHTS, root / "weights.copy")  # what the flipper links back in
+    engine = HFEngine.from_pretrained(step, device="cpu")
+    served = engine.model.get_input_embeddings().weight.detach().clone()
+    outside_weights = HFEngine.from_pretrained(outside, device="cpu").model.get_input_embeddings().weight.detach()
+    assert not torch.equal(served, outside_weights)
+    app = create_app(engine, "tiny", reload_roots=[root], tokenizer=AutoTokenizer.from_pretrained(step),
+                     model_config=AutoConfig.from_pretrained(step).to_dict())
+    stop = threading.Event()
+    args = (step, inside_copy, outside / WEIGHTS, stop) if swapped == "weights file" else (step, outside, stop)
+    flipper = threading.Thread(target=flip_file if swapped == "weights file" else flip_folder, args=args)
+    replies: dict[int, int] = {}
+    escapes = 0
+    with serve_in_thread(app) as url, httpx.Client(timeout=60) as client:
+        flipper.start()
+        try:
+            start = time.monotonic()
+            while (time.monotonic() - start < RACE_S
+                   or replies.get(200, 0) < MIN_ACCEPTED and time.monotonic() - start < RACE_CAP_S):
+                status = client.post(url + "/v1/reload_weights", json={"path": str(step)}).status_code
+                replies[status] = replies.get(status, 0) + 1
+                weights = engine.model.get_input_embeddings().weight.detach()
+                escapes += torch.equal(weights, outside_weights)
+        finally:
+            stop.set()
+            flipper.join(timeout=10)
+    assert escapes == 0, f"after {escapes} reloads the server served the weights outside the roots ({replies})"
+    assert replies.get(200, 0) >= 1, replies  # reloads did get through during the race
+    assert set(replies) <= {200, 400, 403, 409}, replies  # the others refused (a swap seen), never a 500
+    assert torch.equal(engine.model.get_input_embeddings().weight.detach(), served)
