@@ -9,6 +9,7 @@ the file's tokenizer and chat template into a folder written atomically (`memrl.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -39,25 +40,98 @@ def find_smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
+# The hyper-parameters llama.cpp requires of every architecture. Without them transformers quietly takes its
+# config class's defaults: a llama header of none became a 7B float32 model that grew until the kernel killed it.
+REQUIRED_KEYS = ("block_count", "embedding_length", "context_length")
+
+
+def _positive_int(reader: Any, key: str) -> int | None:
+    """The header's value of `key` if it is one positive integer, else None."""
+    field = reader.fields.get(key)
+    if field is None or len(field.types) != 1 or len(field.data) != 1:
+        return None
+    value = field.parts[field.data[0]]
+    return int(value[0]) if value.dtype.kind in "iu" and value.size == 1 and value[0] > 0 else None
+
+
 def check_convertible(path: Path) -> str:
-    """The file's `general.architecture` when transformers can make a causal LM of it, else a `GgufError`
-    naming those it can; read from the header (memory-mapped, no tensor loaded), since the full load
-    dequantizes every tensor (~30 s for 135M parameters on 2 cores) before it finds out."""
+    """The file's `general.architecture` when transformers can make a causal LM of it whose every weight the
+    file holds, else a `GgufError` saying what is wrong. Read from the header (memory-mapped, no tensor loaded)
+    before anything is built: the full load dequantizes every tensor (~30 s for 135M parameters on 2 cores)
+    into a float32 model whose size the header alone decides."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    try:
-        field = GGUFReader(str(path)).fields["general.architecture"]
+    try:  # a tensor past the end of the file (a truncated download, a forged shape) fails here too
+        reader = GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
         arch = bytes(field.parts[field.data[0]]).decode("utf-8")
     except (ValueError, KeyError, IndexError, OSError) as error:
-        raise GgufError(f"{path} is not a readable GGUF model file ({error}); pass a .gguf file "
+        raise GgufError(f"{path} is not a readable GGUF model file, or is truncated ({error}); pass a .gguf file "
                         f"written by llama.cpp") from error
     # An encoder-only file (t5encoder) loads in transformers, but not as a model that generates text.
     if arch not in GGUF_SUPPORTED_ARCHITECTURES or "encoder" in arch:
         supported = ", ".join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if "encoder" not in a))
         raise GgufError(f"{path.name}: GGUF architecture '{arch}' cannot be converted by this transformers; "
                         f"supported: {supported}")
+    missing = [f"{arch}.{key}" for key in REQUIRED_KEYS if _positive_int(reader, f"{arch}.{key}") is None]
+    missing += [] if "tokenizer.ggml.tokens" in reader.fields else ["tokenizer.ggml.tokens"]
+    if missing:
+        raise GgufError(f"{path.name}: the header has no usable {', '.join(missing)} (a model needs each: the counts "
+                        "as positive integers, the vocabulary's tokens); the file is not a complete llama.cpp model")
+    layers = _positive_int(reader, f"{arch}.block_count")
+    if layers > len(reader.tensors):  # each layer has tensors of its own; bounds the model built to check them
+        raise GgufError(f"{path.name}: the header says {layers} layers but the file holds {len(reader.tensors)} "
+                        "tensors; the file is not a complete model")
+    _check_weights(path, arch, reader)
     return arch
+
+
+def _check_weights(path: Path, arch: str, reader: Any) -> None:
+    """A `GgufError` unless every weight of the model the header describes (built on the meta device: no
+    memory) is a tensor of the file of that size, so the float32 model transformers fills is as large as the
+    file's tensors, not as large as a forged vocabulary or width would make it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    try:  # transformers' own reading of the header, as the conversion will read it
+        header = load_gguf_checkpoint(str(path))["config"]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**header))
+        names = get_gguf_hf_weights_map(model, TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=header))
+    except Exception as error:  # noqa: BLE001 - values from a file: any error of the model's code means "not a model"
+        raise GgufError(f"{path.name}: its hyper-parameters do not make a {arch} model ({type(error).__name__}: "
+                        f"{error})") from error
+    weights = dict(model.named_parameters())  # a tied output layer once
+    tensors: dict[str, list[Any]] = {}
+    for tensor in reader.tensors:
+        if names.get(tensor.name) in weights:
+            tensors.setdefault(names[tensor.name], []).append(tensor)
+    absent = [name for name in weights if name not in tensors]
+    if absent:
+        raise GgufError(f"{path.name}: no tensor of the file holds {absent[0]} ({len(absent)} of the "
+                        f"{len(weights)} weights its header's hyper-parameters describe are missing); the file is "
+                        "incomplete or its header does not belong to its tensors")
+    for name, parts in tensors.items():
+        if not _fills(parts, tuple(weights[name].shape)):
+            stored = ", ".join(f"{t.name} {[int(d) for d in reversed(t.shape)]}" for t in parts)
+            raise GgufError(f"{path.name}: the header's hyper-parameters make {name} {list(weights[name].shape)}, "
+                            f"but the file holds {stored}; the header does not belong to its tensors")
+
+
+def _fills(parts: list[Any], shape: tuple[int, ...]) -> bool:
+    """Whether the file's tensors `parts` make a weight of `shape`. They are stored reversed (GGUF lists the
+    fastest dimension first), some transposed or without unit dimensions, MoE gate and up halves as two
+    tensors: what must agree is the number of values, and for one tensor its dimensions in any order."""
+    if sum(math.prod(int(d) for d in t.shape) for t in parts) != math.prod(shape):
+        return False
+    return len(parts) > 1 or sorted(d for d in shape if d != 1) == sorted(int(d) for d in parts[0].shape if d != 1)
 
 
 def _plain_model(model: Any) -> Any:

@@ -78,3 +78,13 @@ def test_train_seed_fits_the_trainer_rng(seed, ok):
     else:
         with pytest.raises(ConfigError, match=f"train.seed = {seed}"):
             load_config(None, [f"train.seed={seed}"])
+
+
+def test_unquoted_on_and_off_read_as_the_words_they_are_written_as(tmp_path):
+    # YAML 1.1 reads unquoted on/off as true/false; the documented values of these fields are the words.
+    cfg = load_config(write(tmp_path, "engine:\n  static_kv: on\n  cuda_graphs: off\n"))
+    assert (cfg.engine.static_kv, cfg.engine.cuda_graphs) == ("on", "off")
+    cfg = load_config(write(tmp_path, "engine:\n  static_kv: off\n  cuda_graphs: on\n"), ["engine.static_kv=on"])
+    assert (cfg.engine.static_kv, cfg.engine.cuda_graphs) == ("on", "on")
+    with pytest.raises(ConfigError, match="engine.kind"):  # a bool is still no word of a field without on/off
+        load_config(write(tmp_path, "engine:\n  kind: on\n"))

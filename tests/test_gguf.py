@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 
 import numpy as np
 import pytest
@@ -62,10 +63,92 @@ def test_an_unsupported_architecture_is_refused_from_the_header(tmp_path):
     assert "notanarch" in line
 
 
-def test_a_supported_architecture_passes_the_header_check(tmp_path):
+LLAMA_SHAPES = {  # a 1-layer llama of width 8, MLP 16, 2 heads, 16 tokens: each weight's (HF-order) shape
+    "token_embd.weight": (16, 8), "output_norm.weight": (8,), "blk.0.attn_norm.weight": (8,),
+    "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (8, 8), "blk.0.attn_v.weight": (8, 8),
+    "blk.0.attn_output.weight": (8, 8), "blk.0.ffn_norm.weight": (8,), "blk.0.ffn_gate.weight": (16, 8),
+    "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16),
+}
+LLAMA_HEADER = {"block_count": 1, "context_length": 64, "embedding_length": 8, "feed_forward_length": 16,
+                "attention.head_count": 2, "attention.head_count_kv": 2}
+
+
+def _llama_gguf(path, header=LLAMA_HEADER, shapes=LLAMA_SHAPES, tokens: int = 16) -> None:
+    """A llama GGUF of `header`'s hyper-parameters (`llama.<key>`, uint64), float32 zero tensors of `shapes`
+    and a vocabulary of `tokens` entries."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in header.items():
+        writer.add_uint64(f"llama.{key}", value)
+    if tokens:
+        writer.add_token_list([f"t{i}" for i in range(tokens)])
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_complete_model_passes_the_header_check(tmp_path):
     path = tmp_path / "llama.gguf"
-    _tiny_gguf(path, "llama")
+    _llama_gguf(path)
     assert check_convertible(path) == "llama"
+
+
+def _forged(tmp_path, case: str):
+    """The GGUF file of one forged `case` (docs of each in test_a_forged_header_is_one_line_before_any_model)."""
+    path = tmp_path / f"{case}.gguf"
+    ffn_gate = {**LLAMA_SHAPES, "blk.0.ffn_gate.weight": (12, 8)}
+    if case == "no hyper-parameters":
+        _llama_gguf(path, header={}, shapes={}, tokens=0)
+    elif case == "a few hyper-parameters and one tensor":
+        _llama_gguf(path, shapes={"token_embd.weight": (16, 8)})
+    elif case == "a tensor of another shape":
+        _llama_gguf(path, shapes=ffn_gate)
+    elif case == "tensor data past the end":
+        _llama_gguf(path)
+        path.write_bytes(path.read_bytes()[:-100])
+    elif case == "a forged tensor shape":  # token_embd [16, 8] claims [2**40, 8]: its data would lie past the end
+        _llama_gguf(path)
+        data = bytearray(path.read_bytes())
+        dims = data.index(b"token_embd.weight") + len("token_embd.weight") + 4  # after the name and n_dims
+        assert struct.unpack_from("<QQ", data, dims) == (8, 16)
+        struct.pack_into("<Q", data, dims + 8, 2**40)
+        path.write_bytes(data)
+    elif case == "a vocabulary of 2**40":
+        _llama_gguf(path, header={**LLAMA_HEADER, "vocab_size": 2**40})
+    elif case == "2**40 layers":
+        _llama_gguf(path, header={**LLAMA_HEADER, "block_count": 2**40})
+    elif case == "a width of 2**40":
+        _llama_gguf(path, header={**LLAMA_HEADER, "embedding_length": 2**40})
+    return path
+
+
+@pytest.mark.parametrize(("case", "words"), [
+    # ~100 bytes: transformers took its LlamaConfig defaults (7B) and grew to 16 GB until the kernel killed it.
+    ("no hyper-parameters", "has no usable llama.block_count, llama.embedding_length, llama.context_length, "
+                            "tokenizer.ggml.tokens"),
+    # ended in a 73-line traceback (sizes mismatched in transformers' loading report)
+    ("a few hyper-parameters and one tensor", "no tensor of the file holds model.layers.0."),
+    ("a tensor of another shape", "make model.layers.0.mlp.gate_proj.weight [16, 8], but the file holds "
+                                  "blk.0.ffn_gate.weight [12, 8]"),
+    ("tensor data past the end", "not a readable GGUF model file, or is truncated"),
+    ("a forged tensor shape", "not a readable GGUF model file, or is truncated"),
+    ("a vocabulary of 2**40", "make model.embed_tokens.weight [1099511627776, 8], but the file holds "
+                              "token_embd.weight [16, 8]"),
+    ("2**40 layers", "says 1099511627776 layers but the file holds 11 tensors"),
+    ("a width of 2**40", "its hyper-parameters do not make a llama model (RuntimeError: Storage size"),
+])
+def test_a_forged_header_is_one_line_before_any_model_is_built(tmp_path, monkeypatch, case, words):
+    import transformers
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the conversion started")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    line = _one_line_exit_2(_run("import-gguf", str(_forged(tmp_path, case)), str(tmp_path / "out")))
+    assert words in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_non_empty_target_is_refused_before_any_work(tmp_path):

@@ -56,6 +56,12 @@ def _lax_coercion(value: Any, accepted: set[type]) -> str | None:
     return None
 
 
+def _on_off_switch(annotation: Any) -> bool:
+    """Whether a field takes the words on and off (`Literal["auto", "on", "off"]`), which YAML 1.1 reads,
+    unquoted, as the bools true and false."""
+    return get_origin(annotation) is Literal and {"on", "off"} <= set(get_args(annotation))
+
+
 class Section(BaseModel):
     # allow_inf_nan=False: `train.lr=.inf` turned every weight into NaN, `queue.timeout_s=.inf` overflowed
     # a later wait. Strict ints and bools (see `_lax_coercion`) for every field, also of plugin sections.
@@ -74,7 +80,10 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_lax_coercion(cls, value: Any, info: ValidationInfo) -> Any:
-        problem = _lax_coercion(value, _accepted_scalars(cls.model_fields[info.field_name].annotation))
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and _on_off_switch(annotation):
+            return "on" if value else "off"  # what YAML made of the documented, unquoted `on` / `off`
+        problem = _lax_coercion(value, _accepted_scalars(annotation))
         if problem is not None:
             raise ValueError(problem)
         return value

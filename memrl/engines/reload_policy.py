@@ -4,14 +4,22 @@ Reloads are disabled unless the operator names folders (`--reload-root`). A path
 403 whether or not it exists (`..` collapsed as text, then symlinks resolved and checked again), as does
 a folder holding a link (at any depth) that resolves outside them; a folder whose config or tokenizer
 differs from the served model's is a 409, never a silent swap; a path the OS cannot look at is a 400.
+
+What is checked is what is loaded: the folder is opened from its root one name at a time without following
+a link (`O_NOFOLLOW`, relative to the folder above), each file likewise from the opened folder, and copied
+from those open files into a private temporary folder; the checks and the engine read that copy. A file or
+folder swapped for a link meanwhile is refused or never seen, not followed (tests/engines/test_reload_races.py).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import stat
+import tempfile
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -43,6 +51,10 @@ ARCHITECTURE_FIELDS = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # Every file a tokenizer's vocabulary is read from: equal bytes, equal vocabulary, no reload needed.
 TOKENIZER_INPUTS = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.txt")
+CHECKED_FILES = ("config.json", *TOKENIZER_INPUTS)  # what the checks read: all a first check copies
+# O_NONBLOCK: opening a FIFO planted in the folder must not hang the reload (it is then skipped, not read).
+_NO_LINKS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CHUNK = 1 << 24
 
 
 def _tokenizer_digest(folder: Path) -> str:
@@ -52,6 +64,19 @@ def _tokenizer_digest(folder: Path) -> str:
             digest.update(f"{name}\0{(folder / name).stat().st_size}\0".encode())
             digest.update((folder / name).read_bytes())
     return digest.hexdigest()
+
+
+def _copy_file(fd: int, target: Path) -> None:
+    """Copy the open file `fd` to the new file `target`. No room for it is the server's problem (507)."""
+    try:
+        with open(target, "xb") as out:
+            while chunk := os.read(fd, _CHUNK):
+                out.write(chunk)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise APIError(507, f"no room for the private copy a reload loads from ({target.parent}): {exc.strerror}; "
+                            "free space there or point TMPDIR at a larger disk", "server_error") from exc
 
 
 def _architecture_differences(served: Mapping[str, Any], other: Mapping[str, Any],
@@ -110,46 +135,90 @@ class ReloadPolicy:
         self.vocab = dict(get_vocab()) if callable(get_vocab) else None
         self._matching_tokenizers: set[str] = set()  # digests of tokenizer files found to match
 
-    def check(self, path: str) -> Path:
-        """The real folder `path` names, if the engine may load it (blocking I/O); an APIError (4xx) if not."""
+    def check(self, path: str) -> None:
+        """An APIError (4xx) unless the engine may load `path` (blocking I/O). Copies only the files the
+        checks read: a quick first answer, before the reload waits for generations (`copy_checked` then
+        copies and checks again what the engine will load)."""
+        with tempfile.TemporaryDirectory(prefix="memrl-reload-check-") as private:
+            self.copy_checked(path, Path(private), only=CHECKED_FILES)
+
+    def copy_checked(self, path: str, into: Path, only: Collection[str] | None = None) -> Path:
+        """Copy the folder `path` names into `into` (a private folder), through files opened without following
+        links, and check the copy; return it (named as the folder) for the engine to load. `only`: the names,
+        in the folder itself, to copy (all else is opened and checked but not copied). APIError (4xx) if not."""
         folder = self.resolve(path)
+        copy = into / (folder.name or "model")
         try:
-            if not folder.is_dir():
-                raise APIError(400, f"reload path {path!r} is not a folder on the server's machine")
-            self._check_links(folder, path)
+            try:
+                fd = self._open_beneath(folder, os.O_DIRECTORY)
+            except (FileNotFoundError, NotADirectoryError):
+                raise APIError(400, f"reload path {path!r} is not a folder on the server's machine") from None
+            try:
+                self._copy_tree(fd, str(folder), copy, "", path, only, set())
+            finally:
+                os.close(fd)
             if self.config is not None:
-                self._check_config(folder, path)
-            if self.vocab is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
-                self._check_vocab(folder, path)
-        except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP: the path is unusable, whatever it names
+                self._check_config(copy, path)
+            if self.vocab is not None and any((copy / name).is_file() for name in TOKENIZER_FILES):
+                self._check_vocab(copy, path)
+        except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP (a link swapped in since it was resolved)
             raise APIError(400, f"reload path {path!r} cannot be read on the server's machine: "
-                                     f"{exc.strerror or exc}") from exc
-        return folder
+                                f"{exc.strerror or exc}") from exc
+        return copy
 
     def _inside_roots(self, real: Path) -> bool:
         return any(real.is_relative_to(root) for _, root in self.roots)
 
-    def _check_links(self, folder: Path, given: str) -> None:
-        """403 if any entry under `folder` resolves outside every root: the engine follows symlinks, so a
-        link to a file elsewhere would be loaded though the folder itself lies in a root. Linked
-        folders are walked too (each real folder once, so a link loop ends)."""
-        seen: set[str] = set()
-        pending = [folder]
-        while pending:
-            current = pending.pop()
-            real = os.path.realpath(current)
-            if real in seen:
+    def _open_beneath(self, real: Path, flags: int = 0) -> int:
+        """A descriptor of `real`, a resolved path inside a root, opened from the root one name at a time,
+        each relative to the folder above and none followed if it is a link: a folder on the way swapped for
+        a link since `real` was resolved fails (ELOOP, ENOTDIR), instead of leading out of the roots."""
+        root = next(root for _, root in self.roots if real.is_relative_to(root))
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in real.relative_to(root).parts:
+                fd, above = os.open(name, _NO_LINKS | flags, dir_fd=fd), fd
+                os.close(above)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _copy_tree(self, fd: int, real: str, copy: Path, relative: str, given: str,
+                   only: Collection[str] | None, seen: set[tuple[int, int]]) -> None:
+        """Copy the folder open at `fd` (its real path `real`) to `copy`, refusing (403) an entry, at any depth,
+        that links outside every root: the engine would read through it. Links inside the roots are followed,
+        each folder copied once (a link loop ends); an entry that vanished meanwhile is skipped."""
+        info = os.fstat(fd)
+        seen.add((info.st_dev, info.st_ino))
+        copy.mkdir()
+        for name in os.listdir(fd):
+            entry, entry_real = relative + name, os.path.join(real, name)
+            try:
+                child = os.open(name, _NO_LINKS, dir_fd=fd)
+            except FileNotFoundError:
                 continue
-            seen.add(real)
-            with os.scandir(current) as entries:
-                for entry in entries:
-                    if not self._inside_roots(Path(os.path.realpath(entry.path))):
-                        relative = os.path.relpath(entry.path, folder)
-                        logger.warning("refused a reload from %r: %s links outside the roots", given, relative)
-                        raise APIError(403, LINK_OUT_MESSAGE.format(given=given, entry=relative),
-                                            "permission_denied")
-                    if entry.is_dir():  # follows links, which now lie inside a root
-                        pending.append(Path(entry.path))
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:  # ELOOP: a link, which O_NOFOLLOW did not follow
+                    raise
+                entry_real = os.path.realpath(os.path.join(real, os.readlink(name, dir_fd=fd)))
+                if not self._inside_roots(Path(entry_real)):
+                    logger.warning("refused a reload from %r: %s links outside the roots", given, entry)
+                    raise APIError(403, LINK_OUT_MESSAGE.format(given=given, entry=entry),
+                                   "permission_denied") from None
+                try:
+                    child = self._open_beneath(Path(entry_real))
+                except FileNotFoundError:  # a dangling link: nothing to copy
+                    continue
+            try:
+                info = os.fstat(child)
+                if stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) not in seen:
+                    self._copy_tree(child, entry_real, copy / name, entry + "/", given,
+                                    None if only is None else (), seen)
+                elif stat.S_ISREG(info.st_mode) and (only is None or entry in only):
+                    _copy_file(child, copy / name)
+            finally:
+                os.close(child)
 
     def resolve(self, path: str) -> Path:
         """The real folder `path` names: a 403 unless it lies under a root, whether it exists or not (`..`

@@ -14,6 +14,8 @@ import logging
 import math
 import os
 import secrets
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -252,11 +254,15 @@ class _Service:
         await asyncio.to_thread(self.policy.check, body.path)
         start = time.perf_counter()
         async with self.gate.reload():
-            folder = await asyncio.to_thread(self.policy.check, body.path)
-            # The resolved folder that was checked, not the path as sent: its symlinks are not followed
-            # a second time, so the load reads what the root and architecture checks saw.
-            async with _engine_failures("reload_from_path", f"reload from {body.path!r} failed"):
-                await _run_reload(reload, str(folder))
+            private = tempfile.mkdtemp(prefix="memrl-reload-")
+            try:
+                # The engine loads the private copy that was checked, never the folder by name again: a file
+                # swapped for a link after the checks would be read by the load (reload_policy.py).
+                folder = await asyncio.to_thread(self.policy.copy_checked, body.path, Path(private))
+                async with _engine_failures("reload_from_path", f"reload from {body.path!r} failed"):
+                    await _run_reload(reload, str(folder))
+            finally:
+                await asyncio.to_thread(shutil.rmtree, private, ignore_errors=True)
         return {"success": True, "path": body.path, "seconds": round(time.perf_counter() - start, 3)}
 
 

@@ -43,7 +43,8 @@ class FakeEngine:
         self.active = 0
         self.max_active = 0
         self.requests: list[GenerationRequest] = []
-        self.reloads: list[str] = []
+        self.reloads: list[str] = []  # the folders loaded: each a private copy of the folder asked for
+        self.reload_files: list[dict[str, bytes]] = []  # their files, read before the server deletes the copy
         self.events: list[str] = []
         self.closed = False
 
@@ -77,6 +78,8 @@ class FakeEngine:
     def reload_from_path(self, path: str) -> None:
         self.events.append("reload")
         self.reloads.append(path)
+        self.reload_files.append({p.relative_to(path).as_posix(): p.read_bytes()
+                                  for p in sorted(Path(path).rglob("*")) if p.is_file()})
 
     async def close(self) -> None:
         self.closed = True
@@ -465,7 +468,7 @@ def test_reload_calls_the_engine_and_checks_the_folder(served, reload_root):
     folder.mkdir()
     r = httpx.post(url + "/v1/reload_weights", json={"path": str(folder)}, timeout=10)
     assert r.status_code == 200, r.text
-    assert engine.reloads[-1] == str(folder)
+    assert Path(engine.reloads[-1]).name == folder.name  # a private copy of it, named as it is
     # Inside the allowed root the caller may learn that a folder is missing (outside it: a plain 403).
     missing = httpx.post(url + "/v1/reload_weights", json={"path": str(reload_root / "nope")}, timeout=10)
     assert missing.status_code == 400
@@ -494,7 +497,7 @@ def test_reload_of_an_async_engine_and_of_one_that_cannot(tmp_path):
                 url + "/v1/reload_weights", json={"path": str(tmp_path)}, timeout=10
             )
     assert replies["AsyncReloading"].status_code == 200
-    assert async_engine.reloads == [str(tmp_path)]
+    assert [Path(p).name for p in async_engine.reloads] == [tmp_path.name]
     assert replies["Broken"].status_code == 500
     assert "no safetensors here" in replies["Broken"].json()["error"]["message"]
     assert replies["NoReload"].status_code == 501

@@ -5,6 +5,7 @@ folders hold a real tiny model's config and tokenizer (no weights: FakeEngine ne
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import threading
@@ -32,6 +33,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def post_reload(url: str, path) -> httpx.Response:
     return httpx.post(url + "/v1/reload_weights", json={"path": str(path)}, timeout=30)
+
+
+def loaded(engine: FakeEngine) -> list[tuple[str, dict[str, bytes]]]:
+    """Each reload's folder as the engine saw it, name and files: a private copy of the checked folder, outside
+    the roots and deleted once its reload is done, never the folder asked for (tests/engines/test_reload_races.py)."""
+    assert not any(Path(path).exists() for path in engine.reloads)
+    return [(Path(path).name, files) for path, files in zip(engine.reloads, engine.reload_files, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------- reload roots
@@ -85,12 +93,13 @@ def test_paths_outside_the_roots_get_one_403_whether_or_not_they_exist(rooted, t
 
 def test_folders_inside_a_root_reload_as_their_resolved_path(rooted):
     url, engine, root, _ = rooted
+    (root / "step-1" / "marker").write_text("step-1")
     direct = post_reload(url, root / "step-1")
     via_link = post_reload(url, root / "link_in")
     via_dots = post_reload(url, root / "step-1" / ".." / "step-1")
     missing = post_reload(url, root / "step-2")
     assert [direct.status_code, via_link.status_code, via_dots.status_code] == [200] * 3
-    assert engine.reloads == [str(root / "step-1")] * 3  # the engine never sees the link or the dots
+    assert loaded(engine) == [("step-1", {"marker": b"step-1"})] * 3  # the engine never sees the link or the dots
     assert missing.status_code == 400 and "not a folder" in missing.json()["error"]["message"]
 
 
@@ -98,12 +107,14 @@ def test_a_root_reached_through_a_symlink_and_several_roots(tmp_path):
     real, other = tmp_path / "real", tmp_path / "other"
     (real / "step").mkdir(parents=True)
     (other / "step").mkdir(parents=True)
+    (real / "step" / "marker").write_text("real")
+    (other / "step" / "marker").write_text("other")
     (tmp_path / "alias").symlink_to(real)
     engine = FakeEngine()
     with serve_in_thread(create_app(engine, "fake", reload_roots=[tmp_path / "alias", other])) as url:
         replies = [post_reload(url, p) for p in (tmp_path / "alias" / "step", real / "step", other / "step")]
     assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
-    assert engine.reloads == [str(real / "step"), str(real / "step"), str(other / "step")]
+    assert loaded(engine) == [("step", {"marker": b"real"})] * 2 + [("step", {"marker": b"other"})]
 
 
 def test_a_root_may_not_exist_yet_but_may_not_be_a_file(tmp_path):
@@ -154,7 +165,19 @@ def test_links_inside_the_roots_and_link_loops_are_fine(rooted):
     (step / "loop").symlink_to(step)  # walked once, not forever
     r = post_reload(url, step)
     assert r.status_code == 200, r.text
-    assert engine.reloads == [str(step)]
+    assert loaded(engine) == [("step-1", {"model.safetensors": b"weights"})]  # the loop walked once
+
+
+def test_a_fifo_and_a_dangling_link_in_the_folder_are_skipped_not_waited_on(rooted):
+    # The folder is copied from files it opens: opening a FIFO for reading would wait for a writer for ever.
+    url, engine, root, _ = rooted
+    step = root / "step-1"
+    os.mkfifo(step / "pipe")
+    (step / "dangling").symlink_to(root / "nowhere")
+    (step / "config.json").write_text("{}")
+    r = post_reload(url, step)
+    assert r.status_code == 200, r.text
+    assert loaded(engine) == [("step-1", {"config.json": b"{}"})]
 
 
 def test_a_path_the_os_refuses_is_a_400_with_a_json_error(rooted):
@@ -263,7 +286,7 @@ def test_a_checkpoint_of_the_served_model_reloads(checked, tiny, tmp_path, monke
     no_tokenizer = checkpoint(tiny, tmp_path / "weights_only", tokenizer=False)
     replies = [post_reload(url, p) for p in (step_1, step_2, no_tokenizer)]
     assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
-    assert engine.reloads == [str(step_1), str(step_2), str(no_tokenizer)]
+    assert [name for name, _ in loaded(engine)] == [step_1.name, step_2.name, no_tokenizer.name]
     # Every training step writes the same tokenizer files: they are loaded and compared only once.
     assert len(loads) == 1
 
