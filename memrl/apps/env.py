@@ -80,6 +80,18 @@ def extras() -> dict[str, dict[str, list[str]]]:
     return out
 
 
+def cpu_bf16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (oneDNN sees AVX512-BF16 or AMX). Without it torch
+    emulates bf16 matrix products: ~50x slower than float32 on an AVX2 EPYC (1.2 vs 62 GFLOP/s at SmolLM2's
+    MLP shape, bench/cpu_precision.py), so CPU training and generation stay float32 there."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
+
+
 def _torch_env() -> dict[str, Any]:
     """`torch.utils.collect_env`'s fields ("collect_env") and what torch itself says beyond them (its cuDNN
     and NCCL, CPU threads, each GPU's memory, compute capability and bf16)."""
@@ -89,7 +101,8 @@ def _torch_env() -> dict[str, Any]:
     except Exception as error:  # a broken torch install is exactly what a report must show
         return {"error": f"import torch failed: {type(error).__name__}: {error}"}
     info: dict[str, Any] = {"version": torch.__version__, "cuda_build": torch.version.cuda,
-                            "threads": torch.get_num_threads(), "devices": []}
+                            "threads": torch.get_num_threads(), "devices": [], "cpu_bf16": cpu_bf16_native(),
+                            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     try:
         info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         if torch.cuda.is_available():
@@ -232,7 +245,9 @@ def _torch_lines(t: dict[str, Any], env: dict[str, Any]) -> list[str]:
     nccl = f", NCCL {t['nccl']}" if t.get("nccl") else ""
     nvcc = f"; nvcc {env['cuda_runtime_version']}" if env.get("cuda_runtime_version") else ""
     driver = env.get("nvidia_driver_version")
-    lines = [f"torch         {t['version']}, {build}{cudnn}{nccl}, {t['threads']} CPU threads{nvcc}"]
+    bf16 = "native" if t.get("cpu_bf16") else "emulated (slow): keep CPU training and generation float32"
+    lines = [f"torch         {t['version']}, {build}{cudnn}{nccl}, {t['threads']} CPU threads{nvcc}",
+             f"cpu bfloat16  {bf16} ({t.get('cpu_capability', 'unknown')} kernels)"]
     if t["devices"]:
         lines += [f"gpu {d['index']:<9} {d['name']}, {d['memory_gib']} GiB, compute {d['capability']}"
                   for d in t["devices"]]

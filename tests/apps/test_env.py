@@ -169,3 +169,13 @@ def test_nothing_heavy_is_imported(module):
               "if m in sys.modules))")
     loaded = json.loads(_run("-c", code).replace("'", '"'))
     assert loaded == ([] if module == "memrl.cli" else ["torch"])
+
+
+def test_the_cpus_bfloat16_support_is_said(monkeypatch):
+    """CPU bf16 is emulated (~50x slower than float32) without AVX512-BF16 / AMX: the report says which."""
+    base = {"version": "2.13.0+cpu", "cuda_build": None, "threads": 2, "devices": [], "cpu_capability": "AVX2"}
+    slow = _with_torch(monkeypatch, {**base, "cpu_bf16": False}, None)
+    assert "cpu bfloat16  emulated (slow): keep CPU training and generation float32 (AVX2 kernels)" in slow
+    fast = _with_torch(monkeypatch, {**base, "cpu_bf16": True, "cpu_capability": "AVX512"}, None)
+    assert "cpu bfloat16  native (AVX512 kernels)" in fast
+    assert isinstance(env_app.cpu_bf16_native(), bool)
