@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from memrl.config import SamplingConfig, TaskConfig
+from memrl.config import SamplingConfig
 from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, encode_text, input_text
+from memrl.memagent.settings import MemAgentSettings
 from memrl.rollout import GroupSlot, RolloutContext, request_seed
 from memrl.scoring import THINK_END, gold_spans
 from memrl.types import Trajectory, Turn
@@ -63,7 +64,7 @@ def _turn(index: int, kind: str, prompt_ids: list[int], result: GenerationResult
                 finish_reason=result.finish_reason, max_tokens=max_tokens)
 
 
-async def run_trajectory(engine: Engine, builder: PromptBuilder, task: TaskConfig, sampling: SamplingConfig,
+async def run_trajectory(engine: Engine, builder: PromptBuilder, task: MemAgentSettings, sampling: SamplingConfig,
                          question: str, chunks: Chunks, *, trajectory_id: str, group_id: str, sample_index: int,
                          seed_key: str) -> Trajectory:
     """Read `chunks` turn by turn into a bounded memory, then answer from question + memory alone."""
@@ -149,7 +150,7 @@ def chunk_gold_hits_later(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) 
     return asyncio.get_running_loop().run_in_executor(_GOLD_SEARCH, chunk_gold_hits, tokenizer, chunks, list(golds))
 
 
-def document_chunks(tokenizer: Any, cfg: TaskConfig, context: str) -> Chunks:
+def document_chunks(tokenizer: Any, cfg: MemAgentSettings, context: str) -> Chunks:
     """Tokenize a document once and cut it into the chunks every sample of the group reads."""
     ids = tokenize_document(tokenizer, input_text(cfg, context))
     return chunk_context(ids, cfg.chunk_tokens, cfg.max_chunks, cfg.truncation)

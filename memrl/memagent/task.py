@@ -15,6 +15,7 @@ from memrl.config import AlgorithmConfig
 from memrl.memagent.prompts import PromptBuilder
 from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import generate_group, rollout_metrics
+from memrl.memagent.settings import MemAgentSettings
 from memrl.rl.shaping import advantage_rows
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
 from memrl.task import Phase, Task
@@ -42,9 +43,14 @@ def convert_trajectories(trajectories: Sequence[Trajectory], algorithm_cfg: Algo
 
 
 class MemAgentTask(Task):
+    Settings = MemAgentSettings
+
     def max_rows_per_trajectory(self, cfg: Any) -> int:
         """Up to max_chunks memory turns + 1 final turn, one row each."""
         return cfg.task.max_chunks + 1
+
+    def max_response_tokens(self, cfg: Any) -> int:
+        return max(cfg.task.memory_tokens, cfg.task.final_tokens)
 
     def validate_config(self, cfg: Any) -> None:
         """Settings the MemAgent rollout cannot train with (raised at config load, naming what to change)."""
