@@ -17,6 +17,7 @@ from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import generate_group, rollout_metrics
 from memrl.memagent.settings import MemAgentSettings
 from memrl.rl.shaping import advantage_rows
+from memrl.rl.validate import TrajectoryError
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
 from memrl.task import Phase, Task
 from memrl.types import RolloutOutput, TrainRow, Trajectory
@@ -36,9 +37,26 @@ def _is_hit(hit: Any, num_golds: int) -> bool:
     return 0 <= g < num_golds and count >= 1 and 0 <= start <= end <= len(excerpt)
 
 
+def check_group_turns(trajectories: Sequence[Trajectory]) -> None:
+    """The samples of one question read the same chunks, so those that read to the end (the task did not stop
+    them, `MemAgentTask.keep_reading`) take equal turn counts; another count is a rollout bug (rule
+    `group_turn_count`, named with the trajectory it disagrees with)."""
+    first: dict[str, Trajectory] = {}
+    for traj in trajectories:
+        if traj.metadata.get("stopped_reading"):
+            continue
+        other = first.setdefault(traj.group_id, traj)
+        if other.num_turns != traj.num_turns:
+            raise TrajectoryError(traj.trajectory_id, None, "group_turn_count",
+                                  f"{traj.num_turns} turns, but trajectory '{other.trajectory_id}' of the same group "
+                                  f"'{traj.group_id}' has {other.num_turns}; samples of one question read the same "
+                                  "chunks and, unless the task stops reading, take equal turn counts")
+
+
 def convert_trajectories(trajectories: Sequence[Trajectory], algorithm_cfg: AlgorithmConfig,
                          rollout_id: int) -> list[TrainRow]:
     """One row per turn with its `algorithm.credit` share of the trajectory's advantage."""
+    check_group_turns(trajectories)
     return advantage_rows(trajectories, algorithm_cfg, rollout_id, algorithm_cfg.credit)
 
 
