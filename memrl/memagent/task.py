@@ -81,9 +81,15 @@ class MemAgentTask(Task):
     def stop_token_ids(self, tokenizer: Any, cfg: Any) -> list[int]:
         return PromptBuilder(tokenizer, cfg.task).stop_token_ids
 
+    async def keep_reading(self, ctx: RolloutContext, group: GroupSlot, traj: Trajectory) -> bool:
+        """Whether sample `traj` (its memory turns so far, the last one just written) reads the next chunk; the
+        seam of readers that stop early (it may sample a turn of its own: `ctx.sample_turn`). False: the
+        final turn comes next and the trajectory records `stopped_reading`. Default: read every chunk."""
+        return True
+
     async def sample_group(self, ctx: RolloutContext, group: GroupSlot, n: int,
                            on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-        return await generate_group(ctx, group, n, on_done)
+        return await generate_group(ctx, group, n, on_done, task=self)
 
     async def generate(self, ctx: RolloutContext, records: Sequence[Any]) -> RolloutOutput:
         """Every group of the step at once, no group waiting for another; `train_row_count` is the exact
