@@ -134,10 +134,9 @@ class RolloutContext:
         it ended on a stop id, else `truncated`). An engine error, reported or raised, marks `traj` failed,
         naming the turn, and returns None: it fails one trajectory, never the batch (its group is dropped)."""
         index = len(traj.turns)
-        result = await self._generate(prompt_ids, max_tokens, request_seed(self.config.sampling.seed, group.key,
-                                                                          traj.sample_index, index))
-        if result.finish_reason == "error" or not result.output_ids:
-            return self._failed(traj, f"{kind} turn {index}", result)
+        seed = request_seed(self.config.sampling.seed, group.key, traj.sample_index, index)
+        if (result := await self._sample(traj, f"{kind} turn {index}", prompt_ids, max_tokens, seed)) is None:
+            return None
         traj.turns.append(Turn(index, kind, list(prompt_ids), list(result.output_ids), list(result.log_probs),
                                [1] * len(result.output_ids), result.finish_reason, max_tokens))
         return self._answered(traj)
@@ -150,10 +149,10 @@ class RolloutContext:
         finish reason is the last sample's. One row then trains on what the policy wrote around a tool call.
         An engine error fails `traj` as in `sample_turn`."""
         turn = traj.turns[-1]
-        result = await self._generate(turn.tokens + list(inserted_ids), max_tokens, request_seed(
-            self.config.sampling.seed, group.key, traj.sample_index, turn.index, turn.response_length))
-        if result.finish_reason == "error" or not result.output_ids:
-            return self._failed(traj, f"{turn.kind} turn {turn.index} (extended)", result)
+        seed = request_seed(self.config.sampling.seed, group.key, traj.sample_index, turn.index, turn.response_length)
+        if (result := await self._sample(traj, f"{turn.kind} turn {turn.index} (extended)",
+                                         turn.tokens + list(inserted_ids), max_tokens, seed)) is None:
+            return None
         n = len(inserted_ids)
         turn.response_ids += [*inserted_ids, *result.output_ids]
         turn.rollout_log_probs += [UNTRAINED_LOG_PROB] * n + list(result.log_probs)
@@ -161,19 +160,20 @@ class RolloutContext:
         turn.finish_reason, turn.max_tokens = result.finish_reason, turn.max_tokens + n + max_tokens
         return self._answered(traj)
 
-    async def _generate(self, prompt_ids: Sequence[int], max_tokens: int, seed: int) -> GenerationResult:
+    async def _sample(self, traj: Trajectory, where: str, prompt_ids: Sequence[int], max_tokens: int,
+                      seed: int) -> GenerationResult | None:
+        """One request's result; None when it failed, `traj` then marked failed with the message."""
         sampling = self.config.sampling
         request = GenerationRequest(list(prompt_ids), max_tokens, sampling.temperature, sampling.top_p,
                                     self.stop_ids, seed=seed)
         try:
             (result,) = await self.engine.generate([request])
         except Exception as e:  # an engine should report errors as results; one that raises fails one trajectory
-            return GenerationResult.failed(f"{type(e).__name__}: {e}")
-        return result
-
-    @staticmethod
-    def _failed(traj: Trajectory, where: str, result: GenerationResult) -> None:
+            result = GenerationResult.failed(f"{type(e).__name__}: {e}")
+        if result.finish_reason != "error" and result.output_ids:
+            return result
         traj.status, traj.error = "failed", f"{where}: {result.error or 'engine returned no tokens'}"
+        return None
 
     def _answered(self, traj: Trajectory) -> Turn:
         """The last turn; when it is the `final` one, the answer is the text it sampled (stop ids left out)."""

@@ -66,10 +66,7 @@ def _moved(key: str, moved: dict[str, str]) -> str:
 
 
 @dataclass(frozen=True)
-class _TaskSection:
-    """The raw `task:` section with the class that validates it, found from `plugins.task` before the fields
-    are checked (the plugins section comes after the task section)."""
-
+class _TaskSection:  # the raw `task:` section and its class, found before plugins (a later field) is checked
     settings: type[TaskSettings]
     raw: Any
 

@@ -38,14 +38,11 @@ def _is_hit(hit: Any, num_golds: int) -> bool:
 
 
 def check_group_turns(trajectories: Sequence[Trajectory]) -> None:
-    """The samples of one question read the same chunks, so those that read to the end (the task did not stop
-    them, `MemAgentTask.keep_reading`) take equal turn counts; another count is a rollout bug (rule
-    `group_turn_count`, named with the trajectory it disagrees with)."""
+    """The samples of one question read the same chunks, so those the task did not stop (`keep_reading`) take
+    equal turn counts; another count is a rollout bug (rule `group_turn_count`)."""
     first: dict[str, Trajectory] = {}
     for traj in trajectories:
-        if traj.metadata.get("stopped_reading"):
-            continue
-        other = first.setdefault(traj.group_id, traj)
+        other = first.setdefault(traj.group_id, traj) if not traj.metadata.get("stopped_reading") else traj
         if other.num_turns != traj.num_turns:
             raise TrajectoryError(traj.trajectory_id, None, "group_turn_count",
                                   f"{traj.num_turns} turns, but trajectory '{other.trajectory_id}' of the same group "
