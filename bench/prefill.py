@@ -51,11 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python bench/prefil
 
 from rollout import _WORDS, BenchError, Record, bias_stop_logits  # noqa: E402
 
-from memrl.config import Config, EngineConfig, SamplingConfig, TaskConfig  # noqa: E402
+from memrl.config import Config, EngineConfig, SamplingConfig  # noqa: E402
 from memrl.engines.base import GenerationRequest  # noqa: E402
 from memrl.engines.hf import HFEngine, resolve_device_dtype  # noqa: E402
 from memrl.memagent.prompts import PromptBuilder  # noqa: E402
 from memrl.memagent.rollout import builder_of, document_chunks  # noqa: E402
+from memrl.memagent.settings import MemAgentSettings  # noqa: E402
 from memrl.memagent.task import MemAgentTask  # noqa: E402
 from memrl.rollout import RolloutContext  # noqa: E402
 from memrl.tiny import build_tiny_model  # noqa: E402
@@ -136,7 +137,7 @@ def rollout_config(shape: Shape, layout: str, args: argparse.Namespace) -> Confi
     return Config(
         sampling=SamplingConfig(n_samples=shape.n, temperature=1.0, seed=args.seed),
         engine=EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens),
-        task=TaskConfig(chunk_tokens=shape.chunk_tokens, memory_tokens=shape.memory_tokens,
+        task=MemAgentSettings(chunk_tokens=shape.chunk_tokens, memory_tokens=shape.memory_tokens,
                         final_tokens=shape.final_tokens, max_chunks=shape.chunks, prompt_layout=layout))
 
 

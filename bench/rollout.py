@@ -41,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python bench/rollou
 
 from lockstep import generate_rollout_lockstep  # noqa: E402
 
-from memrl.config import Config, EngineConfig, SamplingConfig, TaskConfig  # noqa: E402
+from memrl.config import Config, EngineConfig, SamplingConfig  # noqa: E402
 from memrl.engines.base import GenerationRequest, GenerationResult  # noqa: E402
 from memrl.engines.hf import HFEngine, resolve_device_dtype  # noqa: E402
 from memrl.memagent.chunking import tokenize_document  # noqa: E402
 from memrl.memagent.rollout import builder_of, document_chunks  # noqa: E402
+from memrl.memagent.settings import MemAgentSettings  # noqa: E402
 from memrl.memagent.task import MemAgentTask  # noqa: E402
 from memrl.rollout import RolloutContext  # noqa: E402
 from memrl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
@@ -115,7 +116,7 @@ class Measurement:
         return self.tokens / self.wall_s
 
 
-def make_records(tokenizer, cfg: TaskConfig, questions: int, seed: int) -> list[Record]:
+def make_records(tokenizer, cfg: MemAgentSettings, questions: int, seed: int) -> list[Record]:
     """Documents of exactly k = 1..max_chunks chunks (equal shares of each k), the last one half to all full."""
     rng = random.Random(seed)
     records = []
@@ -246,7 +247,7 @@ async def main_async(args: argparse.Namespace) -> None:
     cfg = Config(
         sampling=SamplingConfig(n_samples=args.samples, temperature=1.0, seed=args.seed),
         engine=EngineConfig(max_batch_size=args.max_batch_size),
-        task=TaskConfig(chunk_tokens=args.chunk_tokens, memory_tokens=args.memory_tokens,
+        task=MemAgentSettings(chunk_tokens=args.chunk_tokens, memory_tokens=args.memory_tokens,
                         final_tokens=args.final_tokens, max_chunks=args.max_chunks))
     engine = TimedHFEngine(model, tokenizer, max_batch_size=args.max_batch_size, device=device, dtype=dtype,
                            static_kv=args.static_kv, cuda_graphs=args.cuda_graphs)

@@ -63,7 +63,8 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from memrl.config import AlgorithmConfig, Config, SamplingConfig, TaskConfig, TrainConfig
+from memrl.config import AlgorithmConfig, Config, SamplingConfig, TrainConfig
+from memrl.memagent.settings import MemAgentSettings
 from memrl.train.actor import Actor
 from memrl.types import TrainRow
 
@@ -413,7 +414,7 @@ def main() -> None:
     budget = args.micro_batch_tokens or args.batch_size * longest
     real_tokens = sum(len(r.tokens) for r in rows)
     prompt_share = sum(r.prompt_length for r in rows) / real_tokens
-    cfg = Config(task=TaskConfig(max_chunks=args.max_chunks), sampling=SamplingConfig(temperature=1.0),
+    cfg = Config(task=MemAgentSettings(max_chunks=args.max_chunks), sampling=SamplingConfig(temperature=1.0),
                  algorithm=AlgorithmConfig(kl_coef=0.0),
                  train=TrainConfig(micro_batch_tokens=budget, lr=1e-6, num_optimizer_steps=1))
     base = build_model(args.model_shape, device, args.seed)

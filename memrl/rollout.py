@@ -1,9 +1,12 @@
 """What every task's rollout shares, owned by the framework so that no task can get it wrong: the group
 slots (`ctx.groups`: a question's position in the step's whole batch, also on a Ray worker's slice, from
-which group ids and seeds derive; a batch wrapping the data set holds a question twice), `request_seed`,
-the checked reward (`ctx.reward`: a finite real number within `task.reward_timeout_s`, else a
-`RewardError` that fails the step), `finish_rollout` (groups with a failure dropped, common metrics, the
-row count to announce) and `ctx.scratch`, a per-context cache for the task.
+which group ids and seeds derive; a batch wrapping the data set holds a question twice), one turn
+(`ctx.sample_turn`: the request's seed from group, sample and turn, the task's stop ids, an engine error as
+a failed trajectory, the Turn exactly as sampled, the answer of a `final` one; `ctx.extend_turn`: tokens the
+policy did not sample, untrained, then more of the same turn), the checked reward (`ctx.reward`: a finite
+real number within `task.reward_timeout_s`, else a `RewardError` that fails the step), `finish_rollout`
+(groups with a failure dropped, common metrics, the row count to announce) and `ctx.scratch`, a per-context
+cache for the task.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memrl.engines.base import Engine
+from memrl.config import task_instance
+from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.errors import MemrlError
 from memrl.rl.validate import is_finite_real
-from memrl.types import RolloutOutput, Trajectory
+from memrl.types import RolloutOutput, Trajectory, Turn
+
+# The log-prob stored for a response token the policy did not sample (a tool's output, `extend_turn`): its loss
+# mask is 0, so no loss, ratio or metric ever reads it.
+UNTRAINED_LOG_PROB = 0.0
 
 
 def request_seed(base_seed: int, *parts: Any) -> int:
@@ -105,11 +113,77 @@ class RolloutContext:
     # The first failed reward call of this rollout: the step is lost, so trajectories still in flight get
     # the same error at once instead of calling a hung function again (one timeout per step, not per call).
     _reward_failure: RewardError | None = field(default=None, init=False, repr=False)
+    _stop_ids: list[int] | None = field(default=None, init=False, repr=False)
 
     def groups(self, records: Sequence[Any]) -> list[GroupSlot]:
         """Each record with its slot (offset applied) and group key `{rollout_id}:{slot}:{id}`."""
         return [GroupSlot(self.slot_offset + k, record, f"{self.rollout_id}:{self.slot_offset + k}:{record.id}")
                 for k, record in enumerate(records)]
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """The configured task's ids that end a turn (`Task.stop_token_ids`), asked once per context."""
+        if self._stop_ids is None:
+            self._stop_ids = list(task_instance(self.config.plugins.task).stop_token_ids(self.tokenizer, self.config))
+        return self._stop_ids
+
+    async def sample_turn(self, group: GroupSlot, traj: Trajectory, kind: str, prompt_ids: Sequence[int],
+                          max_tokens: int) -> Turn | None:
+        """Sample turn `len(traj.turns)` of `traj` (seeded by group, sample and turn: a rerun samples the same)
+        and append it, exactly as sampled; a `final` turn also sets the answer and the status (`complete` when
+        it ended on a stop id, else `truncated`). An engine error, reported or raised, marks `traj` failed,
+        naming the turn, and returns None: it fails one trajectory, never the batch (its group is dropped)."""
+        index = len(traj.turns)
+        seed = request_seed(self.config.sampling.seed, group.key, traj.sample_index, index)
+        if (result := await self._sample(traj, f"{kind} turn {index}", prompt_ids, max_tokens, seed)) is None:
+            return None
+        traj.turns.append(Turn(index, kind, list(prompt_ids), list(result.output_ids), list(result.log_probs),
+                               [1] * len(result.output_ids), result.finish_reason, max_tokens))
+        return self._answered(traj)
+
+    async def extend_turn(self, group: GroupSlot, traj: Trajectory, inserted_ids: Sequence[int],
+                          max_tokens: int) -> Turn | None:
+        """Go on with `traj`'s last turn: `inserted_ids`, tokens the policy did not sample (a tool's output),
+        join its response untrained (loss mask 0, `UNTRAINED_LOG_PROB`), then up to `max_tokens` more are
+        sampled after them (seeded by the turn and its length so far); the turn's limit grows by both, its
+        finish reason is the last sample's. One row then trains on what the policy wrote around a tool call.
+        An engine error fails `traj` as in `sample_turn`."""
+        turn = traj.turns[-1]
+        seed = request_seed(self.config.sampling.seed, group.key, traj.sample_index, turn.index, turn.response_length)
+        if (result := await self._sample(traj, f"{turn.kind} turn {turn.index} (extended)",
+                                         turn.tokens + list(inserted_ids), max_tokens, seed)) is None:
+            return None
+        n = len(inserted_ids)
+        turn.response_ids += [*inserted_ids, *result.output_ids]
+        turn.rollout_log_probs += [UNTRAINED_LOG_PROB] * n + list(result.log_probs)
+        turn.loss_mask += [0] * n + [1] * len(result.output_ids)
+        turn.finish_reason, turn.max_tokens = result.finish_reason, turn.max_tokens + n + max_tokens
+        return self._answered(traj)
+
+    async def _sample(self, traj: Trajectory, where: str, prompt_ids: Sequence[int], max_tokens: int,
+                      seed: int) -> GenerationResult | None:
+        """One request's result; None when it failed, `traj` then marked failed with the message."""
+        sampling = self.config.sampling
+        request = GenerationRequest(list(prompt_ids), max_tokens, sampling.temperature, sampling.top_p,
+                                    self.stop_ids, seed=seed)
+        try:
+            (result,) = await self.engine.generate([request])
+        except Exception as e:  # an engine should report errors as results; one that raises fails one trajectory
+            result = GenerationResult.failed(f"{type(e).__name__}: {e}")
+        if result.finish_reason != "error" and result.output_ids:
+            return result
+        traj.status, traj.error = "failed", f"{where}: {result.error or 'engine returned no tokens'}"
+        return None
+
+    def _answered(self, traj: Trajectory) -> Turn:
+        """The last turn; when it is the `final` one, the answer is the text it sampled (stop ids left out)."""
+        turn = traj.turns[-1]
+        if turn.kind == "final":
+            stops = set(self.stop_ids)
+            traj.answer = self.tokenizer.decode([t for t, m in zip(turn.response_ids, turn.loss_mask, strict=True)
+                                                 if m and t not in stops], skip_special_tokens=True)
+            traj.status = "complete" if turn.finish_reason == "stop" else "truncated"
+        return turn
 
     def reward(self, traj: Trajectory, golds: Sequence[str]) -> float | None:
         """The configured reward of a finished trajectory; a failed one scores 0 (it is dropped anyway). A

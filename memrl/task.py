@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from memrl.config import AlgorithmConfig, import_object, task_instance
+from memrl.config import AlgorithmConfig, TaskSettings, import_object, task_instance
 from memrl.rl.shaping import advantage_rows
 from memrl.rl.validate import TrajectoryError
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
@@ -78,11 +78,18 @@ class Task:
     """The base every task derives from: defaults for a 1:1 task (one row per trajectory, the framework's
     answer scorer and converter). A task overrides `sample_group` and whatever else differs."""
 
+    # The class of the `task:` section (`cfg.task`), which validates it: a subclass of TaskSettings.
+    Settings: ClassVar[type[TaskSettings]] = TaskSettings
+
     def validate_config(self, cfg: Any) -> None:
         """Raise ValueError for settings the task cannot run with (called when a config loads)."""
 
     def max_rows_per_trajectory(self, cfg: Any) -> int:
         return 1
+
+    def max_response_tokens(self, cfg: Any) -> int:
+        """The most tokens one turn's response may hold (Dr. GRPO's constant normaliser, memrl.train.partition)."""
+        return cfg.task.final_tokens
 
     def stop_token_ids(self, tokenizer: Any, cfg: Any) -> list[int]:
         return chat_stop_token_ids(tokenizer)

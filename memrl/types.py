@@ -1,7 +1,7 @@
 """Record types, one per stage of a rollout step (contracts: docs/design.md, "Record contracts").
 
     Turn        one generation request and exactly what was sampled (token ids in and out)
-    Trajectory  one sample for one question: memory turns, then one final turn
+    Trajectory  one sample for one question: the task's turns (any kinds), then one final turn
     TrainRow    one training row: a turn expanded with its share of the trajectory's advantage
     RolloutOutput  what a rollout source hands to training: the trajectories, scored and converted to rows
 
@@ -15,7 +15,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-TurnKind = Literal["memory", "final"]
+# Any name a task gives its turns (MemAgent: `memory`; a tool reader: `search`, ...); `final` is reserved for
+# the one last turn, whose response is the answer.
+TurnKind = str
 FinishReason = Literal["stop", "length", "error"]
 TrajectoryStatus = Literal["complete", "truncated", "failed"]
 

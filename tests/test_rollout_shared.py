@@ -1,5 +1,6 @@
 """memrl.rollout: what every task's rollout shares (slots, group keys, dropping failed groups, hooks)."""
 
+import asyncio
 import re
 import sys
 import threading
@@ -9,10 +10,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from memrl.config import Config, ConfigError, load_config
+from memrl.config import AlgorithmConfig, Config, ConfigError, load_config
+from memrl.engines.base import GenerationResult
 from memrl.memagent.task import MemAgentTask
-from memrl.rollout import RewardError, RolloutContext, finish_rollout
-from memrl.task import Task, rows_per_trajectory
+from memrl.rl.validate import validate_trajectory
+from memrl.rollout import UNTRAINED_LOG_PROB, RewardError, RolloutContext, finish_rollout, request_seed
+from memrl.task import Task, convert_one_row_per_trajectory, rows_per_trajectory
 from memrl.types import Trajectory, Turn
 
 
@@ -161,3 +164,89 @@ def test_a_reward_call_past_its_timeout_fails_the_rollout_once_for_all_its_traje
         assert calls == ["g:s0"]
     finally:
         release.set()  # lets the abandoned call end
+
+
+# ------------------------------------------------------------------------------------------ ctx.sample_turn
+# The framework owns one turn (issue 36): its seed, the task's stop ids, an engine error as a failed
+# trajectory, the Turn exactly as sampled, and tokens a turn carries untrained.
+
+class ScriptedEngine:
+    """Answers each request with the next scripted result; an exception in the script is raised instead."""
+
+    def __init__(self, *results):
+        self.results, self.requests = list(results), []
+
+    async def generate(self, requests):
+        self.requests += requests
+        result = self.results.pop(0)
+        if isinstance(result, Exception):
+            raise result
+        return [result]
+
+
+class StopNineTask(Task):
+    def stop_token_ids(self, tokenizer, cfg):
+        return [9]
+
+
+class WordTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+def turn_context(*results):
+    cfg = load_config(None, [f"plugins.task={__name__}:StopNineTask", "sampling.seed=5", "sampling.temperature=0.7"])
+    ctx = RolloutContext(engine=ScriptedEngine(*results), tokenizer=WordTokenizer(), config=cfg, rollout_id=2)
+    group = ctx.groups([Rec("q")])[0]
+    return ctx, group, Trajectory(group.trajectory_id(1), group.group_id, 1, [])
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_sample_turn_builds_the_turn_exactly_with_the_tasks_stop_ids_and_its_own_seed():
+    ctx, group, t = turn_context(GenerationResult([4, 5], [-0.1, -0.2], "length"),
+                                 GenerationResult([6, 9], [-0.3, -0.4], "stop"))
+    search = run(ctx.sample_turn(group, t, "search", (1, 2), 3))
+    assert search == Turn(0, "search", [1, 2], [4, 5], [-0.1, -0.2], [1, 1], "length", 3) and t.turns == [search]
+    assert t.answer == ""  # only the final turn answers
+    final = run(ctx.sample_turn(group, t, "final", [1, 2, 4, 5, 7], 2))
+    assert final == Turn(1, "final", [1, 2, 4, 5, 7], [6, 9], [-0.3, -0.4], [1, 1], "stop", 2)
+    assert (t.answer, t.status) == ("w6", "complete")  # the stop id left out
+    requests = ctx.engine.requests
+    assert [r.seed for r in requests] == [request_seed(5, group.key, 1, 0), request_seed(5, group.key, 1, 1)]
+    assert all((r.stop_token_ids, r.temperature, r.top_p) == ([9], 0.7, 1.0) for r in requests)
+    assert [(r.prompt_ids, r.max_tokens) for r in requests] == [([1, 2], 3), ([1, 2, 4, 5, 7], 2)]
+
+
+@pytest.mark.parametrize(("failure", "error"), [
+    (ConnectionError("server gone"), "ConnectionError: server gone"),  # raised: it failed the whole step before
+    ("failed", "overloaded"),
+    ("empty", "engine returned no tokens"),
+])
+def test_an_engine_error_fails_the_trajectory_naming_the_turn(failure, error):
+    failure = {"failed": GenerationResult.failed("overloaded"),
+               "empty": GenerationResult([], [], "stop")}.get(failure, failure)
+    ctx, group, t = turn_context(GenerationResult([4], [-0.1], "stop"), failure)
+    assert run(ctx.sample_turn(group, t, "memory", [1], 3)) is not None
+    assert run(ctx.sample_turn(group, t, "final", [1, 4], 3)) is None
+    assert (t.status, t.error, len(t.turns)) == ("failed", f"final turn 1: {error}", 1)
+
+
+def test_a_turn_carries_tokens_the_policy_did_not_sample_untrained():
+    ctx, group, t = turn_context(GenerationResult([4, 5], [-0.1, -0.2], "stop"),
+                                 GenerationResult([6, 9], [-0.3, -0.4], "stop"))
+    run(ctx.sample_turn(group, t, "final", [1, 2], 2))
+    turn = run(ctx.extend_turn(group, t, [7, 7, 7], 4))  # e.g. a search's results, then the answer
+    u = UNTRAINED_LOG_PROB
+    assert turn == Turn(0, "final", [1, 2], [4, 5, 7, 7, 7, 6, 9], [-0.1, -0.2, u, u, u, -0.3, -0.4],
+                        [1, 1, 0, 0, 0, 1, 1], "stop", 2 + 3 + 4) and t.turns == [turn]
+    request = ctx.engine.requests[1]
+    assert (request.prompt_ids, request.max_tokens, request.seed) == ([1, 2, 4, 5, 7, 7, 7], 4,
+                                                                     request_seed(5, group.key, 1, 0, 2))
+    assert t.answer == "w4 w5 w6"  # what the policy wrote, not what was inserted
+    t.reward = 1.0
+    validate_trajectory(t)
+    (row,) = convert_one_row_per_trajectory([t], AlgorithmConfig(), 0)
+    assert row.loss_mask == [1, 1, 0, 0, 0, 1, 1] and row.tokens == [1, 2, 4, 5, 7, 7, 7, 6, 9]

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from memrl.config.base import ConfigError, import_object
-from memrl.config.root import Config
+from memrl.config.root import Config, configured_task, task_settings
 
 __all__ = ["apply_overrides", "check_model_path", "config_from_dict", "load_config", "load_pretrained",
            "load_yaml", "parse_override"]
@@ -70,13 +70,13 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def _describe_error(cls: type[BaseModel], err: dict[str, Any]) -> str:
+def _describe_error(cls: type[BaseModel], err: dict[str, Any], task: type[BaseModel] | None) -> str:
     loc = [str(p) for p in err["loc"]]
     if not loc:  # a check of the whole config (e.g. the retired rollout section): its message says it all
         return str(err["msg"]).removeprefix("Value error, ")
     key = ".".join(loc)
     if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(cls, loc[:-1])
+        allowed = _allowed_keys(cls, loc[:-1], task)
         hint = difflib.get_close_matches(loc[-1], allowed, n=1)
         guess = f" (did you mean '{'.'.join(loc[:-1] + hint)}'?)" if hint else ""
         return f"unknown key '{key}'{guess}; allowed here: {', '.join(allowed)}"
@@ -85,10 +85,14 @@ def _describe_error(cls: type[BaseModel], err: dict[str, Any]) -> str:
     return f"{key}{shown}: {err['msg']}"
 
 
-def _allowed_keys(cls: type[BaseModel], loc: list[str]) -> list[str]:
+def _allowed_keys(cls: type[BaseModel], loc: list[str], task: type[BaseModel] | None) -> list[str]:
+    """The keys of the section at `loc`; the `task` section's are those of the configured task's Settings."""
     fields: dict[str, Any] = cls.model_fields
-    for part in loc:  # a part that is no section (a list index, an optional section) ends with no keys
-        fields = getattr(fields[part].annotation, "model_fields", {}) if part in fields else {}
+    for depth, part in enumerate(loc):  # a part that is no section (a list index, an optional section): no keys
+        if depth == 0 and part == "task" and task is not None:
+            fields = task.model_fields
+        else:
+            fields = getattr(fields[part].annotation, "model_fields", {}) if part in fields else {}
     return sorted(fields)
 
 
@@ -101,7 +105,11 @@ def config_from_dict(raw: dict[str, Any], config_class: type[Config] | None = No
     try:
         return config_class.model_validate(raw)
     except ValidationError as e:
-        lines = [_describe_error(config_class, err) for err in e.errors()]
+        try:  # the task section's keys, for the hints (a plugins.task that cannot load is an error of its own)
+            task = task_settings(configured_task(raw) or "")
+        except ConfigError:
+            task = None
+        lines = [_describe_error(config_class, err, task) for err in e.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 

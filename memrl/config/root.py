@@ -1,13 +1,16 @@
-"""`Config`, the whole configuration: its sections and the checks that span several of them."""
+"""`Config`, the whole configuration: its sections and the checks that span several of them. The `task:`
+section is the configured task's own (`Task.Settings`, a `TaskSettings` subclass), validated by that class."""
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator, model_validator
 
 from memrl.config.base import ConfigError, Section, task_instance
 from memrl.config.sections import (
@@ -19,27 +22,53 @@ from memrl.config.sections import (
     QueueConfig,
     RayConfig,
     SamplingConfig,
-    TaskConfig,
+    TaskSettings,
 )
 from memrl.config.training import AlgorithmConfig, TrainConfig
 
-__all__ = ["ROLLOUT_MOVED", "Config"]
+__all__ = ["Config", "rollout_moved", "task_settings"]
 
-# The `rollout` section of earlier releases was split by what its keys set: old key -> its new place,
-# built from the fields so that it cannot drift (the rollout section's old `engine` key is `engine.kind`).
-ROLLOUT_MOVED: dict[str, str] = {
-    ("engine" if name == "kind" else name): f"{section}.{name}"
-    for section, cls in (("sampling", SamplingConfig), ("engine", EngineConfig), ("task", TaskConfig))
-    for name in cls.model_fields
-}
+DEFAULT_TASK: str = PluginConfig.model_fields["task"].default
 
 
-def _moved(key: str) -> str:
-    if key in ROLLOUT_MOVED:
-        return f"rollout.{key} moved to {ROLLOUT_MOVED[key]}"
-    hint = difflib.get_close_matches(key, list(ROLLOUT_MOVED), n=1)
-    guess = f" (did you mean rollout.{hint[0]}, now {ROLLOUT_MOVED[hint[0]]}?)" if hint else ""
+def task_settings(spec: str) -> type[TaskSettings]:
+    """The class that validates the `task:` section: `Settings` of the Task `spec` names (`plugins.task`)."""
+    settings = getattr(type(task_instance(spec)), "Settings", None)
+    if not (isinstance(settings, type) and issubclass(settings, TaskSettings)):
+        raise ConfigError(f"plugins.task = '{spec}': its Settings is {settings!r}, not a subclass of "
+                          f"memrl.config.TaskSettings (the task's settings class)")
+    return settings
+
+
+def configured_task(raw: Any) -> str | None:
+    """The `plugins.task` a raw config (before validation) names: the default when unset, None when it is no
+    text (the plugins section's own check then says so)."""
+    plugins = raw.get("plugins") if isinstance(raw, Mapping) else None
+    spec = (plugins.get("task", DEFAULT_TASK) if isinstance(plugins, Mapping)
+            else getattr(plugins, "task", DEFAULT_TASK))
+    return spec if isinstance(spec, str) else None
+
+
+def rollout_moved(settings: type[TaskSettings]) -> dict[str, str]:
+    """The `rollout` section of earlier releases was split by what its keys set: old key -> its new place, built
+    from the fields so that it cannot drift (the rollout section's old `engine` key is `engine.kind`)."""
+    return {("engine" if name == "kind" else name): f"{section}.{name}"
+            for section, cls in (("sampling", SamplingConfig), ("engine", EngineConfig), ("task", settings))
+            for name in cls.model_fields}
+
+
+def _moved(key: str, moved: dict[str, str]) -> str:
+    if key in moved:
+        return f"rollout.{key} moved to {moved[key]}"
+    hint = difflib.get_close_matches(key, list(moved), n=1)
+    guess = f" (did you mean rollout.{hint[0]}, now {moved[hint[0]]}?)" if hint else ""
     return f"rollout.{key} is no key of sampling, engine or task{guess}"
+
+
+@dataclass(frozen=True)
+class _TaskSection:  # the raw `task:` section and its class, found before plugins (a later field) is checked
+    settings: type[TaskSettings]
+    raw: Any
 
 
 class Config(Section):
@@ -47,7 +76,8 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig)
+    # The configured task's Settings, dumped whole (SerializeAsAny), validated by its class (`_task_section`).
+    task: SerializeAsAny[TaskSettings]
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
@@ -62,18 +92,55 @@ class Config(Section):
         if not isinstance(raw, dict) or "rollout" not in raw:
             return raw
         if isinstance(old := raw["rollout"], dict) and old:
-            raise ValueError("; ".join(_moved(str(key)) for key in old))
+            moved = rollout_moved(task_settings(configured_task(raw) or DEFAULT_TASK))
+            raise ValueError("; ".join(_moved(str(key), moved) for key in old))
         raise ValueError("the rollout section is split into sampling, engine and task (see memrl config); "
                          "move its keys there")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _task_section(cls, raw: Any) -> Any:
+        # The class is found here, from the raw plugins.task, and validates the section in
+        # `_settings_of_the_task`, so that an error keeps its place (task.<key>) among the others.
+        if not isinstance(raw, Mapping) or (spec := configured_task(raw)) is None:
+            return raw
+        try:
+            settings = task_settings(spec)
+        except ConfigError as error:
+            raise ValueError(str(error)) from error
+        return {**raw, "task": _TaskSection(settings, raw.get("task") or {})}
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _settings_of_the_task(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, _TaskSection):
+            return value.raw if isinstance(value.raw, value.settings) else value.settings.model_validate(value.raw)
+        if "plugins" in info.data:  # an assignment: the other sections are there
+            return task_settings(info.data["plugins"].task).model_validate(value)
+        raise ValueError("checked once plugins.task names a Task class")
+
+    def task_with(self, overrides: Mapping[str, Any]) -> TaskSettings:
+        """The task's settings with `overrides` (an eval set's `task:`), validated by the same class."""
+        return type(self.task).model_validate({**self.task.model_dump(), **overrides}) if overrides else self.task
+
     @model_validator(mode="after")
     def _task_accepts_the_config(self) -> Config:
-        # The task checks its own settings (`Task.validate_config`; MemAgent: max_chunks + 1 queue rows).
+        # The task checks its own settings (`Task.validate_config`; MemAgent: its bound on the queue factor).
         try:
             task = task_instance(self.plugins.task)
         except ConfigError as error:
             raise ValueError(str(error)) from error
         task.validate_config(self)
+        return self
+
+    @model_validator(mode="after")
+    def _eval_sets_task_settings(self) -> Config:
+        for i, spec in enumerate(self.eval.sets):
+            try:
+                self.task_with(spec.task)
+            except ValidationError as e:
+                raise ValueError("; ".join(f"eval.sets.{i}.task.{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                           for err in e.errors())) from None
         return self
 
     @model_validator(mode="after")

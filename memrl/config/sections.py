@@ -3,33 +3,14 @@ live on `Config`, memrl/config/root.py)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from memrl.config.base import Section
 
-__all__ = ["DEFAULT_FINAL_TEMPLATE", "DEFAULT_MEMORY_TEMPLATE", "DEFAULT_NO_MEMORY_TEXT", "DataConfig",
-           "EngineConfig", "EvalConfig", "EvalSetConfig", "LoraConfig", "ModelConfig", "PluginConfig",
-           "QueueConfig", "RayConfig", "SamplingConfig", "TaskConfig"]
-
-DEFAULT_MEMORY_TEMPLATE = (
-    "You are reading a long document one part at a time to answer a question. "
-    "You keep a short memory of what matters.\n\n"
-    "Question: {question}\n\n"
-    "Your memory so far:\n{memory}\n\n"
-    "Next part of the document:\n{chunk}\n\n"
-    "Rewrite your memory: keep what helps answer the question, add what this part contributes, "
-    "drop the rest. Reply with the updated memory only."
-)
-DEFAULT_FINAL_TEMPLATE = (
-    "You have read a long document and kept a memory of it. Answer the question from your memory.\n\n"
-    "Question: {question}\n\n"
-    "Your memory:\n{memory}\n\n"
-    "Put your final answer in \\boxed{}, for example \\boxed{Paris}."
-)
-DEFAULT_NO_MEMORY_TEXT = "No memory yet."
-
+__all__ = ["DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig", "LoraConfig", "ModelConfig", "PluginConfig",
+           "QueueConfig", "RayConfig", "SamplingConfig", "TaskSettings"]
 
 class LoraConfig(Section):
     """LoRA adapters (peft) trained instead of the whole model (`model.lora`); see memrl/train/lora.py."""
@@ -117,30 +98,12 @@ class EngineConfig(Section):
         return self
 
 
-class TaskConfig(Section):
-    """What the reading task sees: chunking and token limits, prompts, answer extraction, the reward's time."""
+class TaskSettings(Section):
+    """What every task shares (`Task.Settings` derives from it): the answer's token limit and scorer, the chat
+    template's thinking switch, the reward's time. The `task:` section is the configured task's class."""
 
-    chunk_tokens: int = Field(512, gt=0, description="Tokens per document chunk.")
-    memory_tokens: int = Field(128, gt=0, description="Token limit of a memory turn (and the memory passed on).")
     final_tokens: int = Field(64, gt=0, description="Token limit of the final answer turn.")
-    max_chunks: int = Field(4, gt=0, description="Most chunks read; longer documents are truncated.")
-    truncation: Literal["head", "tail", "center", "center_chunks"] = Field(
-        "center", description="What a document over max_chunks x chunk_tokens keeps: `head` / `tail` the "
-        "first / last chunks, `center` the first and last half of the tokens (MemAgent's), `center_chunks` "
-        "of whole chunks.")
     enable_thinking: bool = Field(False, description="Passed to the chat template (Qwen3: keep False).")
-    memory_template: str = Field(DEFAULT_MEMORY_TEMPLATE, description="Memory-turn prompt: {question} "
-                                 "{memory} {chunk}.")
-    final_template: str = Field(DEFAULT_FINAL_TEMPLATE, description="Final-turn prompt: {question} {memory}.")
-    no_memory_text: str = Field(DEFAULT_NO_MEMORY_TEXT, description="Memory shown before the first chunk.")
-    prompt_layout: Literal["memagent", "chunk_first"] = Field(
-        "memagent", description="`memagent`: memory_template as written; `chunk_first`: its memory block "
-        "after its chunk, so a group's prompts share a prefix the engine computes once.")
-    strip_inputs: bool = Field(False, description="str.strip() each question and document before prompting "
-                               "(the official MemAgent evaluation does).")
-    memory_after_think: bool = Field(False, description="Pass on as memory only what a memory turn wrote "
-                                     "after its last </think> (the official MemAgent evaluation's rule); "
-                                     "training still sees every token.")
     answer_extractor: Literal["boxed", "therefore"] = Field(
         "boxed", description="How the final answer is read: `boxed` the last \\boxed{}; `therefore` the "
         "line after the last \"the answer is\" (official MemAgent non-boxed prompt).")
@@ -150,17 +113,6 @@ class TaskConfig(Section):
     reward_timeout_s: float = Field(60.0, gt=0, description="Longest one reward-function call may take; "
                                     "past it the step fails with RewardError (the call's thread is left running).")
 
-    @model_validator(mode="after")
-    def _templates_have_placeholders(self) -> TaskConfig:
-        for name, needed in (("memory_template", ("{question}", "{memory}", "{chunk}")),
-                             ("final_template", ("{question}", "{memory}"))):
-            missing = [p for p in needed if p not in getattr(self, name)]
-            if missing:
-                raise ValueError(f"task.{name} must contain {', '.join(needed)}; missing {', '.join(missing)}")
-        if "{chunk}" in self.final_template:
-            raise ValueError("task.final_template must not contain {chunk}: the final turn sees only question + memory")
-        return self
-
 
 class QueueConfig(Section):
     retired_keys = {"train_data_group_size": "queue.train_data_group_size is removed: the trainer takes each "
@@ -168,12 +120,22 @@ class QueueConfig(Section):
 
     train_sample_expansion_factor: int | None = Field(None, gt=0, description="Most rows one trajectory may "
                                                       "expand to (sizes the queue); unset: the task's bound "
-                                                      "(MemAgent: task.max_chunks + 1).")
+                                                      "(Task.max_rows_per_trajectory).")
     timeout_s: float = Field(1800.0, gt=0, description="Longest any wait on the queue may take.")
 
 
 class EvalSetConfig(Section):
     """One validation set of `eval.sets`; unset settings are the run's (`sampling.*`, `task.*`, `eval.limit`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_settings_go_under_task(cls, raw: Any) -> Any:
+        # An eval set's own task settings (e.g. more chunks for long documents) are the task's keys, checked by
+        # the task's Settings (Config.task_with): they go under `task:`, which an older release did not have.
+        if isinstance(raw, dict) and (other := [str(k) for k in raw if k not in cls.model_fields]):
+            raise ValueError(f"{', '.join(other)}: no key of an eval set (allowed: {', '.join(cls.model_fields)}); "
+                             f"a task setting of the set goes under its task mapping, e.g. task: {{{other[0]}: ...}}")
+        return raw
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Set name: TensorBoard eval/<name>/em, "
                       "RUN_ROOT/eval/<name>/.")
@@ -182,17 +144,16 @@ class EvalSetConfig(Section):
     samples: int = Field(1, gt=0, description="Samples per question (sample s: seed sampling.seed + s); "
                          "metrics average them.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature (0 = greedy).")
-    max_chunks: int | None = Field(None, gt=0, description="Chunks read (long RULER documents need more).")
-    memory_tokens: int | None = Field(None, gt=0, description="Token limit of a memory turn.")
-    final_tokens: int | None = Field(None, gt=0, description="Token limit of the final answer turn.")
+    task: dict[str, Any] = Field(default_factory=dict, description="The set's own task settings over the run's "
+                                 "`task:` (e.g. more chunks for long documents), validated by the task's Settings.")
 
 
 class EvalConfig(Section):
     limit: int | None = Field(None, gt=0, description="Evaluate only the first N questions.")
     concurrency: int = Field(64, gt=0, description="Questions evaluated at once.")
     sets: list[EvalSetConfig] = Field(default_factory=list, description="Validation sets of training, each "
-                                      "{name, file, limit, samples, temperature, max_chunks, memory_tokens, "
-                                      "final_tokens}; empty: `heldout` and data.eval_files.")
+                                      "{name, file, limit, samples, temperature, task}; empty: `heldout` and "
+                                      "data.eval_files.")
 
     @field_validator("sets")
     @classmethod

@@ -34,8 +34,8 @@ class AlgorithmConfig(Section):
         "token_mean", description="How token losses are averaged (verl loss_agg_mode; docs/algorithms.md); "
         "`seq_mean_token_sum_norm` is Dr. GRPO.")
     loss_scale_factor: int | None = Field(None, gt=0, description="Normaliser L of seq_mean_token_sum_norm "
-                                          "(verl actor.loss_scale_factor); unset: max(task.memory_tokens, "
-                                          "task.final_tokens).")
+                                          "(verl actor.loss_scale_factor); unset: the task's longest response "
+                                          "limit (Task.max_response_tokens).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = logged only).")
     loss_mode: Literal["vanilla", "gspo"] = Field("vanilla", description="`vanilla`: PPO's per-token ratio; "
                                                   "`gspo`: GSPO's sequence ratio over a whole trajectory "

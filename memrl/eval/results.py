@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memrl.config import TaskSettings
 from memrl.errors import MemrlError
 from memrl.eval.stats import metric_summary
 from memrl.io import cut_torn_tail, jsonl_lines
@@ -52,25 +53,33 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
     """The controlled variables two evaluations must share to be comparable (checked by `memrl compare`)."""
     sampling, task = cfg.sampling, cfg.task
     fmt = {
-        "chunk_tokens": task.chunk_tokens, "memory_tokens": task.memory_tokens, "final_tokens": task.final_tokens,
-        "max_chunks": task.max_chunks, "truncation": task.truncation, "n_samples": 1,
+        "final_tokens": task.final_tokens, "n_samples": 1,
         "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
         "enable_thinking": task.enable_thinking,
-        **{f"{name}_sha256": _sha256_text(getattr(task, name))
-           for name in ("memory_template", "final_template", "no_memory_text")},
         "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "stop_token_ids": sorted(int(t) for t in stop_token_ids),
         "scorer": SCORERS[task.answer_extractor],
     }
-    # Only when on: stripping changes the prompts, and runs recorded before the option existed must resume.
-    if task.strip_inputs:
-        fmt["strip_inputs"] = True
-    if task.memory_after_think:  # the memories passed on, and so every later prompt, differ
-        fmt["memory_after_think"] = True
-    if task.answer_after_think:  # the scorer reads less of each answer
+    if task.answer_after_think:  # the scorer reads less of each answer (only when on: older runs resume)
         fmt["answer_after_think"] = True
-    return fmt
+    return {**task_identity(task), **fmt}
+
+
+def task_identity(task: TaskSettings) -> dict[str, Any]:
+    """The task's own settings (those its Settings adds to `TaskSettings`), read off its fields whatever their
+    names: text (a template) as its SHA-256 under `<name>_sha256`, a switch only when on (so runs recorded
+    before it existed resume), any other value as it is."""
+    identity: dict[str, Any] = {}
+    for name, field in type(task).model_fields.items():
+        value = getattr(task, name)
+        if name in TaskSettings.model_fields or (field.annotation is bool and not value):
+            continue
+        if field.annotation is str:
+            identity[f"{name}_sha256"] = _sha256_text(value)
+        else:
+            identity[name] = value
+    return identity
 
 
 # ------------------------------------------------------------------------------------------ results file

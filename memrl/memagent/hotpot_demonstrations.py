@@ -10,18 +10,18 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from memrl.config import TaskConfig
 from memrl.data.records import QuestionRecord
 from memrl.memagent.prompts import encode_text, fill_template, input_text, layout_memory_template, text_budget
 from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import document_chunks
+from memrl.memagent.settings import MemAgentSettings
 from memrl.scoring import gold_list, normalize_answer
 
 NOTHING_YET = "Nothing about the answer yet."
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
-def chunk_texts(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> list[str]:
+def chunk_texts(record: QuestionRecord, tokenizer: Any, cfg: MemAgentSettings) -> list[str]:
     """The decoded chunks the rollout reads of `record` (after its truncation)."""
     return [tokenizer.decode(c) for c in document_chunks(tokenizer, cfg, record.context).chunks]
 
@@ -36,13 +36,13 @@ def _gold_sentence(text: str, golds: list[str]) -> str | None:
     return None
 
 
-def answerable(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> bool:
+def answerable(record: QuestionRecord, tokenizer: Any, cfg: MemAgentSettings) -> bool:
     """Whether a gold answer occurs in one sentence of a chunk the rollout reads."""
     golds = gold_list(record.answers)
     return any(_gold_sentence(text, golds) for text in chunk_texts(record, tokenizer, cfg))
 
 
-def _fit(text: str, tokenizer: Any, cfg: TaskConfig, gold: str) -> str:
+def _fit(text: str, tokenizer: Any, cfg: MemAgentSettings, gold: str) -> str:
     """`text` as a memory turn's response the rollout would take whole: at most `text_budget(memory_tokens)`
     ids as `memrl sft` encodes it (it appends the stop token), cut from the front when the gold answer
     would otherwise be cut off. Decoded ids can encode to more ids: one fewer is kept until it fits."""
@@ -57,7 +57,7 @@ def _fit(text: str, tokenizer: Any, cfg: TaskConfig, gold: str) -> str:
     return ""
 
 
-def demonstration(record: QuestionRecord, tokenizer: Any, cfg: TaskConfig) -> dict[str, list[dict[str, str]]]:
+def demonstration(record: QuestionRecord, tokenizer: Any, cfg: MemAgentSettings) -> dict[str, list[dict[str, str]]]:
     """One demonstrated trajectory of `record`: memory turns over the rollout's chunks, then the final turn.
 
     A memory turn keeps the chunk's sentence with the answer, else repeats the memory so far (the filler

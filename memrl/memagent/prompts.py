@@ -19,8 +19,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from memrl.config import TaskConfig
 from memrl.errors import MemrlError
+from memrl.memagent.settings import MemAgentSettings
 from memrl.task import chat_stop_token_ids
 
 # Unlikely in any question or template; rendering must keep each exactly as often as the template has it.
@@ -78,7 +78,7 @@ def fill_template(template: str, **parts: str) -> str:
     return _PLACEHOLDER.sub(lambda m: parts.get(m.group(1), m.group(0)), template)
 
 
-def layout_memory_template(cfg: TaskConfig) -> str:
+def layout_memory_template(cfg: MemAgentSettings) -> str:
     """The memory-turn template in the order `task.prompt_layout` asks for (every prompt path reads it here)."""
     return chunk_first_template(cfg.memory_template) if cfg.prompt_layout == "chunk_first" else cfg.memory_template
 
@@ -96,7 +96,7 @@ def text_budget(max_tokens: int) -> int:
     return max(max_tokens - 1, 0)
 
 
-def input_text(cfg: TaskConfig, text: str) -> str:
+def input_text(cfg: MemAgentSettings, text: str) -> str:
     """A question or document as the prompt path reads it: stripped when `cfg.strip_inputs` is on (the
     official evaluation strips both; off by default, as memrl's own runs trained on unstripped text)."""
     return text.strip() if cfg.strip_inputs and isinstance(text, str) else text
@@ -106,7 +106,7 @@ class PromptBuilder:
     """Memory-turn and final-turn prompt ids for one tokenizer and rollout config; the static pieces are
     cached per (template, question), shared by every turn of every sample of a question."""
 
-    def __init__(self, tokenizer: Any, task_cfg: TaskConfig) -> None:
+    def __init__(self, tokenizer: Any, task_cfg: MemAgentSettings) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError("the tokenizer has no chat template; MemAgent prompts go through one "
                               "(set tokenizer.chat_template, or use a chat/instruct model's tokenizer)")

@@ -4,32 +4,26 @@
                             -> final prompt(question, memory_final) -> answer
 
 Trajectories never wait for each other (pitfall "Lockstep turns"); the engine batches whatever requests
-wait. Each turn stores exactly what was sampled; the memory passed on is the response's ids, stop tokens
-stripped and cut to `memory_tokens`. A generation error marks the trajectory `failed`, never the batch.
+wait. Each turn is `RolloutContext.sample_turn`'s, exactly what was sampled; the memory passed on is the
+response's ids, stop tokens stripped and cut to `memory_tokens`. A generation error marks the trajectory
+`failed`, never the batch. Before each chunk after the first the task says whether to keep reading
+(`MemAgentTask.keep_reading`, default: always).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from memrl.config import SamplingConfig, TaskConfig
-from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.memagent.chunking import Chunks, chunk_context, tokenize_document
 from memrl.memagent.prompts import PromptBuilder, encode_text, input_text
-from memrl.rollout import GroupSlot, RolloutContext, request_seed
+from memrl.memagent.settings import MemAgentSettings
+from memrl.rollout import GroupSlot, RolloutContext
 from memrl.scoring import THINK_END, gold_spans
-from memrl.types import Trajectory, Turn
-
-
-async def _generate_one(engine: Engine, request: GenerationRequest) -> GenerationResult:
-    try:
-        (result,) = await engine.generate([request])
-    except Exception as e:  # an engine should report errors as results; never let one kill the batch
-        return GenerationResult.failed(f"{type(e).__name__}: {e}")
-    return result
+from memrl.task import load_task
+from memrl.types import Trajectory
 
 
 def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
@@ -57,61 +51,43 @@ def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
     return tail[lo:hi] if tokenizer.decode(tail[lo:hi]) == stripped else encode_text(tokenizer, stripped)
 
 
-def _turn(index: int, kind: str, prompt_ids: list[int], result: GenerationResult, max_tokens: int) -> Turn:
-    return Turn(index=index, kind=kind, prompt_ids=prompt_ids, response_ids=list(result.output_ids),
-                rollout_log_probs=list(result.log_probs), loss_mask=[1] * len(result.output_ids),
-                finish_reason=result.finish_reason, max_tokens=max_tokens)
-
-
-async def run_trajectory(engine: Engine, builder: PromptBuilder, task: TaskConfig, sampling: SamplingConfig,
-                         question: str, chunks: Chunks, *, trajectory_id: str, group_id: str, sample_index: int,
-                         seed_key: str) -> Trajectory:
-    """Read `chunks` turn by turn into a bounded memory, then answer from question + memory alone."""
-    stop_ids = builder.stop_token_ids
-    turns: list[Turn] = []
+async def run_trajectory(ctx: RolloutContext, group: GroupSlot, k: int, chunks: Chunks, task: Any) -> Trajectory:
+    """Sample k of `group`: read `chunks` turn by turn into a bounded memory, asking `task.keep_reading` before
+    each chunk after the first, then answer from question + memory alone (`ctx.sample_turn`: seeds, stop ids,
+    an engine error as a failed trajectory)."""
+    cfg, builder, question = ctx.config.task, builder_of(ctx), group.record.question
     memory_ids: list[int] | None = None  # None = the fixed "no memory yet" text
     memory_lengths: list[int] = []
     memory_truncations = 0
-    traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, sample_index=sample_index, turns=turns,
-                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": task.answer_extractor,
-                                "answer_after_think": task.answer_after_think})
+    traj = Trajectory(trajectory_id=group.trajectory_id(k), group_id=group.group_id, sample_index=k, turns=[],
+                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": cfg.answer_extractor,
+                                "answer_after_think": cfg.answer_after_think})
 
-    def fail(message: str) -> Trajectory:
-        traj.status, traj.error = "failed", message
+    def memory_metadata() -> Trajectory:
         traj.metadata.update(memory_lengths=memory_lengths, memory_truncations=memory_truncations)
         return traj
 
-    def ask(prompt: list[int], max_tokens: int, turn: int) -> Awaitable[GenerationResult]:
-        seed = request_seed(sampling.seed, seed_key, sample_index, turn)  # same (question, sample, turn): same draw
-        return _generate_one(engine, GenerationRequest(prompt, max_tokens, sampling.temperature, sampling.top_p,
-                                                       stop_ids, seed=seed))
-
     for i, chunk in enumerate(chunks.chunks):
-        prompt = builder.memory_prompt_ids(question, memory_ids, chunk)
-        result = await ask(prompt, task.memory_tokens, i)
-        if result.finish_reason == "error" or not result.output_ids:
-            return fail(f"memory turn {i}: {result.error or 'engine returned no tokens'}")
-        turns.append(_turn(i, "memory", prompt, result, task.memory_tokens))
+        if i and not await task.keep_reading(ctx, group, traj):
+            traj.metadata["stopped_reading"] = True
+            break
+        turn = await ctx.sample_turn(group, traj, "memory", builder.memory_prompt_ids(question, memory_ids, chunk),
+                                     cfg.memory_tokens)
+        if turn is None:
+            return memory_metadata()
         # The new memory always replaces the old one, even when empty; re-cut to memory_tokens.
-        memory_ids, recut = builder.cap_memory(result.output_ids)
-        if task.memory_after_think:  # the memory only; the turn above keeps every sampled id for training
+        memory_ids, recut = builder.cap_memory(turn.response_ids)
+        if cfg.memory_after_think:  # the memory only; the turn above keeps every sampled id for training
             memory_ids = memory_after_think(builder.tokenizer, memory_ids)
-        memory_truncations += int(recut or result.finish_reason == "length")
+        memory_truncations += int(recut or turn.finish_reason == "length")
         memory_lengths.append(len(memory_ids))
     del chunks  # release the document before the final turn: it sees question + memory only
 
-    final_index = len(turns)
-    prompt = builder.final_prompt_ids(question, memory_ids)
-    result = await ask(prompt, task.final_tokens, final_index)
-    if result.finish_reason == "error" or not result.output_ids:
-        return fail(f"final turn: {result.error or 'engine returned no tokens'}")
-    turns.append(_turn(final_index, "final", prompt, result, task.final_tokens))
-    answer_ids = [t for t in result.output_ids if t not in stop_ids]
-    traj.answer = builder.tokenizer.decode(answer_ids, skip_special_tokens=True)
-    traj.status = "complete" if result.finish_reason == "stop" else "truncated"
-    traj.metadata.update(memory_lengths=memory_lengths, memory_truncations=memory_truncations,
-                         final_memory_length=len(memory_ids or []))
-    return traj
+    turn = await ctx.sample_turn(group, traj, "final", builder.final_prompt_ids(question, memory_ids),
+                                 cfg.final_tokens)
+    if turn is not None:
+        traj.metadata["final_memory_length"] = len(memory_ids or [])
+    return memory_metadata()
 
 
 # Characters of chunk text kept on each side of a gold answer found in it (what `memrl view` shows).
@@ -149,7 +125,7 @@ def chunk_gold_hits_later(tokenizer: Any, chunks: Chunks, golds: Sequence[str]) 
     return asyncio.get_running_loop().run_in_executor(_GOLD_SEARCH, chunk_gold_hits, tokenizer, chunks, list(golds))
 
 
-def document_chunks(tokenizer: Any, cfg: TaskConfig, context: str) -> Chunks:
+def document_chunks(tokenizer: Any, cfg: MemAgentSettings, context: str) -> Chunks:
     """Tokenize a document once and cut it into the chunks every sample of the group reads."""
     ids = tokenize_document(tokenizer, input_text(cfg, context))
     return chunk_context(ids, cfg.chunk_tokens, cfg.max_chunks, cfg.truncation)
@@ -163,17 +139,16 @@ def builder_of(ctx: RolloutContext) -> PromptBuilder:
 
 
 async def generate_group(ctx: RolloutContext, group: GroupSlot, n: int,
-                         on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+                         on_done: Callable[[Trajectory], None] | None = None, task: Any = None) -> list[Trajectory]:
     """`n` independent trajectories of one question: one GRPO group, named and seeded by `group` (its slot
-    keeps group ids and seeds distinct when a batch holds the same question twice)."""
-    record = group.record
+    keeps group ids and seeds distinct when a batch holds the same question twice). `task` (default: the
+    configured one) decides whether each sample keeps reading."""
+    record, task = group.record, task if task is not None else load_task(ctx.config)
     chunks = document_chunks(ctx.tokenizer, ctx.config.task, record.context)
     gold_hits = chunk_gold_hits_later(ctx.tokenizer, chunks, record.answers)  # while the group generates
 
     async def one(k: int) -> Trajectory:
-        traj = await run_trajectory(ctx.engine, builder_of(ctx), ctx.config.task, ctx.config.sampling,
-                                    record.question, chunks, trajectory_id=group.trajectory_id(k),
-                                    group_id=group.group_id, sample_index=k, seed_key=group.key)
+        traj = await run_trajectory(ctx, group, k, chunks, task)
         traj.metadata.update(question_id=record.id, question=record.question, golds=list(record.answers),
                              chunk_golds=await gold_hits)
         traj.reward = ctx.reward(traj, record.answers)

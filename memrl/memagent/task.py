@@ -15,7 +15,9 @@ from memrl.config import AlgorithmConfig
 from memrl.memagent.prompts import PromptBuilder
 from memrl.memagent.reward import gold_in_text
 from memrl.memagent.rollout import generate_group, rollout_metrics
+from memrl.memagent.settings import MemAgentSettings
 from memrl.rl.shaping import advantage_rows
+from memrl.rl.validate import TrajectoryError
 from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
 from memrl.task import Phase, Task
 from memrl.types import RolloutOutput, TrainRow, Trajectory
@@ -35,16 +37,35 @@ def _is_hit(hit: Any, num_golds: int) -> bool:
     return 0 <= g < num_golds and count >= 1 and 0 <= start <= end <= len(excerpt)
 
 
+def check_group_turns(trajectories: Sequence[Trajectory]) -> None:
+    """The samples of one question read the same chunks, so those the task did not stop (`keep_reading`) take
+    equal turn counts; another count is a rollout bug (rule `group_turn_count`)."""
+    first: dict[str, Trajectory] = {}
+    for traj in trajectories:
+        other = first.setdefault(traj.group_id, traj) if not traj.metadata.get("stopped_reading") else traj
+        if other.num_turns != traj.num_turns:
+            raise TrajectoryError(traj.trajectory_id, None, "group_turn_count",
+                                  f"{traj.num_turns} turns, but trajectory '{other.trajectory_id}' of the same group "
+                                  f"'{traj.group_id}' has {other.num_turns}; samples of one question read the same "
+                                  "chunks and, unless the task stops reading, take equal turn counts")
+
+
 def convert_trajectories(trajectories: Sequence[Trajectory], algorithm_cfg: AlgorithmConfig,
                          rollout_id: int) -> list[TrainRow]:
     """One row per turn with its `algorithm.credit` share of the trajectory's advantage."""
+    check_group_turns(trajectories)
     return advantage_rows(trajectories, algorithm_cfg, rollout_id, algorithm_cfg.credit)
 
 
 class MemAgentTask(Task):
+    Settings = MemAgentSettings
+
     def max_rows_per_trajectory(self, cfg: Any) -> int:
         """Up to max_chunks memory turns + 1 final turn, one row each."""
         return cfg.task.max_chunks + 1
+
+    def max_response_tokens(self, cfg: Any) -> int:
+        return max(cfg.task.memory_tokens, cfg.task.final_tokens)
 
     def validate_config(self, cfg: Any) -> None:
         """Settings the MemAgent rollout cannot train with (raised at config load, naming what to change)."""
@@ -57,9 +78,15 @@ class MemAgentTask(Task):
     def stop_token_ids(self, tokenizer: Any, cfg: Any) -> list[int]:
         return PromptBuilder(tokenizer, cfg.task).stop_token_ids
 
+    async def keep_reading(self, ctx: RolloutContext, group: GroupSlot, traj: Trajectory) -> bool:
+        """Whether sample `traj` (its memory turns so far, the last one just written) reads the next chunk; the
+        seam of readers that stop early (it may sample a turn of its own: `ctx.sample_turn`). False: the
+        final turn comes next and the trajectory records `stopped_reading`. Default: read every chunk."""
+        return True
+
     async def sample_group(self, ctx: RolloutContext, group: GroupSlot, n: int,
                            on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-        return await generate_group(ctx, group, n, on_done)
+        return await generate_group(ctx, group, n, on_done, task=self)
 
     async def generate(self, ctx: RolloutContext, records: Sequence[Any]) -> RolloutOutput:
         """Every group of the step at once, no group waiting for another; `train_row_count` is the exact

@@ -1,7 +1,8 @@
 """Trajectories -> rows, validated first (`advantage_rows`, the converters' one path), with what the converter makes
 of rewards and turns first (formulas in docs/algorithms.md): truncated completions masked, DAPO's overlong
 penalty (on the advantage's reward only: `Trajectory.reward`, read by filtering and the logs, is untouched),
-turn rewards mixed into each turn's advantage. Every option is off by default, and off the rows are exactly
+turn rewards mixed into each turn's advantage (with a leave-one-out baseline of the rewards to go, unbiased
+whatever turn counts the policy chooses). Every option is off by default, and off the rows are exactly
 what they were without it.
 """
 
@@ -10,15 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from memrl.config import ConfigError
-from memrl.rl.advantages import (
-    AdvantageError,
-    assign_credit,
-    by_group,
-    expand_rows,
-    grpo_advantages,
-    trajectory_advantages,
-)
+from memrl.rl.advantages import AdvantageError, assign_credit, by_group, expand_rows, trajectory_advantages
 from memrl.rl.validate import validate_groups
 from memrl.types import TrainRow, Trajectory
 
@@ -68,9 +64,9 @@ def shaped_rewards(trajectories: Sequence[Trajectory], a: Any) -> dict[str, floa
 
 def turn_advantages(trajectories: Sequence[Trajectory], advantages: Mapping[str, float],
                     a: Any) -> dict[str, list[float]] | None:
-    """Each trajectory's per-turn advantages mixing in its turn rewards (docs/algorithms.md); None when
-    `a.turn_reward_function` is unset (the plain credit then). A group's samples have equal turn counts
-    (`validate_groups`), so turn j's rewards form one GRPO group per prompt group."""
+    """Each trajectory's per-turn advantages mixing in its turn rewards (`turn_reward_terms`, docs/algorithms.md);
+    None when `a.turn_reward_function` is unset (the plain credit then). A group's samples may take different
+    numbers of turns."""
     if a.turn_reward_function is None:
         return None
     for traj in trajectories:
@@ -80,15 +76,36 @@ def turn_advantages(trajectories: Sequence[Trajectory], advantages: Mapping[str,
                                  f"for its {traj.num_turns} turns; "
                                  f"algorithm.turn_reward_function is set, so the trainer scores every turn before "
                                  f"converting (memrl.rl.turn_rewards.score_turns)")
-    turn_norm: dict[tuple[str, int], float] = {}
+    terms: dict[str, list[float]] = {}
     for group_id, group in by_group(trajectories).items():
-        for j in range(group[0].num_turns):
-            key = f"{group_id}\x00{j}"
-            column = grpo_advantages({key: [float(t.metadata["turn_rewards"][j]) for t in group]},
-                                     std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof)[key]
-            turn_norm.update(((t.trajectory_id, j), v) for t, v in zip(group, column, strict=True))
+        terms.update(turn_reward_terms(group_id, group, a))
     alpha = a.turn_reward_alpha
-    return {traj.trajectory_id: [alpha * c + (1 - alpha) * turn_norm[(traj.trajectory_id, j)]
-                                 for j, c in enumerate(assign_credit(advantages[traj.trajectory_id], traj.num_turns,
-                                                                     a.credit))]
+    return {traj.trajectory_id: [alpha * c + (1 - alpha) * u for c, u in zip(
+                assign_credit(advantages[traj.trajectory_id], traj.num_turns, a.credit), terms[traj.trajectory_id],
+                strict=True)]
             for traj in trajectories}
+
+
+def turn_reward_terms(group_id: str, group: Sequence[Trajectory], a: Any) -> dict[str, list[float]]:
+    """Turn j of sample i gets G[i, j] - mean over the other samples k of G[k, j], where G[i, j] is the sum of
+    i's turn rewards from turn j on (0 past its last turn): what turn j and the turns it led to earned, less
+    what the rest of the group earned from the same position. The baseline is a function of the other samples
+    only, one number per action, so it stays unbiased however many turns each sample's policy chose to take
+    (tests/rl/test_turn_baseline.py); a baseline summed over the sample's own remaining turns would not be
+    (verl #7244). `a.std_normalize` divides by the position's std over the group, as GRPO does (a scale that
+    is not unbiased, Dr. GRPO); a group of one, or a position where all samples agree, gets 0."""
+    n, width = len(group), max(t.num_turns for t in group)
+    to_go = np.zeros((n, width))
+    for i, traj in enumerate(group):
+        rewards = np.asarray(traj.metadata["turn_rewards"], dtype=np.float64)
+        if not np.all(np.isfinite(rewards)):
+            raise AdvantageError(f"trajectory '{traj.trajectory_id}' of group '{group_id}' has non-finite turn "
+                                 f"rewards {rewards.tolist()}")
+        to_go[i, :traj.num_turns] = np.cumsum(rewards[::-1])[::-1]
+    terms = np.zeros_like(to_go)
+    if n > 1:
+        terms = to_go - (to_go.sum(axis=0) - to_go) / (n - 1)
+        if a.std_normalize:
+            terms = terms / (to_go.std(axis=0, ddof=a.std_ddof) + a.eps)
+        terms[:, np.all(to_go == to_go[0], axis=0)] = 0.0  # equal values carry no signal, not a rounding residue
+    return {traj.trajectory_id: terms[i, :traj.num_turns].tolist() for i, traj in enumerate(group)}

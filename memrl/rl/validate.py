@@ -3,12 +3,13 @@
 A converter calls `validate_groups` before it computes anything, so a bad trajectory stops the step with a
 `TrajectoryError` and no row. Each rule has a stable id (`TrajectoryError.rule`), checked in this order:
 - per trajectory: status_trainable, reward_present, reward_finite (a real number, not a bool),
-  group_id_present, single_final_turn, final_turn_last, turn_kind (memory or final);
+  group_id_present, single_final_turn, final_turn_last, turn_kind (any non-empty name; `final` is the answer's);
 - per turn: turn_index_sequence (0..T-1), response_length_positive, response_length_limit (the kind's
   max_tokens), response_length_tokens (< len(tokens): token j is scored from position j-1, so one prompt
   token is needed), loss_mask_length, log_probs_length, loss_mask_binary (integer 0 or 1),
   log_probs_finite, log_probs_nonpositive;
-- across trajectories: trajectory_id_unique, group_turn_count (a group's samples read the same chunks);
+- across trajectories: trajectory_id_unique (a group's samples may take different numbers of turns: a task
+  whose turns must align checks that itself, as MemAgent's converter does);
 - per training row (`validate_train_rows`): row_response_length, the turn's mask and log-prob rules
   prefixed `row_`, row_advantage_finite, padding_mask_zero, row_token_id_type, row_token_id_range
   ([0, vocab_size): only the trainer knows the embedding's rows).
@@ -108,13 +109,13 @@ def validate_trajectory(traj: Trajectory) -> None:
     if len(final_positions) != 1:
         where = final_positions[0] if final_positions else None
         fail("single_final_turn", f"{len(final_positions)} final turns among {len(kinds)} turns (kinds {kinds}); "
-             "expected memory turns then exactly one final turn", where)
+             "expected the task's other turns, then exactly one final turn", where)
     if final_positions[0] != len(kinds) - 1:
         fail("final_turn_last", f"the final turn is at position {final_positions[0]} of {len(kinds)} (kinds {kinds}); "
              "it must be the last", final_positions[0])
     for position, kind in enumerate(kinds):
-        if kind not in ("memory", "final"):
-            fail("turn_kind", f"kind is {kind!r}; expected 'memory' or 'final'", position)
+        if not (isinstance(kind, str) and kind):  # any name the task gives its turns; `final` is reserved
+            fail("turn_kind", f"kind is {kind!r}; expected a non-empty name such as 'memory' or 'search'", position)
 
     for position, turn in enumerate(traj.turns):
         _check_turn(tid, position, turn)
@@ -123,19 +124,12 @@ def validate_trajectory(traj: Trajectory) -> None:
 def validate_groups(trajectories: Sequence[Trajectory]) -> None:
     """Validate every trajectory, then the rules across trajectories; an empty list is valid."""
     seen_ids: set[str] = set()
-    turns_by_group: dict[str, tuple[str, int]] = {}
     for traj in trajectories:
         validate_trajectory(traj)
         if traj.trajectory_id in seen_ids:
             raise TrajectoryError(traj.trajectory_id, None, "trajectory_id_unique",
                                   "another trajectory has the same trajectory_id; rows and advantages are keyed by it")
         seen_ids.add(traj.trajectory_id)
-        first = turns_by_group.setdefault(traj.group_id, (traj.trajectory_id, traj.num_turns))
-        if first[1] != traj.num_turns:
-            raise TrajectoryError(traj.trajectory_id, None, "group_turn_count",
-                                  f"{traj.num_turns} turns, but trajectory '{first[0]}' of the same group "
-                                  f"'{traj.group_id}' has {first[1]}; samples of one question read the same "
-                                  "chunks and must have equal turn counts")
 
 
 def _token_id_problem(ids: Sequence[object], vocab_size: int | None) -> tuple[str, str] | None:

@@ -1,13 +1,13 @@
 """Log-probs and entropy of response tokens from the final hidden states, a chunk of tokens at a time.
 
 A 151,936-token LM head makes N response positions an [N, V] float32 tensor (~0.6 GB per 1,000 tokens),
-and autograd keeps about ten such copies alive. `response_token_stats` runs each chunk of `chunk_tokens`
+and autograd keeps about ten such copies alive. `response_token_stats` runs each chunk of `head_chunk`
 positions through lm_head -> temperature -> log_softmax -> gather + entropy with no graph, keeping only
 the [N] results; the backward recomputes one chunk's logits at a time and writes their gradient in place
 (d log p_t / dz = onehot_t - p, dH / dz = -p (log p + H)): at most about two [chunk, V] tensors at once
 (verl's entropy checkpointing; `torch.utils.checkpoint` per chunk would still hold four to five). The
 arithmetic per token is that of one [N, V] pass, so results agree with it to float32 rounding;
-`chunk_tokens=None` is that pass (bench/train.py's before). Under bf16 autocast the head's product runs
+`head_chunk=None` is that pass (bench/train.py's before). Under bf16 autocast the head's product runs
 in bf16, the rest in float32. Only a plain Linear head is accepted (the gradient is written for `h W^T + b`).
 """
 
@@ -41,12 +41,12 @@ def _log_softmax(head: torch.nn.Module, hidden: Tensor, temperature: float, dtyp
 class _ChunkedHeadStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                head: torch.nn.Linear, temperature: float, chunk_tokens: int,
+                head: torch.nn.Linear, temperature: float, head_chunk: int,
                 with_entropy: bool) -> tuple[Tensor, Tensor]:
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         log_probs, entropy = [], []
-        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True):
+        for h, t in zip(hidden.split(head_chunk), targets.split(head_chunk), strict=True):
             log_p = _log_softmax(head, h, temperature, dtype)
             log_probs.append(log_p.gather(-1, t.unsqueeze(-1)).squeeze(-1))
             if with_entropy:
@@ -57,7 +57,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
         ctx.save_for_backward(hidden, weight, bias, targets, ent)
-        ctx.head, ctx.temperature, ctx.chunk_tokens, ctx.dtype = head, temperature, chunk_tokens, dtype
+        ctx.head, ctx.temperature, ctx.head_chunk, ctx.dtype = head, temperature, head_chunk, dtype
         ctx.set_materialize_grads(False)
         return lp, ent
 
@@ -66,7 +66,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
         hidden, weight, bias, targets, ent = ctx.saved_tensors
         if g_lp is None and g_ent is None:
             return (None,) * 8
-        c, dtype, temperature = ctx.chunk_tokens, ctx.dtype, ctx.temperature
+        c, dtype, temperature = ctx.head_chunk, ctx.dtype, ctx.temperature
         w = weight.to(dtype)  # dtype None (no autocast): `.to(None)` is the tensor itself
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
@@ -104,18 +104,18 @@ class _ChunkedHeadStats(torch.autograd.Function):
 
 
 def response_token_stats(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float,
-                         chunk_tokens: int | None, with_entropy: bool = True) -> TokenStats:
+                         head_chunk: int | None, with_entropy: bool = True) -> TokenStats:
     """Log-prob of each target [N] and each position's entropy, from the final hidden states `hidden` [N, H]
     that predict them, at the sampling `temperature` (<= 0: logits as they are). `with_entropy=False` (the
     reference model) skips the chunked path's entropy, which is then NaN."""
-    if chunk_tokens is not None and chunk_tokens <= 0:
-        raise ValueError(f"chunk_tokens must be > 0 or None, got {chunk_tokens} (train.logprob_chunk_tokens)")
-    if chunk_tokens is None:
+    if head_chunk is not None and head_chunk <= 0:
+        raise ValueError(f"head_chunk must be > 0 or None, got {head_chunk} (train.logprob_chunk_tokens)")
+    if head_chunk is None:
         logits = head(hidden).float()
         log_p = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
         return TokenStats(log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy_from_log_probs(log_p))
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"the chunked log-prob path needs a Linear LM head, got {type(head).__name__}; set "
                         f"train.logprob_chunk_tokens to null for this model")
-    return TokenStats(*_ChunkedHeadStats.apply(hidden, head.weight, head.bias, targets, head, temperature, chunk_tokens,
+    return TokenStats(*_ChunkedHeadStats.apply(hidden, head.weight, head.bias, targets, head, temperature, head_chunk,
                                                with_entropy))

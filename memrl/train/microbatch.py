@@ -93,9 +93,9 @@ def _right_padded(values: list[Any], dtype: torch.dtype, fill: float = 0) -> Ten
 
 
 def response_log_probs(model: torch.nn.Module, mb: MicroBatch, temperature: float,
-                       chunk_tokens: int | None) -> Tensor:
+                       head_chunk: int | None) -> Tensor:
     """Log-probs [N] of the micro-batch's response tokens under `model` at the sampling temperature."""
-    return ResponseStats(model, temperature, chunk_tokens)(*mb.inputs()).log_probs
+    return ResponseStats(model, temperature, head_chunk)(*mb.inputs()).log_probs
 
 
 class ResponseStats(torch.nn.Module):
@@ -103,10 +103,10 @@ class ResponseStats(torch.nn.Module):
     forward arms) and FSDP (which gathers the root's parameters in a hook on it) can wrap it; `self.model`
     is the plain Hugging Face model, shared, never copied."""
 
-    def __init__(self, model: torch.nn.Module, temperature: float, chunk_tokens: int | None,
+    def __init__(self, model: torch.nn.Module, temperature: float, head_chunk: int | None,
                  with_entropy: bool = True) -> None:
         super().__init__()
-        self.model, self.temperature, self.chunk_tokens = model, temperature, chunk_tokens
+        self.model, self.temperature, self.head_chunk = model, temperature, head_chunk
         self.with_entropy = with_entropy  # the reference model needs log-probs only
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
@@ -118,5 +118,5 @@ class ResponseStats(torch.nn.Module):
             kwargs = packing.packed_kwargs(row_lengths, cu_seq_lens)
         hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
         return response_token_stats(hidden[positions[:, 0], positions[:, 1]], targets,
-                                    self.model.get_output_embeddings(), self.temperature, self.chunk_tokens,
+                                    self.model.get_output_embeddings(), self.temperature, self.head_chunk,
                                     self.with_entropy)

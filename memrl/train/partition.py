@@ -22,6 +22,7 @@ from memrl.errors import MemrlError
 from memrl.rl.advantages import by_group
 from memrl.rl.loss import compute_token_weights
 from memrl.rl.validate import validate_train_rows
+from memrl.task import load_task
 from memrl.types import TrainRow
 
 
@@ -113,10 +114,10 @@ class RankShare:
 def loss_scale_factor(config: Config) -> float:
     """L of seq_mean_token_sum_norm: `algorithm.loss_scale_factor`, else the longest response-token limit
     (a constant of the run, as Dr. GRPO's normaliser must be)."""
-    algorithm, task = config.algorithm, config.task
+    algorithm = config.algorithm
     if algorithm.loss_scale_factor is not None:
         return float(algorithm.loss_scale_factor)
-    return float(max(task.memory_tokens, task.final_tokens))
+    return float(load_task(config).max_response_tokens(config))
 
 
 def plan_optimizer_step(rows: Sequence[TrainRow], config: Config, pad_token_id: int,

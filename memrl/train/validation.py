@@ -48,13 +48,11 @@ def eval_set_configs(cfg: Config) -> list[EvalSetConfig]:
 
 def set_config(cfg: Config, spec: EvalSetConfig, sample: int) -> Config:
     """The run's config with a set's own settings: what the runner reads (sampling.*, task.*, eval.limit)."""
-    task = {key: getattr(spec, key) for key in ("max_chunks", "memory_tokens", "final_tokens")
-            if getattr(spec, key) is not None}
     sampling = {"seed": cfg.sampling.seed + sample}
     if spec.temperature is not None:
         sampling["temperature"] = spec.temperature
     return cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update=sampling),
-                                  "task": cfg.task.model_copy(update=task)})
+                                  "task": cfg.task_with(spec.task)})
 
 
 @dataclass

@@ -185,6 +185,13 @@ def test_unequal_turn_counts_within_a_group_are_rejected():
         convert_trajectories(group, SPLIT, rollout_id=0)
 
 
+def test_a_sample_the_task_stopped_reading_may_take_fewer_turns():
+    group = make_group("q1", [1.0, 0.0])
+    group.append(make_trajectory("q1/s2", "q1", num_memory_turns=0, reward=0.0, sample_index=2))
+    group[2].metadata["stopped_reading"] = True  # MemAgentTask.keep_reading said stop
+    assert len(convert_trajectories(group, SPLIT, rollout_id=0)) == 7
+
+
 def test_truncated_trajectories_are_trained_on_and_empty_input_gives_no_rows():
     group = make_group("q1", [1.0, 0.0])
     group[1].status = "truncated"

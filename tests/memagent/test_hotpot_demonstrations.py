@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from memrl.cli import app
-from memrl.config import TaskConfig
 from memrl.data.records import QuestionRecord, write_jsonl
 from memrl.memagent.hotpot_demonstrations import NOTHING_YET, answerable, demonstration
+from memrl.memagent.settings import MemAgentSettings
 
 FILLER = "Nothing here matters. " * 30
 
@@ -20,8 +20,8 @@ def _record(answer: str, context: str) -> QuestionRecord:
     return QuestionRecord(id="q", question="Where was the author born?", answers=[answer], context=context)
 
 
-def _cfg(**kw) -> TaskConfig:
-    return TaskConfig(**{"chunk_tokens": 64, "memory_tokens": 24, "final_tokens": 16, "max_chunks": 2, **kw})
+def _cfg(**kw) -> MemAgentSettings:
+    return MemAgentSettings(**{"chunk_tokens": 64, "memory_tokens": 24, "final_tokens": 16, "max_chunks": 2, **kw})
 
 
 def test_an_answer_cut_away_by_the_truncation_is_not_answerable(tiny_tokenizer):

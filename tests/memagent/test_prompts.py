@@ -9,7 +9,6 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from memrl.config import TaskConfig
 from memrl.memagent import prompts
 from memrl.memagent.chunking import tokenize_document
 from memrl.memagent.prompts import (
@@ -17,6 +16,7 @@ from memrl.memagent.prompts import (
     PromptError,
     chunk_first_template,
 )
+from memrl.memagent.settings import MemAgentSettings
 from memrl.tiny import build_tiny_tokenizer
 
 QWEN3_GENERATION_TAIL = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -30,7 +30,7 @@ def occurrences(haystack: list[int], needle: list[int]) -> int:
     return sum(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
 
 
-def rendered(tokenizer, cfg: TaskConfig, template: str, question: str, memory: str, chunk: str = "") -> str:
+def rendered(tokenizer, cfg: MemAgentSettings, template: str, question: str, memory: str, chunk: str = "") -> str:
     """What the prompt must decode to: the chat template over the user text with everything substituted."""
     user = template.replace("{chunk}", chunk).replace("{memory}", memory).replace("{question}", question)
     return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
@@ -43,7 +43,7 @@ def tokenizer(request):
 
 
 def test_memory_prompt_splices_ids_and_decodes_to_rendered_text(tokenizer):
-    cfg = TaskConfig()
+    cfg = MemAgentSettings()
     builder = PromptBuilder(tokenizer, cfg)
     chunk = tokenize_document(tokenizer, CHUNK_TEXT)
     memory = tokenize_document(tokenizer, MEMORY_TEXT)
@@ -58,7 +58,7 @@ def test_memory_prompt_splices_ids_and_decodes_to_rendered_text(tokenizer):
 
 
 def test_final_prompt_decodes_to_rendered_text(tokenizer):
-    cfg = TaskConfig()
+    cfg = MemAgentSettings()
     memory = tokenize_document(tokenizer, MEMORY_TEXT)
     ids = PromptBuilder(tokenizer, cfg).final_prompt_ids(QUESTION, memory)
     assert occurrences(ids, memory) == 1
@@ -68,17 +68,17 @@ def test_final_prompt_decodes_to_rendered_text(tokenizer):
 
 def test_special_tokens_are_single_ids(tokenizer):
     im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-    builder = PromptBuilder(tokenizer, TaskConfig())
+    builder = PromptBuilder(tokenizer, MemAgentSettings())
     for ids in (builder.memory_prompt_ids(QUESTION, None, [5, 6, 7]), builder.final_prompt_ids(QUESTION, None)):
         assert ids[0] == im_start
         assert ids.count(im_start) == 2 and ids.count(im_end) == 1  # user turn + generation prompt
 
 
 def test_real_qwen3_template_ids(qwen3_tokenizer):
-    ids = PromptBuilder(qwen3_tokenizer, TaskConfig()).memory_prompt_ids(QUESTION, None, [1, 2, 3])
+    ids = PromptBuilder(qwen3_tokenizer, MemAgentSettings()).memory_prompt_ids(QUESTION, None, [1, 2, 3])
     assert ids[0] == 151644 and ids.count(151644) == 2 and ids.count(151645) == 1
     assert qwen3_tokenizer.decode(ids).endswith("<|im_end|>\n" + QWEN3_GENERATION_TAIL)
-    thinking = PromptBuilder(qwen3_tokenizer, TaskConfig(enable_thinking=True)).final_prompt_ids(QUESTION, None)
+    thinking = PromptBuilder(qwen3_tokenizer, MemAgentSettings(enable_thinking=True)).final_prompt_ids(QUESTION, None)
     assert qwen3_tokenizer.decode(thinking).endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -87,14 +87,14 @@ def test_ids_are_never_retokenized(tokenizer):
     # decode/re-encode anywhere would change these ids; they must reach the prompt unchanged.
     odd = tokenizer.convert_tokens_to_ids(list("Paris"))
     assert odd != tokenize_document(tokenizer, "Paris")
-    builder = PromptBuilder(tokenizer, TaskConfig())
+    builder = PromptBuilder(tokenizer, MemAgentSettings())
     assert occurrences(builder.memory_prompt_ids(QUESTION, odd, odd[::-1]), odd) == 1
     assert occurrences(builder.memory_prompt_ids(QUESTION, odd[::-1], odd), odd) == 1
     assert occurrences(builder.final_prompt_ids(QUESTION, odd), odd) == 1
 
 
 def test_no_memory_text_and_empty_memory(tiny_tokenizer):
-    cfg = TaskConfig()
+    cfg = MemAgentSettings()
     builder = PromptBuilder(tiny_tokenizer, cfg)
     first = tiny_tokenizer.decode(builder.memory_prompt_ids(QUESTION, None, [70, 71]))
     assert f"Your memory so far:\n{cfg.no_memory_text}\n\n" in first
@@ -106,7 +106,7 @@ def test_no_memory_text_and_empty_memory(tiny_tokenizer):
 def test_question_is_literal_text(tiny_tokenizer):
     # Placeholders and braces inside a question stay text; they are not filled or formatted.
     question = "Is {memory} or {chunk} in \\boxed{x} {question}?"
-    cfg = TaskConfig()
+    cfg = MemAgentSettings()
     builder = PromptBuilder(tiny_tokenizer, cfg)
     memory = tokenize_document(tiny_tokenizer, MEMORY_TEXT)
     ids = builder.memory_prompt_ids(question, memory, [70, 71, 72])
@@ -115,7 +115,7 @@ def test_question_is_literal_text(tiny_tokenizer):
 
 
 def test_custom_template_with_literal_braces(tiny_tokenizer):
-    cfg = TaskConfig(memory_template="Q={question} {} M=[{memory}] C=[{chunk}] {x}",
+    cfg = MemAgentSettings(memory_template="Q={question} {} M=[{memory}] C=[{chunk}] {x}",
                         final_template="{memory}|{question}|\\boxed{}")
     builder = PromptBuilder(tiny_tokenizer, cfg)
     text = tiny_tokenizer.decode(builder.memory_prompt_ids("why", tokenize_document(tiny_tokenizer, "mm"),
@@ -126,7 +126,7 @@ def test_custom_template_with_literal_braces(tiny_tokenizer):
 
 
 def test_cached_prompts_are_independent(tiny_tokenizer):
-    builder = PromptBuilder(tiny_tokenizer, TaskConfig())
+    builder = PromptBuilder(tiny_tokenizer, MemAgentSettings())
     first = builder.final_prompt_ids(QUESTION, [70])
     expected = list(first)
     first.append(999)
@@ -150,7 +150,7 @@ memory_texts = st.lists(st.sampled_from(MEMORY_WORDS), min_size=0, max_size=20).
 
 
 def _assert_chunk_never_in_final(tokenizer, chunk_text: str, memory_text: str) -> None:
-    cfg = TaskConfig()
+    cfg = MemAgentSettings()
     builder = PromptBuilder(tokenizer, cfg)
     static = rendered(tokenizer, cfg, cfg.final_template, QUESTION, memory_text)
     assert not set(CHUNK_ALPHABET) & set(static)  # the premise of this test
@@ -183,18 +183,18 @@ def test_no_chunk_in_final_prompt_qwen3(qwen3_tokenizer, chunk_text, memory_text
 
 
 def test_stop_token_ids(tokenizer):
-    ids = PromptBuilder(tokenizer, TaskConfig()).stop_token_ids
+    ids = PromptBuilder(tokenizer, MemAgentSettings()).stop_token_ids
     expected = set(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     assert set(ids) == expected | {tokenizer.eos_token_id}
     assert len(ids) == len(set(ids))
 
 
 def test_stop_token_ids_of_real_qwen3(qwen3_tokenizer):
-    assert set(PromptBuilder(qwen3_tokenizer, TaskConfig()).stop_token_ids) == {151645, 151643}
+    assert set(PromptBuilder(qwen3_tokenizer, MemAgentSettings()).stop_token_ids) == {151645, 151643}
 
 
 def test_cap_memory(tiny_tokenizer):
-    builder = PromptBuilder(tiny_tokenizer, TaskConfig(memory_tokens=4))
+    builder = PromptBuilder(tiny_tokenizer, MemAgentSettings(memory_tokens=4))
     im_end, eot = tiny_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert builder.cap_memory([70, 71, im_end]) == ([70, 71], False)
     assert builder.cap_memory([70, 71, im_end, eot, im_end]) == ([70, 71], False)
@@ -211,38 +211,38 @@ def test_cap_memory(tiny_tokenizer):
 
 def test_config_rejects_templates_without_placeholders():
     with pytest.raises(ValidationError, match="chunk"):
-        TaskConfig(memory_template="Question: {question}\nMemory: {memory}")
+        MemAgentSettings(memory_template="Question: {question}\nMemory: {memory}")
     with pytest.raises(ValidationError, match="memory"):
-        TaskConfig(final_template="Question: {question}")
+        MemAgentSettings(final_template="Question: {question}")
     with pytest.raises(ValidationError, match="must not contain"):
-        TaskConfig(final_template="{question} {memory} {chunk}")
+        MemAgentSettings(final_template="{question} {memory} {chunk}")
 
 
 def test_chat_template_that_drops_content_is_rejected():
     tok = build_tiny_tokenizer()
     tok.chat_template = "{{- '<|im_start|>assistant\\n' }}"
     with pytest.raises(PromptError, match="memory"):
-        PromptBuilder(tok, TaskConfig()).final_prompt_ids(QUESTION, None)
+        PromptBuilder(tok, MemAgentSettings()).final_prompt_ids(QUESTION, None)
 
 
 def test_tokenizer_without_chat_template_is_rejected():
     tok = build_tiny_tokenizer()
     tok.chat_template = None
     with pytest.raises(PromptError, match="chat template"):
-        PromptBuilder(tok, TaskConfig())
+        PromptBuilder(tok, MemAgentSettings())
 
 
 def test_reserved_sentinel_in_question_is_rejected(tiny_tokenizer):
     with pytest.raises(PromptError, match="reserved"):
-        PromptBuilder(tiny_tokenizer, TaskConfig()).final_prompt_ids(f"x {prompts.CHUNK_SENTINEL}", None)
+        PromptBuilder(tiny_tokenizer, MemAgentSettings()).final_prompt_ids(f"x {prompts.CHUNK_SENTINEL}", None)
 
 
 # --- task.strip_inputs ----------------------------------------------------------------------------
 def test_strip_inputs_strips_the_question_of_every_prompt(tokenizer):
     padded = "  \n" + QUESTION + " "  # 13 of the first 200 HotpotQA dev questions end in a space
     memory = tokenize_document(tokenizer, MEMORY_TEXT)
-    on = PromptBuilder(tokenizer, TaskConfig(strip_inputs=True))
-    off = PromptBuilder(tokenizer, TaskConfig())
+    on = PromptBuilder(tokenizer, MemAgentSettings(strip_inputs=True))
+    off = PromptBuilder(tokenizer, MemAgentSettings())
     assert on.memory_prompt_ids(padded, memory, [70, 71]) == off.memory_prompt_ids(QUESTION, memory, [70, 71])
     assert on.final_prompt_ids(padded, memory) == off.final_prompt_ids(QUESTION, memory)
     # Off (the default) the question is sent as it is, trailing space included.
@@ -252,14 +252,14 @@ def test_strip_inputs_strips_the_question_of_every_prompt(tokenizer):
 def test_strip_inputs_strips_the_document_before_it_is_chunked(tiny_tokenizer):
     from memrl.memagent.rollout import document_chunks
 
-    cfg = TaskConfig(chunk_tokens=4, strip_inputs=True)
+    cfg = MemAgentSettings(chunk_tokens=4, strip_inputs=True)
     padded = "\n\n " + CHUNK_TEXT + " \n"
     stripped = document_chunks(tiny_tokenizer, cfg, padded)
-    assert stripped.chunks == document_chunks(tiny_tokenizer, TaskConfig(chunk_tokens=4), CHUNK_TEXT).chunks
+    assert stripped.chunks == document_chunks(tiny_tokenizer, MemAgentSettings(chunk_tokens=4), CHUNK_TEXT).chunks
     # Off, leading whitespace shifts every chunk boundary: the chunks differ.
-    assert document_chunks(tiny_tokenizer, TaskConfig(chunk_tokens=4), padded).chunks != stripped.chunks
+    assert document_chunks(tiny_tokenizer, MemAgentSettings(chunk_tokens=4), padded).chunks != stripped.chunks
     assert prompts.input_text(cfg, padded) == CHUNK_TEXT
-    assert prompts.input_text(TaskConfig(), padded) == padded
+    assert prompts.input_text(MemAgentSettings(), padded) == padded
 
 
 # --- task.prompt_layout ---------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def recipe_template(name: str) -> str:
 
 
 def test_chunk_first_moves_the_memory_block_after_the_chunk_block():
-    assert chunk_first_template(TaskConfig().memory_template) == (
+    assert chunk_first_template(MemAgentSettings().memory_template) == (
         "You are reading a long document one part at a time to answer a question. You keep a short memory of "
         "what matters.\n\nQuestion: {question}\n\nNext part of the document:\n{chunk}\n\nYour memory so far:\n"
         "{memory}\n\nRewrite your memory: keep what helps answer the question, add what this part contributes, "
@@ -291,7 +291,7 @@ def test_chunk_first_moves_the_memory_block_after_the_chunk_block():
 
 
 def test_chunk_first_needs_one_memory_and_one_chunk(tiny_tokenizer):
-    cfg = TaskConfig(memory_template="{question} {memory} {chunk} again {memory}", prompt_layout="chunk_first")
+    cfg = MemAgentSettings(memory_template="{question} {memory} {chunk} again {memory}", prompt_layout="chunk_first")
     with pytest.raises(PromptError, match="prompt_layout = memagent"):
         PromptBuilder(tiny_tokenizer, cfg)
     PromptBuilder(tiny_tokenizer, cfg.model_copy(update={"prompt_layout": "memagent"}))  # as written: fine
@@ -299,7 +299,7 @@ def test_chunk_first_needs_one_memory_and_one_chunk(tiny_tokenizer):
 
 @pytest.mark.parametrize("layout", ["memagent", "chunk_first"])
 def test_layouts_render_their_template_and_a_group_shares_all_before_the_memory(tokenizer, layout):
-    cfg = TaskConfig(prompt_layout=layout)
+    cfg = MemAgentSettings(prompt_layout=layout)
     builder = PromptBuilder(tokenizer, cfg)
     chunk = tokenize_document(tokenizer, CHUNK_TEXT)
     memories = [tokenize_document(tokenizer, text) for text in (MEMORY_TEXT, "Liverpool 1960.")]
@@ -312,5 +312,6 @@ def test_layouts_render_their_template_and_a_group_shares_all_before_the_memory(
     assert ids[0][:start] == ids[1][:start]  # two samples of a group: the same tokens up to the memory
     chunk_at = next(i for i in range(len(ids[0])) if ids[0][i:i + len(chunk)] == chunk)
     assert (chunk_at < start) == (layout == "chunk_first")  # the chunk is in the shared part only then
-    assert builder.final_prompt_ids(QUESTION, memories[0]) == PromptBuilder(tokenizer, TaskConfig()).final_prompt_ids(
+    plain = PromptBuilder(tokenizer, MemAgentSettings())
+    assert builder.final_prompt_ids(QUESTION, memories[0]) == plain.final_prompt_ids(
         QUESTION, memories[0])  # the final turn is the same in both layouts

@@ -319,3 +319,28 @@ def test_the_gold_search_runs_once_per_group_off_the_event_loop(tiny_tokenizer, 
     out = run(MemAgentTask().generate(ctx, [record("q1"), record("q2"), record("q3")]))
     assert len(out.trajectories) == 12 and len(calls) == 3  # 3 groups of 4 samples
     assert all(ok for _, ok in calls) and not {ident for ident, _ in calls} & loop_threads
+
+
+class StopsSampleZero(MemAgentTask):
+    """Sample 0 stops after its first memory turn; the others read on. Records what it was asked."""
+
+    def __init__(self):
+        self.asked = []
+
+    async def keep_reading(self, ctx, group, traj):
+        self.asked.append((traj.sample_index, [t.kind for t in traj.turns]))
+        return traj.sample_index != 0
+
+
+def test_the_task_decides_before_each_further_chunk_whether_to_keep_reading(tiny_tokenizer):
+    from memrl.memagent.task import convert_trajectories
+
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(word_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id), n_samples=2)
+    task = StopsSampleZero()
+    stopped, read = run(task.sample_group(ctx, GroupSlot(0, record(), "3:q1"), 2))
+    assert [t.kind for t in stopped.turns] == ["memory", "final"] and stopped.metadata["stopped_reading"]
+    assert [t.kind for t in read.turns] == ["memory"] * 3 + ["final"] and "stopped_reading" not in read.metadata
+    assert sorted(task.asked) == [(0, ["memory"]), (1, ["memory"]), (1, ["memory", "memory"])]  # not before chunk 0
+    assert stopped.status != "failed" and len(stopped.metadata["memory_lengths"]) == 1
+    validate_groups([stopped, read])
+    assert len(convert_trajectories([stopped, read], ctx.config.algorithm, 0)) == 6  # its turn counts may differ

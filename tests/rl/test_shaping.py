@@ -64,10 +64,11 @@ def test_turn_rewards_reach_every_turn_by_hand():
                           turn_reward_function="memrl.memagent.reward:memory_recall",
                           turn_reward_alpha=0.5)
     rows = by_key(convert_trajectories(group, cfg, 0))
-    # A = +-0.5, split over 2 turns: +-0.25. Turn 0 rewards (0, 1) -> -0.5, +0.5; turn 1 (1, 1) -> 0.
-    assert rows[("g/s0", 0)].advantage == pytest.approx(0.5 * 0.25 + 0.5 * -0.5)
+    # A = +-0.5, split over 2 turns: +-0.25. Turn rewards to go: s0 (1, 1), s1 (2, 1); less the other
+    # sample's at the same turn: s0 (1 - 2, 1 - 1) = (-1, 0), s1 (2 - 1, 0) = (1, 0).
+    assert rows[("g/s0", 0)].advantage == pytest.approx(0.5 * 0.25 + 0.5 * -1)
     assert rows[("g/s0", 1)].advantage == pytest.approx(0.5 * 0.25)
-    assert rows[("g/s1", 0)].advantage == pytest.approx(0.5 * -0.25 + 0.5 * 0.5)
+    assert rows[("g/s1", 0)].advantage == pytest.approx(0.5 * -0.25 + 0.5 * 1)
     assert rows[("g/s1", 1)].advantage == pytest.approx(0.5 * -0.25)
     del group[1].metadata["turn_rewards"]
     with pytest.raises(AdvantageError, match="turn_rewards"):

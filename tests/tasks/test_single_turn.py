@@ -39,6 +39,40 @@ def test_single_turn_task_trains_one_row_per_trajectory(tmp_path):
     assert len(lines) == 2 and json.loads(lines[1])["rollout_id"] == 1
 
 
+class OneBrokenEngine:
+    """Answers every request, but raises for the one whose seed is `broken` (a server that drops a request)."""
+
+    def __init__(self, broken, stop_id):
+        self.broken, self.stop_id = broken, stop_id
+
+    async def generate(self, requests):
+        from memrl.engines.base import GenerationResult
+
+        (request,) = requests
+        if request.seed == self.broken:
+            raise ConnectionError("server gone")
+        return [GenerationResult([5, self.stop_id], [-0.1, -0.2], "stop")]
+
+
+def test_an_engine_exception_fails_one_trajectory_and_drops_its_group_not_the_step():
+    import asyncio
+
+    from memrl.rollout import RolloutContext, request_seed
+
+    tok = build_tiny_tokenizer()
+    cfg = Config.model_validate({"task": {"final_tokens": 4}, "sampling": {"n_samples": 2},
+                                 "plugins": {"task": "memrl.tasks.single_turn:SingleTurnTask"}})
+    records = [QuestionRecord(f"q{k}", "Which city?", ["Paris"], f"Text {k}: Paris.") for k in range(2)]
+    ctx = RolloutContext(engine=None, tokenizer=tok, config=cfg, reward_function=first_token_even, progress=False)
+    kept, broken = ctx.groups(records)
+    ctx.engine = OneBrokenEngine(request_seed(cfg.sampling.seed, broken.key, 1, 0), tok.eos_token_id)
+    out = asyncio.run(SingleTurnTask().generate(ctx, records))
+    assert [t.trajectory_id for t in out.trajectories] == [kept.trajectory_id(0), kept.trajectory_id(1)]
+    assert [(t.status, t.error) for t in out.dropped] == [("complete", None),
+                                                         ("failed", "final turn 0: ConnectionError: server gone")]
+    assert out.metrics["groups/dropped"] == 1.0
+
+
 # ------------------------------------------------------------------------------------------ every command
 # The second task through `memrl train` (with validation), `memrl eval`, `memrl pass-at-k` and `memrl view`,
 # named only by `plugins.task`: a subclass that records who asked for which group (issue 25).

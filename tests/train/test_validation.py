@@ -138,7 +138,8 @@ def test_a_missing_eval_file_fails_before_the_first_step(tokenizer, tmp_path):
 
 def test_per_set_settings_reach_the_runner(tokenizer, tmp_path):
     cfg = with_eval(tmp_path, sets=[{"name": "short", "file": "heldout.jsonl", "limit": 1, "samples": 2,
-                                     "temperature": 0.0, "final_tokens": 3}], num_rollout=1, eval_interval=1)
+                                     "temperature": 0.0, "task": {"final_tokens": 3, "max_chunks": 2}}],
+                    num_rollout=1, eval_interval=1)
     run_root = tmp_path / "run"
     make_trainer(tokenizer, run_root, cfg).run()
     folder = run_root / "eval" / "short" / "iter_0000000"
@@ -147,6 +148,7 @@ def test_per_set_settings_reach_the_runner(tokenizer, tmp_path):
     assert [s["format"]["seed"] for s in summaries] == [cfg.sampling.seed, cfg.sampling.seed + 1]
     assert {s["format"]["temperature"] for s in summaries} == {0.0}
     assert {s["format"]["final_tokens"] for s in summaries} == {3}
+    assert {s["format"]["max_chunks"] for s in summaries} == {2}  # a setting of the task's own class
     assert set(eval_lines(run_root)[0]) >= {"eval/short/em", "eval/short/f1"}
 
 
@@ -158,6 +160,13 @@ def test_per_set_settings_reach_the_runner(tokenizer, tmp_path):
     (["train.eval_interval=1", "train.runtime=ray"], "runtime = 'local'"),
     (["eval.sets=[{name: a, file: a.jsonl}, {name: a, file: b.jsonl}]"], "unique"),
     (["eval.sets=[{name: 'a b', file: a.jsonl}]"], "pattern"),
+    # An eval set's task settings are the task's keys, checked by its Settings class (issue 36).
+    (["eval.sets=[{name: a, file: a.jsonl, task: {max_chunks: 0}}]"],
+     r"eval\.sets\.0\.task\.max_chunks: .*greater than 0"),
+    (["eval.sets=[{name: a, file: a.jsonl, task: {chunk_tokns: 8}}]"], r"eval\.sets\.0\.task\.chunk_tokns: Extra"),
+    (["plugins.task=memrl.tasks.single_turn:SingleTurnTask",
+      "eval.sets=[{name: a, file: a.jsonl, task: {max_chunks: 8}}]"], r"eval\.sets\.0\.task\.max_chunks: Extra"),
+    (["eval.sets=[{name: a, file: a.jsonl, max_chunks: 8}]"], r"max_chunks: no key of an eval set.*task: \{max_chunks"),
 ])
 def test_validation_settings_are_checked(sets, match):
     with pytest.raises(ConfigError, match=match):
