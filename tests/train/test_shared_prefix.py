@@ -291,6 +291,9 @@ def test_gradient_checkpointing_step_equals_the_unshared_step():
 def test_micro_batches_sharing_nothing_run_todays_path_bit_for_bit(packed):
     rows = make_rows(n_groups=3)  # prompts of 3-12 random tokens: nothing shared
     assert all(len(c.members) == 1 for c in prefix_clusters(rows, MIN))
+    built = [MicroBatch.build(rows, [0.0] * len(rows), 0, torch.device("cpu"), packed, share) for share in (MIN, None)]
+    for a, b in zip(dataclasses.astuple(built[0]), dataclasses.astuple(built[1]), strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b  # the same micro-batch, no layout
     shared, unshared = actor_step(rows, True, packed, budget=60), actor_step(rows, False, packed, budget=60)
     assert shared[1].keys() == unshared[1].keys()
     for name in unshared[1]:
