@@ -389,6 +389,8 @@ def parse_args() -> argparse.Namespace:
                         help="train.share_prefixes on vs off, seed and official shapes (bench/train_shared.py)")
     parser.add_argument("--share-model", choices=["qwen3-55m", "tiny"], default="qwen3-55m",
                         help="with --share-prefixes: the random Qwen3 (tiny: a smoke run, no figure to report)")
+    parser.add_argument("--share-model-path", help="with --share-prefixes: a Hugging Face folder instead (e.g. "
+                        "SmolLM2-135M imported by `memrl import-gguf`, docs/real-model.md)")
     parser.add_argument("--share-shapes", default="seed,official", help="with --share-prefixes: shapes to run")
     parser.add_argument("--share-budget", type=int, default=TrainConfig().micro_batch_tokens,
                         help="with --share-prefixes: train.micro_batch_tokens")

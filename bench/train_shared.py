@@ -4,6 +4,7 @@ one process, at the seed's training shape and at the official MemAgent one, both
     python bench/train.py --share-prefixes                # the full shapes (long on CPU: see bench/README.md)
     python bench/train.py --share-prefixes --quick        # shapes scaled down for a CPU, one question each
     python bench/train.py --share-prefixes --share-model tiny --quick    # a smoke run of the script (~1 min)
+    python bench/train.py --share-prefixes --quick --share-model-path models/smollm2-135m   # a trained model
 
 Rows (synthetic ids, MemAgent's layout; one row per turn): per question an instruction head (60 tokens every
 question's template shares + a 65-token question), its document's chunks, and n samples whose memories (each
@@ -139,11 +140,17 @@ def share_prefixes_bench(args: argparse.Namespace) -> None:
         shapes = {name: replace(s, questions=1, chunk_tokens=s.chunk_tokens // QUICK_SCALE[name],
                                 memory_tokens=s.memory_tokens // QUICK_SCALE[name],
                                 final_tokens=s.final_tokens // QUICK_SCALE[name]) for name, s in shapes.items()}
-    MODEL_SHAPES.setdefault(args.share_model, SHARE_MODELS[args.share_model])
-    base = build_model(args.share_model, device, args.seed)
+    if args.share_model_path:  # a Hugging Face folder (e.g. SmolLM2-135M from `memrl import-gguf`)
+        from transformers import AutoModelForCausalLM
+
+        base, name = AutoModelForCausalLM.from_pretrained(args.share_model_path).float().to(device), \
+            args.share_model_path
+    else:
+        MODEL_SHAPES.setdefault(args.share_model, SHARE_MODELS[args.share_model])
+        base, name = build_model(args.share_model, device, args.seed), f"random Qwen3 {args.share_model}"
     vocab = base.config.vocab_size
     params = sum(p.numel() for p in base.parameters()) / 1e6
-    print(f"model: random Qwen3 {args.share_model}, {params:.1f}M parameters, {device}"
+    print(f"model: {name}, {params:.1f}M parameters, {device}"
           f"{', bf16 autocast' if device.type == 'cuda' else ', float32'}, torch threads {torch.get_num_threads()}; "
           f"KL on (reference forward), micro_batch_tokens {args.share_budget}, packing {args.packing}")
     actors = {}
