@@ -145,10 +145,10 @@ class ResponseStats(torch.nn.Module):
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
         if row_lengths is not None:  # packed: the attention gets the row boundaries and no mask
             packing.check_enabled(self.model)
-            kwargs = packing.packed_kwargs(row_lengths, cu_seq_lens)
+            kwargs = packing.packed_kwargs(self.model, row_lengths, cu_seq_lens)
         elif shared_layout is not None:  # shared prefixes: the attention gets the layout and no mask
             packing.check_enabled(self.model, shared=True)
-            kwargs = packing.shared_kwargs(shared_layout)
+            kwargs = packing.shared_kwargs(self.model, shared_layout)
         hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
         return response_token_stats(hidden[positions[:, 0], positions[:, 1]], targets,
                                     self.model.get_output_embeddings(), self.temperature, self.chunk_tokens,

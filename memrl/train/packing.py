@@ -123,15 +123,24 @@ def can_share_prefixes(model: torch.nn.Module) -> str | None:
     return None
 
 
-def packed_kwargs(row_lengths: list[int], cu_seq_lens: Tensor) -> dict[str, Any]:
+def _no_mask(model: torch.nn.Module) -> Any:
+    """An attention mask transformers takes as prepared and builds nothing from (no dense [T x T] mask): for
+    this module's attention a 4-D placeholder, which every model passes through as it is (a model such as
+    Llama takes no {layer type: mask} mapping) and `packed_attention` never reads; for FlashAttention the
+    mapping of None (a tensor there would be taken for a padding mask)."""
+    if model.config._attn_implementation == PACKED_ATTENTION:
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    return {"full_attention": None, "sliding_attention": None}
+
+
+def packed_kwargs(model: torch.nn.Module, row_lengths: list[int], cu_seq_lens: Tensor) -> dict[str, Any]:
     """A packed forward's kwargs: the row boundaries every attention layer gets (FlashAttention's names) and a
-    "prepared" mask mapping of None (transformers would otherwise build a dense [T x T] mask)."""
+    prepared mask (`_no_mask`)."""
     longest = max(row_lengths)
-    return {"attention_mask": {"full_attention": None, "sliding_attention": None}, "cu_seq_lens_q": cu_seq_lens,
-            "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest, "max_length_k": longest,
-            "packed_lengths": row_lengths}
+    return {"attention_mask": _no_mask(model), "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": longest, "max_length_k": longest, "packed_lengths": row_lengths}
 
 
-def shared_kwargs(layout: shared_prefix.Layout) -> dict[str, Any]:
-    """A shared-prefix forward's kwargs: the layout every attention layer gets, no mask built."""
-    return {"attention_mask": {"full_attention": None, "sliding_attention": None}, "shared_layout": layout}
+def shared_kwargs(model: torch.nn.Module, layout: shared_prefix.Layout) -> dict[str, Any]:
+    """A shared-prefix forward's kwargs: the layout every attention layer gets and a prepared mask."""
+    return {"attention_mask": _no_mask(model), "shared_layout": layout}

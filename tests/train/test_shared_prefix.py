@@ -221,6 +221,31 @@ def test_log_probs_entropy_and_gradients_equal_the_unshared_pass(layout, packed)
     assert_grads_close(got_grads, want_grads, model, tokens, len(rows))
 
 
+def test_a_llama_packs_and_shares_too():
+    """Llama's model takes no {layer type: mask} mapping: packed and shared forwards pass it a prepared 4-D
+    placeholder instead, and equal the padded pass as Qwen3's do."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    packing.enable(model)
+    rows = group_rows("memagent")
+    weights = [0.0] * len(rows)
+    gen = torch.Generator().manual_seed(0)
+    built = {name: MicroBatch.build(rows, weights, 0, torch.device("cpu"), **kw)
+             for name, kw in {"padded": {}, "packed": {"packed": True}, "shared": {"share_min": MIN}}.items()}
+    coef_lp, coef_ent = (torch.randn(built["padded"].loss_mask.shape, generator=gen) for _ in range(2))
+    want_lp, _, want_grads = stats_and_grads(model, built["padded"], coef_lp, coef_ent)
+    with torch.no_grad():
+        max_logit = float(model(input_ids=torch.tensor([rows[0].tokens])).logits.abs().max())
+    tokens = built["padded"].input_ids.numel()
+    for name in ("packed", "shared"):
+        got_lp, _, got_grads = stats_and_grads(model, built[name], coef_lp, coef_ent)
+        torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=logprob_atol(model, tokens, max_logit), msg=name)
+        assert_grads_close(got_grads, want_grads, model, tokens, len(rows))
+
+
 def actor_step(rows, share, packed=False, budget=10_000, lora=False, **train):
     """One optimizer step's metrics and gradients (the update skipped), KL and entropy terms on."""
     cfg = Config.model_validate({
