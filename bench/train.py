@@ -8,6 +8,7 @@ and (`--logprob-memory`) the peak memory of one micro-batch's log-prob and loss 
     python bench/train.py --lora-vs-full 16   # instead: the actor with LoRA rank 16 vs full fine-tuning
                                               # (`lora_vs_full`)
     python bench/train.py --logprob-memory [--profile]               # real 151,936-token vocabulary, ~4 GB of RAM
+    python bench/train.py --share-prefixes [--quick]   # instead: train.share_prefixes on vs off (bench/train_shared.py)
 
 `--logprob-memory`: one micro-batch (`--logprob-rows` 4 memory-turn rows, ~800 response tokens) through
 `Actor.train_rollout` (forward, PPO + KL loss, backward, AdamW) on a random Qwen3 with Qwen3's vocabulary
@@ -385,6 +386,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--logprob-rows", type=int, default=4,
                         help="with --logprob-memory: rows in the micro-batch (4: ~800 response tokens, `before` ~4 GB)")
     parser.add_argument("--logprob-child", help=argparse.SUPPRESS)
+    parser.add_argument("--share-prefixes", action="store_true",
+                        help="train.share_prefixes on vs off, seed and official shapes (bench/train_shared.py)")
+    parser.add_argument("--share-model", choices=["qwen3-55m", "tiny"], default="qwen3-55m",
+                        help="with --share-prefixes: the random Qwen3 (tiny: a smoke run, no figure to report)")
+    parser.add_argument("--share-model-path", help="with --share-prefixes: a Hugging Face folder instead (e.g. "
+                        "SmolLM2-135M imported by `memrl import-gguf`, docs/real-model.md)")
+    parser.add_argument("--share-shapes", default="seed,official", help="with --share-prefixes: shapes to run")
+    parser.add_argument("--share-budget", type=int, default=TrainConfig().micro_batch_tokens,
+                        help="with --share-prefixes: train.micro_batch_tokens")
+    parser.add_argument("--share-repeats", type=int, default=1, help="with --share-prefixes: shared/unshared pairs")
+    parser.add_argument("--packing", action="store_true", help="with --share-prefixes: train.packing on for both")
     args = parser.parse_args()
     chunk, memory, final = ROW_SHAPES[args.model_shape]
     args.chunk_tokens = args.chunk_tokens or chunk
@@ -406,6 +418,10 @@ def main() -> None:
         return logprob_child(args.logprob_child, args.repeats, args.profile, args.seed, args.logprob_rows)
     if args.logprob_memory:
         return logprob_memory(args)
+    if args.share_prefixes:
+        from train_shared import share_prefixes_bench  # bench/ is on the path when run as `python bench/train.py`
+
+        return share_prefixes_bench(args)
     device = torch.device(args.device)
     vocab = MODEL_SHAPES[args.model_shape]["vocab_size"]
     rows = memagent_rows(args.questions, args.samples, args.max_chunks, args.chunk_tokens, args.memory_tokens,

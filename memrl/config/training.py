@@ -152,6 +152,12 @@ class TrainConfig(Section):
     packing: bool = Field(False, description="Padding-free micro-batches: rows concatenated with per-row "
                           "position ids and a variable-length attention kernel; the token budget then "
                           "counts real tokens.")
+    share_prefixes: bool = Field(True, description="Forward and back-propagate what rows of a micro-batch "
+                                 "share (a group's prompt prefix) once: its suffixes attend to its keys and "
+                                 "values; equal to the unshared step within float32 rounding; the token budget "
+                                 "then counts computed tokens (docs/algorithms.md, Prefix sharing).")
+    share_prefix_min_tokens: int = Field(32, gt=0, description="Fewest leading tokens rows must share to be "
+                                         "computed once (train.share_prefixes).")
     max_staleness: int = Field(0, ge=0, description="Rollout n+k may generate while step n trains, on "
                                "weights at most k steps old (correct the gap with algorithm.rollout_is); 0 "
                                "= the synchronous loop (docs/multinode.md).")

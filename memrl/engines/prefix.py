@@ -75,7 +75,7 @@ class PrefillPlan:
         return sum(len(nodes) * max(n.end - n.start for n in nodes) for nodes in self.stages)
 
 
-def _shared_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def shared_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """Length of the longest prefix `a` and `b` share: a binary search on slice equality, each comparison in C
     (a Python loop over 5,000-token prompts, for every pair an admission compares, would cost milliseconds)."""
     low, high = 0, min(len(a), len(b))
@@ -94,7 +94,7 @@ def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
         return 0
     ordered = [tuple(p) for p in prompts]
     # In lexicographic order, what the smallest and the largest share, every prompt between them shares.
-    return _shared_length(min(ordered), max(ordered))
+    return shared_length(min(ordered), max(ordered))
 
 
 def _held_matches(held: Sequence[tuple[int, ...]], prompts: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
@@ -107,7 +107,7 @@ def _held_matches(held: Sequence[tuple[int, ...]], prompts: Sequence[tuple[int, 
         at = bisect.bisect_left(ordered, prompt)
         best = (-1, 0)
         for i in range(max(at - 1, 0), min(at + 1, len(ordered))):
-            shared = _shared_length(prompt, ordered[i])
+            shared = shared_length(prompt, ordered[i])
             if shared > best[1]:
                 best = (order[i], shared)
         matches.append(best)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 import math
 import time
 from pathlib import Path
@@ -52,6 +53,8 @@ from memrl.train.step_metrics import (
     step_report,
 )
 from memrl.types import TrainRow
+
+log = logging.getLogger(__name__)
 
 
 class ActorError(RuntimeError, MemrlError):
@@ -118,7 +121,11 @@ class Actor:
             self.model.gradient_checkpointing_enable()
             if self.peft is not None:  # frozen embeddings: checkpointed blocks need inputs that require grad
                 self.model.enable_input_require_grads()
-        if config.train.packing:  # before the reference copy, which then attends the same way
+        if config.train.share_prefixes and (reason := packing.can_share_prefixes(self.model)) is not None:
+            log.warning("train.share_prefixes: off for this model (%s)", reason)
+            self.cfg = config = config.model_copy(update={"train": config.train.model_copy(
+                update={"share_prefixes": False})})  # the plan then counts tokens as they are computed
+        if config.train.packing or config.train.share_prefixes:  # before the reference copy: it attends alike
             packing.enable(self.model)
 
     def _build_forwards(self) -> None:
@@ -175,7 +182,9 @@ class Actor:
             return module(*mb.inputs())
 
     def _build(self, rows: list[TrainRow], weights: list[float]) -> MicroBatch:
-        return MicroBatch.build(rows, weights, self.pad_token_id, self.device, packed=self.cfg.train.packing)
+        t = self.cfg.train
+        return MicroBatch.build(rows, weights, self.pad_token_id, self.device, packed=t.packing,
+                                share_min=t.share_prefix_min_tokens if t.share_prefixes else None)
 
     # ------------------------------------------------------------------ whole weights out, checkpoints
     # Under FSDP these are collectives: every rank calls them; only rank 0 gets (or writes) anything.
@@ -403,8 +412,12 @@ class Actor:
         add_metric(sums, "tokens/loss", n_tok)
         add_metric(sums, "clip_fraction_tokens", m["clip_fraction"], n_tok)
         add_metric(sums, "micro_batches", 1.0)
-        add_metric(sums, "tokens/real", sum(len(r.tokens) for r in mb_rows if not r.is_padding))
+        real = sum(len(r.tokens) for r in mb_rows if not r.is_padding)
+        add_metric(sums, "tokens/real", real)  # requested: the rows' own lengths
         add_metric(sums, "tokens/padded", mb.input_ids.numel())  # positions run: rows x longest, or all packed
+        # the real rows' positions run: fewer than requested where prefixes are shared; padding rows never are
+        add_metric(sums, "tokens/computed", real if mb.attention_mask is not None else
+                   mb.input_ids.numel() - sum(len(r.tokens) for r in mb_rows if r.is_padding))
 
     def _rollout_correction(self, mb: MicroBatch, old: Tensor, terms: dict[str, Tensor],
                             sums: dict[str, Any]) -> tuple[Tensor | None, Tensor]:

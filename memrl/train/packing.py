@@ -5,7 +5,8 @@ must be causal *within* each row. Besides FlashAttention (flash-attn installed),
 for sdpa with a dense [T x T] mask: T^2 work for sum(len^2) useful (16x more at 16 rows of 1,000).
 `enable(model)` therefore switches a model not on FlashAttention to `memrl_packed`, registered here: given
 the row boundaries (`cu_seq_lens`, FlashAttention's argument names) it runs torch's varlen flash kernel
-(CUDA, bf16/fp16), else one causal sdpa call per row; calls without boundaries go to sdpa unchanged.
+(CUDA, bf16/fp16), else one causal sdpa call per row; calls without boundaries go to sdpa unchanged. Given
+a `shared_layout` instead (`train.share_prefixes`), it attends as memrl.train.shared_prefix lays rows out.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from memrl.errors import MemrlError
+from memrl.train import shared_prefix
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -40,16 +42,20 @@ class PackingError(ValueError, MemrlError):
 
 def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                      dropout: float = 0.0, scaling: float | None = None, cu_seq_lens_q: Tensor | None = None,
-                     max_length_q: int | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+                     max_length_q: int | None = None, shared_layout: shared_prefix.Layout | None = None,
+                     **kwargs: Any) -> tuple[Tensor, None]:
     """transformers' attention signature: query [1, H, T, D], key/value [1, H_kv, T, D] -> [1, T, H, D]."""
-    if cu_seq_lens_q is None:
+    if cu_seq_lens_q is None and shared_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if getattr(module, "sliding_window", None):
-        raise PackingError("train.packing does not support sliding-window attention layers; set train.packing "
-                           "to false for this model")
+        raise PackingError("train.packing and train.share_prefixes do not support sliding-window attention layers; "
+                           "set both to false for this model")
     if query.shape[0] != 1:
         raise PackingError(f"a packed batch is one sequence, got a batch of {query.shape[0]}")
+    if shared_layout is not None:
+        gqa = key.shape[1] != query.shape[1]
+        return shared_prefix.attention(query, key, value, shared_layout, scaling, gqa), None
     # Under autocast the rotary product leaves q and k in float32; sdpa would cast them itself, varlen does not.
     dtype = torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
     gqa = key.shape[1] != query.shape[1]
@@ -96,18 +102,45 @@ def enable(model: torch.nn.Module) -> str:
     return PACKED_ATTENTION
 
 
-def check_enabled(model: torch.nn.Module) -> None:
-    """A packed forward through plain sdpa would attend across rows: refuse it."""
+def check_enabled(model: torch.nn.Module, shared: bool = False) -> None:
+    """A packed forward through plain sdpa would attend across rows, a `shared` one through FlashAttention too
+    (it knows no shared prefixes): refuse them."""
     current = model.config._attn_implementation
-    if current != PACKED_ATTENTION and not (current or "").startswith("flash_attention"):
-        raise PackingError(f"a packed micro-batch needs memrl.train.packing.enable(model) first (attention "
-                           f"{current!r} would attend across the packed rows)")
+    if current != PACKED_ATTENTION and (shared or not (current or "").startswith("flash_attention")):
+        raise PackingError(f"a {'shared-prefix' if shared else 'packed'} micro-batch needs "
+                           f"memrl.train.packing.enable(model) first (attention {current!r} would attend across "
+                           f"the packed rows)")
 
 
-def packed_kwargs(row_lengths: list[int], cu_seq_lens: Tensor) -> dict[str, Any]:
+def can_share_prefixes(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot run shared-prefix micro-batches (train.share_prefixes), None when it can: they
+    need this module's attention on every layer."""
+    config = model.config
+    if (config._attn_implementation or "").startswith("flash_attention"):
+        return f"attention {config._attn_implementation} knows no shared prefixes"
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return "sliding-window attention layers"
+    return None
+
+
+def _no_mask(model: torch.nn.Module) -> Any:
+    """An attention mask transformers takes as prepared and builds nothing from (no dense [T x T] mask): for
+    this module's attention a 4-D placeholder, which every model passes through as it is (a model such as
+    Llama takes no {layer type: mask} mapping) and `packed_attention` never reads; for FlashAttention the
+    mapping of None (a tensor there would be taken for a padding mask)."""
+    if model.config._attn_implementation == PACKED_ATTENTION:
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    return {"full_attention": None, "sliding_attention": None}
+
+
+def packed_kwargs(model: torch.nn.Module, row_lengths: list[int], cu_seq_lens: Tensor) -> dict[str, Any]:
     """A packed forward's kwargs: the row boundaries every attention layer gets (FlashAttention's names) and a
-    "prepared" mask mapping of None (transformers would otherwise build a dense [T x T] mask)."""
+    prepared mask (`_no_mask`)."""
     longest = max(row_lengths)
-    return {"attention_mask": {"full_attention": None, "sliding_attention": None}, "cu_seq_lens_q": cu_seq_lens,
-            "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest, "max_length_k": longest,
-            "packed_lengths": row_lengths}
+    return {"attention_mask": _no_mask(model), "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": longest, "max_length_k": longest, "packed_lengths": row_lengths}
+
+
+def shared_kwargs(model: torch.nn.Module, layout: shared_prefix.Layout) -> dict[str, Any]:
+    """A shared-prefix forward's kwargs: the layout every attention layer gets and a prepared mask."""
+    return {"attention_mask": _no_mask(model), "shared_layout": layout}

@@ -51,7 +51,9 @@ def step_report(sums: dict[str, float], grad_norm: float, lr: float) -> dict[str
         "logprob_gap/mean_abs": sums.pop("logprob_gap/sum_abs") / n_tok,
         "logprob_gap/max_abs": sums["logprob_gap/max_abs"],
         "clip_fraction": sums["clip_fraction_tokens"] / n_tok, "grad_norm": grad_norm, "lr": lr,
-        "padding_fraction": 1.0 - sums["tokens/real"] / padded if padded else 0.0,
+        "padding_fraction": 1.0 - sums["tokens/computed"] / padded if padded else 0.0,
+        # computed / requested token positions: below 1 where prefixes are shared (train.share_prefixes)
+        "computed_fraction": sums["tokens/computed"] / sums["tokens/real"] if sums["tokens/real"] else 1.0,
         "micro_batches": sums["micro_batches"], "tokens/loss": n_tok,
         **{key: sums[key] / n_tok for key in sums if key.startswith("rollout_corr/") and not key.endswith("_max")},
         **{key: sums[key] for key in sums if key.startswith("rollout_corr/") and key.endswith("_max")},

@@ -148,3 +148,52 @@ def test_a_fully_masked_row_still_counts_in_the_steps_rows_as_in_verls_training_
     assert sum(r.is_padding for s in shares for mb in s.micro_batches for r in mb) == 2
     assert weights.pop("__padding__") == 0.0 and weights.pop("g/s3") == 0.0
     assert weights == pytest.approx({f"g/s{k}": per_row(n) for k, n in enumerate(lengths[:3])})
+
+
+def shared_rows(seed, n_groups, per_group, head):
+    """Groups whose rows share a `head`-token prompt prefix (a turn-0 prompt whole): what sharing plans."""
+    rng = random.Random(seed)
+    rows = []
+    for g in range(n_groups):
+        prefix = [rng.randrange(1, 50) for _ in range(head)]
+        for s in range(per_group):
+            for turn in range(rng.randint(1, 3)):
+                p, r = rng.randint(1, 20), rng.randint(1, 8)
+                rows.append(TrainRow(tokens=prefix + [rng.randrange(1, 50) for _ in range(p + r)], response_length=r,
+                                     loss_mask=[1] * r, rollout_log_probs=[-1.0] * r, advantage=rng.uniform(-1, 1),
+                                     group_id=f"g{g}", trajectory_id=f"g{g}s{s}", turn_index=turn, rollout_id=0))
+    return rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n_groups=st.integers(1, 4), per_group=st.integers(1, 5), dp=st.integers(1, 4),
+       budget=st.sampled_from([40, 120, 10_000]), packed=st.booleans())
+def test_sharing_plan_invariants(seed, n_groups, per_group, dp, budget, packed):
+    from memrl.train.shared_prefix import computed_tokens, prefix_clusters
+
+    rows = shared_rows(seed, n_groups, per_group, head=34)
+    config = Config.model_validate({"train": {"dp_size": dp, "pad_to_dp": True, "micro_batch_tokens": budget,
+                                              "packing": packed, "share_prefix_min_tokens": 32}})
+    (shares,) = plan_rollout(rows, config, pad_token_id=0, rollout_id=0)
+    seen = [r for share in shares for mb in share.micro_batches for r in mb if not r.is_padding]
+    assert sorted(map(id, seen)) == sorted(map(id, rows))  # every real row exactly once
+    assert len({len(share.micro_batches) for share in shares}) == 1  # the same micro-batch count on every rank
+    # the dealing itself gives every rank the same number of rows (real + all-zero padding), balanced in
+    # computed tokens to within the largest cluster's
+    ranks = split_ranks(rows, dp, True, 0, 0, share_min=32)
+    assert len({len(rank) for rank in ranks}) == 1
+
+    def computed(part):
+        return sum(computed_tokens([len(part[i].tokens) for i in c.members], c.shared)
+                   for c in prefix_clusters(part, 32))
+
+    loads = [computed(rank) for rank in ranks]
+    assert max(loads) - min(loads) <= max(computed([rows[i] for i in c.members]) for c in prefix_clusters(rows, 32))
+    for share in shares:
+        for mb in share.micro_batches:
+            clusters = prefix_clusters(mb, 32)
+            if any(len(c.members) > 1 for c in clusters):  # a sharing micro-batch: its computed tokens
+                size = sum(computed_tokens([len(mb[i].tokens) for i in c.members], c.shared) for c in clusters)
+            else:
+                size = sum(len(r.tokens) for r in mb) if packed else len(mb) * max(len(r.tokens) for r in mb)
+            assert len(mb) == 1 or size <= budget
