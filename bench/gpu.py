@@ -282,26 +282,32 @@ def bench_plain_generate(model: Qwen3ForCausalLM, batch: int, rng: random.Random
 
 def memagent_rows(n: int, rng: random.Random, vocab: int, prompt: tuple[int, int] = (500, 900),
                   response: tuple[int, int] = (16, 128)) -> list[TrainRow]:
+    """Rows in GRPO groups of 8 samples whose prompts share their first `prompt[0] // 2` tokens (a turn's
+    instructions, question and chunk), so `train.share_prefixes` has something to share."""
     low = min(1000, vocab // 2)
-    rows = []
+    rows, head = [], []
     for k in range(n):
         p, r = rng.randint(*prompt), rng.randint(*response)
-        rows.append(TrainRow(tokens=[rng.randrange(low, min(150000, vocab)) for _ in range(p + r)],
+        if k % 8 == 0:
+            head = [rng.randrange(low, min(150000, vocab)) for _ in range(prompt[0] // 2)]
+        rows.append(TrainRow(tokens=head + [rng.randrange(low, min(150000, vocab)) for _ in range(p + r - len(head))],
                              response_length=r, loss_mask=[1] * r,
                              rollout_log_probs=[-rng.random() * 5 for _ in range(r)],
-                             advantage=rng.uniform(-1, 1), group_id=f"g{k // 40}", trajectory_id=f"t{k // 5}",
-                             turn_index=k % 5, rollout_id=0))
+                             advantage=rng.uniform(-1, 1), group_id=f"g{k // 8}", trajectory_id=f"t{k}",
+                             turn_index=0, rollout_id=0))
     return rows
 
 
-# Training rows, before vs after (issue 14): (name, train overrides, micro-batch token budgets to try). `before`
+# Training rows, before vs after: (name, train overrides, micro-batch token budgets to try). `before`
 # is the former path (whole [tokens x vocab] fp32 logits kept for the backward, padded micro-batches) at the
 # budget it was measured at; the others go up in budget until the GPU runs out of memory. 65,536 and above
-# cannot fit an H200 with this model (fp32 logits of the response tokens): not tried.
+# cannot fit an H200 with this model (fp32 logits of the response tokens): not tried. `chunked+shared` against
+# `chunked` decides train.share_prefixes' default on the GPU (the rows share half of each prompt in groups of 8).
 TRAIN_VARIANTS: list[tuple[str, dict, list[int]]] = [
-    ("before", {"logprob_chunk_tokens": None, "packing": False}, [16384]),
-    ("chunked", {"packing": False}, [16384, 32768]),
-    ("chunked+packed", {"packing": True}, [16384, 32768]),
+    ("before", {"logprob_chunk_tokens": None, "packing": False, "share_prefixes": False}, [16384]),
+    ("chunked", {"packing": False, "share_prefixes": False}, [16384, 32768]),
+    ("chunked+packed", {"packing": True, "share_prefixes": False}, [16384, 32768]),
+    ("chunked+shared", {"packing": False, "share_prefixes": True}, [16384, 32768]),
 ]
 
 
@@ -396,8 +402,10 @@ def subprocess_step(run: Run, name: str, command: list[str], timeout_s: float) -
 
 def gpu_tests(run: Run) -> None:
     """The GPU-only tests (each named with `cuda`; on CPU they skip): CUDA graphs after a weight sync, CUDA
-    log-probs and the bf16 default, the varlen packed attention against padded sdpa."""
-    files = ["tests/engines/test_static_decode.py", "tests/engines/test_hf.py", "tests/train/test_packing.py"]
+    log-probs and the bf16 default, the varlen packed attention against padded sdpa, shared-prefix micro-batches
+    against unshared ones."""
+    files = ["tests/engines/test_static_decode.py", "tests/engines/test_hf.py", "tests/train/test_packing.py",
+             "tests/train/test_shared_prefix.py"]
     output = subprocess_step(run, "gpu_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                                 *files, "-k", "cuda"], 240)
     summary = [line for line in output.splitlines() if " passed" in line or " failed" in line or " skipped" in line]

@@ -176,9 +176,14 @@ class RolloutContext:
         return None
 
     def _answered(self, traj: Trajectory) -> Turn:
-        """The last turn; when it is the `final` one, the answer is the text it sampled (stop ids left out)."""
+        """The last turn; when it is the `final` one, the answer is the text it sampled (stop ids left out),
+        recorded with how the run reads answers (`task.answer_extractor`, `task.answer_after_think`: settings
+        every task shares), so reward, eval, pass@k and `memrl view` score it alike whatever the task."""
         turn = traj.turns[-1]
         if turn.kind == "final":
+            task = self.config.task
+            traj.metadata = traj.metadata or {}
+            traj.metadata.update(answer_extractor=task.answer_extractor, answer_after_think=task.answer_after_think)
             stops = set(self.stop_ids)
             traj.answer = self.tokenizer.decode([t for t, m in zip(turn.response_ids, turn.loss_mask, strict=True)
                                                  if m and t not in stops], skip_special_tokens=True)

@@ -83,8 +83,12 @@ def test_the_eval_format_records_the_tasks_own_settings_whatever_their_names(tin
     single = eval_format(load_config(None, [f"plugins.task={SINGLE}"]), tiny_tokenizer, [0])
     assert set(fmt) - set(single) == {"hops", "prompt_sha256"}  # the rest is what every task shares
     memagent = eval_format(load_config(None), tiny_tokenizer, [0])
+    # exactly what MemAgent recorded before task settings were the task's: its evaluations resume
     assert {"chunk_tokens", "memory_tokens", "max_chunks", "truncation", "memory_template_sha256",
-            "final_template_sha256", "no_memory_text_sha256", "prompt_layout"} == set(memagent) - set(single)
+            "final_template_sha256", "no_memory_text_sha256"} == set(memagent) - set(single)
+    # a setting marked IDENTITY_WHEN_CHANGED (the layout, recorded by no earlier release) only when changed
+    layout = eval_format(load_config(None, ["task.prompt_layout=chunk_first"]), tiny_tokenizer, [0])
+    assert set(layout) - set(memagent) == {"prompt_layout"} and layout["prompt_layout"] == "chunk_first"
 
 
 def test_dr_grpos_normaliser_asks_the_task():

@@ -3,13 +3,15 @@ live on `Config`, memrl/config/root.py)."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from memrl.config.base import Section
 
-__all__ = ["DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig", "LoraConfig", "ModelConfig", "PluginConfig",
+__all__ = ["IDENTITY_WHEN_CHANGED", "DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig", "LoraConfig",
+           "ModelConfig", "PluginConfig",
            "QueueConfig", "RayConfig", "SamplingConfig", "TaskSettings"]
 
 class LoraConfig(Section):
@@ -98,6 +100,11 @@ class EngineConfig(Section):
         return self
 
 
+# A task setting's `json_schema_extra` key: the comparability identity of evaluations records it only when not
+# at its default (a setting added after evaluations were recorded without it: they still resume and compare).
+IDENTITY_WHEN_CHANGED = "identity_when_changed"
+
+
 class TaskSettings(Section):
     """What every task shares (`Task.Settings` derives from it): the answer's token limit and scorer, the chat
     template's thinking switch, the reward's time. The `task:` section is the configured task's class."""
@@ -132,7 +139,9 @@ class EvalSetConfig(Section):
     def _task_settings_go_under_task(cls, raw: Any) -> Any:
         # An eval set's own task settings (e.g. more chunks for long documents) are the task's keys, checked by
         # the task's Settings (Config.task_with): they go under `task:`, which an older release did not have.
-        if isinstance(raw, dict) and (other := [str(k) for k in raw if k not in cls.model_fields]):
+        other = [str(k) for k in raw if k not in cls.model_fields] if isinstance(raw, dict) else []
+        # A near miss of an eval-set key (`sampels`) gets Section's "did you mean" instead.
+        if other and not any(difflib.get_close_matches(k, cls.model_fields, n=1) for k in other):
             raise ValueError(f"{', '.join(other)}: no key of an eval set (allowed: {', '.join(cls.model_fields)}); "
                              f"a task setting of the set goes under its task mapping, e.g. task: {{{other[0]}: ...}}")
         return raw

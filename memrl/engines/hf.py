@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from memrl.engines.base import EngineError, GenerationRequest, GenerationResult, ScoreResult, WeightSource
 from memrl.engines.hf_batch import EngineStats, _Pending, _plain_layers, _Row, _RunningBatch
@@ -45,6 +46,15 @@ def resolve_device_dtype(device: str | torch.device | None,
             raise EngineError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
         dtype = getattr(torch, dtype)
     return device, dtype
+
+
+def _attend_with_a_registered_function(model: torch.nn.Module) -> None:
+    """A trainer's copy may attend through a function registered in the trainer's process only (memrl's packed
+    and shared-prefix training rows, `memrl_packed`, which wraps sdpa for anything else): a copy sent to
+    another process (a Ray rollout worker) would fail its first forward there. Generation needs none of it."""
+    config = model.config
+    if config._attn_implementation not in (None, "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()):
+        config._attn_implementation = "sdpa"
 
 
 def _weight_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -109,6 +119,7 @@ class HFEngine:
             dtype = next(model.parameters()).dtype
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        _attend_with_a_registered_function(self.model)
         self.tokenizer, self.request_timeout_s = tokenizer, request_timeout_s
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.continuous_batching = continuous_batching

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memrl.config import TaskSettings
+from memrl.config import IDENTITY_WHEN_CHANGED, TaskSettings
 from memrl.errors import MemrlError
 from memrl.eval.stats import metric_summary
 from memrl.io import cut_torn_tail, jsonl_lines
@@ -68,12 +68,14 @@ def eval_format(cfg: Config, tokenizer: Any, stop_token_ids: Sequence[int]) -> d
 
 def task_identity(task: TaskSettings) -> dict[str, Any]:
     """The task's own settings (those its Settings adds to `TaskSettings`), read off its fields whatever their
-    names: text (a template) as its SHA-256 under `<name>_sha256`, a switch only when on (so runs recorded
-    before it existed resume), any other value as it is."""
+    names: text (a template) as its SHA-256 under `<name>_sha256`, a switch only when on and a field marked
+    `IDENTITY_WHEN_CHANGED` only when not at its default (so runs recorded before either existed resume),
+    any other value as it is."""
     identity: dict[str, Any] = {}
     for name, field in type(task).model_fields.items():
         value = getattr(task, name)
-        if name in TaskSettings.model_fields or (field.annotation is bool and not value):
+        at_default = value == field.default and (field.json_schema_extra or {}).get(IDENTITY_WHEN_CHANGED)
+        if name in TaskSettings.model_fields or (field.annotation is bool and not value) or at_default:
             continue
         if field.annotation is str:
             identity[f"{name}_sha256"] = _sha256_text(value)

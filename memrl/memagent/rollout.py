@@ -60,8 +60,7 @@ async def run_trajectory(ctx: RolloutContext, group: GroupSlot, k: int, chunks: 
     memory_lengths: list[int] = []
     memory_truncations = 0
     traj = Trajectory(trajectory_id=group.trajectory_id(k), group_id=group.group_id, sample_index=k, turns=[],
-                      metadata={"chunks": chunks.to_metadata(), "answer_extractor": cfg.answer_extractor,
-                                "answer_after_think": cfg.answer_after_think})
+                      metadata={"chunks": chunks.to_metadata()})
 
     def memory_metadata() -> Trajectory:
         traj.metadata.update(memory_lengths=memory_lengths, memory_truncations=memory_truncations)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from memrl.config import TaskSettings
+from memrl.config import IDENTITY_WHEN_CHANGED, TaskSettings
 
 DEFAULT_MEMORY_TEMPLATE = (
     "You are reading a long document one part at a time to answer a question. "
@@ -44,7 +44,8 @@ class MemAgentSettings(TaskSettings):
     no_memory_text: str = Field(DEFAULT_NO_MEMORY_TEXT, description="Memory shown before the first chunk.")
     prompt_layout: Literal["memagent", "chunk_first"] = Field(
         "memagent", description="`memagent`: memory_template as written; `chunk_first`: its memory block "
-        "after its chunk, so a group's prompts share a prefix the engine computes once.")
+        "after its chunk, so a group's prompts share a prefix the engine computes once.",
+        json_schema_extra={IDENTITY_WHEN_CHANGED: True})  # evaluations recorded before it resume
     strip_inputs: bool = Field(False, description="str.strip() each question and document before prompting "
                                "(the official MemAgent evaluation does).")
     memory_after_think: bool = Field(False, description="Pass on as memory only what a memory turn wrote "

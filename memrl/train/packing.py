@@ -48,7 +48,7 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     if cu_seq_lens_q is None and shared_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if getattr(module, "sliding_window", None):
+    if _slides(module) or kwargs.get("sliding_window"):  # per layer, or passed by the model (Mistral)
         raise PackingError("train.packing and train.share_prefixes do not support sliding-window attention layers; "
                            "set both to false for this model")
     if query.shape[0] != 1:
@@ -61,7 +61,9 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     gqa = key.shape[1] != query.shape[1]
     if varlen_attn is not None and query.is_cuda and dtype in _VARLEN_DTYPES:
         q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, heads, D]
-        return causal_varlen(varlen_attn, q, k, v, cu_seq_lens_q, max_length_q, scaling).unsqueeze(0), None
+        out = causal_varlen(varlen_attn, q, k, v, cu_seq_lens_q, max_length_q, scaling)
+        if out is not None:
+            return out.unsqueeze(0), None
     # One causal sdpa call per row; the lengths come from the host (`packed_kwargs`), so no device sync.
     bounds = kwargs.get("packed_lengths") or torch.diff(cu_seq_lens_q).tolist()
     rows = zip(*(x.split(bounds, dim=2) for x in (query, key, value)), strict=True)
@@ -71,13 +73,15 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
 
 
 def causal_varlen(kernel, q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int,
-                  scale: float | None) -> Tensor:
+                  scale: float | None) -> Tensor | None:
     """Causal attention within packed rows through torch's `varlen_attn` ([T, heads, D] in and out), with the
-    keywords the installed torch has: causality is `window_size=(-1, 0)` from torch 2.12 and `is_causal`
-    before; `enable_gqa` exists from 2.12 only, so older versions get the kv heads repeated instead."""
+    keywords the installed torch has: `scale` and causality as `window_size=(-1, 0)` from torch 2.10 (2.9 has
+    `is_causal` and no `scale`: None, the caller's per-row sdpa then runs); `enable_gqa` only from 2.12, so
+    2.10 and 2.11 (the GPU machine's) get the kv heads repeated instead."""
     accepted = inspect.signature(kernel).parameters
-    kwargs: dict[str, Any] = {"scale": scale}
-    kwargs.update({"window_size": (-1, 0)} if "window_size" in accepted else {"is_causal": True})
+    if "scale" not in accepted or "window_size" not in accepted:
+        return None
+    kwargs: dict[str, Any] = {"scale": scale, "window_size": (-1, 0)}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in accepted:
             kwargs["enable_gqa"] = True
@@ -118,9 +122,15 @@ def can_share_prefixes(model: torch.nn.Module) -> str | None:
     config = model.config
     if (config._attn_implementation or "").startswith("flash_attention"):
         return f"attention {config._attn_implementation} knows no shared prefixes"
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    if any(map(_slides, model.modules())) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return "sliding-window attention layers"
     return None
+
+
+def _slides(module: torch.nn.Module) -> bool:
+    """An attention layer with a window (transformers sets `sliding_window` on such layers only: a Qwen3
+    config's `sliding_window` with `use_sliding_window` off leaves its layers at None)."""
+    return bool(getattr(module, "sliding_window", None))
 
 
 def _no_mask(model: torch.nn.Module) -> Any:
@@ -129,7 +139,7 @@ def _no_mask(model: torch.nn.Module) -> Any:
     Llama takes no {layer type: mask} mapping) and `packed_attention` never reads; for FlashAttention the
     mapping of None (a tensor there would be taken for a padding mask)."""
     if model.config._attn_implementation == PACKED_ATTENTION:
-        return torch.ones(1, 1, 1, 1, dtype=torch.bool)
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
     return {"full_attention": None, "sliding_attention": None}
 
 

@@ -74,11 +74,11 @@ def records(n=6):
     return out
 
 
-def config(plugins=None, ray_section=None, **train):
+def config(plugins=None, ray_section=None, task=None, **train):
     return Config.model_validate({
         "ray": {**TIMEOUTS, **(ray_section or {})},
         "plugins": {"reward_function": "ray_test_plugins:parity_reward", **(plugins or {})},
-        "task": {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3},
+        "task": task or {"chunk_tokens": 24, "memory_tokens": 6, "final_tokens": 5, "max_chunks": 3},
         "sampling": {"n_samples": 8, "temperature": 1.0},
         "engine": {"max_batch_size": 1},
         "algorithm": {"kl_coef": 0.01},
@@ -332,8 +332,8 @@ def test_single_turn_task_on_two_rollout_workers_equals_one_process_row_for_row(
     single_turn = {"task": "memrl.tasks.single_turn:SingleTurnTask"}
     runs = {}
     for name, runtime in (("local", "local"), ("ray", "ray")):
-        cfg = config(plugins=single_turn, ray_section={"num_rollout_workers": 2}, rollout_batch_size=4,
-                     num_rollout=1, runtime=runtime)
+        cfg = config(plugins=single_turn, ray_section={"num_rollout_workers": 2}, task={"final_tokens": 5},
+                     rollout_batch_size=4, num_rollout=1, runtime=runtime)
         options = TrainOptions(run_root=tmp_path / name, progress=False, save_rollouts=True)
         train = run_ray_training if runtime == "ray" else (lambda c, o, **kw: Trainer(c, o, **kw).run())
         runs[name] = train(cfg, options, model=tiny(tokenizer), tokenizer=tokenizer, records=records(4))

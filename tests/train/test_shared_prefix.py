@@ -199,22 +199,33 @@ def stats_and_grads(model, mb, coef_lp, coef_ent):
 @pytest.mark.parametrize("layout", ["memagent", "chunk_first"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_log_probs_entropy_and_gradients_equal_the_unshared_pass(layout, packed):
+    assert_shared_pass_equals_unshared(layout, packed, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the shared attention's sdpa calls on a GPU")
+@pytest.mark.parametrize("layout", ["memagent", "chunk_first"])
+def test_shared_prefix_on_cuda_equals_the_unshared_pass(layout):
+    """float32 on the GPU (no TF32: torch's default for float32 matmuls): the same bound as on the CPU."""
+    assert_shared_pass_equals_unshared(layout, False, torch.device("cuda"))
+
+
+def assert_shared_pass_equals_unshared(layout: str, packed: bool, device: torch.device) -> None:
     rows = group_rows(layout)
-    model = tiny_model()
+    model = tiny_model().to(device)
     packing.enable(model)
     weights = [0.0] * len(rows)
-    unshared = MicroBatch.build(rows, weights, 0, torch.device("cpu"), packed=packed)
-    shared = MicroBatch.build(rows, weights, 0, torch.device("cpu"), packed=packed, share_min=MIN)
+    unshared = MicroBatch.build(rows, weights, 0, device, packed=packed)
+    shared = MicroBatch.build(rows, weights, 0, device, packed=packed, share_min=MIN)
     assert shared.shared_layout is not None and unshared.shared_layout is None
     ways = {s > 2 * p for p, suffixes in shared.shared_layout if p for s in suffixes}  # the attention's two ways
     assert ways == ({True, False} if layout == "memagent" else {False})
     assert shared.input_ids.numel() < 0.8 * sum(len(r.tokens) for r in rows)
     gen = torch.Generator().manual_seed(0)
-    coef_lp, coef_ent = (torch.randn(unshared.loss_mask.shape, generator=gen) for _ in range(2))
+    coef_lp, coef_ent = (torch.randn(unshared.loss_mask.shape, generator=gen).to(device) for _ in range(2))
     want_lp, want_ent, want_grads = stats_and_grads(model, unshared, coef_lp, coef_ent)
     got_lp, got_ent, got_grads = stats_and_grads(model, shared, coef_lp, coef_ent)
     with torch.no_grad():
-        max_logit = float(model(input_ids=torch.tensor([rows[0].tokens])).logits.abs().max())
+        max_logit = float(model(input_ids=torch.tensor([rows[0].tokens], device=device)).logits.abs().max())
     tokens = max(shared.input_ids.numel(), unshared.input_ids.numel())
     atol = logprob_atol(model, tokens, max_logit)
     torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=atol)
