@@ -358,3 +358,14 @@ def test_the_task_is_built_once_per_process_whatever_asks_for_it():
     assert rows_per_trajectory(cfg) == 1 and load_task(cfg) is load_task(cfg)
     load_config(None, [f"plugins.task={__name__}:_CountedTask", "sampling.n_samples=2"])
     assert _CountedTask.built == 1
+
+
+def test_a_near_miss_in_an_eval_set_gets_did_you_mean_and_the_sets_keys():
+    """An eval set's unknown key: a near miss of its own keys is a typo (did you mean, the set's keys listed);
+    anything else is a task setting that belongs under the set's `task:` mapping."""
+    with pytest.raises(ConfigError) as typo:
+        load_config(None, ["eval.sets=[{name: a, file: x.jsonl, sampels: 2}]"])
+    assert "did you mean 'eval.sets.0.samples'" in str(typo.value)
+    assert "allowed here: file, limit, name, samples, task, temperature" in str(typo.value)
+    with pytest.raises(ConfigError, match=r"goes under its task mapping, e\.g\. task: \{max_chunks"):
+        load_config(None, ["eval.sets=[{name: a, file: x.jsonl, max_chunks: 2}]"])

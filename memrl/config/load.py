@@ -88,11 +88,15 @@ def _describe_error(cls: type[BaseModel], err: dict[str, Any], task: type[BaseMo
 def _allowed_keys(cls: type[BaseModel], loc: list[str], task: type[BaseModel] | None) -> list[str]:
     """The keys of the section at `loc`; the `task` section's are those of the configured task's Settings."""
     fields: dict[str, Any] = cls.model_fields
-    for depth, part in enumerate(loc):  # a part that is no section (a list index, an optional section): no keys
+    for depth, part in enumerate(loc):  # a part that is no section (an optional section): no keys
         if depth == 0 and part == "task" and task is not None:
             fields = task.model_fields
+        elif str(part).isdigit() and depth:  # an item of a list of sections (eval.sets.0): the item's keys
+            continue
         else:
-            fields = getattr(fields[part].annotation, "model_fields", {}) if part in fields else {}
+            annotation = fields[part].annotation if part in fields else None
+            item = (getattr(annotation, "__args__", None) or [annotation])[0]  # list[EvalSetConfig]
+            fields = getattr(annotation, "model_fields", None) or getattr(item, "model_fields", {})
     return sorted(fields)
 
 

@@ -73,6 +73,25 @@ def test_an_engine_exception_fails_one_trajectory_and_drops_its_group_not_the_st
     assert out.metrics["groups/dropped"] == 1.0
 
 
+def test_how_answers_are_read_is_recorded_for_this_task_too():
+    """task.answer_extractor / answer_after_think are settings every task shares: the framework's final turn
+    records them (memrl.rollout), so the reward and `memrl eval` read a single-turn answer as the run asks."""
+    import asyncio
+
+    from memrl.rollout import RolloutContext
+
+    tok = build_tiny_tokenizer()
+    for on in (True, False):
+        cfg = Config.model_validate({"task": {"final_tokens": 4, "answer_after_think": on, "answer_extractor":
+                                              "therefore"}, "sampling": {"n_samples": 1},
+                                     "plugins": {"task": "memrl.tasks.single_turn:SingleTurnTask"}})
+        ctx = RolloutContext(engine=OneBrokenEngine(-1, tok.eos_token_id), tokenizer=tok, config=cfg,
+                             reward_function=first_token_even, progress=False)
+        records = [QuestionRecord("q0", "Which city?", ["Paris"], "Text: Paris.")]
+        (traj,) = asyncio.run(SingleTurnTask().generate(ctx, records)).trajectories
+        assert (traj.metadata["answer_after_think"], traj.metadata["answer_extractor"]) == (on, "therefore")
+
+
 # ------------------------------------------------------------------------------------------ every command
 # The second task through `memrl train` (with validation), `memrl eval`, `memrl pass-at-k` and `memrl view`,
 # named only by `plugins.task`: a subclass that records who asked for which group (issue 25).
