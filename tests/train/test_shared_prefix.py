@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 from test_actor import VOCAB, make_rows, tiny_model
+from test_fsdp import _free_port
 from torch.distributed.tensor import DTensor
 
 from memrl.config import Config
@@ -432,12 +432,6 @@ def _rank_main(rank: int, port: int) -> None:
             assert_same_step(results[True], results[False], rows, 300)
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow  # two spawned processes: ~25 s here
