@@ -11,6 +11,7 @@ a `shared_layout` instead (`train.share_prefixes`), it attends as memrl.train.sh
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any
@@ -78,7 +79,7 @@ def causal_varlen(kernel, q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, 
     keywords the installed torch has: `scale` and causality as `window_size=(-1, 0)` from torch 2.10 (2.9 has
     `is_causal` and no `scale`: None, the caller's per-row sdpa then runs); `enable_gqa` only from 2.12, so
     2.10 and 2.11 (the GPU machine's) get the kv heads repeated instead."""
-    accepted = inspect.signature(kernel).parameters
+    accepted = _keywords(kernel)
     if "scale" not in accepted or "window_size" not in accepted:
         return None
     kwargs: dict[str, Any] = {"scale": scale, "window_size": (-1, 0)}
@@ -88,6 +89,12 @@ def causal_varlen(kernel, q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, 
         else:
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     return kernel(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **kwargs)
+
+
+@functools.cache
+def _keywords(kernel) -> frozenset[str]:
+    """The parameter names of `kernel`, read once: `causal_varlen` runs at every layer of every forward."""
+    return frozenset(inspect.signature(kernel).parameters)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
