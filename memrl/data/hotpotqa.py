@@ -18,6 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from memrl.data.records import (
+    OFFLINE,
     DataError,
     QuestionRecord,
     check_unique_ids,
@@ -156,7 +157,7 @@ def load_hotpotqa_file(path: str | Path) -> list[HotpotExample]:
 def load_hotpotqa_hub(split: str = "train", revision: str = HOTPOTQA_REVISION,
                       cache_dir: str | None = None) -> list[HotpotExample]:
     """Download (or reuse the cache of) the pinned hub dataset; needs the optional `datasets` package."""
-    datasets = require_module("datasets", "downloading HotpotQA from the hub", "hub")
+    datasets = require_module("datasets", "downloading HotpotQA from the hub", "hub", OFFLINE)
     rows = datasets.load_dataset(HOTPOTQA_REPO, HOTPOTQA_CONFIG, split=split, revision=revision,
                                  cache_dir=cache_dir)
     return parse_hotpot_records(rows, f"hub:{HOTPOTQA_REPO}@{revision}[{split}]", total=len(rows))

@@ -46,16 +46,19 @@ class MissingDependencyError(ImportError, MemrlError):
     """An optional package (e.g. `datasets`) is needed for a download path; the message says what to install."""
 
 
-def require_module(name: str, purpose: str, extra: str) -> Any:
-    """Import an optional module lazily, or say how to install it (and how to work offline instead)."""
+# What a hub download's missing package can be replaced by (`require_module`'s `instead`).
+OFFLINE = "offline, use a local copy instead (--from-file / --from-dir)"
+
+
+def require_module(name: str, purpose: str, extra: str, instead: str = "") -> Any:
+    """Import an optional module lazily, or say how to install it (and what to do `instead`, if anything)."""
     import importlib
 
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise MissingDependencyError(
-            f"{purpose} needs the '{name}' package: pip install 'memrl[{extra}]' (or pip install {name}); "
-            f"offline, use a local copy instead (--from-file / --from-dir)") from e
+        raise MissingDependencyError(f"{purpose} needs the '{name}' package: pip install 'memrl[{extra}]' (or pip "
+                                     f"install {name}){'; ' + instead if instead else ''}") from e
 
 
 @dataclass

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from memrl.data.hotpotqa import HotpotExample, Paragraph, derived_seed, format_documents, paragraph_document
 from memrl.data.records import (
+    OFFLINE,
     DataError,
     QuestionRecord,
     check_unique_ids,
@@ -45,7 +46,7 @@ def ruler_filename(num_docs: int) -> str:
 
 
 def download_ruler_file(num_docs: int, revision: str = RULER_REVISION, cache_dir: str | None = None) -> Path:
-    hub = require_module("huggingface_hub", "downloading RULER-HQA from the hub", "hub")
+    hub = require_module("huggingface_hub", "downloading RULER-HQA from the hub", "hub", OFFLINE)
     return Path(hub.hf_hub_download(repo_id=RULER_REPO, filename=ruler_filename(num_docs), repo_type="dataset",
                                     revision=revision, cache_dir=cache_dir))
 
