@@ -3,8 +3,9 @@ slots (`ctx.groups`: a question's position in the step's whole batch, also on a 
 which group ids and seeds derive; a batch wrapping the data set holds a question twice), one turn
 (`ctx.sample_turn`: the request's seed from group, sample and turn, the task's stop ids, an engine error as
 a failed trajectory, the Turn exactly as sampled, the answer of a `final` one; `ctx.extend_turn`: tokens the
-policy did not sample, untrained, then more of the same turn), the checked reward (`ctx.reward`: a finite
-real number within `task.reward_timeout_s`, else a `RewardError` that fails the step), `finish_rollout`
+policy did not sample, untrained, then more of the same turn), the checked reward (`ctx.reward`: named,
+weighted terms, each a finite real number or None, "not applicable", within `task.reward_timeout_s`, else a
+`RewardError` that fails the step), `finish_rollout`
 (groups with a failure dropped, common metrics, the row count to announce) and `ctx.scratch`, a per-context
 cache for the task.
 """
@@ -13,11 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memrl.config import task_instance
+from memrl.config import OUTCOME, task_instance
 from memrl.engines.base import Engine, GenerationRequest, GenerationResult
 from memrl.errors import MemrlError
 from memrl.rl.validate import is_finite_real
@@ -42,6 +43,16 @@ class RewardError(ValueError, MemrlError):
 def reward_name(fn: Callable[..., Any]) -> str:
     """`module:function`, as `plugins.reward_function` names it."""
     return f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+@dataclass(frozen=True)
+class RewardTerms:
+    """Named reward functions `(trajectory, golds) -> float | None` and their weights (TRL's `reward_funcs`,
+    `reward_weights`): the reward is the weighted sum of the terms that apply, None meaning "not applicable"
+    (TRL's nansum); `memrl.task.task_reward` builds the configured ones."""
+
+    functions: Mapping[str, Callable[[Trajectory, list[str]], Any]]
+    weights: Mapping[str, float]
 
 
 def checked_reward(value: Any, name: str, trajectory_id: str) -> float:
@@ -103,7 +114,8 @@ class RolloutContext:
     tokenizer: Any
     config: Any  # memrl.config.Config (or a plugin's subclass)
     rollout_id: int = 0
-    reward_function: Callable[[Trajectory, list[str]], float] | None = None
+    # The configured terms (`memrl.task.task_reward`), or one function, the `outcome` term of weight 1.
+    reward_function: RewardTerms | Callable[[Trajectory, list[str]], float] | None = None
     progress: bool = True
     # Position of this batch's first question in the step's whole batch: a rollout worker that serves a
     # slice keeps the group ids and seeds the whole batch would have in one process.
@@ -191,22 +203,35 @@ class RolloutContext:
         return turn
 
     def reward(self, traj: Trajectory, golds: Sequence[str]) -> float | None:
-        """The configured reward of a finished trajectory; a failed one scores 0 (it is dropped anyway). A
-        value that is no finite real number, or a call past `task.reward_timeout_s`, is a RewardError."""
+        """The configured reward of a finished trajectory: the weighted sum of its terms that apply, each term's
+        value (None: not applicable) and weight recorded in `metadata["reward_terms"]`, `["reward_weights"]`;
+        a failed one scores 0 (it is dropped anyway). A value that is no finite real number or None, a call past
+        `task.reward_timeout_s`, or no term applying is a RewardError."""
         if self.reward_function is None:
             return None
         if traj.status == "failed":
             return 0.0
         if self._reward_failure is not None:
             raise self._reward_failure
-        name = reward_name(self.reward_function)
+        terms = self.reward_function
+        if not isinstance(terms, RewardTerms):
+            terms = RewardTerms({OUTCOME: terms}, {OUTCOME: 1.0})
         try:
-            value = call_with_timeout(self.reward_function, (traj, list(golds)),
-                                      self.config.task.reward_timeout_s, name)
-            return checked_reward(value, name, traj.trajectory_id)
+            several = len(terms.functions) > 1  # a single one's errors read as they did before terms
+            values = {term: self._term(fn, reward_name(fn) + f" (term {term})" * several, traj, golds)
+                      for term, fn in terms.functions.items()}
+            if all(v is None for v in values.values()):
+                raise RewardError(f"every reward term ({', '.join(values)}) returned None (not applicable) for "
+                                  f"trajectory {traj.trajectory_id}; at least one must score it")
         except RewardError as error:
             self._reward_failure = error
             raise
+        traj.metadata.update(reward_terms=values, reward_weights=dict(terms.weights))
+        return sum(terms.weights[term] * v for term, v in values.items() if v is not None)
+
+    def _term(self, fn: Callable[..., Any], name: str, traj: Trajectory, golds: Sequence[str]) -> float | None:
+        value = call_with_timeout(fn, (traj, list(golds)), self.config.task.reward_timeout_s, name)
+        return None if value is None else checked_reward(value, name, traj.trajectory_id)
 
 
 def common_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -219,6 +244,10 @@ def common_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     rewards = [t.reward for t in ok if t.reward is not None]
     if rewards:
         metrics["reward/mean"] = sum(rewards) / len(rewards)
+    terms = [t.metadata.get("reward_terms") or {} for t in ok]
+    for name in dict.fromkeys(name for values in terms for name in values):  # each term where it applied
+        if applied := [values[name] for values in terms if values.get(name) is not None]:
+            metrics[f"reward/{name}"] = sum(applied) / len(applied)
     metrics["turns/mean"] = sum(len(t.turns) for t in ok) / len(ok)
     metrics["tokens/generated"] = float(sum(t.response_length for tr in ok for t in tr.turns))
     return metrics

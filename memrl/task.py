@@ -11,13 +11,13 @@ and `trajectory_reward(t, g) == score_trajectory(t, g).em`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
-from memrl.config import AlgorithmConfig, TaskSettings, import_object, task_instance
+from memrl.config import OUTCOME, AlgorithmConfig, TaskSettings, import_object, task_instance
 from memrl.rl.shaping import advantage_rows
 from memrl.rl.validate import TrajectoryError
-from memrl.rollout import GroupSlot, RolloutContext, finish_rollout
+from memrl.rollout import GroupSlot, RewardTerms, RolloutContext, finish_rollout
 from memrl.scoring import AnswerScore, score_answer
 from memrl.types import RolloutOutput, TrainRow, Trajectory
 
@@ -80,6 +80,9 @@ class Task:
 
     # The class of the `task:` section (`cfg.task`), which validates it: a subclass of TaskSettings.
     Settings: ClassVar[type[TaskSettings]] = TaskSettings
+    # The default weight of a reward term (`reward_terms`) by name, 1 where unnamed; `algorithm.reward_weights`
+    # overrides it.
+    reward_weights: ClassVar[Mapping[str, float]] = {}
 
     def validate_config(self, cfg: Any) -> None:
         """Raise ValueError for settings the task cannot run with (called when a config loads)."""
@@ -107,6 +110,12 @@ class Task:
     def reward(self, traj: Trajectory, golds: Sequence[str]) -> float:
         return trajectory_reward(traj, golds)
 
+    def reward_terms(self, cfg: Any) -> dict[str, Callable[[Trajectory, list[str]], float | None]]:
+        """The named reward functions a trajectory's reward sums (weighted, `reward_weights`); a term returns
+        None where it does not apply. `outcome`, the answer's reward, is the one `plugins.reward_function`
+        replaces. Default: `outcome` alone, `reward`."""
+        return {OUTCOME: self.reward}
+
     def score(self, traj: Trajectory, golds: Sequence[str]) -> AnswerScore:
         return score_trajectory(traj, golds)
 
@@ -132,9 +141,14 @@ def load_task(cfg: Any) -> Task:
     return task_instance(cfg.plugins.task)
 
 
-def task_reward(cfg: Any, task: Task) -> Callable[[Trajectory, list[str]], float]:
-    """`plugins.reward_function` when set (another reward for the same task), else the task's own."""
-    return import_object(cfg.plugins.reward_function) if cfg.plugins.reward_function else task.reward
+def task_reward(cfg: Any, task: Task) -> RewardTerms:
+    """The task's reward terms, `plugins.reward_function` as the `outcome` term when set (another answer reward for
+    the same task), each weighted by `algorithm.reward_weights`, else the task's default weight, else 1."""
+    functions = dict(task.reward_terms(cfg))
+    if cfg.plugins.reward_function:
+        functions[OUTCOME] = import_object(cfg.plugins.reward_function)
+    weights = {**dict.fromkeys(functions, 1.0), **task.reward_weights, **cfg.algorithm.reward_weights}
+    return RewardTerms(functions, {name: float(weights[name]) for name in functions})
 
 
 def eval_group(record: Any) -> GroupSlot:

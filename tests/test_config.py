@@ -160,12 +160,15 @@ def _fields_accepting(kind):
             accepted = _accepted_scalars(field.annotation)
             if kind in accepted and (kind is not int or float not in accepted):
                 origin = get_origin(field.annotation)
-                items = len(get_args(field.annotation)) if origin is tuple else 1 if origin is list else None
+                items = (len(get_args(field.annotation)) if origin is tuple else 1 if origin is list
+                         else "outcome" if origin is dict else None)  # a dict: the value of one key
                 out.append((f"{section}.{name}", items))
     return out
 
 
 def _override(key, items, value):
+    if isinstance(items, str):
+        return f"{key}.{items}={value}"
     return f"{key}={value}" if items is None else f"{key}=[{', '.join([value] * items)}]"
 
 
@@ -176,6 +179,7 @@ BOOL_FIELDS = _fields_accepting(bool)
 
 def test_every_kind_of_field_is_found():
     assert ("train.lr", None) in FLOAT_FIELDS and ("train.adam_betas", 2) in FLOAT_FIELDS
+    assert ("algorithm.reward_weights", "outcome") in FLOAT_FIELDS  # a dict of floats: each value checked
     assert ("sampling.n_samples", None) in INT_FIELDS and ("eval.limit", None) in INT_FIELDS
     assert ("train.pad_to_dp", None) in BOOL_FIELDS
 
@@ -184,7 +188,7 @@ def test_every_kind_of_field_is_found():
 @pytest.mark.parametrize("key, items", FLOAT_FIELDS, ids=[k for k, _ in FLOAT_FIELDS])
 def test_non_finite_floats_are_config_errors(key, items, value):
     # train.lr=.inf turned every weight into NaN with exit 0; queue.timeout_s=.inf overflowed a later wait.
-    with pytest.raises(ConfigError, match=rf"{re.escape(key)}(\.\d)? = .*finite number"):
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}(\.\w+)? = .*finite number"):
         load_config(None, [_override(key, items, value)])
 
 

@@ -25,8 +25,8 @@ _SCALARS = {bool, int, float, str}
 
 
 def _accepted_scalars(annotation: Any) -> set[type]:
-    """The scalar types a field, or the items of a list/tuple field, accepts: `int | None` -> {int},
-    `tuple[float, float]` -> {float}, `Literal[0, 1]` -> {int}; empty for sections and dicts."""
+    """The scalar types a field, or the items of a list/tuple field or the values of a dict field, accepts:
+    `int | None` -> {int}, `tuple[float, float]` -> {float}, `Literal[0, 1]` -> {int}; empty for sections."""
     origin = get_origin(annotation)
     if origin is Annotated:
         return _accepted_scalars(get_args(annotation)[0])
@@ -34,6 +34,8 @@ def _accepted_scalars(annotation: Any) -> set[type]:
         return {type(arg) for arg in get_args(annotation)} & _SCALARS
     if origin in (Union, types.UnionType, list, tuple):
         return set().union(*(_accepted_scalars(arg) for arg in get_args(annotation) if arg is not Ellipsis))
+    if origin is dict:  # a mapping's values
+        return _accepted_scalars(get_args(annotation)[1])
     return {annotation} & _SCALARS
 
 
@@ -43,6 +45,8 @@ def _lax_coercion(value: Any, accepted: set[type]) -> str | None:
     numeric text (YAML 1.1 reads `1e-6` as a string); NaN and infinities are refused by allow_inf_nan."""
     if isinstance(value, (list, tuple)):
         return next(filter(None, (_lax_coercion(item, accepted) for item in value)), None)
+    if isinstance(value, dict):  # naming the entry
+        return next((f"{key}: {why}" for key, item in value.items() if (why := _lax_coercion(item, accepted))), None)
     numeric = accepted & {int, float}
     if isinstance(value, bool):
         return (None if bool in accepted or not numeric

@@ -14,6 +14,7 @@ from pydantic import Field, SerializeAsAny, ValidationError, ValidationInfo, fie
 
 from memrl.config.base import ConfigError, Section, task_instance
 from memrl.config.sections import (
+    OUTCOME,
     DataConfig,
     EngineConfig,
     EvalConfig,
@@ -131,6 +132,22 @@ class Config(Section):
         except ConfigError as error:
             raise ValueError(str(error)) from error
         task.validate_config(self)
+        return self
+
+    @model_validator(mode="after")
+    def _reward_weights_name_terms(self) -> Config:
+        # A weight names a term of the run (a misspelt one would weigh nothing); a term is logged as reward/<name>.
+        terms = list(task_instance(self.plugins.task).reward_terms(self))
+        terms += [OUTCOME] if self.plugins.reward_function and OUTCOME not in terms else []
+        if "mean" in terms:
+            raise ValueError(f"plugins.task = '{self.plugins.task}' names a reward term 'mean', the name of the "
+                             f"reward's own mean (reward/mean); rename the term")
+        for name in self.algorithm.reward_weights:
+            if name not in terms:
+                hint = difflib.get_close_matches(name, terms, n=1)
+                guess = f" (did you mean 'algorithm.reward_weights.{hint[0]}'?)" if hint else ""
+                raise ValueError(f"unknown key 'algorithm.reward_weights.{name}'{guess}; the run's reward terms: "
+                                 f"{', '.join(terms)}")
         return self
 
     @model_validator(mode="after")

@@ -10,9 +10,8 @@ from pydantic import Field, field_validator, model_validator
 
 from memrl.config.base import Section
 
-__all__ = ["IDENTITY_WHEN_CHANGED", "DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig", "LoraConfig",
-           "ModelConfig", "PluginConfig",
-           "QueueConfig", "RayConfig", "SamplingConfig", "TaskSettings"]
+__all__ = ["IDENTITY_WHEN_CHANGED", "OUTCOME", "DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig",
+           "LoraConfig", "ModelConfig", "PluginConfig", "QueueConfig", "RayConfig", "SamplingConfig", "TaskSettings"]
 
 class LoraConfig(Section):
     """LoRA adapters (peft) trained instead of the whole model (`model.lora`); see memrl/train/lora.py."""
@@ -209,6 +208,10 @@ class RayConfig(Section):
         return trainer, rollout
 
 
+# The reward term `plugins.reward_function` replaces (or adds): every task's answer reward (`Task.reward_terms`).
+OUTCOME = "outcome"
+
+
 class PluginConfig(Section):
     # The per-function task plugins that one `plugins.task` object replaced (memrl/task.py), so that a
     # config written for them never half-works.
@@ -220,5 +223,6 @@ class PluginConfig(Section):
                       "(memrl/task.py) that samples, scores and converts in training, validation, eval and "
                       "pass-at-k.")
     reward_function: str | None = Field(None, description="`module:function` (trajectory, golds) -> float "
-                                        "replacing the task's reward in training and pass@k; unset: the task's.")
+                                        "replacing the task's `outcome` reward term (its answer's reward) in "
+                                        "training and pass@k; unset: the task's.")
     config_class: str | None = Field(None, description="A Config subclass (`module:Class`) adding sections.")

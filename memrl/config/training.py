@@ -67,6 +67,12 @@ class AlgorithmConfig(Section):
     turn_reward_alpha: float = Field(0.5, ge=0, le=1, description="alpha of turn_reward_function: alpha x "
                                      "trajectory credit + (1 - alpha) x the normalised turn reward (1 = "
                                      "trajectory credit only).")
+    reward_weights: dict[str, float] = Field(
+        default_factory=dict, description="Weight of each reward term by name (TRL reward_weights; the terms are "
+        "the task's, Task.reward_terms: `outcome` the answer's); an unset one keeps the task's default (1).")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="How reward terms make the advantage (TRL's): GRPO of their weighted "
+        "sum, or the weighted sum of each term's GRPO advantage in its group (GDPO).")
     filter_groups: bool = Field(False, description="Dynamic sampling (DAPO; verl algorithm.filter_groups.enable): "
                                 "drop groups whose raw rewards are all equal, generate more until "
                                 "train.rollout_batch_size groups or max_num_gen_batches.")
@@ -101,6 +107,15 @@ class AlgorithmConfig(Section):
         if self.loss_mode == "gspo" and self.dual_clip is not None:
             raise ValueError(f"algorithm.dual_clip = {self.dual_clip} with algorithm.loss_mode = 'gspo': GSPO (verl's "
                              f"policy_loss.loss_mode=gspo) has no dual clip; unset algorithm.dual_clip")
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_penalty_is_no_term(self) -> AlgorithmConfig:
+        # The penalty shapes the summed reward; normalised term by term it would need a weight of its own.
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.overlong_buffer_len is not None:
+            raise ValueError("algorithm.overlong_buffer_len shapes the summed reward, which "
+                             "multi_objective_aggregation = 'normalize_then_sum' does not normalise; use "
+                             "sum_then_normalize or unset overlong_buffer_len")
         return self
 
     @property

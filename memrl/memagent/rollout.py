@@ -7,7 +7,7 @@ Trajectories never wait for each other (pitfall "Lockstep turns"); the engine ba
 wait. Each turn is `RolloutContext.sample_turn`'s, exactly what was sampled; the memory passed on is the
 response's ids, stop tokens stripped and cut to `memory_tokens`. A generation error marks the trajectory
 `failed`, never the batch. Before each chunk after the first the task says whether to keep reading
-(`MemAgentTask.keep_reading`, default: always).
+(`MemAgentTask.keep_reading`, default: always); one that stops may have sampled the final turn itself.
 """
 
 from __future__ import annotations
@@ -51,10 +51,19 @@ def memory_after_think(tokenizer: Any, memory_ids: list[int]) -> list[int]:
     return tail[lo:hi] if tokenizer.decode(tail[lo:hi]) == stripped else encode_text(tokenizer, stripped)
 
 
+def passed_memory(builder: PromptBuilder, turn: Any) -> tuple[list[int], bool]:
+    """The memory a memory turn passes on and whether it was cut: its response re-cut to `memory_tokens`, with
+    `memory_after_think` only what follows its last </think> (the turn keeps every sampled id for training)."""
+    memory_ids, recut = builder.cap_memory(turn.response_ids)
+    if builder.cfg.memory_after_think:
+        memory_ids = memory_after_think(builder.tokenizer, memory_ids)
+    return memory_ids, recut
+
+
 async def run_trajectory(ctx: RolloutContext, group: GroupSlot, k: int, chunks: Chunks, task: Any) -> Trajectory:
     """Sample k of `group`: read `chunks` turn by turn into a bounded memory, asking `task.keep_reading` before
     each chunk after the first, then answer from question + memory alone (`ctx.sample_turn`: seeds, stop ids,
-    an engine error as a failed trajectory)."""
+    an engine error as a failed trajectory), unless keep_reading stopped with the final turn sampled."""
     cfg, builder, question = ctx.config.task, builder_of(ctx), group.record.question
     memory_ids: list[int] | None = None  # None = the fixed "no memory yet" text
     memory_lengths: list[int] = []
@@ -69,15 +78,14 @@ async def run_trajectory(ctx: RolloutContext, group: GroupSlot, k: int, chunks: 
     for i, chunk in enumerate(chunks.chunks):
         if i and not await task.keep_reading(ctx, group, traj):
             traj.metadata["stopped_reading"] = True
+            if traj.status == "failed" or traj.turns[-1].kind == "final":  # it sampled the answer, or failed
+                return memory_metadata()
             break
         turn = await ctx.sample_turn(group, traj, "memory", builder.memory_prompt_ids(question, memory_ids, chunk),
                                      cfg.memory_tokens)
         if turn is None:
             return memory_metadata()
-        # The new memory always replaces the old one, even when empty; re-cut to memory_tokens.
-        memory_ids, recut = builder.cap_memory(turn.response_ids)
-        if cfg.memory_after_think:  # the memory only; the turn above keeps every sampled id for training
-            memory_ids = memory_after_think(builder.tokenizer, memory_ids)
+        memory_ids, recut = passed_memory(builder, turn)  # it always replaces the old one, even when empty
         memory_truncations += int(recut or turn.finish_reason == "length")
         memory_lengths.append(len(memory_ids))
     del chunks  # release the document before the final turn: it sees question + memory only

@@ -80,8 +80,9 @@ class MemAgentTask(Task):
 
     async def keep_reading(self, ctx: RolloutContext, group: GroupSlot, traj: Trajectory) -> bool:
         """Whether sample `traj` (its memory turns so far, the last one just written) reads the next chunk; the
-        seam of readers that stop early (it may sample a turn of its own: `ctx.sample_turn`). False: the
-        final turn comes next and the trajectory records `stopped_reading`. Default: read every chunk."""
+        seam of readers that stop early (it may sample turns of its own: `ctx.sample_turn`). False: the
+        trajectory records `stopped_reading` and the final turn comes next, unless this call sampled it (its
+        last turn is `final`) or the trajectory failed. Default: read every chunk."""
         return True
 
     async def sample_group(self, ctx: RolloutContext, group: GroupSlot, n: int,
@@ -112,9 +113,10 @@ class MemAgentTask(Task):
             golds = list(traj.metadata.get("golds") or [])
             if not golds:
                 continue
-            for turn, text in zip(traj.turns, traj.metadata["turn_texts"], strict=True):
-                if turn.kind == "memory":
-                    hits.setdefault(turn.index, []).append(float(gold_in_text(text, golds)))
+            texts = [text for turn, text in zip(traj.turns, traj.metadata["turn_texts"], strict=True)
+                     if turn.kind == "memory"]  # a task's other turns (a reader's probes) are no memory
+            for j, text in enumerate(texts):
+                hits.setdefault(j, []).append(float(gold_in_text(text, golds)))
         metrics = {f"memory/gold_recall/turn_{j}": sum(v) / len(v) for j, v in sorted(hits.items())}
         if hits:
             metrics["memory/gold_recall/mean"] = sum(metrics.values()) / len(metrics)

@@ -1,5 +1,6 @@
 """Trajectories -> rows, validated first (`advantage_rows`, the converters' one path), with what the converter makes
-of rewards and turns first (formulas in docs/algorithms.md): truncated completions masked, DAPO's overlong
+of rewards and turns first (formulas in docs/algorithms.md): reward terms normalised before their weighted sum
+(`normalize_then_sum`), truncated completions masked, DAPO's overlong
 penalty (on the advantage's reward only: `Trajectory.reward`, read by filtering and the logs, is untouched),
 turn rewards mixed into each turn's advantage (with a leave-one-out baseline of the rewards to go, unbiased
 whatever turn counts the policy chooses). Every option is off by default, and off the rows are exactly
@@ -14,7 +15,14 @@ from typing import Any
 import numpy as np
 
 from memrl.config import ConfigError
-from memrl.rl.advantages import AdvantageError, assign_credit, by_group, expand_rows, trajectory_advantages
+from memrl.rl.advantages import (
+    AdvantageError,
+    assign_credit,
+    by_group,
+    expand_rows,
+    grpo_advantages,
+    trajectory_advantages,
+)
 from memrl.rl.validate import validate_groups
 from memrl.types import TrainRow, Trajectory
 
@@ -25,11 +33,36 @@ def advantage_rows(trajectories: Sequence[Trajectory], a: Any, rollout_id: int, 
     `row_order_key` order; the inputs are not modified. `a` is the AlgorithmConfig."""
     trajectories = list(trajectories)
     validate_groups(trajectories)
-    advantages = trajectory_advantages(trajectories, std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof,
-                                       rewards=shaped_rewards(trajectories, a))
+    if a.multi_objective_aggregation == "normalize_then_sum":
+        advantages = term_advantages(trajectories, a)
+    else:
+        advantages = trajectory_advantages(trajectories, std_normalize=a.std_normalize, eps=a.eps,
+                                           std_ddof=a.std_ddof, rewards=shaped_rewards(trajectories, a))
     return expand_rows(trajectories, advantages, credit, rollout_id,
                        turn_advantages=turn_advantages(trajectories, advantages, a),
                        mask_trajectory=final_turn_truncated if a.mask_truncated_completions else None)
+
+
+def term_advantages(trajectories: Sequence[Trajectory], a: Any) -> dict[str, float]:
+    """`normalize_then_sum` (TRL's, GDPO): each reward term's GRPO advantage within its group, over the samples it
+    applies to (0 where it returned None), then their weighted sum; the terms and weights are those `ctx.reward`
+    recorded. Unlike TRL, the sum is not normalised again over the whole batch: a batch statistic would differ
+    where a step's groups are converted apart (Ray rollout workers, dynamic sampling's batches)."""
+    out: dict[str, float] = {}
+    for group_id, group in by_group(trajectories).items():
+        for traj in group:
+            if not isinstance(traj.metadata.get("reward_terms"), dict):
+                raise AdvantageError(f"trajectory '{traj.trajectory_id}' has no reward_terms; "
+                                     f"multi_objective_aggregation = 'normalize_then_sum' normalises each term, which "
+                                     f"the rollout's ctx.reward records")
+            out[traj.trajectory_id] = 0.0
+        for name in dict.fromkeys(name for t in group for name in t.metadata["reward_terms"]):
+            applied = [t for t in group if t.metadata["reward_terms"].get(name) is not None]
+            (normalised,) = grpo_advantages({group_id: [t.metadata["reward_terms"][name] for t in applied]},
+                                            std_normalize=a.std_normalize, eps=a.eps, std_ddof=a.std_ddof).values()
+            for traj, z in zip(applied, normalised, strict=True):
+                out[traj.trajectory_id] += traj.metadata["reward_weights"][name] * z
+    return out
 
 
 def final_turn_truncated(traj: Trajectory) -> bool:

@@ -106,7 +106,7 @@ class TrainingParts:
 
 
 def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, out: RolloutOutput) -> dict[str, Any]:
-    """What the logs (and `memrl view`) keep per trajectory: turns, answer, reward, its GRPO advantage,
+    """What the logs (and `memrl view`) keep per trajectory: turns, answer, reward (and its terms), its GRPO advantage,
     each turn's credit (its row's advantage; None when not trained on) and the task's `log_fields`."""
     turns = turn_log_records(traj, tokenizer)
     for turn, record in zip(traj.turns, turns, strict=True):
@@ -115,6 +115,7 @@ def trajectory_log_record(traj: Trajectory, tokenizer: Any, task: Task, out: Rol
         "trajectory_id": traj.trajectory_id, "question_id": traj.metadata.get("question_id"),
         "question": traj.metadata.get("question"), "group_id": traj.group_id, "sample_index": traj.sample_index,
         "weight_version": traj.metadata.get("weight_version"), "status": traj.status, "reward": traj.reward,
+        "reward_terms": traj.metadata.get("reward_terms"),
         "advantage": out.advantages.get(traj.trajectory_id), "answer": traj.answer,
         "golds": traj.metadata.get("golds"), "error": traj.error,
         **task.log_fields(traj, "train"), "turns": turns,
