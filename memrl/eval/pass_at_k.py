@@ -1,7 +1,8 @@
 """Pass@k over candidate questions, for choosing a training set that carries a GRPO signal (docs/design.md §5):
 `memrl pass-at-k` writes `{k, pass_counts: {id: passes}, ...}`, read by `memrl prepare-data hotpotqa
 --pass-counts FILE --pass-k K`. Samples use the training task itself (`Task.sample_group`, its reward),
-so "pass" means what the training reward means; a question with a failed request gets no count.
+so "pass" means what the training reward means (its `outcome` term, the answer's, scoring 1); a question
+with a failed request gets no count.
 `--no-context` counts what the model answers without the document, for `--drop-answerable-without-context`.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from memrl.config import Config
+from memrl.config import OUTCOME, Config
 from memrl.data.manifest import sha256_file
 from memrl.data.records import QuestionRecord
 from memrl.io import atomic_write_json
@@ -42,7 +43,8 @@ async def count_passes(engine: Any, tokenizer: Any, cfg: Config, records: Sequen
         if any(t.status == "failed" for t in group):
             failed.append(record.id)
         else:
-            counts[record.id] = sum(int(t.reward == 1.0) for t in group)
+            # the answer's reward (the `outcome` term), whatever other terms (a length bonus) add to the sum
+            counts[record.id] = sum(t.metadata.get("reward_terms", {}).get(OUTCOME, t.reward) == 1.0 for t in group)
         bar.update()
         bar.set_postfix(mixed=sum(0 < c < k for c in counts.values()), failed=len(failed))
 

@@ -4,11 +4,12 @@ import re
 
 import pytest
 
-from memrl.config import Config
+from memrl.config import Config, load_config
 from memrl.data.hotpotqa import read_pass_counts, select_by_pass_counts
 from memrl.data.records import QuestionRecord
 from memrl.engines.base import GenerationResult
 from memrl.eval.pass_at_k import count_passes
+from memrl.memagent.task import MemAgentTask
 from memrl.rollout import request_seed
 
 
@@ -53,6 +54,24 @@ def test_pass_counts_match_the_reward_of_each_sample(tiny_tokenizer, tmp_path):
     assert read == counts and k == 8
     chosen = select_by_pass_counts(read, 8, num=len([c for c in counts.values() if 0 < c < 8]))
     assert all(0 < counts[i] < 8 for i in chosen)
+
+
+class BonusTask(MemAgentTask):
+    reward_weights = {"bonus": 0.5}
+
+    def reward_terms(self, cfg):
+        return {**super().reward_terms(cfg), "bonus": lambda traj, golds: 1.0}
+
+
+def test_a_pass_is_the_answers_reward_whatever_other_reward_terms_add(tiny_tokenizer):
+    # A right answer's reward is 1.5 here, a wrong one's 0.5: a pass is its `outcome` term scoring 1.
+    cfg = load_config(None, [f"plugins.task={__name__}:BonusTask", "task.final_tokens=16"])
+    records = [QuestionRecord(id=f"q{i}", question=f"Q{i}?", answers=["Paris"], context="") for i in range(3)]
+    counts, _ = asyncio.run(count_passes(SeedOracle(tiny_tokenizer), tiny_tokenizer, cfg, records, k=8,
+                                         progress=False))
+    assert counts == {rec.id: sum(request_seed(cfg.sampling.seed, f"0:{slot}:{rec.id}", k, 0) % 2 == 0
+                                  for k in range(8)) for slot, rec in enumerate(records)}
+    assert 0 < sum(counts.values()) < 24
 
 
 def _candidates(tmp_path, n):
