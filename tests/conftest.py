@@ -14,12 +14,6 @@ QWEN3_TOKENIZER_DIR = SHARED_DIR / "assets" / "qwen3-tokenizer"
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    """`<repo>/../shared` (may not exist; check before reading)."""
-    return SHARED_DIR
-
-
-@pytest.fixture(scope="session")
 def qwen3_tokenizer():
     """The real Qwen3 tokenizer (offline), or skip."""
     if not (QWEN3_TOKENIZER_DIR / "tokenizer.json").is_file():
