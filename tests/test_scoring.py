@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import string
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -29,8 +27,6 @@ from memrl.scoring import (
     score_answer,
     sub_exact_match,
 )
-
-HOTPOT_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "hotpotqa"
 
 
 # --- Reference: hotpot_evaluate_v1.py, copied as published (only renamed with a ref_ prefix) ---------
@@ -364,12 +360,9 @@ def test_boxed_answer_scores_like_official_em(answer, gold):
     assert score_answer(text, [gold]).em == float(ref_exact_match_score(answer.strip(), gold))
 
 
-def test_real_hotpotqa_golds_score_one_when_boxed():
-    files = sorted(HOTPOT_DIR.glob("*.json"))
-    if not files:
-        pytest.skip(f"real HotpotQA data not found under {HOTPOT_DIR}")
-    answers = [rec["answer"] for f in files for rec in json.loads(f.read_text())]
-    assert answers
+def test_real_hotpotqa_golds_score_one_when_boxed(hotpot_dev_records, hotpot_train_records):
+    answers = [rec["answer"] for rec in hotpot_dev_records + hotpot_train_records]
+    assert len(answers) == 300
     for answer in answers:
         score = score_answer(f"The answer is \\boxed{{{answer}}}.", [answer])
         assert (score.em, score.sub_em, score.f1) == (1.0, 1.0, 1.0), answer

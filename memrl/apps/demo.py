@@ -88,23 +88,24 @@ def demo_config(settings: DemoSettings, data_dir: Path | None = None) -> Config:
 
 
 def evaluate_policy(model: torch.nn.Module, tokenizer: Any, cfg: Config, records: list, out_dir: Path,
-                    name: str, data_sha256: str, data_path: Path) -> dict[str, Any]:
+                    name: str, data_sha256: str, data_path: Path,
+                    tokenizer_name: str = "memrl.data.synthetic:task_tokenizer") -> dict[str, Any]:
     """Held-out evaluation of one policy (memrl.eval.runner) on an in-process engine, closed afterwards."""
     from memrl.engines.factory import build_engine
     from memrl.eval.runner import evaluate
 
-    engine = build_engine(cfg, model=model, tokenizer=tokenizer)  # the toy recipe: CPU, float32
+    engine = build_engine(cfg, model=model, tokenizer=tokenizer)  # the demos' recipes: CPU, float32
     try:
         return evaluate(engine, tokenizer, cfg, records, out_dir, model_name=name, data_sha256=data_sha256,
-                        data_path=str(data_path), tokenizer_name="memrl.data.synthetic:task_tokenizer")
+                        data_path=str(data_path), tokenizer_name=tokenizer_name)
     finally:
         asyncio.run(engine.close())
 
 
-def reward_curve(history: Sequence[dict[str, float]], window: int = 10) -> dict[str, Any]:
-    """The training reward per rollout and the means of its first and last `window` rollouts (shorter
-    windows, never overlapping, on short runs)."""
-    rewards = [float(m.get("reward/mean", 0.0)) for m in history]
+def reward_curve(history: Sequence[dict[str, float]], window: int = 10, key: str = "reward/mean") -> dict[str, Any]:
+    """The training reward (or another per-rollout metric `key`) per rollout and the means of its first and
+    last `window` rollouts (shorter windows, never overlapping, on short runs)."""
+    rewards = [float(m.get(key, 0.0)) for m in history]
     w = max(1, min(window, len(rewards) // 2))
     first, last = sum(rewards[:w]) / w, sum(rewards[-w:]) / w
     return {"window": w, "first": first, "last": last, "gain": last - first, "per_rollout": rewards}
@@ -119,16 +120,16 @@ def new_run_root(run_root: Path) -> Path:
     return run_root
 
 
-def quiet_single_thread() -> None:
+def quiet_demo(threads: int = 1) -> None:
     """How every demo command runs: memrl's logs at WARNING (the summary is the output) and, unless
-    OMP_NUM_THREADS says otherwise, one torch thread: as fast for the tiny model, and on a busy machine extra
-    OpenMP threads spin-wait for cores and slow every step (bench/README.md)."""
+    OMP_NUM_THREADS says otherwise, `threads` torch threads: one is as fast for the tiny model, and on a busy
+    machine extra OpenMP threads spin-wait for cores and slow every step (bench/README.md)."""
     import logging
     import os
 
     logging.getLogger("memrl").setLevel(logging.WARNING)
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
 
 
 @dataclass
@@ -217,7 +218,8 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     times["eval_base_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    history, trained_model = train_grpo(run_root, settings, cfg, base, progress)
+    history, trained_model = train_grpo(run_root, cfg, base.model, base.tokenizer, grpo_records(settings, base.train),
+                                        progress)
     times["train_s"] = time.perf_counter() - t
 
     # The same held-out questions, sampling settings and seeds as the base's evaluation.
@@ -231,19 +233,18 @@ def run_demo(run_root: Path, settings: DemoSettings = FULL, progress: bool = Tru
     return summary
 
 
-def train_grpo(run_root: Path, settings: DemoSettings, cfg: Config, base: WarmStart,
+def train_grpo(run_root: Path, cfg: Config, model: torch.nn.Module, tokenizer: Any, records: Sequence[Any],
                progress: bool) -> tuple[list[dict[str, float]], torch.nn.Module]:
-    """GRPO from a copy of the base through the real controller (queue, converter, checkpoints, logs) into
+    """GRPO from a copy of `model` through the real controller (queue, converter, checkpoints, logs) into
     run_root/train; returns the history and the trained model, also saved to run_root/trained_model."""
     from memrl.train.controller import Trainer, TrainOptions
 
     trainer = Trainer(cfg, TrainOptions(run_root=run_root / "train", progress=progress),
-                      model=copy.deepcopy(base.model), tokenizer=base.tokenizer,
-                      records=grpo_records(settings, base.train))
+                      model=copy.deepcopy(model), tokenizer=tokenizer, records=records)
     history = trainer.run()
     trained_model = trainer.parts.policy.merged_model().eval()  # with model.lora: base + adapters, merged
     trained_model.save_pretrained(run_root / "trained_model")
-    base.tokenizer.save_pretrained(run_root / "trained_model")
+    tokenizer.save_pretrained(run_root / "trained_model")
     return history, trained_model
 
 
@@ -253,22 +254,32 @@ def _scores(result: dict[str, Any]) -> dict[str, Any]:
             "f1": m["f1"]["value"]}
 
 
+def compare_and_view(run_root: Path, evals: dict[str, str]) -> tuple[Any, list[Path]]:
+    """The comparison of the eval folders `evals` (name -> folder under run_root; memrl compare, into
+    run_root/compare), the plots of run_root/train (memrl report) and the viewer pages (memrl view): the last
+    two evaluations side by side (run_root/viewer.html) and the training run (train/viewer.html). Returns the
+    `CompareReport` and the plots."""
+    from memrl.eval.compare import compare_results
+    from memrl.train.report import write_report
+    from memrl.viewer.build import write_viewer
+
+    report = compare_results([run_root / folder for folder in evals.values()], names=list(evals))
+    report.write(run_root / "compare")
+    plots = write_report(run_root / "train")
+    *_, before, after = evals.values()
+    write_viewer(run_root / before, run_root / after, run_root / "viewer.html")
+    write_viewer(run_root / "train")
+    return report, plots
+
+
 def _compare_and_summarize(run_root: Path, settings: DemoSettings, heldout_questions: int,
                            base_eval: dict[str, Any], trained_eval: dict[str, Any],
                            history: list[dict[str, float]]) -> dict[str, Any]:
-    """The comparison (memrl compare), plots (memrl report) and viewer pages (memrl view), and the summary
-    of the figures; `times_s` is the caller's to add."""
-    from memrl.eval.compare import compare_results
-    from memrl.train.report import write_report
+    """The comparison, plots and viewer pages (`compare_and_view`), and the summary of the figures;
+    `times_s` is the caller's to add."""
     from memrl.train.run_log import EVAL_METRICS_FILE, read_metrics
-    from memrl.viewer.build import write_viewer
 
-    report = compare_results([run_root / "eval_base", run_root / "eval_trained"], names=["base", "trained"])
-    report.write(run_root / "compare")
-    plots = write_report(run_root / "train")
-    write_viewer(run_root / "eval_base", run_root / "eval_trained", run_root / "viewer.html")
-    write_viewer(run_root / "train")
-
+    report, plots = compare_and_view(run_root, {"base": "eval_base", "trained": "eval_trained"})
     reward = reward_curve(history)
     base, trained = _scores(base_eval), _scores(trained_eval)
     pair = report.pairs[0]
@@ -327,7 +338,7 @@ def demo_command(run_root: Path, quick: bool = False, overrides: Sequence[str] =
                  eval_interval: int | None = None) -> int:
     """`memrl demo`: 0 when both targets are met, else 1; `overrides` apply to the GRPO training recipe
     (recipes/toy.yaml) after the demo's own sizes."""
-    quiet_single_thread()
+    quiet_demo()
     settings = replace(QUICK if quick else FULL, overrides=tuple(overrides))
     if eval_interval is not None:
         settings = replace(settings, eval_interval=eval_interval)

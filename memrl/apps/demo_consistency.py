@@ -24,7 +24,7 @@ from memrl.apps.demo import (
     demo_config,
     grpo_records,
     new_run_root,
-    quiet_single_thread,
+    quiet_demo,
     reward_curve,
     warm_start,
 )
@@ -260,7 +260,7 @@ def demo_consistency_command(run_root: Path, quick: bool = False, overrides: Seq
     from memrl.eval.compare import parse_thresholds
     from memrl.eval.results import METRICS
 
-    quiet_single_thread()
+    quiet_demo()
     base = CONSISTENCY_QUICK if quick else CONSISTENCY_FULL
     thresholds = parse_thresholds(list(max_abs_diff)) if max_abs_diff else dict(base.thresholds)
     unknown = sorted(set(thresholds) - set(METRICS))

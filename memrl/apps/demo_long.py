@@ -20,7 +20,7 @@ from memrl.apps.demo import (
     demo_config,
     evaluate_policy,
     new_run_root,
-    quiet_single_thread,
+    quiet_demo,
     run_demo,
 )
 from memrl.config import Config
@@ -265,7 +265,7 @@ def demo_long_command(run_root: Path, quick: bool = False, overrides: Sequence[s
                       filler: bool = True) -> int:
     """`memrl demo-long`: 0 when the trained policy beats the base at every length >= 8 chunks, else 1;
     a `DemoError` / `ConfigError` is exit 2 in memrl.cli."""
-    quiet_single_thread()
+    quiet_demo()
     settings = long_settings(quick, overrides, questions_per_length, lengths, filler)
     length_config(settings)  # bad input fails before training
     summary = run_long_demo(Path(run_root), settings)

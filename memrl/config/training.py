@@ -140,6 +140,10 @@ class TrainConfig(Section):
                                               "num_optimizer_steps) steps)"}
 
     num_rollout: int = Field(100, gt=0, description="Rollout steps to run.")
+    time_budget_s: float | None = Field(
+        None, gt=0, description="Wall-clock seconds the loop may take: a step starts only while the seconds "
+        "spent plus the longest step so far fit, then the run ends as after its last step (validated, "
+        "checkpointed); unset: all num_rollout steps.")
     rollout_batch_size: int = Field(16, gt=0, description="Questions per rollout step.")
     num_optimizer_steps: int = Field(1, gt=0, description="Optimizer steps per rollout step (counted in "
                                      "prompt groups).")

@@ -33,6 +33,11 @@ HOTPOTQA_REPO = "hotpotqa/hotpot_qa"
 HOTPOTQA_CONFIG = "distractor"
 HOTPOTQA_REVISION = "1908d6afbbead072334abe2965f91bd2709910ab"
 Paragraph = tuple[str, tuple[str, ...]]  # (title, sentences)
+# 300 official records shipped with memrl (CC BY-SA 4.0; attribution and sha256 in the folder's README.md), so a
+# fresh clone has real HotpotQA text: what `memrl demo-real` prepares its questions from.
+SHIPPED_DIR = Path(__file__).resolve().parent / "hotpotqa_records"
+SHIPPED_FILES = {"dev": SHIPPED_DIR / "hotpot_dev_distractor_first200.json.gz",
+                 "train": SHIPPED_DIR / "hotpot_train_sample100.json.gz"}
 
 
 class SelectionError(ValueError, MemrlError):
@@ -142,7 +147,8 @@ def parse_hotpot_records(rows: Iterable[Any], source: Any, total: int | None = N
 
 
 def load_hotpotqa_file(path: str | Path) -> list[HotpotExample]:
-    """A local copy: the official JSON list (or a JSON list / JSONL of hub-format rows)."""
+    """A local copy: the official JSON list, also gzip-compressed (`.json.gz`), or a JSON list / JSONL of
+    hub-format rows."""
     path = Path(path)
     if not path.is_file():
         raise DataError(path, "file does not exist; pass the official HotpotQA JSON (e.g. hotpot_train_v1.1.json)")

@@ -8,6 +8,7 @@ and unique within a file, `answers` a non-empty list of strings; a record that b
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -114,11 +115,15 @@ def read_jsonl_lines(path: str | Path) -> list[tuple[Line, Any]]:
 
 
 def read_json_list(path: Path, what: str) -> list[Any]:
-    """The JSON list in the file at `path`; `what` names its items in the error."""
+    """The JSON list in the file at `path` (gzip-compressed when its name ends in .gz, as the HotpotQA records
+    memrl ships); `what` names its items in the error."""
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+        data = path.read_bytes()
+        rows = json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(path, f"not valid JSON: {e}") from e
+    except (gzip.BadGzipFile, EOFError) as e:  # not gzip, or cut short
+        raise DataError(path, f"not a complete gzip file ({e}); pass the .json.gz as written, or the .json") from e
     if not isinstance(rows, list):
         raise DataError(path, f"expected a JSON list of {what}, got {type(rows).__name__}")
     return rows

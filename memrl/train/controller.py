@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +168,8 @@ class Trainer:
         self.parts = parts if parts is not None else local_parts(cfg, options, **local)
         self._producer: Producer | None = None
         self._torch_threads = torch.get_num_threads()
+        self.clock: Callable[[], float] = time.monotonic  # what train.time_budget_s is measured on
+        self._last_rollout_id = cfg.train.num_rollout - 1  # earlier when the time budget ends the run
         try:  # a missing eval file fails here, before the first step, with nothing left running
             self.validator = self._validator()
             # The weight-sync canary's fixed probe; a replay has no engine to check.
@@ -301,7 +304,17 @@ class Trainer:
 
     def _ends_interval(self, rollout_id: int, interval: int) -> bool:
         """Step `rollout_id` is the last of an `interval` (0: never) or of the run."""
-        return interval > 0 and ((rollout_id + 1) % interval == 0 or rollout_id == self.cfg.train.num_rollout - 1)
+        return interval > 0 and ((rollout_id + 1) % interval == 0 or rollout_id == self._last_rollout_id)
+
+    def _budget_ends_after(self, elapsed_s: float, longest_step_s: float) -> bool:
+        """train.time_budget_s: whether the run ends now, another step as long as the longest so far not
+        fitting in the budget; the rest of the run (validation, checkpoint) then treats this step as its last."""
+        budget = self.cfg.train.time_budget_s
+        if budget is None or elapsed_s + longest_step_s <= budget:
+            return False
+        log.warning("train.time_budget_s = %g: stopping after %.0f s, as another step (the longest took %.0f s) "
+                    "would not fit", budget, elapsed_s, longest_step_s)
+        return True
 
     def _saves_after(self, rollout_id: int) -> bool:
         return self._ends_interval(rollout_id, self.cfg.train.save_interval)
@@ -386,6 +399,7 @@ class Trainer:
         bar = tqdm(range(parts.start_rollout_id, t.num_rollout), desc="train", unit="step",
                    disable=not self.opt.progress)
         last_saved = None
+        started, longest = self.clock(), 0.0
         try:
             if self._probe_ids is not None:  # the engine starts with the starting weights (local_parts, ray_parts)
                 self._check_engine(self._probe(parts.start_rollout_id))
@@ -395,15 +409,21 @@ class Trainer:
                     r["rollout_id"] == before for r in read_metrics(self.opt.run_root, EVAL_METRICS_FILE)):
                 self.validate(before, logger)  # a resumed run validated its starting weights already
             for rollout_id in bar:
+                step_started = self.clock()
                 metrics = steps(rollout_id, logger)
                 history.append(metrics)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                 rows=int(metrics["rows/consumed"]))
+                longest = max(longest, self.clock() - step_started)
+                if self._budget_ends_after(self.clock() - started, longest):
+                    self._last_rollout_id = rollout_id
                 validates = self._ends_interval(rollout_id, t.eval_interval)
                 evaluation = self.validate(rollout_id, logger) if validates else {}
                 metrics.update(evaluation)
                 saved = self.save(rollout_id) if self._saves_after(rollout_id) else None
                 last_saved = self._keep_best(rollout_id, evaluation, saved) or saved or last_saved
+                if rollout_id == self._last_rollout_id:
+                    break
         except KeyboardInterrupt:
             log.warning("interrupted: logs are complete up to the last finished step; last checkpoint: %s", last_saved)
             raise

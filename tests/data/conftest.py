@@ -1,4 +1,4 @@
-"""Fixtures of the data tests: the HotpotQA samples in ../shared (skipped where absent) and the `memrl` app."""
+"""Fixtures of the data tests: the HotpotQA records memrl ships, as files, and the `memrl` app."""
 
 from __future__ import annotations
 
@@ -13,18 +13,17 @@ def app():
     return app
 
 
-def _hotpot_file(shared_dir, name: str, what: str):
-    path = shared_dir / "data" / "hotpotqa" / name
-    if not path.is_file():
-        pytest.skip(f"{what} not found at {path}")
-    return path
+@pytest.fixture(scope="module")
+def train_file():
+    """100 official HotpotQA train records (shipped: memrl.data.hotpotqa.SHIPPED_FILES, gzip-compressed)."""
+    from memrl.data.hotpotqa import SHIPPED_FILES
+
+    return SHIPPED_FILES["train"]
 
 
 @pytest.fixture(scope="module")
-def train_file(shared_dir):
-    return _hotpot_file(shared_dir, "hotpot_train_sample100.json", "HotpotQA train sample")
+def dev_file():
+    """The first 200 official HotpotQA dev (distractor) records (shipped, gzip-compressed)."""
+    from memrl.data.hotpotqa import SHIPPED_FILES
 
-
-@pytest.fixture(scope="module")
-def dev_file(shared_dir):
-    return _hotpot_file(shared_dir, "hotpot_dev_distractor_first200.json", "HotpotQA dev records")
+    return SHIPPED_FILES["dev"]

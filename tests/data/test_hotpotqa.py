@@ -13,6 +13,8 @@ import pytest
 from memrl.data.hotpotqa import (
     HOTPOTQA_REPO,
     HOTPOTQA_REVISION,
+    SHIPPED_DIR,
+    SHIPPED_FILES,
     SelectionError,
     load_hotpotqa_file,
     load_hotpotqa_hub,
@@ -46,6 +48,25 @@ SMALL = {
     "context": [["Alpha", ["A one.", " A two."]], ["Beta", ["B one."]], ["Gamma", ["G."]],
                 ["Delta", ["D one.", " D two."]]],
 }
+
+
+def test_the_shipped_records_are_the_originals_and_gzip_reads_like_json(tmp_path):
+    import gzip
+    import hashlib
+
+    originals = {"dev": ("f3d9574a22880e0aa898b824b90cf782131c3539632dc64090b7612b021dc652", 200),
+                 "train": ("6c0e2689d03c94b3bb4d5f94ed806ea4f4eb4f46c12132f8e91df774ad5c5a22", 100)}
+    for split, path in SHIPPED_FILES.items():  # the sha256 the folder's README.md (its license note) states
+        data = gzip.decompress(path.read_bytes())
+        assert (hashlib.sha256(data).hexdigest(), len(load_hotpotqa_file(path))) == originals[split], split
+        (tmp_path / f"{split}.json").write_bytes(data)
+        assert load_hotpotqa_file(tmp_path / f"{split}.json") == load_hotpotqa_file(path)
+    assert sorted(p.name for p in SHIPPED_DIR.iterdir()) == sorted([*(p.name for p in SHIPPED_FILES.values()),
+                                                                    "README.md"])
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(SHIPPED_FILES["train"].read_bytes()[:1000])
+    with pytest.raises(DataError, match="cut.json.gz: not a complete gzip file"):
+        load_hotpotqa_file(cut)
 
 
 def test_official_and_hub_rows_parse_to_the_same_example(hotpot_dev_records):

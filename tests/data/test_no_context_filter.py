@@ -16,8 +16,8 @@ def invoke(*args):
     return CliRunner().invoke(app, ["prepare-data", *map(str, args)])
 
 
-def test_training_keeps_only_questions_never_solved_without_the_document(train_file, tmp_path):
-    ids = [r["_id"] for r in json.loads(train_file.read_text())]
+def test_training_keeps_only_questions_never_solved_without_the_document(train_file, hotpot_train_records, tmp_path):
+    ids = [r["_id"] for r in hotpot_train_records]
     # judged: all but the last 10 ids; solved without the document: every third judged id
     counts = {qid: (2 if i % 3 == 0 else 0) for i, qid in enumerate(ids[:-10])}
     (tmp_path / "nc.json").write_text(json.dumps({"k": 4, "no_context": True, "pass_counts": counts}))

@@ -26,7 +26,7 @@ def prepare(app, train_file, out, *extra):
     return result
 
 
-def test_hotpotqa_writes_questions_id_lists_and_manifest(app, train_file, tmp_path):
+def test_hotpotqa_writes_questions_id_lists_and_manifest(app, train_file, hotpot_train_records, tmp_path):
     prepare(app, train_file, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(FILES)
     train, heldout = (load_questions(tmp_path / "hotpotqa_train.jsonl"),
@@ -40,7 +40,7 @@ def test_hotpotqa_writes_questions_id_lists_and_manifest(app, train_file, tmp_pa
     assert manifest["args"]["seed"] == 42 and manifest["args"]["source"]["sha256"]
     positions = {tuple(q.metadata["gold_positions"]) for q in train + heldout}
     assert len(positions) > 10, "per-question shuffles put gold documents at different positions"
-    source = {r["_id"]: r for r in json.loads(train_file.read_text())}
+    source = {r["_id"]: r for r in hotpot_train_records}
     for q in train[:5]:
         assert q.answers == [source[q.id]["answer"]] and q.question == source[q.id]["question"]
 
@@ -73,10 +73,10 @@ def test_data_dir_env_is_the_default_output(app, train_file, tmp_path):
     assert len(read_id_list(tmp_path / "train_ids.txt")) == 5
 
 
-def test_pass_count_selection_keeps_heldout_and_records_counts(app, train_file, tmp_path):
+def test_pass_count_selection_keeps_heldout_and_records_counts(app, train_file, hotpot_train_records, tmp_path):
     prepare(app, train_file, tmp_path / "seeded")
     heldout = read_id_list(tmp_path / "seeded" / "heldout_ids.txt")
-    ids = [r["_id"] for r in json.loads(train_file.read_text())]
+    ids = [r["_id"] for r in hotpot_train_records]
     counts = {qid: i % 9 for i, qid in enumerate(ids)}  # 0..8: some never, some always solved
     (tmp_path / "counts.json").write_text(json.dumps(counts))
     out = tmp_path / "passk"

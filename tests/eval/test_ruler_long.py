@@ -1,4 +1,4 @@
-"""The long evaluation path on real text: `prepare-data build-ruler` from the real HotpotQA dev sample, then
+"""The long evaluation path on real text: `prepare-data build-ruler` from the shipped HotpotQA dev records, then
 `memrl eval` through recipes/ruler-hqa-eval.yaml (2048-token chunks, 1024-token memory, 256-token answers,
 up to 64 chunks) with a tiny random model on the real Qwen3 tokenizer. Random weights never stop, so every
 memory runs to its 1,024-token cap: the most expensive prompts the recipe can build.
@@ -13,21 +13,21 @@ from pathlib import Path
 import pytest
 
 from memrl.config import load_config
+from memrl.data.hotpotqa import SHIPPED_FILES
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "ruler-hqa-eval.yaml"
 # `from conftest import ...` would find whichever conftest module pytest imported first (tests/engines has
-# its own): the shared data's paths are spelled out here, as tests/conftest.py spells them.
-SHARED_DIR = (REPO / ".." / "shared").resolve()
-QWEN3_TOKENIZER_DIR = SHARED_DIR / "assets" / "qwen3-tokenizer"
-HOTPOT_DEV_FILE = SHARED_DIR / "data" / "hotpotqa" / "hotpot_dev_distractor_first200.json"
+# its own): the shared tokenizer's path is spelled out here, as tests/conftest.py spells it.
+QWEN3_TOKENIZER_DIR = (REPO / ".." / "shared").resolve() / "assets" / "qwen3-tokenizer"
+HOTPOT_DEV_FILE = SHIPPED_FILES["dev"]  # the HotpotQA records memrl ships
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_ruler_eval_runs_end_to_end_on_real_text(tmp_path):
-    if not HOTPOT_DEV_FILE.is_file() or not (QWEN3_TOKENIZER_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"real HotpotQA dev records or Qwen3 tokenizer not found under {HOTPOT_DEV_FILE.parents[2]}")
+    if not (QWEN3_TOKENIZER_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"real Qwen3 tokenizer not found at {QWEN3_TOKENIZER_DIR}")
     import torch
     from transformers import AutoTokenizer
 

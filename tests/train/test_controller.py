@@ -103,6 +103,23 @@ def test_two_step_smoke_run_counts_rows_and_resumes(tokenizer, tmp_path):
     assert [m["rollout_id"] for m in read_metrics(run_root)] == [0, 1, 2]
 
 
+def test_the_time_budget_ends_the_run_when_another_step_would_not_fit(tokenizer, tmp_path):
+    # A fake clock on which every step takes 10 s: with 25 s, step 1 ends at 20 s and a third step (10 s, the
+    # longest so far) would end at 30 s, so the run ends after step 1 and checkpoints it as its last.
+    run_root = tmp_path / "run"
+    trainer = make_trainer(tokenizer, run_root, config(num_rollout=5, save_interval=10, time_budget_s=25))
+    now, step = [0.0], trainer.step
+
+    def ten_second_step(rollout_id, logger):
+        now[0] += 10.0
+        return step(rollout_id, logger)
+
+    trainer.clock, trainer.step = (lambda: now[0]), ten_second_step
+    assert len(trainer.run()) == 2
+    assert [p.name for p in list_checkpoints(run_root)] == ["iter_0000001"]
+    assert [m["rollout_id"] for m in read_metrics(run_root)] == [0, 1]
+
+
 def test_resume_is_exact(tokenizer, tmp_path):
     straight = make_trainer(tokenizer, tmp_path / "a", config(num_rollout=4, save_interval=2))
     straight.run()
