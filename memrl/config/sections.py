@@ -116,7 +116,8 @@ class TaskSettings(Section):
     answer_after_think: bool = Field(False, description="Read the final answer only after its last </think> "
                                      "(the whole answer when nothing follows it), as the official MemAgent "
                                      "evaluation does; for thinking models. Off: the whole answer is read.")
-    reward_timeout_s: float = Field(60.0, gt=0, description="Longest one reward-function call may take; "
+    reward_timeout_s: float = Field(60.0, gt=0, description="Longest one reward-function call (each reward term's) "
+                                    "may take; "
                                     "past it the step fails with RewardError (the call's thread is left running).")
 
 

@@ -110,6 +110,15 @@ class AlgorithmConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _dynamic_sampling_reads_the_summed_reward(self) -> AlgorithmConfig:
+        # filter_groups drops groups of equal summed rewards; normalised term by term such a group can still teach.
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.filter_groups:
+            raise ValueError("algorithm.filter_groups drops groups whose summed rewards are equal, which under "
+                             "multi_objective_aggregation = 'normalize_then_sum' may still differ term by term; "
+                             "use sum_then_normalize or unset filter_groups")
+        return self
+
+    @model_validator(mode="after")
     def _overlong_penalty_is_no_term(self) -> AlgorithmConfig:
         # The penalty shapes the summed reward; normalised term by term it would need a weight of its own.
         if self.multi_objective_aggregation == "normalize_then_sum" and self.overlong_buffer_len is not None:
@@ -143,7 +152,8 @@ class TrainConfig(Section):
     time_budget_s: float | None = Field(
         None, gt=0, description="Wall-clock seconds the loop may take: a step starts only while the seconds "
         "spent plus the longest step so far fit, then the run ends as after its last step (validated, "
-        "checkpointed); unset: all num_rollout steps.")
+        "checkpointed; the last validation and checkpoint come after it); unset: all num_rollout steps. A linear "
+        "or cosine lr decays over num_rollout, so it stops part way; a resumed run has the budget anew.")
     rollout_batch_size: int = Field(16, gt=0, description="Questions per rollout step.")
     num_optimizer_steps: int = Field(1, gt=0, description="Optimizer steps per rollout step (counted in "
                                      "prompt groups).")
@@ -206,6 +216,14 @@ class TrainConfig(Section):
     project_name: str = Field("memrl", description="W&B project (verl trainer.project_name).")
     experiment_name: str | None = Field(None, description="W&B run name (verl trainer.experiment_name); "
                                         "unset: the run root's folder name.")
+
+    @model_validator(mode="after")
+    def _a_budget_stops_a_synchronous_loop(self) -> TrainConfig:
+        # With overlap the next rollout is already generating when the budget ends the run: it would be left running.
+        if self.time_budget_s is not None and self.max_staleness > 0:
+            raise ValueError("train.time_budget_s ends the run at a step boundary, but with train.max_staleness > 0 "
+                             "the next rollout is already generating there; set max_staleness to 0 or unset the budget")
+        return self
 
     @model_validator(mode="after")
     def _a_decay_for_the_floor(self) -> TrainConfig:

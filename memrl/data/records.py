@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,15 +115,29 @@ def read_jsonl_lines(path: str | Path) -> list[tuple[Line, Any]]:
     return [(Line(number), value) for number, value in lines]
 
 
+# The most bytes a .gz file may decompress to: a few hundred bytes of a hostile file could otherwise expand to
+# gigabytes before anything is checked (the official HotpotQA train file is ~0.57 GB).
+GUNZIP_LIMIT = 4 << 30
+
+
+def _gunzipped(path: Path) -> bytes:
+    limit = GUNZIP_LIMIT
+    with gzip.open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise DataError(path, f"decompresses to more than {limit:,} bytes; decompress it yourself if it is what "
+                              f"you meant to read")
+    return data
+
+
 def read_json_list(path: Path, what: str) -> list[Any]:
     """The JSON list in the file at `path` (gzip-compressed when its name ends in .gz, as the HotpotQA records
     memrl ships); `what` names its items in the error."""
     try:
-        data = path.read_bytes()
-        rows = json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+        rows = json.loads(_gunzipped(path) if path.suffix == ".gz" else path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(path, f"not valid JSON: {e}") from e
-    except (gzip.BadGzipFile, EOFError) as e:  # not gzip, or cut short
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # not gzip, cut short, or damaged
         raise DataError(path, f"not a complete gzip file ({e}); pass the .json.gz as written, or the .json") from e
     if not isinstance(rows, list):
         raise DataError(path, f"expected a JSON list of {what}, got {type(rows).__name__}")

@@ -79,6 +79,7 @@ async def run_trajectory(ctx: RolloutContext, group: GroupSlot, k: int, chunks: 
         if i and not await task.keep_reading(ctx, group, traj):
             traj.metadata["stopped_reading"] = True
             if traj.status == "failed" or traj.turns[-1].kind == "final":  # it sampled the answer, or failed
+                traj.metadata["final_memory_length"] = len(memory_ids or []) if traj.status != "failed" else None
                 return memory_metadata()
             break
         turn = await ctx.sample_turn(group, traj, "memory", builder.memory_prompt_ids(question, memory_ids, chunk),

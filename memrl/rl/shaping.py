@@ -51,8 +51,8 @@ def term_advantages(trajectories: Sequence[Trajectory], a: Any) -> dict[str, flo
     out: dict[str, float] = {}
     for group_id, group in by_group(trajectories).items():
         for traj in group:
-            if not isinstance(traj.metadata.get("reward_terms"), dict):
-                raise AdvantageError(f"trajectory '{traj.trajectory_id}' has no reward_terms; "
+            if not all(isinstance(traj.metadata.get(key), dict) for key in ("reward_terms", "reward_weights")):
+                raise AdvantageError(f"trajectory '{traj.trajectory_id}' has no reward_terms / reward_weights; "
                                      f"multi_objective_aggregation = 'normalize_then_sum' normalises each term, which "
                                      f"the rollout's ctx.reward records")
             out[traj.trajectory_id] = 0.0

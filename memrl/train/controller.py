@@ -415,7 +415,7 @@ class Trainer:
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                 rows=int(metrics["rows/consumed"]))
                 longest = max(longest, self.clock() - step_started)
-                if self._budget_ends_after(self.clock() - started, longest):
+                if rollout_id < t.num_rollout - 1 and self._budget_ends_after(self.clock() - started, longest):
                     self._last_rollout_id = rollout_id
                 validates = self._ends_interval(rollout_id, t.eval_interval)
                 evaluation = self.validate(rollout_id, logger) if validates else {}

@@ -67,6 +67,23 @@ def test_the_shipped_records_are_the_originals_and_gzip_reads_like_json(tmp_path
     cut.write_bytes(SHIPPED_FILES["train"].read_bytes()[:1000])
     with pytest.raises(DataError, match="cut.json.gz: not a complete gzip file"):
         load_hotpotqa_file(cut)
+    damaged = bytearray(SHIPPED_FILES["train"].read_bytes())  # flipped bytes early in the stream: a zlib.error
+    damaged[20:28] = bytes(255 - b for b in damaged[20:28])
+    cut.write_bytes(bytes(damaged))
+    with pytest.raises(DataError, match="cut.json.gz: not a complete gzip file"):
+        load_hotpotqa_file(cut)
+
+
+def test_a_gzip_file_that_decompresses_past_the_limit_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    import gzip
+
+    from memrl.data import records
+
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b"[" + b" " * 100_000 + b"]"))  # 100 kB from a few hundred bytes
+    monkeypatch.setattr(records, "GUNZIP_LIMIT", 10_000)
+    with pytest.raises(DataError, match="bomb.json.gz: decompresses to more than 10,000 bytes"):
+        load_hotpotqa_file(bomb)
 
 
 def test_official_and_hub_rows_parse_to_the_same_example(hotpot_dev_records):

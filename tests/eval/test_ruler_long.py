@@ -37,14 +37,11 @@ def test_ruler_eval_runs_end_to_end_on_real_text(tmp_path):
     from memrl.tiny import save_tiny_model
 
     torch.set_num_threads(1)
-    # The recipe's chunking as it is (2048-token chunks of real text); shorter memory and answer turns, so a
-    # random model's turns (which run to their cap) cost seconds, not minutes.
-    sizes = ["task.memory_tokens=48", "task.final_tokens=16"]
-    recipe = load_config(RECIPE, sizes)
+    recipe = load_config(RECIPE)
     paths = build_ruler_command(HOTPOT_DEV_FILE, tmp_path / "data", [50], limit=2)
     data = next(p for p in paths.values() if str(p).endswith("eval_50.json"))
     model = save_tiny_model(tmp_path / "tiny", tokenizer_dir=QWEN3_TOKENIZER_DIR)
-    summary = eval_command(str(model), None, RECIPE, data, tmp_path / "out", sizes, limit=2, progress=False)
+    summary = eval_command(str(model), None, RECIPE, data, tmp_path / "out", limit=2, progress=False)
     assert summary["total"] == 2 and summary["failed"] == 0
     tok = AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER_DIR))
     records = load_eval_data(data)[:2]

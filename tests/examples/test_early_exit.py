@@ -69,6 +69,7 @@ def test_a_reader_that_knows_the_answer_stops_there_with_its_probe_as_the_final_
     assert traj.metadata["reward_terms"] == {"outcome": 1.0, "unread": pytest.approx(1 / 3)}
     assert traj.reward == pytest.approx(1 + 0.5 / 3)  # EM + 0.5 x the third of the document left unread
     assert EarlyExitTask().log_fields(traj, "eval")["chunks_read"] == 2
+    assert traj.metadata["final_memory_length"] > 0  # the memory its answer read, as for a reader that read on
 
 
 def test_a_reader_that_has_not_found_it_reads_every_chunk():

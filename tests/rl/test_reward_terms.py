@@ -10,6 +10,7 @@ import pytest
 
 from memrl.config import AlgorithmConfig, Config, ConfigError, load_config, task_instance
 from memrl.data.records import QuestionRecord
+from memrl.rl.advantages import AdvantageError
 from memrl.rl.shaping import advantage_rows
 from memrl.rollout import RewardError, RewardTerms, RolloutContext, finish_rollout
 from memrl.task import task_reward
@@ -68,6 +69,11 @@ def test_normalize_then_sum_normalises_each_term_over_the_samples_it_applies_to_
     assert got == pytest.approx(expected, rel=1e-12)
     assert got != pytest.approx(advantages(group), rel=1e-3)  # the two modes differ here
     assert [t.reward for t in group] == [1.0, 2.0, 1.0]  # logs and filter_groups still read the weighted sum
+    # a trajectory that recorded its terms but not their weights (a replay, a task of its own) is one named error
+    del group[1].metadata["reward_weights"]
+    with pytest.raises(AdvantageError, match="has no reward_terms / reward_weights"):
+        advantages(group, multi_objective_aggregation="normalize_then_sum")
+    group = scored_group()
     # without std_normalize each term is only centred: 1 x (a - 2/3) + 2 x (b - 1/2)
     assert advantages(group, multi_objective_aggregation="normalize_then_sum", std_normalize=False) == \
         pytest.approx([1 / 3 - 1, -2 / 3 + 1, 1 / 3], rel=1e-12)
@@ -142,7 +148,9 @@ def test_the_tasks_terms_with_its_default_weights_config_overrides_and_the_outco
     (["algorithm.multi_objective_aggregation=sum"], r"algorithm.multi_objective_aggregation = 'sum': .*"
                                                     r"'sum_then_normalize' or 'normalize_then_sum'"),
     (["algorithm.multi_objective_aggregation=normalize_then_sum", "algorithm.overlong_buffer_len=4"],
-     r"overlong_buffer_len shapes the summed reward")])
+     r"overlong_buffer_len shapes the summed reward"),
+    (["algorithm.multi_objective_aggregation=normalize_then_sum", "algorithm.filter_groups=true"],
+     r"filter_groups drops groups whose summed rewards are equal")])
 def test_bad_reward_settings_are_refused_at_load_in_one_line(overrides, words):
     with pytest.raises(ConfigError, match=words):
         load_config(None, [TASK, *overrides])

@@ -118,6 +118,9 @@ def test_the_time_budget_ends_the_run_when_another_step_would_not_fit(tokenizer,
     assert len(trainer.run()) == 2
     assert [p.name for p in list_checkpoints(run_root)] == ["iter_0000001"]
     assert [m["rollout_id"] for m in read_metrics(run_root)] == [0, 1]
+    # with overlap the next rollout would already be generating where the budget stops the run: refused at load
+    with pytest.raises(ValueError, match="time_budget_s ends the run at a step boundary, but with train.max_stale"):
+        config(num_rollout=5, time_budget_s=25, max_staleness=1)
 
 
 def test_resume_is_exact(tokenizer, tmp_path):
