@@ -153,7 +153,7 @@ def test_the_all_extra_covers_every_optional_module_memrl_asks_for():
 
     asked = set()
     for path in (ROOT / "memrl").rglob("*.py"):
-        asked |= set(re.findall(r"require_module\([^)]*?,\s*[^)]*?,\s*\"(\w+)\"\)", path.read_text()))
+        asked |= set(re.findall(r"require_module\([^)]*?,\s*[^)]*?,\s*\"(\w+)\"\s*[,)]", path.read_text()))
     assert "hub" in asked
     optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     included = set(re.match(r"memrl\[([^\]]*)\]", optional["all"][0]).group(1).split(","))
