@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import pytest
+from example_runs import invoke, model_and_data
 from scripted_engine import ScriptedEngine
 
 from examples.tasks.early_exit import EarlyExitTask, commits
@@ -120,28 +121,9 @@ def test_a_group_whose_samples_stop_at_different_chunks_trains_one_row_per_turn(
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from memrl.data.manifest import write_manifest
-    from memrl.data.records import write_jsonl
-    from memrl.tiny import save_tiny_model
-
-    root = tmp_path_factory.mktemp("early_exit")
-    model = save_tiny_model(root / "model", layers=1, hidden=32)
     records = [QuestionRecord(f"q{i}", "Which city?", ["Paris"], f"Text {i}: the city is Paris, not Rome or Lima.")
                for i in range(3)]
-    write_jsonl(root / "data" / "hotpotqa_train.jsonl", records)
-    write_jsonl(root / "data" / "hotpotqa_heldout.jsonl", records[:2])
-    write_manifest(root / "data", {"hotpotqa_train.jsonl": 3, "hotpotqa_heldout.jsonl": 2}, "test", {})
-    return root, model
-
-
-def invoke(*args):
-    from typer.testing import CliRunner
-
-    from memrl.cli import app
-
-    result = CliRunner().invoke(app, [str(a) for a in args])
-    assert result.exit_code == 0, (result.output, result.exception)
-    return result.output
+    return model_and_data(tmp_path_factory.mktemp("early_exit"), records)
 
 
 SETS = [f"plugins.task={TASK}", "task.chunk_tokens=6", "task.max_chunks=2", "task.memory_tokens=4",

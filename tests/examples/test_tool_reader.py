@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+from example_runs import invoke, model_and_data
 from scripted_engine import ScriptedEngine
 
 from examples.tasks.tool_reader import ToolReaderTask
@@ -69,27 +70,8 @@ def test_a_query_bm25_cannot_use_gets_the_first_passages():
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from memrl.data.manifest import write_manifest
-    from memrl.data.records import write_jsonl
-    from memrl.tiny import save_tiny_model
-
-    root = tmp_path_factory.mktemp("tool_reader")
-    model = save_tiny_model(root / "model", layers=1, hidden=32)
     records = [QuestionRecord(f"q{i}", RECORD.question, ["Paris"], DOCUMENT) for i in range(3)]
-    write_jsonl(root / "data" / "hotpotqa_train.jsonl", records)
-    write_jsonl(root / "data" / "hotpotqa_heldout.jsonl", records[:2])
-    write_manifest(root / "data", {"hotpotqa_train.jsonl": 3, "hotpotqa_heldout.jsonl": 2}, "test", {})
-    return root, model
-
-
-def invoke(*args):
-    from typer.testing import CliRunner
-
-    from memrl.cli import app
-
-    result = CliRunner().invoke(app, [str(a) for a in args])
-    assert result.exit_code == 0, (result.output, result.exception)
-    return result.output
+    return model_and_data(tmp_path_factory.mktemp("tool_reader"), records)
 
 
 TASK = ["--set", f"plugins.task={TASK_PATH}", "--set", "task.final_tokens=6", "--set", "task.passage_tokens=32"]
