@@ -56,11 +56,13 @@ class RealDemoSettings:
     sft_lr: float = 3e-4
     sft_warmup_steps: int = 10
     # GRPO (the rest from recipes/qwen3-0.6b-hotpotqa.yaml)
+    prompt_layout: str = "chunk_first"  # the group shares each chunk's prefix: ~0.4 of the tokens computed
     n_samples: int = 4
     rollout_batch_size: int = 2
+    max_num_gen_batches: int = 4  # dynamic sampling: train only groups whose rewards or turn rewards differ
     max_steps: int = 1000         # train.num_rollout; the time budget ends the run first
     train_minutes: float = 60.0   # train.time_budget_s
-    grpo_lr: float = 3e-5
+    grpo_lr: float = 5e-5
     kl_coef: float = 0.0          # 0: no reference forward
     lora_rank: int | None = None  # None: every weight
     micro_batch_tokens: int = 4096
@@ -74,12 +76,13 @@ class RealDemoSettings:
 
 FULL = RealDemoSettings()
 QUICK = replace(FULL, num_heldout=8, num_sft=8, sft_batch_size=3, num_grpo=2, rollout_batch_size=1, n_samples=4,
-                max_steps=2, train_minutes=10.0)
+                max_num_gen_batches=1, max_steps=2, train_minutes=10.0)
 
 
 def _sizes(settings: RealDemoSettings) -> list[str]:
     return [f"task.chunk_tokens={settings.chunk_tokens}", f"task.max_chunks={settings.max_chunks}",
-            f"task.memory_tokens={settings.memory_tokens}", f"task.final_tokens={settings.final_tokens}"]
+            f"task.memory_tokens={settings.memory_tokens}", f"task.final_tokens={settings.final_tokens}",
+            f"task.prompt_layout={settings.prompt_layout}"]
 
 
 def real_config(settings: RealDemoSettings, model_dir: Path | str, data_dir: Path | None = None,
@@ -93,6 +96,8 @@ def real_config(settings: RealDemoSettings, model_dir: Path | str, data_dir: Pat
                  *_sizes(s), "engine.request_timeout_s=3600",  # a slow CPU must not time requests out
                  "algorithm.turn_reward_function=memrl.memagent.reward:memory_recall", f"algorithm.kl_coef={s.kl_coef}",
                  f"sampling.n_samples={s.n_samples}", f"train.rollout_batch_size={s.rollout_batch_size}",
+                 f"algorithm.filter_groups={s.max_num_gen_batches > 1}",
+                 f"algorithm.max_num_gen_batches={s.max_num_gen_batches}",
                  f"train.num_rollout={s.max_steps}", f"train.time_budget_s={60 * s.train_minutes}",
                  f"train.lr={s.grpo_lr}", f"train.micro_batch_tokens={s.micro_batch_tokens}",
                  f"train.seed={s.seed + 1234}", f"train.save_interval={s.max_steps}", "train.keep_last_n=1",

@@ -1,7 +1,7 @@
 """Dynamic sampling (DAPO; verl `algorithm.filter_groups`; the rules are in docs/algorithms.md): train only on
-groups whose *raw* rewards differ (a shaped reward would make an all-wrong group look informative, NeMo-RL
-#2431), generating further batches until the step has its groups or the cap is reached. Every batch arrives
-converted, so the step keeps its kept groups' rows by `group_id` and announces their number.
+groups whose *raw* rewards or raw turn rewards differ (a shaped reward would make an all-wrong group look
+informative, NeMo-RL #2431), generating further batches until the step has its groups or the cap is reached.
+Every batch arrives converted, so the step keeps its kept groups' rows by `group_id` and announces their number.
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ class GroupFilter:
 
 
 def is_informative(group: Sequence[Trajectory]) -> bool:
-    """True when the group's raw rewards are not all equal (GRPO gives an equal group advantage 0)."""
+    """True when the group's raw rewards are not all equal (GRPO gives an equal group advantage 0), or, under
+    `algorithm.turn_reward_function`, its samples' turn rewards differ: the turn term (memrl.rl.shaping) then
+    teaches an all-wrong group which memories held the answer, so dropping it would waste that signal."""
     rewards = [t.reward for t in group]
-    return any(r != rewards[0] for r in rewards)
+    turn_rewards = [t.metadata.get("turn_rewards") for t in group]
+    return any(r != rewards[0] for r in rewards) or any(r != turn_rewards[0] for r in turn_rewards)
 
 
 def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int], RolloutOutput],

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from memrl.apps import demo_real
 from memrl.apps.demo import DemoError
-from memrl.apps.demo_real import QUICK, final_memory_recall, format_summary, real_config, run_real_demo
+from memrl.apps.demo_real import FULL, QUICK, final_memory_recall, format_summary, real_config, run_real_demo
 from memrl.cli import app
 from memrl.gguf import SMOLLM2_ENV
 
@@ -61,6 +61,10 @@ def test_the_settings_reach_the_recipe():
     assert cfg.algorithm.kl_coef == 0.01 and cfg.model.lora.rank == 8  # --set comes after the settings
     assert (cfg.model.path, cfg.model.dtype, cfg.sampling.temperature) == ("models/x", "float32", 1.0)
     assert real_config(QUICK, "models/x", evaluation=True).sampling.temperature == QUICK.eval_temperature
+    full = real_config(FULL, "models/x")
+    assert (full.task.prompt_layout, full.algorithm.filter_groups, full.algorithm.max_num_gen_batches) == \
+        ("chunk_first", True, FULL.max_num_gen_batches)
+    assert not cfg.algorithm.filter_groups  # QUICK's one generation batch per step
 
 
 def test_the_split_is_disjoint_and_too_few_questions_are_refused():

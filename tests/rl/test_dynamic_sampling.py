@@ -115,3 +115,18 @@ def test_the_kept_groups_keep_their_rows_and_logged_advantages():
     # the logs' advantages travel with the kept trajectories only (the left-out ones are logged as untrained)
     kept = {t.trajectory_id for t in out.trajectories}
     assert set(out.advantages) == kept and {tid for tid, _ in out.turn_advantages} == kept
+
+
+def test_an_equal_reward_group_whose_turn_rewards_differ_is_kept():
+    """Under algorithm.turn_reward_function an all-wrong group still teaches which memory held the answer
+    (memrl.rl.shaping's turn term is non-zero), so only a group equal in both is filtered."""
+    first = rollout("a", [[0, 0], [0, 0]])
+    for k, group_turns in enumerate([[[1.0, 0.0], [0.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]]]):
+        for traj, turns in zip([t for t in first.trajectories if t.group_id == f"ag{k}"], group_turns, strict=True):
+            traj.metadata["turn_rewards"] = turns
+    more, calls = scripted([rollout("b", [[0, 0]])])
+    out = sample_informative_groups(first, more, GroupFilter(target_groups=2, max_gen_batches=2))
+    assert calls == [1]
+    assert [g for g in dict.fromkeys(t.group_id for t in out.trajectories)] == ["ag0"]
+    assert out.metrics["dynamic_sampling/groups_filtered_equal_reward"] == 2
+    assert out.metrics["dynamic_sampling/groups_topped_up"] == 0
