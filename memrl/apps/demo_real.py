@@ -1,11 +1,11 @@
 """`memrl demo-real`: a real pretrained model learns by RL on CPU (docs/real-model.md, "memrl demo-real").
 
 SmolLM2-135M-Instruct (imported from its GGUF when the model folder is missing) reads real HotpotQA questions
-(the records memrl ships) whose answer lies in the chunks it reads; a warm start on final-turn demonstrations
-teaches it to box an answer, GRPO with the `memory_recall` turn reward then teaches its memory turns to keep
-the answer. Base, warm start and warm start + GRPO are evaluated alike on the same held-out questions (greedy:
-each policy's one answer, so a flip is the model's change, not sampling noise) and compared with `memrl
-demo`'s stages (memrl.apps.demo).
+(the records memrl ships) whose answer lies in the chunks it reads; a warm start on demonstrations (memory turns
+keeping the answer's sentence, a final turn boxing it) teaches it the format, GRPO with the `memory_recall`
+turn reward then teaches its memory turns to keep the answer. Base, warm start and warm start + GRPO are
+evaluated alike on the same held-out questions (greedy: each policy's one answer, so a flip is the model's
+change, not sampling noise) and compared with `memrl demo`'s stages (memrl.apps.demo).
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ class RealDemoSettings:
     max_chunks: int = 2
     memory_tokens: int = 48
     final_tokens: int = 32
-    # Warm start: final turns only (the box); the memory turns are GRPO's to train.
-    sft_epochs: int = 1
-    sft_batch_size: int = 7       # 3 steps of the 10-step warmup (the box, not yet the answers)
+    # Warm start: whole demonstrations (False: final turns only, the box, leaving the memory turns to GRPO).
+    sft_memory_turns: bool = True
+    sft_epochs: int = 2
+    sft_batch_size: int = 7       # 6 steps of the 10-step warmup (the format, not yet the answers)
     sft_lr: float = 3e-4
     sft_warmup_steps: int = 10
     # GRPO (the rest from recipes/qwen3-0.6b-hotpotqa.yaml)
@@ -75,8 +76,8 @@ class RealDemoSettings:
 
 
 FULL = RealDemoSettings()
-QUICK = replace(FULL, num_heldout=8, num_sft=8, sft_batch_size=3, num_grpo=2, rollout_batch_size=1, n_samples=4,
-                max_num_gen_batches=1, max_steps=2, train_minutes=10.0)
+QUICK = replace(FULL, num_heldout=8, num_sft=8, sft_epochs=1, sft_batch_size=3, num_grpo=2, rollout_batch_size=1,
+                n_samples=4, max_num_gen_batches=1, max_steps=2, train_minutes=10.0)
 
 
 def _sizes(settings: RealDemoSettings) -> list[str]:
@@ -166,14 +167,17 @@ def write_questions(data_dir: Path, split: dict[str, list[Any]], args: dict[str,
     return {k: data_dir / name for k, name in names.items()}
 
 
-def warm_start_demos(records: Sequence[Any], tokenizer: Any, cfg: Config, path: Path) -> list[Any]:
-    """Final-turn demonstrations of `records` (a memory holding the answer's sentence -> \\boxed{gold}),
-    written to `path` as `memrl sft --data` reads them, and read back as token ids the same way."""
+def warm_start_demos(records: Sequence[Any], tokenizer: Any, cfg: Config, path: Path,
+                     memory_turns: bool = True) -> list[Any]:
+    """Demonstrations of `records` (memory turns keeping the chunk's sentence with the answer, a final turn
+    boxing the gold; without `memory_turns` the final turn alone), written to `path` as `memrl sft --data`
+    reads them, and read back as token ids the same way."""
     from memrl.data.records import write_jsonl
     from memrl.memagent.hotpot_demonstrations import demonstration
     from memrl.train.sft_data import load_demonstrations
 
-    write_jsonl(path, [{"turns": demonstration(r, tokenizer, cfg.task)["turns"][-1:]} for r in records])
+    first = 0 if memory_turns else -1
+    write_jsonl(path, [{"turns": demonstration(r, tokenizer, cfg.task)["turns"][first:]} for r in records])
     return load_demonstrations(path, tokenizer, cfg.task.enable_thinking)
 
 
@@ -281,8 +285,10 @@ def run_real_demo(run_root: Path, settings: RealDemoSettings = FULL, model_dir: 
 
     evaluate("base")
     t = time.perf_counter()
-    print(f"demo-real: warm start on {len(split['sft'])} final-turn demonstrations", flush=True)
-    demos = warm_start_demos(split["sft"], tokenizer, cfg, run_root / "sft" / "demonstrations.jsonl")
+    kind = "whole" if settings.sft_memory_turns else "final-turn"
+    print(f"demo-real: warm start on {len(split['sft'])} {kind} demonstrations", flush=True)
+    demos = warm_start_demos(split["sft"], tokenizer, cfg, run_root / "sft" / "demonstrations.jsonl",
+                             settings.sft_memory_turns)
     run_sft(model, tokenizer, cfg, demos, SFTOptions(epochs=settings.sft_epochs, batch_size=settings.sft_batch_size,
                                                      lr=settings.sft_lr, warmup_steps=settings.sft_warmup_steps,
                                                      seed=settings.seed, progress=progress), out_dir=run_root / "sft")
