@@ -54,12 +54,12 @@ def test_a_missing_model_folder_is_imported_from_the_gguf(tmp_path, monkeypatch)
 
 
 def test_the_settings_reach_the_recipe():
-    cfg = real_config(replace(QUICK, train_minutes=1.5, lora_rank=8, overrides=("algorithm.kl_coef=0.01",)),
-                      "models/x")
+    cfg = real_config(replace(QUICK, train_minutes=1.5, lora_rank=8, grpo_temperature=0.9,
+                              overrides=("algorithm.kl_coef=0.01",)), "models/x")
     assert cfg.train.time_budget_s == 90.0 and cfg.train.num_rollout == QUICK.max_steps
     assert cfg.algorithm.turn_reward_function == "memrl.memagent.reward:memory_recall"
     assert cfg.algorithm.kl_coef == 0.01 and cfg.model.lora.rank == 8  # --set comes after the settings
-    assert (cfg.model.path, cfg.model.dtype, cfg.sampling.temperature) == ("models/x", "float32", 1.0)
+    assert (cfg.model.path, cfg.model.dtype, cfg.sampling.temperature) == ("models/x", "float32", 0.9)
     assert real_config(QUICK, "models/x", evaluation=True).sampling.temperature == QUICK.eval_temperature
     full = real_config(FULL, "models/x")
     assert (full.task.prompt_layout, full.algorithm.filter_groups, full.algorithm.max_num_gen_batches) == \
@@ -85,8 +85,11 @@ def test_memory_recall_reads_the_last_memory():
 
 
 # Two held-out questions, one GRPO step of 2 questions x 4 samples, 2 chunks of 64 tokens: every stage once.
+# Whole demonstrations, sampled at T = 1: after FULL's final-turn warm start, at its 0.4, no memory of these 2
+# questions holds the answer, so every reward and turn reward is 0 (a zero gradient).
 SMALL = replace(QUICK, num_heldout=2, num_sft=2, num_grpo=2, chunk_tokens=64, memory_tokens=32, final_tokens=16,
-                n_samples=4, rollout_batch_size=2, max_steps=1, sft_batch_size=2, eval_concurrency=2)
+                n_samples=4, rollout_batch_size=2, max_steps=1, sft_batch_size=2, eval_concurrency=2,
+                sft_memory_turns=True, grpo_temperature=1.0)
 
 
 @pytest.mark.slow
