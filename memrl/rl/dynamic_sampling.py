@@ -25,15 +25,19 @@ class GroupFilter:
     target_groups: int        # train.rollout_batch_size
     max_gen_batches: int      # algorithm.max_num_gen_batches, the first batch included
     min_groups: int = 1       # train.num_optimizer_steps: every optimizer step needs a group
+    turn_rewards_teach: bool = True  # algorithm.turn_reward_alpha < 1: the turn term has a weight
 
 
-def is_informative(group: Sequence[Trajectory]) -> bool:
+def is_informative(group: Sequence[Trajectory], turn_rewards_teach: bool = True) -> bool:
     """True when the group's raw rewards are not all equal (GRPO gives an equal group advantage 0), or, under
-    `algorithm.turn_reward_function`, its samples' turn rewards differ: the turn term (memrl.rl.shaping) then
-    teaches an all-wrong group which memories held the answer, so dropping it would waste that signal."""
+    `algorithm.turn_reward_function` with a weight (`turn_rewards_teach`: alpha < 1), its samples' turn rewards
+    differ: the turn term (memrl.rl.shaping) then teaches an all-wrong group which memories held the answer, so
+    dropping it would waste that signal. At alpha 1 the term counts for nothing, and such a group would train
+    on a zero gradient."""
     rewards = [t.reward for t in group]
     turn_rewards = [t.metadata.get("turn_rewards") for t in group]
-    return any(r != rewards[0] for r in rewards) or any(r != turn_rewards[0] for r in turn_rewards)
+    return any(r != rewards[0] for r in rewards) or \
+        (turn_rewards_teach and any(r != turn_rewards[0] for r in turn_rewards))
 
 
 def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int], RolloutOutput],
@@ -46,7 +50,7 @@ def sample_informative_groups(first: RolloutOutput, generate_more: Callable[[int
 
     def sort(out: RolloutOutput) -> None:
         for group in by_group(out.trajectories).values():
-            (informative if is_informative(group) else equal).append(group)
+            (informative if is_informative(group, settings.turn_rewards_teach) else equal).append(group)
 
     sort(first)
     while len(informative) < settings.target_groups and len(outs) < settings.max_gen_batches:

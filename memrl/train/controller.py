@@ -245,7 +245,8 @@ class Trainer:
                                                slot_offset=t.rollout_batch_size + (chunk - 1) * size)
 
         return sample_informative_groups(first, generate_more, GroupFilter(
-            t.rollout_batch_size, a.max_num_gen_batches, t.num_optimizer_steps))
+            t.rollout_batch_size, a.max_num_gen_batches, t.num_optimizer_steps,
+            turn_rewards_teach=a.turn_reward_alpha < 1))
 
     def _deliver(self, rollout_id: int, out: RolloutOutput) -> None:
         # The raw file first: once the rows are put (and maybe trained on), a failure could no longer fail
