@@ -60,7 +60,7 @@ class RealDemoSettings:
     # GRPO (the rest from recipes/qwen3-0.6b-hotpotqa.yaml)
     prompt_layout: str = "chunk_first"  # the group shares each chunk's prefix: ~0.4 of the tokens computed
     n_samples: int = 4
-    grpo_temperature: float = 0.4  # sampled memories hold the answer ~2x as often as at 0.7, ~10x as at 1.0
+    grpo_temperature: float = 0.4  # memories hold the answer ~2x as often as at 0.7, ~10x as at 1 (a probe)
     rollout_batch_size: int = 2
     max_num_gen_batches: int = 4  # dynamic sampling: train only groups whose rewards or turn rewards differ
     max_steps: int = 1000         # train.num_rollout; the time budget ends the run first
@@ -343,8 +343,7 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
         f"GRPO: {g['steps']} steps in {t['train_s'] / 60:.1f} min, {s['rollout_batch_size'] * s['n_samples']} "
         f"trajectories each ({s['rollout_batch_size']} x {s['n_samples']} samples); mean of the first -> last "
         f"{r['window']} steps: training reward (EM, T={s['grpo_temperature']:g}) {r['first']:.3f} -> {r['last']:.3f}, "
-        f"memory gold recall "
-        f"{recall['first']:.3f} -> {recall['last']:.3f}",
+        f"memory gold recall {recall['first']:.3f} -> {recall['last']:.3f}",
         "",
         f"target met: {yes[tg['heldout_gain']['met']]}  GRPO beyond the warm start raises held-out EM "
         f"({gain['em']['gain_pp']:+.1f} pp, p = {gain['em']['mcnemar_p']:.3g}) or memory recall "
