@@ -28,7 +28,7 @@ class GroupFilter:
     turn_rewards_teach: bool = True  # algorithm.turn_reward_alpha < 1: the turn term has a weight
 
 
-def is_informative(group: Sequence[Trajectory], turn_rewards_teach: bool = True) -> bool:
+def is_informative(group: Sequence[Trajectory], turn_rewards_teach: bool) -> bool:
     """True when the group's raw rewards are not all equal (GRPO gives an equal group advantage 0), or, under
     `algorithm.turn_reward_function` with a weight (`turn_rewards_teach`: alpha < 1), its samples' turn rewards
     differ: the turn term (memrl.rl.shaping) then teaches an all-wrong group which memories held the answer, so

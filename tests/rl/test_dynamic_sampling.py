@@ -132,7 +132,8 @@ def test_an_equal_reward_group_whose_turn_rewards_differ_is_kept():
     assert out.metrics["dynamic_sampling/groups_topped_up"] == 0
     # At algorithm.turn_reward_alpha 1 the turn term has no weight: ag0 would train on a zero gradient.
     more, calls = scripted([rollout("b", [[0, 0]])])
-    out = sample_informative_groups(first, more, GroupFilter(target_groups=2, max_gen_batches=2, min_groups=1,
+    out = sample_informative_groups(first, more, GroupFilter(target_groups=2, max_gen_batches=2,
                                                              turn_rewards_teach=False))
+    assert calls == [1]
     assert out.metrics["dynamic_sampling/groups_topped_up"] == 1
     assert out.metrics["dynamic_sampling/groups_filtered_equal_reward"] == 2
