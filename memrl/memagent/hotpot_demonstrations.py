@@ -2,14 +2,18 @@
 (why a small model needs both: docs/real-model.md). Both are decided by the gold answer only:
 - `answerable`: the gold answer occurs in a sentence of the chunks the rollout actually reads;
 - `demonstration`: the trajectory a reader that keeps the answer would write, as text (`{"turns": [{"prompt",
-  "response"}]}`, what `memrl sft --data` reads), the prompts filled from the rollout's own templates and chunks.
+  "response"}]}`, what `memrl sft --data` reads), the prompts filled from the rollout's own templates and chunks;
+- `answer_memory_record`: the question with a memory holding the answer in place of its document, for GRPO on
+  the final turn alone (memrl.memagent.final_turn).
 """
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
+from memrl.data.hotpotqa import derived_seed
 from memrl.data.records import QuestionRecord
 from memrl.memagent.prompts import encode_text, fill_template, input_text, layout_memory_template, text_budget
 from memrl.memagent.reward import gold_in_text
@@ -79,3 +83,33 @@ def demonstration(record: QuestionRecord, tokenizer: Any, cfg: MemAgentSettings)
                           memory=memory if memory is not None else cfg.no_memory_text)
     turns.append({"prompt": final, "response": "\\boxed{" + golds[0] + "}"})
     return {"turns": turns}
+
+
+def answer_memory(record: QuestionRecord, tokenizer: Any, cfg: MemAgentSettings, rng: random.Random) -> str | None:
+    """A memory holding the answer, shaped like the reader's own (which copy a run of the document's lines):
+    the document's sentences from up to two before the first that holds a gold answer (`rng` draws how many)
+    through that one, cut to what a memory turn passes on (`_fit`), else that sentence alone; None when no
+    sentence of the document holds one (a yes/no answer never does) or neither cut keeps it."""
+    golds = gold_list(record.answers)
+    sentences = [s.strip() for s in _SENTENCE_END.split(input_text(cfg, record.context)) if s.strip()]
+    hit = next((i for i, s in enumerate(sentences) if _gold_sentence(s, golds)), None)
+    if hit is None:
+        return None
+    start = rng.randint(max(0, hit - 2), hit)
+    for text in (" ".join(sentences[start:hit + 1]), sentences[hit]):
+        memory = _fit(text, tokenizer, cfg, golds[0])
+        if gold_in_text(memory, golds):
+            return memory
+    return None
+
+
+def answer_memory_record(record: QuestionRecord, tokenizer: Any, cfg: MemAgentSettings,
+                         seed: int) -> QuestionRecord | None:
+    """`record` for `memrl.memagent.final_turn:FinalTurnTask`: its context replaced by `answer_memory` (drawn by
+    `seed` and the record's id, so a rerun builds the same), None when it has none."""
+    rng = random.Random(derived_seed(seed, record.id))
+    memory = answer_memory(record, tokenizer, cfg, rng)
+    if memory is None:
+        return None
+    return QuestionRecord(record.id, record.question, list(record.answers), memory,
+                          {**record.metadata, "memory_of": "answer_memory"})
