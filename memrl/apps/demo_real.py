@@ -211,11 +211,12 @@ def final_memory_recall(line: dict[str, Any]) -> bool:
     return bool(memories) and gold_in_text(memories[-1], line["golds"])
 
 
-def policy_scores(summary: dict[str, Any], lines: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One evaluation's figures (percent, 95% intervals): boxed answers, EM, sub_EM, memory recall."""
+def policy_scores(summary: dict[str, Any], recalls: dict[str, bool]) -> dict[str, Any]:
+    """One evaluation's figures (percent, 95% intervals): boxed answers, EM, sub_EM, memory recall (`recalls`:
+    `final_memory_recall` per question)."""
     from memrl.eval.stats import metric_summary
 
-    recall = metric_summary([float(final_memory_recall(line)) for line in lines.values()], binary=True)
+    recall = metric_summary([float(hit) for hit in recalls.values()], binary=True)
     m = summary["metrics"]
     answered = summary["total"] - summary["missing_boxes"] - summary["failed"]
     return {"boxed": 100 * answered / summary["total"],
@@ -232,13 +233,12 @@ def em_flips(report: Any, a: str, b: str) -> dict[str, Any]:
             "gain_pp": pair.diffs["em"], "mcnemar_p": pair.mcnemar_p}
 
 
-def paired(report: Any, a: str, b: str) -> dict[str, Any]:
-    """`a` -> `b` on the same questions: EM flips (memrl compare's) and memory-recall flips, exact McNemar p each."""
+def paired(report: Any, recalls: dict[str, dict[str, bool]], a: str, b: str) -> dict[str, Any]:
+    """`a` -> `b` on the same questions: EM flips (memrl compare's) and memory-recall flips (`recalls`: each
+    policy's `final_memory_recall` per question), exact McNemar p each."""
     from memrl.eval.stats import mcnemar_p
 
-    lines = {r.name: r.lines for r in report.results}
-    before = {i: final_memory_recall(line) for i, line in lines[a].items()}
-    after = {i: final_memory_recall(lines[b][i]) for i in before}
+    before, after = recalls[a], recalls[b]
     up, down = sum(after[i] and not before[i] for i in before), sum(before[i] and not after[i] for i in before)
     return {"em": em_flips(report, a, b),
             "memory_recall": {"wrong_to_right": up, "right_to_wrong": down,
@@ -256,16 +256,16 @@ def summarize(run_root: Path, settings: RealDemoSettings, questions: dict[str, i
     from memrl.eval.compare import compare_results
 
     report, plots = compare_and_view(run_root, POLICIES)
-    lines = {r.name: r.lines for r in report.results}
-    gains = paired(report, "warm_start", "grpo")
+    recalls = {r.name: {i: final_memory_recall(line) for i, line in r.lines.items()} for r in report.results}
+    gains = paired(report, recalls, "warm_start", "grpo")
     final_turn = compare_results([run_root / d for d in FINAL_TURN_POLICIES.values()], names=list(FINAL_TURN_POLICIES))
     final_turn.write(run_root / "compare_final_turn")
     final_em = {r.name: r.summary["metrics"]["em"] for r in final_turn.results}
     reward = reward_curve(history)
     return {
         "settings": asdict(settings), "questions": questions,
-        "policies": {name: policy_scores(evaluations[name], lines[name]) for name in POLICIES},
-        "warm_start": paired(report, "base", "warm_start"), "grpo_gain": gains,
+        "policies": {name: policy_scores(evaluations[name], recalls[name]) for name in POLICIES},
+        "warm_start": paired(report, recalls, "base", "warm_start"), "grpo_gain": gains,
         "final_turn": {"em": {name: [m["value"], m["low"], m["high"]] for name, m in final_em.items()},
                        "warm_start": em_flips(final_turn, "base", "warm_start"),
                        "grpo_gain": em_flips(final_turn, "warm_start", "grpo")},
@@ -304,12 +304,10 @@ def run_real_demo(run_root: Path, settings: RealDemoSettings = FULL, model_dir: 
 
     t = time.perf_counter()
     records, kept = shipped_questions(tokenizer, cfg, settings.seed)
-    memories = None
-    if settings.grpo_turns == "final":
-        memories = [m for r in records if (m := answer_memory_record(r, tokenizer, cfg.task, settings.seed))]
+    memory_of = {m.id: m for r in records if (m := answer_memory_record(r, tokenizer, cfg.task, settings.seed))}
+    memories = list(memory_of.values()) if settings.grpo_turns == "final" else None
     split = split_questions(kept, settings, memories)
-    split["heldout_memories"] = [m for r in split["heldout"] if (m := answer_memory_record(r, tokenizer, cfg.task,
-                                                                                             settings.seed))]
+    split["heldout_memories"] = [memory_of[r.id] for r in split["heldout"] if r.id in memory_of]
     paths = write_questions(run_root / "data", split, {"settings": asdict(settings), "answerable": len(kept)})
     heldout_sha, memories_sha = sha256_file(paths["heldout"]), sha256_file(paths["heldout_memories"])
     final_eval_cfg = real_config(settings, model_dir, run_root / "data", evaluation=True, final_turn=True)
