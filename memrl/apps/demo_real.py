@@ -118,7 +118,9 @@ def real_config(settings: RealDemoSettings, model_dir: Path | str, data_dir: Pat
                  f"train.seed={s.seed + 1234}", f"train.save_interval={s.max_steps}", "train.keep_last_n=1",
                  f"eval.concurrency={s.eval_concurrency}"]
     overrides += [f"model.lora.rank={s.lora_rank}"] if s.lora_rank else []
-    if (s.grpo_turns == "final" and not evaluation) if final_turn is None else final_turn:
+    if final_turn is None:  # GRPO trains what grpo_turns says; evaluations read whole documents
+        final_turn = s.grpo_turns == "final" and not evaluation
+    if final_turn:
         overrides += [f"plugins.task={FINAL_TURN_TASK}", "algorithm.turn_reward_function=null"]
     if data_dir is not None:
         overrides += [f"data.dir={data_dir}"]
